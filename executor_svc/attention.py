@@ -1,0 +1,129 @@
+"""Attention over the paged KV cache, behind one small interface.
+
+The model calls `write_kv` then `attend` for every layer and never knows
+which backend runs. The KV cache of one layer is a pair of tensors
+`[num_blocks, block_size, num_kv_heads, head_dim]`; a token's slot is
+`block_id * block_size + offset`, as laid out by the scheduler's block
+tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Describes one flattened, unpadded step batch (requests back to back)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    cu_query_lens: torch.Tensor  # [num_reqs + 1] int32: query offsets per request
+    seq_lens: torch.Tensor  # [num_reqs] int32: context length incl. this step's tokens
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
+    # Host-side copies, so the torch backend can split the batch without
+    # device syncs.
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens_host)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None: ...
+
+    def attend(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend:
+    """Plain PyTorch: decode requests batched in one masked SDPA call over
+    their gathered blocks, prefill chunks one request at a time (their query
+    lengths differ, so batching them would mostly multiply padding)."""
+
+    name = "torch"
+
+    def write_kv(self, key, value, k_cache, v_cache, meta):
+        # key, value: [num_tokens, num_kv_heads, head_dim]
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = key
+        v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = value
+
+    def attend(self, query, k_cache, v_cache, meta, scale):
+        # query: [num_tokens, num_heads, head_dim]
+        out = torch.empty_like(query)
+        block_size = k_cache.shape[1]
+        decode_reqs: list[int] = []
+        decode_tokens: list[int] = []
+        start = 0
+        for r, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+            if q_len == 1:
+                decode_reqs.append(r)
+                decode_tokens.append(start)
+            else:
+                out[start : start + q_len] = self._prefill_one(
+                    query[start : start + q_len], k_cache, v_cache, meta.block_tables[r], seq_len, block_size, scale
+                )
+            start += q_len
+        if decode_reqs:
+            tokens = torch.tensor(decode_tokens, dtype=torch.long, device=query.device)
+            reqs = torch.tensor(decode_reqs, dtype=torch.long, device=query.device)
+            max_seq = max(meta.seq_lens_host[r] for r in decode_reqs)
+            out[tokens] = self._decode_batch(query[tokens], k_cache, v_cache, meta, reqs, max_seq, scale)
+        return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        # cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_ids: [..., nb]
+        blocks = cache[block_ids]  # [..., nb, block_size, num_kv_heads, head_dim]
+        return blocks.flatten(-4, -3)  # [..., nb * block_size, num_kv_heads, head_dim]
+
+    def _prefill_one(self, q, k_cache, v_cache, block_table, seq_len, block_size, scale):
+        # q: [q_len, num_heads, head_dim]
+        q_len = q.shape[0]
+        num_blocks = -(-seq_len // block_size)
+        k = self._gather(k_cache, block_table[:num_blocks])[:seq_len]  # [seq_len, kvh, d]
+        v = self._gather(v_cache, block_table[:num_blocks])[:seq_len]
+        if seq_len == q_len:
+            mask, causal = None, True
+        else:
+            # Query i sits at position seq_len - q_len + i and sees keys <= it.
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+            causal = False
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+        )  # [num_heads, q_len, head_dim]
+        return o.transpose(0, 1)
+
+    def _decode_batch(self, q, k_cache, v_cache, meta, reqs, max_seq, scale):
+        # q: [num_decodes, num_heads, head_dim]
+        block_size = k_cache.shape[1]
+        num_blocks = -(-max_seq // block_size)
+        tables = meta.block_tables[reqs, :num_blocks]  # [num_decodes, num_blocks]
+        k = self._gather(k_cache, tables)[:, :max_seq]  # [num_decodes, max_seq, kvh, d]
+        v = self._gather(v_cache, tables)[:, :max_seq]
+        seq_lens = meta.seq_lens[reqs].to(torch.long)  # [num_decodes]
+        mask = torch.arange(max_seq, device=q.device)[None, :] < seq_lens[:, None]  # [num_decodes, max_seq]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+        )  # [num_decodes, num_heads, 1, head_dim]
+        return o.squeeze(2)
+
+
+def make_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}")

@@ -1,0 +1,42 @@
+"""Executor settings, read from EXECUTOR_* environment variables."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ExecutorSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EXECUTOR_", extra="ignore")
+
+    # Address to bind. Loopback by default: the step channel carries no
+    # authentication, so binding it elsewhere must be a deliberate choice.
+    host: str = "127.0.0.1"
+    # Port of the llmsched.v1.Executor service; 0 picks a free port.
+    port: int = Field(default=50052, ge=0, le=65535)
+    # A built-in model name (tiny-random, bench-small) or a Hugging Face
+    # checkpoint directory with config.json, *.safetensors, tokenizer.json.
+    model: str = "tiny-random"
+    # auto = cuda when available, else cpu.
+    device: str = "auto"
+    # auto = float32 on CPU, bfloat16 on CUDA.
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # Tokens per KV-cache block.
+    block_size: int = Field(default=16, ge=1, le=1024)
+    # Number of KV blocks in the pool; 0 = size it from kv_cache_memory_mb.
+    num_kv_blocks: int = Field(default=0, ge=0)
+    # Memory budget for the KV pool when num_kv_blocks is 0, in MiB.
+    kv_cache_memory_mb: int = Field(default=512, ge=1)
+    # Longest prompt + generation; 0 = the model's max_position_embeddings.
+    max_model_len: int = Field(default=0, ge=0)
+    # Attention implementation: torch (plain PyTorch, any device).
+    attention_backend: Literal["torch"] = "torch"
+    # Intra-op CPU threads for torch; 0 = torch's default.
+    num_threads: int = Field(default=0, ge=0)
+    # Largest number of top logprobs a request may ask for.
+    max_logprobs: int = Field(default=20, ge=0, le=1024)
+    # Largest gRPC message accepted or sent, in bytes.
+    max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    log_level: str = "INFO"

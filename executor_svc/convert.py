@@ -1,0 +1,56 @@
+"""Protobuf <-> runner dataclasses: the only place the executor touches
+step-protocol messages."""
+
+from __future__ import annotations
+
+from llmsched.v1 import executor_pb2 as pb
+from executor_svc.runner import NewRequestData, StepInput, StepOutput
+from executor_svc.sampler import SamplingSettings
+
+
+def sampling_from_proto(s: pb.StepSampling) -> SamplingSettings:
+    return SamplingSettings(
+        temperature=s.temperature,
+        top_p=s.top_p if s.top_p > 0 else 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.has_seed else None,
+        logprobs=s.logprobs,
+    )
+
+
+def step_from_proto(plan: pb.StepPlan) -> StepInput:
+    return StepInput(
+        step_id=plan.step_id,
+        new_requests=[
+            NewRequestData(
+                handle=r.handle,
+                token_ids=list(r.token_ids),
+                block_ids=list(r.block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+                sampling=sampling_from_proto(r.sampling),
+                num_output_tokens=r.num_output_tokens,
+            )
+            for r in plan.new_requests
+        ],
+        cached_handles=list(plan.cached_handles),
+        cached_num_scheduled_tokens=list(plan.cached_num_scheduled_tokens),
+        new_block_handles=list(plan.new_block_handles),
+        new_block_ids=list(plan.new_block_ids),
+        finished_handles=list(plan.finished_handles),
+    )
+
+
+def result_to_proto(out: StepOutput) -> pb.StepResult:
+    result = pb.StepResult(
+        step_id=out.step_id,
+        sampled_handles=out.sampled_handles,
+        sampled_token_ids=out.sampled_token_ids,
+        prepare_ns=out.prepare_ns,
+        forward_ns=out.forward_ns,
+        sample_ns=out.sample_ns,
+    )
+    if out.logprobs is not None:
+        for lp, top_ids, top_lps in out.logprobs:
+            result.logprobs.add(logprob=lp, top_token_ids=top_ids, top_logprobs=top_lps)
+    return result

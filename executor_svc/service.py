@@ -1,0 +1,105 @@
+"""The llmsched.v1.Executor gRPC service around the model runner."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import torch
+
+from executor_svc.attention import make_backend
+from executor_svc.checkpoint import load_checkpoint
+from executor_svc.config import ExecutorSettings
+from executor_svc.convert import result_to_proto, step_from_proto
+from executor_svc.kv_cache import KVCachePool, num_blocks_for_budget
+from executor_svc.model import build_model
+from executor_svc.model_config import ModelConfig
+from executor_svc.runner import ModelRunner
+from llmsched.v1 import executor_pb2 as pb
+from llmsched.v1 import executor_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+class ExecutorService(pb_grpc.ExecutorServicer):
+    def __init__(self, settings: ExecutorSettings):
+        if settings.num_threads:
+            torch.set_num_threads(settings.num_threads)
+        self.settings = settings
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        ckpt = load_checkpoint(settings.model)
+        self.cfg = ModelConfig.from_hf(ckpt.hf_config)
+        self.model_name = ckpt.name
+        self.tokenizer_json = ckpt.tokenizer_json
+        self.max_model_len = settings.max_model_len or self.cfg.max_position_embeddings
+        model = build_model(self.cfg, ckpt.state_dict, self.max_model_len, self.device, self.dtype)
+        num_blocks = settings.num_kv_blocks or num_blocks_for_budget(
+            self.cfg, settings.block_size, self.dtype, settings.kv_cache_memory_mb
+        )
+        self.pool = KVCachePool(self.cfg, num_blocks, settings.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(model, self.pool, make_backend(settings.attention_backend), self.device)
+        self.instance_id = uuid.uuid4().hex
+        # One thread runs every step, so the event loop stays free for
+        # health checks and handshakes while the model computes.
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        # Only one scheduler drives the executor at a time; a new stream
+        # replaces the old one and starts from empty request state.
+        self._stream_lock = asyncio.Lock()
+        log.info(
+            "executor %s: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
+            self.instance_id, self.model_name, self.device, self.dtype, num_blocks, settings.block_size,
+            self.max_model_len,
+        )
+
+    async def Handshake(self, request, context):
+        eos = list(self.cfg.eos_token_ids)
+        return pb.HandshakeResponse(
+            model=self.model_name,
+            tokenizer_json=self.tokenizer_json,
+            block_size=self.pool.block_size,
+            num_kv_blocks=self.pool.num_blocks,
+            max_model_len=self.max_model_len,
+            instance_id=self.instance_id,
+            vocab_size=self.cfg.vocab_size,
+            eos_token_ids=eos,
+            max_logprobs=self.settings.max_logprobs,
+            device=str(self.device),
+        )
+
+    def _run_step(self, plan: pb.StepPlan) -> pb.StepResult:
+        try:
+            return result_to_proto(self.runner.execute(step_from_proto(plan)))
+        except Exception as exc:  # the executor must survive a bad step
+            log.exception("step %d failed", plan.step_id)
+            # Request state may be half-applied: forget it all, so the
+            # scheduler recomputes from a clean slate.
+            self.runner.reset()
+            return pb.StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+
+    async def Step(self, request_iterator, context):
+        async with self._stream_lock:
+            self.runner.reset()
+            loop = asyncio.get_running_loop()
+            async for plan in request_iterator:
+                yield await loop.run_in_executor(self._compute, self._run_step, plan)
+
+    def close(self) -> None:
+        self._compute.shutdown(wait=True)

@@ -1,0 +1,19 @@
+"""Attention and KV-cache kernels for the executor.
+
+Layout shared by every op (see ``kernels.reference`` for the semantics):
+
+* K/V cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per cache, one for K
+  and one for V; a token's slot is ``block_id * block_size + offset_in_block``.
+* Queries are flattened and unpadded: ``[num_tokens, num_heads, head_dim]`` with the
+  requests back to back, delimited by ``cu_query_lens``.
+
+Modules:
+
+* ``kernels.reference``      plain-torch references (slow, obviously correct, CPU friendly)
+* ``kernels.kv_write``       Triton ``write_kv_cache``
+* ``kernels.paged_attention`` Triton ``paged_attention``
+* ``kernels.copy_blocks``    Triton ``copy_blocks``
+
+Nothing here imports Triton at package import time: the CPU executor imports
+``kernels.reference`` on machines where Triton is not installed.
+"""

@@ -1,0 +1,117 @@
+"""Triton kernel: scatter this step's K/V into the paged cache (``write_kv_cache``)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["write_kv_cache"]
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens] int64 (or int32)
+    stride_key_t,
+    stride_key_h,
+    stride_value_t,
+    stride_value_h,
+    stride_kc_b,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_s,
+    stride_vc_h,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,  # next pow2 of NUM_KV_HEADS
+    HEAD_DIM_PAD: tl.constexpr,  # next pow2 of HEAD_DIM
+):
+    # One program per token: all of its heads form one [HEADS_PAD, HEAD_DIM_PAD] tile,
+    # a few KB at most, so a single load/store pair moves the whole token.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token (e.g. CUDA-graph padding): nothing to write
+        return
+    # int64 before multiplying by the block stride: block_id * stride can pass 2^31.
+    block_id = slot // BLOCK_SIZE
+    in_block = slot % BLOCK_SIZE
+
+    offs_h = tl.arange(0, HEADS_PAD)  # [HEADS_PAD]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)  # [HEADS_PAD, HEAD_DIM_PAD]
+
+    key = tl.load(
+        key_ptr + token * stride_key_t + offs_h[:, None] * stride_key_h + offs_d[None, :], mask=mask
+    )  # [HEADS_PAD, HEAD_DIM_PAD]
+    value = tl.load(
+        value_ptr + token * stride_value_t + offs_h[:, None] * stride_value_h + offs_d[None, :], mask=mask
+    )  # [HEADS_PAD, HEAD_DIM_PAD]
+
+    k_dst = k_cache_ptr + block_id * stride_kc_b + in_block * stride_kc_s
+    v_dst = v_cache_ptr + block_id * stride_vc_b + in_block * stride_vc_s
+    tl.store(
+        k_dst + offs_h[:, None] * stride_kc_h + offs_d[None, :],
+        key.to(k_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        v_dst + offs_h[:, None] * stride_vc_h + offs_d[None, :],
+        value.to(v_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Triton version of ``kernels.reference.write_kv_cache`` (in place)."""
+    assert key.dim() == 3 and value.shape == key.shape, f"key {tuple(key.shape)} value {tuple(value.shape)}"
+    assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape, (
+        f"k_cache {tuple(k_cache.shape)} v_cache {tuple(v_cache.shape)}"
+    )
+    num_tokens, num_kv_heads, head_dim = key.shape
+    _, block_size, cache_kv_heads, cache_head_dim = k_cache.shape
+    assert (cache_kv_heads, cache_head_dim) == (num_kv_heads, head_dim), "key and cache head shapes differ"
+    assert slot_mapping.shape == (num_tokens,), f"slot_mapping {tuple(slot_mapping.shape)}"
+    assert slot_mapping.dtype in (torch.int64, torch.int32), f"slot_mapping dtype {slot_mapping.dtype}"
+    assert key.dtype == value.dtype and k_cache.dtype == v_cache.dtype
+    # The head_dim axis is read/written as one contiguous vector.
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert t.stride(-1) == 1, f"{name} must be contiguous along head_dim, strides {t.stride()}"
+    assert slot_mapping.is_contiguous()
+    if num_tokens == 0:
+        return
+
+    _write_kv_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        BLOCK_SIZE=block_size,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )

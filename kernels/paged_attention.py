@@ -1,0 +1,447 @@
+"""Triton kernel: causal attention over a paged KV cache (``paged_attention``).
+
+One launch serves a mixed batch: decode tokens, whole prefills, prefill chunks and
+prefix-cache hits are all "q_len new tokens at the end of a seq_len context".
+
+Work decomposition
+------------------
+A program owns one *query tile* of one KV head: up to BLOCK_Q consecutive query tokens
+of one request times the GROUP query heads that share the KV head. The tile's rows are
+(token, head-in-group) pairs, so a decode step of a GQA-8 model still fills 8 rows of
+the QK^T matrix multiply, and each K/V tile loaded from the cache is reused by every
+row. The program walks the request's context in TILE_N-position tiles (a tile may span
+several cache blocks; each position looks its block up in the block table), with an
+online softmax in fp32.
+
+Query tiles are numbered without a host sync: request r owns tiles starting at
+``(cu_query_lens[r] + r * (BLOCK_Q - 1)) // BLOCK_Q``, which leaves room for
+``ceil(q_len / BLOCK_Q)`` tiles per request; a program finds its request by binary
+search over cu_query_lens, and the few surplus programs exit at once.
+
+Split-KV (flash-decoding): when a decode batch has too few (request, KV head) pairs to
+fill the GPU, each program takes only one of NUM_SPLITS slices of the context and
+writes an unnormalised partial result; a second small kernel merges the slices.
+
+tl.dot needs every dimension >= 16, so rows are padded to BLOCK_M >= 16, the head dim
+to HEAD_DIM_PAD >= 16 (next power of two, masked) and TILE_N >= 16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_attention"]
+
+_LOG2E = 1.4426950408889634
+# Running max of a row that has seen nothing yet. Finite on purpose: with -inf, a row
+# whose first tile is fully masked would compute exp2(-inf - -inf) = NaN.
+_NO_MAX = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _request_of_tile(
+    cu_query_lens_ptr,  # [num_reqs + 1] int32
+    num_reqs,
+    tile,
+    BLOCK_Q: tl.constexpr,
+):
+    """Largest request r whose first query tile is <= ``tile`` (first tiles never decrease)."""
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = tl.zeros([], dtype=tl.int32) + num_reqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first_tile = (tl.load(cu_query_lens_ptr + mid) + mid * (BLOCK_Q - 1)) // BLOCK_Q
+        go_right = first_tile <= tile
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b, with fp32 accumulation."""
+    if UPCAST:
+        # Triton's CPU interpreter multiplies bf16 operands as their raw uint16 bits;
+        # bf16 -> fp32 is exact, so upcasting gives the same numbers the GPU MMA does.
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]                     (NUM_SPLITS == 1)
+    part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32 (NUM_SPLITS > 1)
+    part_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 domain (NUM_SPLITS > 1)
+    part_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32           (NUM_SPLITS > 1)
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    cu_query_lens_ptr,  # [num_reqs + 1] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    block_tables_ptr,  # [num_reqs, max_blocks_per_req] int32
+    num_reqs,
+    num_heads,
+    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain (exp2 is cheaper)
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_kc_b,
+    stride_kc_s,
+    stride_kc_h,
+    stride_vc_b,
+    stride_vc_s,
+    stride_vc_h,
+    stride_bt_r,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # next pow2 of GROUP
+    BLOCK_Q: tl.constexpr,  # query tokens per tile
+    BLOCK_M: tl.constexpr,  # rows per tile, >= BLOCK_Q * GROUP_PAD and >= 16
+    TILE_N: tl.constexpr,  # context positions per inner iteration, >= 16
+    BLOCK_SIZE: tl.constexpr,  # cache block size
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # next pow2 of HEAD_DIM, >= 16
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs so they are not rounded to tf32
+    DOT_UPCAST: tl.constexpr,  # interpreter + bf16 only, see _mma
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _request_of_tile(cu_query_lens_ptr, num_reqs, tile, BLOCK_Q)
+    q_start = tl.load(cu_query_lens_ptr + req)
+    q_len = tl.load(cu_query_lens_ptr + req + 1) - q_start
+    q_tile = tile - (q_start + req * (BLOCK_Q - 1)) // BLOCK_Q  # tile index within the request
+    if q_tile * BLOCK_Q >= q_len:  # surplus program of the tile numbering
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len  # positions cached before this step's tokens
+
+    # Rows are (query token, head within the KV head's group) pairs.
+    offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_q = offs_m // GROUP_PAD  # [BLOCK_M] token within the tile
+    row_g = offs_m % GROUP_PAD  # [BLOCK_M] head within the group
+    q_idx = q_tile * BLOCK_Q + row_q  # [BLOCK_M] token within the request
+    row_ok = (row_q < BLOCK_Q) & (row_g < GROUP) & (q_idx < q_len)  # [BLOCK_M]
+    q_pos = context_len + q_idx  # [BLOCK_M] absolute position: sees positions <= q_pos
+    token = (q_start + q_idx).to(tl.int64)  # [BLOCK_M]
+    head = kv_head * GROUP + row_g  # [BLOCK_M]
+
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+    if HEAD_DIM_PAD == HEAD_DIM:
+        d_ok = offs_d >= 0  # all true; kept trivially so loads stay fully vectorised
+    else:
+        d_ok = offs_d < HEAD_DIM
+
+    q = tl.load(
+        query_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_PAD]
+
+    # The last query of the tile bounds the context the whole tile can see.
+    last_q_idx = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
+    kv_len = context_len + last_q_idx + 1
+    num_kv_tiles = tl.cdiv(kv_len, TILE_N)
+    tiles_per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
+    kv_tile_begin = split * tiles_per_split
+    kv_tile_end = tl.minimum(kv_tile_begin + tiles_per_split, num_kv_tiles)
+
+    block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt_r
+    k_head_ptr = k_cache_ptr + kv_head * stride_kc_h
+    v_head_ptr = v_cache_ptr + kv_head * stride_vc_h
+
+    row_max = tl.full([BLOCK_M], _NO_MAX, dtype=tl.float32)  # [BLOCK_M] running max (log2 domain)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)  # [BLOCK_M] running softmax denominator
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)  # [BLOCK_M, HEAD_DIM_PAD]
+
+    for kv_tile in range(kv_tile_begin, kv_tile_end):
+        offs_n = kv_tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] context positions
+        n_ok = offs_n < kv_len  # [TILE_N]
+        # Never dereference table entries past the request's need: they are padding.
+        block_id = tl.load(block_table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0)  # [TILE_N]
+        # int64 before scaling by the block stride: block_id * stride can pass 2^31.
+        block_id = block_id.to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE  # [TILE_N]
+        kv_mask = n_ok[:, None] & d_ok[None, :]  # [TILE_N, HEAD_DIM_PAD]
+
+        k = tl.load(
+            k_head_ptr + (block_id * stride_kc_b + in_block * stride_kc_s)[:, None] + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [TILE_N, HEAD_DIM_PAD]
+        scores = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32), DOT_PRECISION, DOT_UPCAST)
+        scores = scores * qk_scale  # [BLOCK_M, TILE_N]
+        # Causal inside the chunk; also hides positions past kv_len (they are > q_pos).
+        scores = tl.where(offs_n[None, :] <= q_pos[:, None], scores, float("-inf"))
+
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))  # [BLOCK_M]
+        rescale = tl.exp2(row_max - new_max)  # [BLOCK_M]
+        probs = tl.exp2(scores - new_max[:, None])  # [BLOCK_M, TILE_N]
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        row_max = new_max
+
+        v = tl.load(
+            v_head_ptr + (block_id * stride_vc_b + in_block * stride_vc_s)[:, None] + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [TILE_N, HEAD_DIM_PAD]
+        acc = acc * rescale[:, None]
+        # Probabilities go through the MMA in the cache dtype (fp16/bf16 tensor cores).
+        acc = _mma(probs.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+
+    if NUM_SPLITS == 1:
+        # Rows that saw nothing are masked out of the store; guard the division anyway.
+        out = acc / tl.where(row_sum > 0.0, row_sum, 1.0)[:, None]  # [BLOCK_M, HEAD_DIM_PAD]
+        tl.store(
+            out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        # An empty slice still writes (max=_NO_MAX, sum=0) so the merge can weight it 0.
+        part_row = (token * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M] int64
+        tl.store(part_max_ptr + part_row, row_max, mask=row_ok)
+        tl.store(part_sum_ptr + part_row, row_sum, mask=row_ok)
+        tl.store(
+            part_acc_ptr + part_row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+            acc,
+            mask=row_ok[:, None],
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32
+    part_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 domain
+    part_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32
+    num_heads,
+    stride_o_t,
+    stride_o_h,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next pow2 of NUM_SPLITS
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    first_part = (token * num_heads + head) * NUM_SPLITS
+
+    offs_s = tl.arange(0, SPLITS_PAD)  # [SPLITS_PAD]
+    s_ok = offs_s < NUM_SPLITS  # [SPLITS_PAD]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)  # [HEAD_DIM_PAD]
+
+    part_max = tl.load(part_max_ptr + first_part + offs_s, mask=s_ok, other=_NO_MAX)  # [SPLITS_PAD]
+    part_sum = tl.load(part_sum_ptr + first_part + offs_s, mask=s_ok, other=0.0)  # [SPLITS_PAD]
+    part_acc = tl.load(
+        part_acc_ptr + (first_part + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+    )  # [SPLITS_PAD, HEAD_DIM_PAD]
+
+    # Slice 0 always holds position 0, which every query sees, so the max is real.
+    global_max = tl.max(part_max, axis=0)
+    weight = tl.exp2(part_max - global_max)  # [SPLITS_PAD]; empty slices -> 0
+    denom = tl.sum(part_sum * weight, axis=0)
+    out = tl.sum(part_acc * weight[:, None], axis=0) / denom  # [HEAD_DIM_PAD]
+    tl.store(
+        out_ptr + token * stride_o_t + head * stride_o_h + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    block_q: int  # query tokens per tile
+    block_m: int  # rows per tile
+    tile_n: int  # context positions per inner iteration
+    num_splits: int  # context slices per query tile (1 = no split-KV)
+    num_warps: int
+    num_stages: int
+
+
+# Upper bound on split-KV slices: more only adds merge traffic.
+_MAX_SPLITS = 16
+# Positions per split below which splitting stops paying for the merge.
+_MIN_POSITIONS_PER_SPLIT = 256
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # Interpreter runs (CPU tensors): a small stand-in so tests exercise split-KV.
+    return 4
+
+
+def _pick_config(
+    num_tokens: int,
+    num_reqs: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim_pad: int,
+    max_context: int,  # block_tables width * block_size: an upper bound, known without a sync
+    device: torch.device,
+) -> _Config:
+    """Tile shapes from host-known sizes only (no device sync, CUDA-graph friendly)."""
+    group_pad = triton.next_power_of_2(group)
+    # Only shapes are known on the host. num_tokens == num_reqs is the decode signature;
+    # any other batch is treated as containing prefill chunks.
+    is_decode = num_tokens == num_reqs
+    tile_n = 64 if head_dim_pad <= 128 else 32
+    if is_decode:
+        block_q = 1
+        block_m = max(16, group_pad)
+    else:
+        # 64 rows keep the fp32 accumulator at <= 64 regs/thread for head_dim 128.
+        block_m = max(64 if head_dim_pad <= 128 else 32, group_pad)
+        block_q = max(1, block_m // group_pad)
+
+    num_splits = 1
+    if is_decode:
+        programs = num_reqs * num_kv_heads
+        sms = _num_sms(device)
+        if programs < sms:
+            by_occupancy = triton.cdiv(2 * sms, programs)
+            by_length = max(1, max_context // _MIN_POSITIONS_PER_SPLIT)
+            num_splits = max(1, min(_MAX_SPLITS, by_occupancy, by_length))
+
+    num_warps = 8 if block_m * head_dim_pad >= 64 * 256 else 4
+    return _Config(
+        block_q=block_q, block_m=block_m, tile_n=tile_n, num_splits=num_splits, num_warps=num_warps, num_stages=2
+    )
+
+
+def _check_inputs(query, k_cache, v_cache, cu_query_lens, seq_lens, block_tables) -> None:
+    assert query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
+    assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape, (
+        f"k_cache {tuple(k_cache.shape)} v_cache {tuple(v_cache.shape)}"
+    )
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    assert cache_head_dim == head_dim, f"head_dim {head_dim} vs cache {cache_head_dim}"
+    assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of {num_kv_heads}"
+    assert 8 <= head_dim <= 256, f"head_dim {head_dim} outside 8..256"
+    assert query.dtype in (torch.float32, torch.float16, torch.bfloat16), f"query dtype {query.dtype}"
+    assert k_cache.dtype == v_cache.dtype == query.dtype, f"{query.dtype} / {k_cache.dtype} / {v_cache.dtype}"
+    num_reqs = seq_lens.shape[0]
+    assert seq_lens.shape == (num_reqs,) and seq_lens.dtype == torch.int32, (
+        f"seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype}"
+    )
+    assert cu_query_lens.shape == (num_reqs + 1,) and cu_query_lens.dtype == torch.int32, (
+        f"cu_query_lens {tuple(cu_query_lens.shape)} {cu_query_lens.dtype}"
+    )
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs, f"block_tables {tuple(block_tables.shape)}"
+    assert block_tables.dtype == torch.int32, f"block_tables dtype {block_tables.dtype}"
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
+        assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim, strides {t.stride()}"
+    assert cu_query_lens.is_contiguous() and seq_lens.is_contiguous()
+    for name, t in (("cache", k_cache), ("cu_query_lens", cu_query_lens), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        assert t.device == query.device, f"{name} on {t.device}, query on {query.device}"
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    cu_query_lens: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Triton version of ``kernels.reference.paged_attention``."""
+    _check_inputs(query, k_cache, v_cache, cu_query_lens, seq_lens, block_tables)
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_reqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+
+    cfg = _pick_config(
+        num_tokens, num_reqs, num_kv_heads, group, head_dim_pad, block_tables.shape[1] * block_size, query.device
+    )
+    # Enough tiles for ceil(q_len / block_q) per request (see the module docstring).
+    num_q_tiles = (num_tokens + num_reqs * (cfg.block_q - 1)) // cfg.block_q
+
+    if cfg.num_splits > 1:
+        part_acc = torch.empty(
+            (num_tokens, num_heads, cfg.num_splits, head_dim_pad), dtype=torch.float32, device=query.device
+        )  # [num_tokens, num_heads, num_splits, head_dim_pad]
+        part_max = torch.empty(
+            (num_tokens, num_heads, cfg.num_splits), dtype=torch.float32, device=query.device
+        )  # [num_tokens, num_heads, num_splits]
+        part_sum = torch.empty_like(part_max)  # [num_tokens, num_heads, num_splits]
+    else:
+        part_acc = part_max = part_sum = out  # unused placeholders
+
+    _paged_attention_kernel[(num_q_tiles, num_kv_heads, cfg.num_splits)](
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        query,
+        k_cache,
+        v_cache,
+        cu_query_lens,
+        seq_lens,
+        block_tables,
+        num_reqs,
+        num_heads,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group),
+        BLOCK_Q=cfg.block_q,
+        BLOCK_M=cfg.block_m,
+        TILE_N=cfg.tile_n,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        NUM_SPLITS=cfg.num_splits,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=query.dtype == torch.bfloat16 and _interpreting(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if cfg.num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=cfg.num_splits,
+            SPLITS_PAD=triton.next_power_of_2(cfg.num_splits),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            num_warps=1 if head_dim_pad <= 64 else 2,
+        )
+    return out

@@ -1,0 +1,120 @@
+"""Plain-torch reference implementations of the KV-cache and attention ops.
+
+These are deliberately slow and literal (a Python loop per request) so that they are
+easy to check by eye. They are the ground truth for the Triton kernels' tests and the
+implementation used by the CPU executor. They import only torch.
+
+Shapes (shared with the Triton launchers):
+
+* key / value:      [num_tokens, num_kv_heads, head_dim]
+* query / output:   [num_tokens, num_heads, head_dim], requests back to back
+* k_cache / v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+* slot_mapping:     [num_tokens] int64, slot = block_id * block_size + offset_in_block,
+                    negative = padding token, not written
+* cu_query_lens:    [num_reqs + 1] int32, cumulative query lengths (cu[0] == 0)
+* seq_lens:         [num_reqs] int32, context length INCLUDING this step's query tokens
+* block_tables:     [num_reqs, max_blocks_per_req] int32, entries past a request's
+                    need are arbitrary padding and never read
+* block_mapping:    [n, 2] int64 rows of (src_block, dst_block)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["write_kv_cache", "paged_attention", "copy_blocks"]
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Scatter each token's K/V into its cache slot, in place; negative slots are skipped."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.to(device=key.device, dtype=torch.int64)  # [num_tokens]
+    keep = slots >= 0  # [num_tokens]
+    slots = slots[keep]  # [num_kept]
+    block_ids = slots // block_size  # [num_kept]
+    offsets = slots % block_size  # [num_kept]
+    k_cache[block_ids, offsets] = key[keep].to(k_cache.dtype)
+    v_cache[block_ids, offsets] = value[keep].to(v_cache.dtype)
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_row: torch.Tensor,  # [max_blocks_per_req] int32
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    """The first ``seq_len`` cached positions of one request, in position order."""
+    block_size = cache.shape[1]
+    num_blocks_used = -(-seq_len // block_size)
+    # Only the blocks the request needs: the rest of the row is padding.
+    block_ids = block_table_row[:num_blocks_used].to(device=cache.device, dtype=torch.int64)
+    blocks = cache[block_ids]  # [num_blocks_used, block_size, num_kv_heads, head_dim]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    cu_query_lens: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each request's new query tokens over its paged context.
+
+    Query token i of a request with q_len new tokens sits at position
+    ``seq_len - q_len + i`` and sees every cached position <= its own. One code path
+    covers decode (q_len 1), prefill, chunked prefill and prefix-cache hits.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    group = num_heads // num_kv_heads
+
+    out = torch.zeros_like(query)  # [num_tokens, num_heads, head_dim]
+    # One host sync for the whole call is fine here: this is the slow reference.
+    cu = cu_query_lens.tolist()
+    lens = seq_lens.tolist()
+    for req, seq_len in enumerate(lens):
+        q_start, q_end = cu[req], cu[req + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        assert q_len <= seq_len, f"request {req}: {q_len} query tokens but seq_len {seq_len}"
+
+        keys = gather_context(k_cache, block_tables[req], seq_len)  # [seq_len, num_kv_heads, head_dim]
+        values = gather_context(v_cache, block_tables[req], seq_len)  # [seq_len, num_kv_heads, head_dim]
+        # GQA: query head h reads kv head h // group, i.e. each kv head repeated group times.
+        keys = keys.float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
+        values = values.float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
+        q = query[q_start:q_end].float()  # [q_len, num_heads, head_dim]
+
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale  # [num_heads, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
+        kv_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
+        visible = kv_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [num_heads, q_len, seq_len]
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
+    return out
+
+
+def copy_blocks(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_mapping: torch.Tensor,  # [n, 2] int64 (src_block, dst_block)
+) -> None:
+    """Copy whole blocks src -> dst in both caches, in place (copy-on-write, swapping).
+
+    Pairs are applied in order; callers must not chain them (a dst that is also a
+    later src), because the Triton kernel copies all pairs in parallel.
+    """
+    for src, dst in block_mapping.tolist():
+        k_cache[dst].copy_(k_cache[src])
+        v_cache[dst].copy_(v_cache[src])

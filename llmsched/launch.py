@@ -1,0 +1,152 @@
+"""Starts the executor and the scheduler as two processes and stops both
+together. Used by `make serve`, the integration tests and the benchmarks.
+
+    python -m llmsched.launch            # defaults: tiny-random on 50051/50052
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Blocks until the health service at address reports SERVING."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with code {proc.returncode} before serving")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} did not become SERVING within {timeout_s}s")
+            time.sleep(0.1)  # start-up probe of another process: no event to wait on
+
+
+@dataclass
+class Services:
+    """Both services as child processes."""
+
+    scheduler_port: int
+    executor_port: int
+    executor_env: dict[str, str] = field(default_factory=dict)
+    scheduler_env: dict[str, str] = field(default_factory=dict)
+    executor: subprocess.Popen | None = None
+    scheduler: subprocess.Popen | None = None
+    stdout: object = None
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    @property
+    def executor_address(self) -> str:
+        return f"127.0.0.1:{self.executor_port}"
+
+    def start_executor(self, timeout_s: float = 120.0) -> None:
+        env = {**os.environ, "EXECUTOR_PORT": str(self.executor_port), **self.executor_env}
+        self.executor = subprocess.Popen([sys.executable, "-m", "executor_svc"], env=env, stdout=self.stdout, stderr=self.stdout)
+        wait_serving(self.executor_address, timeout_s, self.executor)
+
+    def start_scheduler(self, timeout_s: float = 120.0) -> None:
+        env = {
+            **os.environ,
+            "SCHEDULER_PORT": str(self.scheduler_port),
+            "SCHEDULER_EXECUTOR_ADDRESS": self.executor_address,
+            **self.scheduler_env,
+        }
+        self.scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc"], env=env, stdout=self.stdout, stderr=self.stdout)
+        wait_serving(self.scheduler_address, timeout_s, self.scheduler)
+
+    def start(self) -> "Services":
+        try:
+            self.start_executor()
+            self.start_scheduler()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen | None, timeout_s: float) -> int | None:
+        if proc is None or proc.poll() is not None:
+            return None if proc is None else proc.returncode
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        # Scheduler first, so it never sees its executor vanish mid-step.
+        self._stop(self.scheduler, timeout_s)
+        self._stop(self.executor, timeout_s)
+
+    def __enter__(self) -> "Services":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch(executor_env: Mapping[str, str] | None = None, scheduler_env: Mapping[str, str] | None = None,
+           scheduler_port: int | None = None, executor_port: int | None = None) -> Services:
+    return Services(
+        scheduler_port=scheduler_port or free_port(),
+        executor_port=executor_port or free_port(),
+        executor_env=dict(executor_env or {}),
+        scheduler_env=dict(scheduler_env or {}),
+    )
+
+
+def main() -> None:
+    """Foreground run for `make serve`: Ctrl-C (or SIGTERM) stops both."""
+    services = Services(
+        scheduler_port=int(os.environ.get("SCHEDULER_PORT", 50051)),
+        executor_port=int(os.environ.get("EXECUTOR_PORT", 50052)),
+    )
+    stop = False
+
+    def on_signal(signum, frame):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        services.start()
+        print(f"serving llmsched.v1.Scheduler on {services.scheduler_address} (Ctrl-C stops)", flush=True)
+        while not stop and services.scheduler.poll() is None and services.executor.poll() is None:
+            try:
+                services.scheduler.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        services.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("model", "tokenizer_json", "block_size", "num_kv_blocks", "max_model_len", "instance_id", "vocab_size", "eos_token_ids", "max_logprobs", "device")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tokenizer_json: str
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+    instance_id: str
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_logprobs: int
+    device: str
+    def __init__(self, model: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class StepSampling(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    has_seed: bool
+    seed: int
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class NewRequest(_message.Message):
+    __slots__ = ("handle", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_output_tokens")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling: StepSampling
+    num_output_tokens: int
+    def __init__(self, handle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[StepSampling, _Mapping]] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "new_requests", "cached_handles", "cached_num_scheduled_tokens", "new_block_handles", "new_block_ids", "finished_handles", "traceparent")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    cached_handles: _containers.RepeatedScalarFieldContainer[int]
+    cached_num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    new_block_handles: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished_handles: _containers.RepeatedScalarFieldContainer[int]
+    traceparent: str
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_handles: _Optional[_Iterable[int]] = ..., cached_num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_handles: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_handles: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class SampledLogprobs(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "sampled_handles", "sampled_token_ids", "logprobs", "prepare_ns", "forward_ns", "sample_ns", "error")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_NS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    sampled_handles: _containers.RepeatedScalarFieldContainer[int]
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[SampledLogprobs]
+    prepare_ns: int
+    forward_ns: int
+    sample_ns: int
+    error: str
+    def __init__(self, step_id: _Optional[int] = ..., sampled_handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...

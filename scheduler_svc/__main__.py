@@ -1,0 +1,64 @@
+"""python -m scheduler_svc: serve llmsched.v1.Scheduler until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from llmsched import server as srv
+from llmsched.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.config import SchedulerSettings
+from scheduler_svc.engine import Engine
+from scheduler_svc.service import SchedulerService
+
+log = logging.getLogger("scheduler_svc")
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+
+async def serve(settings: SchedulerSettings) -> int:
+    """Returns the process exit code."""
+    health_ref = {}
+
+    def on_serving_change(serving: bool) -> None:
+        if "servicer" in health_ref:
+            asyncio.get_running_loop().create_task(srv.set_serving(health_ref["servicer"], [SERVICE_NAME], serving))
+
+    engine = Engine(settings, on_serving_change)
+    server, port, health = srv.create_server(
+        f"{settings.host}:{settings.port}",
+        lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(engine), s),
+        [SERVICE_NAME],
+        settings.max_message_bytes,
+    )
+    health_ref["servicer"] = health
+    stop = asyncio.Event()
+    srv.install_stop_signals(stop)
+    await server.start()
+    log.info("scheduler listening on %s:%d; connecting to executor at %s", settings.host, port, settings.executor_address)
+    start = asyncio.create_task(engine.start())
+    stop_wait = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if start in done and start.exception() is None:
+        await srv.set_serving(health, [SERVICE_NAME], True)
+        await stop_wait
+    elif start in done:
+        log.error("could not start: %s", start.exception())
+        code = 1
+    log.info("shutting down")
+    await srv.set_serving(health, [SERVICE_NAME], False)
+    await server.stop(grace=5.0)
+    start.cancel()
+    stop_wait.cancel()
+    await engine.stop()
+    return code
+
+
+def main() -> None:
+    settings = SchedulerSettings()
+    srv.setup_logging(settings.log_level)
+    raise SystemExit(asyncio.run(serve(settings)))
+
+
+if __name__ == "__main__":
+    main()

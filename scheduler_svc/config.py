@@ -1,0 +1,38 @@
+"""Scheduler settings, read from SCHEDULER_* environment variables."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SchedulerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SCHEDULER_", extra="ignore")
+
+    # Address the public llmsched.v1.Scheduler API binds to.
+    host: str = "0.0.0.0"
+    # Port of the public API; 0 picks a free port.
+    port: int = Field(default=50051, ge=0, le=65535)
+    # host:port of the executor's step channel.
+    executor_address: str = "localhost:50052"
+    # How long to wait for the executor at start-up before giving up.
+    executor_connect_timeout_s: float = Field(default=120.0, gt=0)
+    # After the step channel breaks: how long to keep reconnecting before
+    # in-flight requests fail with UNAVAILABLE.
+    executor_reconnect_timeout_s: float = Field(default=30.0, gt=0)
+    # At most this many requests run in one step.
+    max_num_seqs: int = Field(default=256, ge=1)
+    # At most this many tokens (prefill + decode) are computed per step.
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    # At most this many prompt tokens of one request per step (chunked
+    # prefill), so long prompts share steps with running decodes.
+    max_prefill_chunk: int = Field(default=512, ge=1)
+    # Largest accepted stop-string list, and longest stop string.
+    max_stop_strings: int = Field(default=16, ge=0)
+    max_stop_string_chars: int = Field(default=256, ge=1)
+    # Largest accepted stop_token_ids list.
+    max_stop_token_ids: int = Field(default=64, ge=0)
+    # Largest gRPC message accepted or sent, in bytes; a bigger
+    # GenerateRequest is refused with RESOURCE_EXHAUSTED by gRPC itself.
+    max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    log_level: str = "INFO"

@@ -1,0 +1,78 @@
+"""Dataclasses <-> protobuf for the scheduler: the step plan going out,
+the step result coming back, and the public stream responses."""
+
+from __future__ import annotations
+
+from llmsched.v1 import executor_pb2 as epb
+from llmsched.v1 import scheduler_pb2 as spb
+from scheduler_svc.output_processor import RequestDelta
+from scheduler_svc.plan import SchedulerOutput
+from scheduler_svc.request import RequestStatus, SamplingParams
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: spb.FINISH_REASON_STOP,
+    RequestStatus.FINISHED_LENGTH: spb.FINISH_REASON_LENGTH,
+    RequestStatus.FINISHED_ABORTED: spb.FINISH_REASON_ABORT,
+    RequestStatus.FINISHED_ERROR: spb.FINISH_REASON_ABORT,
+}
+
+
+def step_sampling(s: SamplingParams) -> epb.StepSampling:
+    return epb.StepSampling(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        has_seed=s.seed is not None,
+        seed=s.seed or 0,
+        logprobs=s.logprobs,
+    )
+
+
+def plan_to_proto(out: SchedulerOutput) -> epb.StepPlan:
+    plan = epb.StepPlan(
+        step_id=out.step_id,
+        cached_handles=[r.handle for r in out.cached_requests],
+        cached_num_scheduled_tokens=out.cached_num_scheduled_tokens,
+        new_block_handles=out.new_block_handles,
+        new_block_ids=out.new_block_ids,
+        finished_handles=out.finished_handles,
+    )
+    for n in out.new_requests:
+        plan.new_requests.append(
+            epb.NewRequest(
+                handle=n.handle,
+                token_ids=n.token_ids,
+                block_ids=n.block_ids,
+                num_computed_tokens=n.num_computed_tokens,
+                num_scheduled_tokens=n.num_scheduled_tokens,
+                sampling=step_sampling(n.request.sampling),
+                num_output_tokens=n.num_output_tokens,
+            )
+        )
+    return plan
+
+
+def sampled_from_proto(result: epb.StepResult) -> list[tuple[int, int, tuple | None]]:
+    if result.logprobs:
+        lps = [(lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs)) for lp in result.logprobs]
+    else:
+        lps = [None] * len(result.sampled_handles)
+    return list(zip(result.sampled_handles, result.sampled_token_ids, lps))
+
+
+def delta_to_response(request_id: str, d: RequestDelta, want_logprobs: bool) -> spb.GenerateResponse:
+    resp = spb.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text)
+    if want_logprobs:
+        for token_id, lp, top_ids, top_lps in d.logprobs:
+            resp.logprobs.add(token_id=token_id, logprob=lp, top_token_ids=top_ids, top_logprobs=top_lps)
+    if d.finish_status is not None:
+        resp.finish_reason = FINISH_REASONS[d.finish_status]
+    if d.usage is not None:
+        resp.usage.CopyFrom(
+            spb.Usage(
+                prompt_tokens=d.usage.prompt_tokens,
+                completion_tokens=d.usage.completion_tokens,
+                cached_prompt_tokens=d.usage.cached_prompt_tokens,
+            )
+        )
+    return resp

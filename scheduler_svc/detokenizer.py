@@ -1,0 +1,79 @@
+"""Incremental detokenization and stop strings.
+
+Decoding each new token on its own breaks on two things: tokenizers that
+drop or add a leading space depending on context (SentencePiece), and
+characters split over several byte tokens. So each step decodes a short
+window that starts a few tokens back (prefix) and emits only what the new
+tokens added; while the text ends in an incomplete character (U+FFFD) it
+waits for more tokens.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+# Tokens of context kept before the first generated token.
+INITIAL_WINDOW = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_token_ids[-INITIAL_WINDOW:])
+        self.prefix_offset = 0  # start of the decoding window in self.ids
+        self.read_offset = len(self.ids)  # tokens before this are emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Returns the text the new tokens complete; may be empty."""
+        self.ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end of generation: whatever is left, even an incomplete
+        character (as U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not final):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        # Drop what the window no longer needs, so memory stays bounded.
+        if self.prefix_offset > 0:
+            del self.ids[: self.prefix_offset]
+            self.read_offset -= self.prefix_offset
+            self.prefix_offset = 0
+        return delta
+
+
+class StopStringMatcher:
+    """Holds back just enough text to see a stop string that spans
+    several deltas; the stop string itself is never released."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stop = tuple(s for s in stop if s)
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to release, whether a stop string was hit)."""
+        if not self.stop:
+            return text, False
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        cut = max(0, len(self.pending) - self.holdback)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

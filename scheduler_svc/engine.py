@@ -1,0 +1,259 @@
+"""The engine loop: the only code that mutates scheduler state.
+
+gRPC handlers never touch the Scheduler directly. They queue adds and
+aborts, which the loop applies at the next step boundary, so a step in
+flight never sees its requests change under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from llmsched.v1 import executor_pb2 as epb
+from scheduler_svc import convert
+from scheduler_svc.config import SchedulerSettings
+from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
+from scheduler_svc.output_processor import RequestDelta, RequestOutputState
+from scheduler_svc.plan import SampledToken, SchedulerOutput
+from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+class Unavailable(Exception):
+    """No executor can serve right now."""
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """A live request's output channel to its Generate handler."""
+
+    queue: asyncio.Queue[RequestDelta] = field(default_factory=asyncio.Queue)
+    state: RequestOutputState | None = None
+
+
+class Engine:
+    def __init__(self, settings: SchedulerSettings, on_serving_change: Callable[[bool], None] | None = None):
+        self.settings = settings
+        self.client = ExecutorClient(settings.executor_address, settings.max_message_bytes)
+        self.scheduler: Scheduler | None = None
+        self.info: epb.HandshakeResponse | None = None
+        self.tokenizer: Tokenizer | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._pending_adds: list[Request] = []
+        self._pending_aborts: list[str] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._on_serving_change = on_serving_change or (lambda serving: None)
+        self.connected = False
+
+    # ----- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._connect(self.settings.executor_connect_timeout_s)
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.client.close()
+
+    async def _connect(self, timeout_s: float) -> None:
+        info = await self.client.connect(timeout_s)
+        if self.scheduler is not None and self.info is not None and _geometry(info) != _geometry(self.info):
+            self._fail_all("UNAVAILABLE", "the executor came back with a different model or KV geometry")
+            self.scheduler = None
+        if self.scheduler is None:
+            self.scheduler = Scheduler(
+                SchedulerConfig(
+                    num_kv_blocks=info.num_kv_blocks,
+                    block_size=info.block_size,
+                    max_model_len=info.max_model_len,
+                    max_num_seqs=self.settings.max_num_seqs,
+                    max_num_batched_tokens=self.settings.max_num_batched_tokens,
+                    max_prefill_chunk=self.settings.max_prefill_chunk,
+                )
+            )
+            self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
+        self.info = info
+        self.connected = True
+        self._on_serving_change(True)
+        log.info(
+            "connected to executor %s (%s): model=%s kv_blocks=%d block_size=%d max_model_len=%d",
+            info.instance_id, self.settings.executor_address, info.model, info.num_kv_blocks, info.block_size,
+            info.max_model_len,
+        )
+
+    # ----- called by gRPC handlers ----------------------------------------
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queues a validated request; raises ValueError when it can never
+        fit, Unavailable when no executor is connected."""
+        if not self.connected or self.scheduler is None:
+            raise Unavailable("no executor is connected")
+        if request.request_id in self._streams:
+            raise ValueError(f"request_id {request.request_id!r} is already live")
+        reason = self.scheduler.fits(request.num_prompt_tokens, request.sampling.max_tokens)
+        if reason:
+            raise ValueError(reason)
+        stream = RequestStream(state=RequestOutputState(request, self.tokenizer))
+        self._streams[request.request_id] = stream
+        self._pending_adds.append(request)
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Ends a live request at the next step boundary. Idempotent."""
+        if request_id not in self._streams:
+            return False
+        self._pending_aborts.append(request_id)
+        self._wakeup.set()
+        return True
+
+    # ----- the loop --------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            self._apply_pending()
+            sched = self.scheduler
+            if sched is None or not sched.has_work:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            out = sched.schedule()
+            if out.is_empty:
+                # Cannot happen while every admitted request fits the pool
+                # alone; waiting here instead of spinning keeps it visible.
+                log.error("scheduler has work but scheduled nothing; waiting for new input")
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                result = await self.client.step(convert.plan_to_proto(out))
+            except ExecutorUnavailable as exc:
+                log.warning("executor lost: %s", exc)
+                await self._recover()
+                continue
+            if result.error:
+                self._on_step_error(out, result.error)
+                continue
+            tokens = sched.update_from_output(out, convert.sampled_from_proto(result))
+            self._emit(tokens)
+
+    def _apply_pending(self) -> None:
+        sched = self.scheduler
+        adds, self._pending_adds = self._pending_adds, []
+        for req in adds:
+            if sched is None:
+                self._end_stream(req.request_id, _error_delta("UNAVAILABLE", "no executor is connected"))
+                continue
+            sched.add_request(req)
+        aborts, self._pending_aborts = self._pending_aborts, []
+        for request_id in aborts:
+            req = sched.finish_request(request_id, RequestStatus.FINISHED_ABORTED) if sched else None
+            if req is not None:
+                self._finish_stream(req, RequestDelta())
+
+    def _emit(self, tokens: list[SampledToken]) -> None:
+        by_request: dict[str, list[SampledToken]] = {}
+        for t in tokens:
+            by_request.setdefault(t.request.request_id, []).append(t)
+        for request_id, toks in by_request.items():
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            req = toks[0].request
+            delta = stream.state.on_tokens(toks)
+            if stream.state.stopped_by_string and not req.status.is_finished:
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+            if req.status.is_finished:
+                self._finish_stream(req, delta)
+            else:
+                stream.queue.put_nowait(delta)
+
+    def _finish_stream(self, req: Request, delta: RequestDelta) -> None:
+        stream = self._streams.pop(req.request_id, None)
+        if stream is not None:
+            stream.queue.put_nowait(stream.state.finish(delta, req.status))
+
+    def _end_stream(self, request_id: str, delta: RequestDelta) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.queue.put_nowait(delta)
+
+    def _on_step_error(self, out: SchedulerOutput, error: str) -> None:
+        """The executor failed this step and dropped all request state. The
+        requests in the step fail; the others are recomputed."""
+        log.error("step %d failed on the executor: %s", out.step_id, error)
+        sched = self.scheduler
+        for req, _ in out.scheduled():
+            if sched.finish_request(req.request_id, RequestStatus.FINISHED_ERROR) is not None:
+                self._end_stream(req.request_id, _error_delta("INTERNAL", f"executor step failed: {error}"))
+        sched.reset_executor_state()
+
+    async def _recover(self) -> None:
+        """The step channel broke: keep every request, reconnect, recompute."""
+        self.connected = False
+        self._on_serving_change(False)
+        if self.scheduler is not None:
+            self.scheduler.reset_executor_state()
+        try:
+            await self._connect(self.settings.executor_reconnect_timeout_s)
+        except ExecutorUnavailable as exc:
+            log.error("%s; failing in-flight requests", exc)
+            self._fail_all("UNAVAILABLE", f"executor unavailable: {exc}")
+            # Keep trying in the background; new requests get UNAVAILABLE
+            # meanwhile (connected is False).
+            while not self.connected:
+                try:
+                    await self._connect(self.settings.executor_reconnect_timeout_s)
+                except ExecutorUnavailable:
+                    pass
+
+    def _fail_all(self, code: str, message: str) -> None:
+        sched = self.scheduler
+        for request_id in list(self._streams):
+            if sched is not None:
+                sched.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+            self._end_stream(request_id, _error_delta(code, message))
+        self._pending_adds.clear()
+        self._pending_aborts.clear()
+
+    # ----- introspection ---------------------------------------------------
+
+    def server_info(self) -> dict:
+        sched, info = self.scheduler, self.info
+        if sched is None or info is None:
+            return {}
+        return {
+            "model": info.model,
+            "max_model_len": info.max_model_len,
+            "block_size": info.block_size,
+            "num_kv_blocks": info.num_kv_blocks,
+            "num_free_kv_blocks": sched.num_free_blocks,
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting) + len(self._pending_adds),
+            "executor_instance_id": info.instance_id,
+            "num_preemptions": sched.num_preemptions,
+        }
+
+
+def _geometry(info: epb.HandshakeResponse) -> tuple:
+    return (info.model, info.block_size, info.num_kv_blocks, info.max_model_len, info.vocab_size)
+
+
+def _error_delta(code: str, message: str) -> RequestDelta:
+    return RequestDelta(finish_status=RequestStatus.FINISHED_ERROR, error=(code, message))

@@ -1,0 +1,69 @@
+"""Turns sampled tokens into what the client sees: text deltas, stop
+strings, logprobs and the final usage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from scheduler_svc.plan import SampledToken
+from scheduler_svc.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What one response of the Generate stream carries."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[tuple[int, float, list[int], list[float]]] = field(default_factory=list)
+    finish_status: RequestStatus | None = None
+    usage: Usage | None = None
+    # Set when the request ends with an error status for the client.
+    error: tuple[str, str] | None = None  # (grpc status name, message)
+
+    def merge(self, later: "RequestDelta") -> None:
+        self.token_ids += later.token_ids
+        self.text += later.text
+        self.logprobs += later.logprobs
+        self.finish_status = later.finish_status or self.finish_status
+        self.usage = later.usage or self.usage
+        self.error = later.error or self.error
+
+
+class RequestOutputState:
+    def __init__(self, request: Request, tokenizer: Tokenizer):
+        self.request = request
+        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+        self.stops = StopStringMatcher(request.sampling.stop)
+        self.stopped_by_string = False
+
+    def on_tokens(self, tokens: list[SampledToken]) -> RequestDelta:
+        """Text for new tokens. Sets stopped_by_string when a stop string
+        appears; the scheduler then finishes the request."""
+        delta = RequestDelta(token_ids=[t.token_id for t in tokens])
+        for t in tokens:
+            if t.logprobs is not None:
+                lp, top_ids, top_lps = t.logprobs
+                delta.logprobs.append((t.token_id, lp, top_ids, top_lps))
+        if not self.stopped_by_string:
+            delta.text, self.stopped_by_string = self.stops.feed(self.detok.add_tokens(delta.token_ids))
+        return delta
+
+    def finish(self, delta: RequestDelta, status: RequestStatus) -> RequestDelta:
+        if not self.stopped_by_string and status != RequestStatus.FINISHED_ABORTED:
+            text, self.stopped_by_string = self.stops.feed(self.detok.flush())
+            delta.text += text + ("" if self.stopped_by_string else self.stops.flush())
+        req = self.request
+        delta.finish_status = status
+        delta.usage = Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens)
+        return delta

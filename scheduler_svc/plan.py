@@ -1,0 +1,71 @@
+"""What one step decides, as plain dataclasses. convert.py turns a
+SchedulerOutput into the StepPlan proto; nothing here knows protobuf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.request import Request
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the executor does not hold yet: sent once, in full."""
+
+    handle: int
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    num_output_tokens: int
+    request: Request
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: list[int], num_scheduled_tokens: int) -> "NewRequestData":
+        return cls(
+            handle=request.handle,
+            token_ids=request.all_token_ids,
+            block_ids=list(block_ids),
+            num_computed_tokens=request.num_computed_tokens,
+            num_scheduled_tokens=num_scheduled_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            request=request,
+        )
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    # Requests the executor holds: parallel lists.
+    cached_requests: list[Request] = field(default_factory=list)
+    cached_num_scheduled_tokens: list[int] = field(default_factory=list)
+    # Blocks appended to cached requests' tables, as parallel lists.
+    new_block_handles: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+    # Handles the executor must forget before this step.
+    finished_handles: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(self.cached_num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.new_requests and not self.cached_requests
+
+    def scheduled(self) -> list[tuple[Request, int]]:
+        """(request, tokens scheduled) for every request in the step."""
+        return [(n.request, n.num_scheduled_tokens) for n in self.new_requests] + list(
+            zip(self.cached_requests, self.cached_num_scheduled_tokens)
+        )
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """One token from a step result, already matched to its request."""
+
+    request: Request
+    token_id: int
+    logprobs: tuple[float, list[int], list[float]] | None = None

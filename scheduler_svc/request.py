@@ -1,0 +1,78 @@
+"""Request state as the scheduler keeps it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status after RUNNING is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ABORTED = 4
+    FINISHED_ERROR = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.RUNNING
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Validated and resolved: no "unset" values left."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    logprobs: int = 0
+
+    @classmethod
+    def greedy(cls, max_tokens: int = 16, **kw) -> "SamplingParams":
+        return cls(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int]
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Small integer naming the request on the step channel.
+    handle: int = -1
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens (prompt + output) whose KV is in the executor's cache.
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # Whether the executor currently holds this request's state; false
+    # before first scheduling and after a preemption.
+    on_executor: bool = False
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.sampling.max_tokens

@@ -1,0 +1,238 @@
+"""The scheduling core: a plain synchronous library, no I/O.
+
+Each step, `schedule()` decides which requests run and how many tokens
+each computes; the engine sends that plan to the executor, and
+`update_from_output()` applies the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_needed
+from scheduler_svc.plan import NewRequestData, SampledToken, SchedulerOutput
+from scheduler_svc.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    # At most this many requests run in one step.
+    max_num_seqs: int = 256
+    # At most this many tokens (prefill + decode) are computed in one step.
+    max_num_batched_tokens: int = 2048
+    # At most this many prompt tokens of one request per step (chunked
+    # prefill), so a long prompt cannot take a whole step's budget.
+    max_prefill_chunk: int = 512
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size)
+        self.waiting: deque[Request] = deque()
+        # Kept in admission order: the last one is the first to be preempted.
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._by_handle: dict[int, Request] = {}
+        self._free_handles: list[int] = []
+        self._next_handle = 0
+        # Handles to tell the executor to forget in the next plan.
+        self._to_forget: list[int] = []
+        # Handles of finished requests, reusable once that plan is built.
+        self._to_release: list[int] = []
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # ----- admission -------------------------------------------------------
+
+    def fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request can never run, or None when it can."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.config.max_model_len:
+            return f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds max_model_len {self.config.max_model_len}"
+        if blocks_needed(total, self.config.block_size) > self.config.num_kv_blocks:
+            return f"prompt + max_tokens ({total} tokens) exceeds the KV pool ({self.config.num_kv_blocks} blocks of {self.config.block_size})"
+        return None
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already live")
+        reason = self.fits(request.num_prompt_tokens, request.sampling.max_tokens)
+        if reason:
+            raise ValueError(reason)
+        request.handle = self._alloc_handle()
+        self.requests[request.request_id] = request
+        self._by_handle[request.handle] = request
+        self.waiting.append(request)
+
+    def _alloc_handle(self) -> int:
+        # Reusing small handles keeps the plan's varints short.
+        if self._free_handles:
+            return self._free_handles.pop()
+        self._next_handle += 1
+        return self._next_handle - 1
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- the step --------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """The rule: each request's num_computed_tokens catches up with its
+        num_tokens, under a per-step token budget. Prefill, chunked prefill
+        and decode are this one loop; a decode is just a request one token
+        behind. Running requests go first, in admission order; when one
+        needs a block and none is free, the last running request is
+        preempted (its blocks freed, recomputed later). Waiting requests are
+        admitted FCFS only in a step that preempted nothing."""
+        cfg = self.config
+        out = SchedulerOutput(step_id=self._step_id)
+        self._step_id += 1
+        budget = cfg.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_tokens_to_schedule(req, budget)
+            new_blocks = self.kv.allocate_slots(req, n)
+            while new_blocks is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is req:
+                    break
+                new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is None:
+                break  # req preempted itself: nothing after it can run either
+            self._record(out, req, n, new_blocks)
+            budget -= n
+            i += 1
+
+        while self.waiting and not out.num_preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            n = self._num_tokens_to_schedule(req, budget)
+            new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is None:
+                break  # FCFS: the head waits for blocks, nobody overtakes it
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._record(out, req, n, new_blocks)
+            budget -= n
+
+        out.finished_handles, self._to_forget = self._to_forget, []
+        # The executor applies finished_handles before new requests, so a
+        # finished request's handle is reusable from the next plan on.
+        self._free_handles.extend(self._to_release)
+        self._to_release.clear()
+        return out
+
+    def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if n > 1:
+            n = min(n, self.config.max_prefill_chunk)
+        if n <= 0:
+            raise RuntimeError(f"request {req.request_id} is scheduled with nothing left to compute")
+        return n
+
+    def _record(self, out: SchedulerOutput, req: Request, n: int, new_blocks: list[int]) -> None:
+        if req.on_executor:
+            out.cached_requests.append(req)
+            out.cached_num_scheduled_tokens.append(n)
+            out.new_block_handles.extend([req.handle] * len(new_blocks))
+            out.new_block_ids.extend(new_blocks)
+        else:
+            out.new_requests.append(NewRequestData.from_request(req, self.kv.get_block_table(req), n))
+            req.on_executor = True
+
+    def _preempt(self, req: Request) -> None:
+        """Frees the request's blocks and puts it at the front of the queue;
+        it resumes by recomputing prompt + output so far."""
+        self.running.remove(req)
+        self.kv.free(req)
+        self._forget_on_executor(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _forget_on_executor(self, req: Request) -> bool:
+        """Queues the executor-side cleanup; True if there was state to drop."""
+        if not req.on_executor:
+            return False
+        self._to_forget.append(req.handle)
+        req.on_executor = False
+        return True
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[tuple[int, int, tuple | None]]) -> list[SampledToken]:
+        """Applies a step's result: advances computed counts, appends the
+        sampled tokens and finishes requests that hit a token-level stop
+        (EOS, stop token, max_tokens, max_model_len)."""
+        for req, n in out.scheduled():
+            req.num_computed_tokens += n
+        results: list[SampledToken] = []
+        for handle, token, logprobs in sampled:
+            req = self._by_handle.get(handle)
+            if req is None or req.status.is_finished:
+                raise RuntimeError(f"executor sampled for handle {handle}, which is not running")
+            req.output_token_ids.append(token)
+            results.append(SampledToken(req, token, logprobs))
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+        return results
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        s = req.sampling
+        if (not s.ignore_eos and token in req.eos_token_ids) or token in s.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= s.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a live request and frees its blocks at once. Idempotent:
+        returns None for an unknown or already finished request."""
+        assert status.is_finished
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        del self._by_handle[req.handle]
+        if self._forget_on_executor(req):
+            self._to_release.append(req.handle)
+        else:
+            self._free_handles.append(req.handle)
+        return req
+
+    def reset_executor_state(self) -> None:
+        """The executor lost every request (restart or failed step): free all
+        blocks and requeue the running requests, in order, for recompute."""
+        for req in reversed(self.running):
+            self.kv.free(req)
+            req.on_executor = False
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        self.running.clear()
+        # The executor forgot everything: pending forgets are moot.
+        self._to_forget.clear()
+        self._free_handles.extend(self._to_release)
+        self._to_release.clear()
+
+    # ----- introspection ---------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks

@@ -1,0 +1,106 @@
+"""The public llmsched.v1.Scheduler gRPC service: validation, tokenization
+and streaming at the edge; all scheduling happens in the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import grpc
+
+from llmsched.v1 import scheduler_pb2 as spb
+from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
+from scheduler_svc import convert
+from scheduler_svc.engine import Engine, Unavailable
+from scheduler_svc.output_processor import RequestDelta
+from scheduler_svc.request import Request
+from scheduler_svc.validation import InvalidRequest, Limits, sampling_from_proto, validate_prompt
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerService(spb_grpc.SchedulerServicer):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def _limits(self) -> Limits:
+        info, s = self.engine.info, self.engine.settings
+        return Limits(
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+            max_logprobs=info.max_logprobs,
+            max_stop_strings=s.max_stop_strings,
+            max_stop_string_chars=s.max_stop_string_chars,
+            max_stop_token_ids=s.max_stop_token_ids,
+        )
+
+    def _build_request(self, msg: spb.GenerateRequest) -> Request:
+        engine = self.engine
+        if engine.info is None or engine.tokenizer is None:
+            raise Unavailable("no executor is connected")
+        limits = self._limits()
+        validate_prompt(msg, limits)
+        sampling = sampling_from_proto(msg.sampling, limits)
+        if msg.prompt:
+            prompt_ids = engine.tokenizer.encode(msg.prompt).ids
+        else:
+            prompt_ids = list(msg.prompt_token_ids)
+        if not prompt_ids:
+            raise InvalidRequest("prompt", "tokenizes to no tokens")
+        request_id = msg.request_id or uuid.uuid4().hex
+        if engine.is_live(request_id):
+            raise InvalidRequest("request_id", f"{request_id!r} is already live")
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            eos_token_ids=frozenset(engine.info.eos_token_ids),
+            priority=msg.priority,
+        )
+
+    async def Generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            req = self._build_request(request)
+            stream = self.engine.submit(req)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ValueError as exc:  # can never fit, or a duplicate id
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+        want_logprobs = req.sampling.logprobs > 0
+        finished = False
+        try:
+            while not finished:
+                delta = await stream.queue.get()
+                # A slow reader gets what piled up as one response.
+                while not stream.queue.empty():
+                    delta.merge(stream.queue.get_nowait())
+                finished = delta.finish_status is not None
+                if delta.error is not None:
+                    yield_partial = delta.token_ids or delta.text
+                    if yield_partial:
+                        yield convert.delta_to_response(req.request_id, _without_finish(delta), want_logprobs)
+                    code, message = delta.error
+                    await context.abort(getattr(grpc.StatusCode, code), message)
+                yield convert.delta_to_response(req.request_id, delta, want_logprobs)
+        finally:
+            # Client cancel, disconnect or deadline: free the request at the
+            # next step boundary. A no-op when it already finished.
+            if not finished:
+                self.engine.abort(req.request_id)
+
+    async def Abort(self, request: spb.AbortRequest, context):
+        return spb.AbortResponse(found=self.engine.abort(request.request_id))
+
+    async def GetServerInfo(self, request, context):
+        info = self.engine.server_info()
+        if not info:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is connected")
+        return spb.ServerInfo(**info)
+
+
+def _without_finish(delta: RequestDelta) -> RequestDelta:
+    return RequestDelta(token_ids=delta.token_ids, text=delta.text, logprobs=delta.logprobs)

@@ -1,0 +1,79 @@
+"""Checks a GenerateRequest before anything is queued. Every failure names
+the offending field, and the caller maps it to INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from llmsched.v1 import scheduler_pb2 as spb
+from scheduler_svc.request import SamplingParams
+
+DEFAULT_MAX_TOKENS = 16
+MAX_REQUEST_ID_CHARS = 256
+
+
+class InvalidRequest(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int
+    max_stop_strings: int
+    max_stop_string_chars: int
+    max_stop_token_ids: int
+
+
+def validate_prompt(req: spb.GenerateRequest, limits: Limits) -> None:
+    has_text, has_ids = bool(req.prompt), len(req.prompt_token_ids) > 0
+    if has_text == has_ids:
+        raise InvalidRequest("prompt", "set exactly one of prompt and prompt_token_ids")
+    for i, t in enumerate(req.prompt_token_ids):
+        if t >= limits.vocab_size:
+            raise InvalidRequest(f"prompt_token_ids[{i}]", f"token id {t} is outside the vocabulary (size {limits.vocab_size})")
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
+
+
+def sampling_from_proto(s: spb.SamplingParams, limits: Limits) -> SamplingParams:
+    max_tokens = s.max_tokens or DEFAULT_MAX_TOKENS
+    if max_tokens > limits.max_model_len:
+        raise InvalidRequest("sampling.max_tokens", f"{max_tokens} exceeds max_model_len {limits.max_model_len}")
+    temperature = s.temperature if s.HasField("temperature") else 1.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequest("sampling.temperature", f"must be a finite number >= 0, got {temperature}")
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {top_p}")
+    if s.top_k > limits.vocab_size:
+        raise InvalidRequest("sampling.top_k", f"{s.top_k} exceeds the vocabulary size {limits.vocab_size}")
+    if len(s.stop) > limits.max_stop_strings:
+        raise InvalidRequest("sampling.stop", f"at most {limits.max_stop_strings} stop strings, got {len(s.stop)}")
+    for i, stop in enumerate(s.stop):
+        if not stop:
+            raise InvalidRequest(f"sampling.stop[{i}]", "empty stop string")
+        if len(stop) > limits.max_stop_string_chars:
+            raise InvalidRequest(f"sampling.stop[{i}]", f"longer than {limits.max_stop_string_chars} characters")
+    if len(s.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequest("sampling.stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {len(s.stop_token_ids)}")
+    for i, t in enumerate(s.stop_token_ids):
+        if t >= limits.vocab_size:
+            raise InvalidRequest(f"sampling.stop_token_ids[{i}]", f"token id {t} is outside the vocabulary")
+    if s.logprobs > limits.max_logprobs:
+        raise InvalidRequest("sampling.logprobs", f"at most {limits.max_logprobs}, got {s.logprobs}")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        stop_token_ids=frozenset(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+    )

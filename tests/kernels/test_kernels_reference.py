@@ -1,0 +1,108 @@
+"""The plain-torch references against independent dense computations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import DECODE, DTYPE_NAMES, MIXED, PREFILL, make_paged_batch
+
+from kernels import reference
+
+
+def dense_causal_attention(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim]
+    keys: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    values: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    scale: float,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim] fp32
+    """SDPA on unpaged tensors; the q_len queries are the last positions of the sequence."""
+    q_len, seq_len = query.shape[0], keys.shape[0]
+    group = query.shape[1] // keys.shape[1]
+    q = query.float().transpose(0, 1)  # [num_heads, q_len, head_dim]
+    k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
+    v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
+    # Bottom-right aligned causal mask: query i sits at position seq_len - q_len + i.
+    mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(diagonal=seq_len - q_len)  # [q_len, seq_len]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device), scale=scale)
+    return out.transpose(0, 1)  # [q_len, num_heads, head_dim]
+
+
+REFERENCE_CASES = [
+    pytest.param("decode", DECODE, 1, torch.float32, 16, id="fp32-gqa1-bs16-decode"),
+    pytest.param("prefill", PREFILL, 2, torch.float32, 32, id="fp32-gqa2-bs32-prefill"),
+    pytest.param("mixed", MIXED, 8, torch.float32, 16, id="fp32-gqa8-bs16-mixed"),
+    pytest.param("mixed", MIXED, 2, torch.float16, 32, id="fp16-gqa2-bs32-mixed"),
+    pytest.param("mixed", MIXED, 1, torch.bfloat16, 16, id="bf16-gqa1-bs16-mixed"),
+]
+
+
+@pytest.mark.parametrize("name,reqs,gqa,dtype,block_size", REFERENCE_CASES)
+def test_reference_paged_attention_matches_sdpa(name, reqs, gqa, dtype, block_size):
+    num_kv_heads, head_dim = 2, 32
+    batch = make_paged_batch(
+        reqs,
+        num_heads=num_kv_heads * gqa,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=torch.device("cpu"),
+        seed=len(reqs) + gqa,
+    )
+    out = reference.paged_attention(*batch.attention_args())
+    assert out.dtype == dtype and out.shape == batch.query.shape
+
+    cu = batch.cu_query_lens.tolist()
+    for req in range(len(reqs)):
+        expected = dense_causal_attention(batch.query[cu[req] : cu[req + 1]], batch.keys[req], batch.values[req], batch.scale)
+        # The only difference from SDPA is the final rounding to the input dtype.
+        atol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+        torch.testing.assert_close(out[cu[req] : cu[req + 1]].float(), expected, atol=atol, rtol=atol, msg=f"request {req}")
+
+
+def test_reference_decode_is_last_row_of_prefill():
+    """A decode step over a cached context equals the last row of the full prefill."""
+    batch = make_paged_batch(
+        ((9, 0),), num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32, device=torch.device("cpu")
+    )
+    full = reference.paged_attention(*batch.attention_args())  # [9, 4, 16]
+    decode = reference.paged_attention(
+        batch.query[-1:],
+        batch.k_cache,
+        batch.v_cache,
+        torch.tensor([0, 1], dtype=torch.int32),
+        batch.seq_lens,
+        batch.block_tables,
+        batch.scale,
+    )
+    torch.testing.assert_close(decode, full[-1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: DTYPE_NAMES[d])
+def test_reference_write_kv_cache_skips_negative_slots(dtype):
+    num_blocks, block_size, num_kv_heads, head_dim = 4, 16, 2, 8
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.randn(4, num_kv_heads, head_dim).to(dtype)
+    value = torch.randn(4, num_kv_heads, head_dim).to(dtype)
+    slot_mapping = torch.tensor([5, -1, 2 * block_size + 3, -7], dtype=torch.int64)
+
+    reference.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    torch.testing.assert_close(k_cache[0, 5], key[0], rtol=0, atol=0)
+    torch.testing.assert_close(v_cache[2, 3], value[2], rtol=0, atol=0)
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    written[0, 5] = written[2, 3] = True
+    assert not k_cache[~written].any() and not v_cache[~written].any(), "a padding token was written"
+
+
+def test_reference_copy_blocks():
+    k_cache = torch.randn(5, 16, 2, 8)
+    v_cache = torch.randn(5, 16, 2, 8)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    reference.copy_blocks(k_cache, v_cache, torch.tensor([[0, 3], [4, 1]], dtype=torch.int64))
+    torch.testing.assert_close(k_cache[3], before_k[0], rtol=0, atol=0)
+    torch.testing.assert_close(v_cache[1], before_v[4], rtol=0, atol=0)
+    for untouched in (0, 2, 4):
+        torch.testing.assert_close(k_cache[untouched], before_k[untouched], rtol=0, atol=0)

@@ -1,0 +1,37 @@
+# Two commands set everything up on a fresh machine:
+#   make serve   install what is missing, run executor + scheduler (tiny-random)
+#   make test    install what is missing, run the whole suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Re-install whenever pyproject.toml changes.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# torch is pinned to 2.13.0; where a CPU wheel lies on local disk, pip
+# takes it from there instead of a multi-GB CUDA build from the index.
+PIP_FIND := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
+
+.PHONY: install serve test protos bench-kernels clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(PIP_FIND) -e '.[executor,test]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+serve: $(STAMP)
+	$(BIN)/python -m llmsched.launch
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+protos: $(STAMP)
+	$(BIN)/python -m llmsched.genproto
+
+bench-kernels: $(STAMP)
+	$(BIN)/python -m bench.kernels
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

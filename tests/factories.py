@@ -1,0 +1,54 @@
+"""Test factories, so scheduler tests read as scenarios."""
+
+from __future__ import annotations
+
+import itertools
+
+from scheduler_svc.request import Request, SamplingParams
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+
+EOS = 2
+_ids = itertools.count()
+
+
+def make_scheduler(**overrides) -> Scheduler:
+    cfg = dict(num_kv_blocks=64, block_size=4, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+               max_prefill_chunk=32)
+    cfg.update(overrides)
+    return Scheduler(SchedulerConfig(**cfg))
+
+
+def make_request(prompt_len: int = 8, max_tokens: int = 4, request_id: str | None = None, first_token: int = 10,
+                 **sampling) -> Request:
+    sampling.setdefault("temperature", 0.0)
+    return Request(
+        request_id=request_id or f"req-{next(_ids)}",
+        prompt_token_ids=list(range(first_token, first_token + prompt_len)),
+        sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+        eos_token_ids=frozenset({EOS}),
+    )
+
+
+def make_requests(n: int, prompt_len: int = 8, max_tokens: int = 4, **kw) -> list[Request]:
+    return [make_request(prompt_len, max_tokens, **kw) for _ in range(n)]
+
+
+class FakeExecutor:
+    """Answers a plan the way the executor would: a token for every request
+    whose scheduled tokens reach its end. Tokens come from `next_token`."""
+
+    def __init__(self, next_token=lambda req: 100):
+        self.next_token = next_token
+
+    def run(self, out) -> list[tuple[int, int, None]]:
+        sampled = []
+        for req, n in out.scheduled():
+            if req.num_computed_tokens + n == req.num_tokens:
+                sampled.append((req.handle, self.next_token(req), None))
+        return sampled
+
+
+def run_step(sched: Scheduler, executor: FakeExecutor | None = None):
+    out = sched.schedule()
+    sampled = (executor or FakeExecutor()).run(out)
+    return out, sched.update_from_output(out, sampled)

@@ -1,0 +1,75 @@
+"""Integration fixtures: both services as real processes on free loopback
+ports, talking real gRPC."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from llmsched.launch import launch
+from llmsched.v1 import scheduler_pb2 as spb
+from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
+
+
+@dataclass
+class Client:
+    address: str
+    model: str  # what EXECUTOR_MODEL was set to, for the HF oracle
+    channel: grpc.Channel
+    stub: spb_grpc.SchedulerStub
+
+    def generate(self, timeout=60, **kwargs):
+        """Returns (token_ids, text, last_response, number_of_responses)."""
+        sampling = kwargs.pop("sampling", None)
+        req = spb.GenerateRequest(sampling=spb.SamplingParams(**(sampling or {})), **kwargs)
+        tokens, text, last, n = [], "", None, 0
+        for resp in self.stub.Generate(req, timeout=timeout):
+            tokens += resp.token_ids
+            text += resp.text
+            last, n = resp, n + 1
+        return tokens, text, last, n
+
+    def info(self) -> spb.ServerInfo:
+        return self.stub.GetServerInfo(spb.GetServerInfoRequest(), timeout=10)
+
+    def assert_no_leaked_blocks(self, timeout_s: float = 10.0) -> None:
+        """Aborts land at the next step boundary, so allow a moment."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.info()
+            if info.num_free_kv_blocks == info.num_kv_blocks and info.num_running == 0 and info.num_waiting == 0:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"KV blocks leaked: {info.num_kv_blocks - info.num_free_kv_blocks} of {info.num_kv_blocks} "
+                    f"still held, running={info.num_running}, waiting={info.num_waiting}"
+                )
+            time.sleep(0.05)
+
+
+def start_services(model: str, executor_env=None, scheduler_env=None):
+    services = launch(
+        executor_env={"EXECUTOR_MODEL": model, "EXECUTOR_NUM_THREADS": "1", **(executor_env or {})},
+        scheduler_env=scheduler_env,
+    ).start()
+    channel = grpc.insecure_channel(services.scheduler_address)
+    return services, Client(services.scheduler_address, model, channel, spb_grpc.SchedulerStub(channel))
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path):
+    services, client = start_services(str(stories_path))
+    yield client
+    client.channel.close()
+    services.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    services, client = start_services("tiny-random")
+    yield client
+    client.channel.close()
+    services.stop()

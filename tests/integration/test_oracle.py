@@ -1,0 +1,66 @@
+"""Greedy output through both services equals HF transformers' greedy
+output on the same weights, token for token, alone and under load."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from tokenizers import Tokenizer
+
+from executor_svc.checkpoint import load_checkpoint
+from tests.oracle import hf_greedy
+
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went to the park. They",
+    "One day, a big bird",
+    "Sam had a red ball.",
+    "The sun was hot and",
+    "Mom said",
+    "There was a cat who liked to",
+    "Tim wanted to play with his friend, but",
+]
+
+
+@pytest.fixture(params=["stories", "tiny"])
+def client(request):
+    return request.getfixturevalue(request.param)
+
+
+def encode(client, text):
+    return Tokenizer.from_str(load_checkpoint(client.model).tokenizer_json).encode(text).ids
+
+
+def test_readme_prompt_matches_hf_greedy(stories):
+    tokens, text, last, _ = stories.generate(prompt="Once upon a time", sampling={"max_tokens": 40, "temperature": 0})
+    assert encode(stories, "Once upon a time") == [1, 403, 407, 261, 378]
+    assert tokens == hf_greedy(stories.model, [1, 403, 407, 261, 378], 40)
+    assert text.startswith(", there was a little girl named Lily.")
+    assert last.usage.prompt_tokens == 5 and last.usage.completion_tokens == len(tokens)
+    stories.assert_no_leaked_blocks()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_prompt_matches_hf_greedy(client, prompt):
+    tokens, _, last, _ = client.generate(prompt=prompt, sampling={"max_tokens": 40, "temperature": 0})
+    want = hf_greedy(client.model, encode(client, prompt), 40)
+    assert tokens == want
+    assert last.finish_reason in (1, 2)
+    client.assert_no_leaked_blocks()
+
+
+def test_32_concurrent_mixed_requests_each_match_their_solo_hf_output(client):
+    base = encode(client, " ".join(PROMPTS))
+    cases = []
+    for i in range(32):
+        n = 3 + (i * 7) % min(60, len(base) - 1)  # prompt lengths 3..62
+        cases.append((list(base[: n]), 8 + (i * 5) % 33))  # max_tokens 8..40
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        results = list(pool.map(
+            lambda c: client.generate(prompt_token_ids=c[0], sampling={"max_tokens": c[1], "temperature": 0})[0], cases
+        ))
+    for (prompt_ids, max_tokens), got in zip(cases, results):
+        assert got == hf_greedy(client.model, prompt_ids, max_tokens), f"prompt of {len(prompt_ids)} tokens"
+    client.assert_no_leaked_blocks()

@@ -1,0 +1,42 @@
+"""HF transformers as the greedy-decoding oracle, on the very same weights
+the executor loads (a checkpoint directory or a built-in model)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=4)
+def hf_model(model: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from executor_svc.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(model)
+    cfg = LlamaConfig(**ckpt.hf_config)
+    hf = LlamaForCausalLM(cfg)
+    missing, unexpected = hf.load_state_dict(ckpt.state_dict, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if cfg.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.eval()
+
+
+def hf_greedy(model: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """Greedy continuation as HF generate(do_sample=False) produces it, EOS
+    included when it stops there."""
+    hf = hf_model(model)
+    kwargs = {"eos_token_id": None} if ignore_eos else {}
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,67 @@
+import pytest
+from tokenizers import Tokenizer
+
+from executor_svc.builtin import byte_level_tokenizer_json
+from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+@pytest.fixture(scope="module")
+def stories_tok(stories_path):
+    return Tokenizer.from_file(str(stories_path / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def byte_tok():
+    return Tokenizer.from_str(byte_level_tokenizer_json(512))
+
+
+def stream(tok, prompt_ids, output_ids):
+    d = IncrementalDetokenizer(tok, prompt_ids)
+    return "".join(d.add_tokens([t]) for t in output_ids) + d.flush()
+
+
+@pytest.mark.parametrize("text", ["Once upon a time, there was a little girl.", "  spaces  and\nnewlines", "naïve café"])
+def test_streamed_text_equals_one_shot_decode_sentencepiece(stories_tok, text):
+    prompt = stories_tok.encode("Hello").ids
+    out = stories_tok.encode(text, add_special_tokens=False).ids
+    full = stories_tok.decode(prompt + out, skip_special_tokens=True)
+    assert stream(stories_tok, prompt, out) == full[len(stories_tok.decode(prompt, skip_special_tokens=True)):]
+
+
+def test_multibyte_characters_are_held_back_until_complete(byte_tok):
+    prompt = byte_tok.encode("x").ids
+    out = byte_tok.encode("世界é", add_special_tokens=False).ids
+    assert len(out) == 8  # 3 + 3 + 2 bytes
+    d = IncrementalDetokenizer(byte_tok, prompt)
+    deltas = [d.add_tokens([t]) for t in out]
+    assert deltas == ["", "", "世", "", "", "界", "", "é"]
+    assert "\ufffd" not in "".join(deltas)
+
+
+def test_flush_emits_an_incomplete_trailing_character(byte_tok):
+    d = IncrementalDetokenizer(byte_tok, byte_tok.encode("x").ids)
+    assert d.add_tokens(byte_tok.encode("世", add_special_tokens=False).ids[:2]) == ""
+    assert d.flush() == "\ufffd"
+
+
+def test_special_tokens_produce_no_text(byte_tok):
+    d = IncrementalDetokenizer(byte_tok, byte_tok.encode("x").ids)
+    assert d.add_tokens([2]) == ""
+
+
+def test_stop_string_is_cut_even_across_deltas():
+    m = StopStringMatcher(("STOP",))
+    released = [m.feed("hello S"), m.feed("TO"), m.feed("P and more")]
+    assert released[-1][1] is True
+    assert "".join(t for t, _ in released) == "hello "
+
+
+def test_stop_matcher_without_stops_releases_everything_at_once():
+    m = StopStringMatcher(())
+    assert m.feed("abc") == ("abc", False)
+
+
+def test_text_that_only_looks_like_a_stop_prefix_is_released_at_flush():
+    m = StopStringMatcher(("END",))
+    assert m.feed("the EN") == ("the ", False)
+    assert m.flush() == "EN"

@@ -1,0 +1,195 @@
+"""Scheduling decisions, driven directly with a fake executor."""
+
+import pytest
+
+from scheduler_svc.request import RequestStatus
+from tests.factories import EOS, FakeExecutor, make_request, make_requests, make_scheduler, run_step
+
+
+def drain(sched, executor=None, max_steps=1000):
+    for _ in range(max_steps):
+        if not sched.has_work:
+            return
+        run_step(sched, executor)
+    raise AssertionError("scheduler did not drain")
+
+
+def test_new_request_is_sent_in_full_once_then_as_a_diff():
+    sched = make_scheduler(block_size=4)
+    req = make_request(prompt_len=6, max_tokens=5)
+    sched.add_request(req)
+    out, _ = run_step(sched)
+    assert [n.request for n in out.new_requests] == [req]
+    assert out.new_requests[0].token_ids == req.prompt_token_ids
+    assert out.new_requests[0].num_scheduled_tokens == 6
+    out, _ = run_step(sched)
+    assert out.new_requests == [] and out.cached_requests == [req]
+    assert out.cached_num_scheduled_tokens == [1]
+    assert out.new_block_ids == []  # token 7 still fits block 2
+    out, _ = run_step(sched)  # token 8 fills block 2
+    out, _ = run_step(sched)  # token 9 needs block 3
+    assert out.new_block_handles == [req.handle] and len(out.new_block_ids) == 1
+
+
+def test_running_requests_decode_while_new_ones_are_admitted():
+    sched = make_scheduler()
+    a = make_request(prompt_len=4, max_tokens=10)
+    sched.add_request(a)
+    run_step(sched)
+    b = make_request(prompt_len=5, max_tokens=10)
+    sched.add_request(b)
+    out, _ = run_step(sched)
+    assert out.cached_requests == [a] and [n.request for n in out.new_requests] == [b]
+    assert out.total_num_scheduled_tokens == 1 + 5
+
+
+def test_long_prompt_is_chunked_and_shares_steps_with_decodes():
+    sched = make_scheduler(max_num_batched_tokens=16, max_prefill_chunk=8, num_kv_blocks=64)
+    a = make_request(prompt_len=4, max_tokens=20)
+    sched.add_request(a)
+    run_step(sched)
+    long = make_request(prompt_len=40, max_tokens=2)
+    sched.add_request(long)
+    chunks = []
+    for _ in range(5):
+        out, _ = run_step(sched)
+        assert a in out.cached_requests, "the running decode must not stall behind the long prompt"
+        sched_long = dict((r.request_id, n) for r, n in out.scheduled()).get(long.request_id)
+        chunks.append(sched_long)
+    assert chunks == [8, 8, 8, 8, 8]
+    assert long.num_computed_tokens == 40 and len(long.output_token_ids) == 1
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    sched = make_scheduler(max_num_seqs=3)
+    for r in make_requests(5, max_tokens=50):
+        sched.add_request(r)
+    run_step(sched)
+    assert len(sched.running) == 3 and len(sched.waiting) == 2
+
+
+def test_token_budget_bounds_each_step():
+    sched = make_scheduler(max_num_batched_tokens=10, max_prefill_chunk=10)
+    for r in make_requests(3, prompt_len=6):
+        sched.add_request(r)
+    out, _ = run_step(sched)
+    assert out.total_num_scheduled_tokens <= 10
+
+
+def test_finished_request_frees_blocks_in_the_same_step_and_is_forgotten_next_plan():
+    sched = make_scheduler()
+    req = make_request(prompt_len=5, max_tokens=2)
+    sched.add_request(req)
+    run_step(sched)
+    run_step(sched)
+    assert req.status == RequestStatus.FINISHED_LENGTH
+    assert sched.num_free_blocks == sched.config.num_kv_blocks
+    other = make_request()
+    sched.add_request(other)
+    out, _ = run_step(sched)
+    assert out.finished_handles == [req.handle]
+
+
+def test_eos_stops_unless_ignore_eos():
+    sched = make_scheduler()
+    stops = make_request(max_tokens=10)
+    ignores = make_request(max_tokens=3, ignore_eos=True)
+    sched.add_request(stops)
+    sched.add_request(ignores)
+    drain(sched, FakeExecutor(lambda r: EOS))
+    assert stops.status == RequestStatus.FINISHED_STOPPED and stops.output_token_ids == [EOS]
+    assert ignores.status == RequestStatus.FINISHED_LENGTH and ignores.output_token_ids == [EOS] * 3
+
+
+def test_stop_token_ids_stop_generation():
+    sched = make_scheduler()
+    req = make_request(max_tokens=10, stop_token_ids=frozenset({7}))
+    sched.add_request(req)
+    drain(sched, FakeExecutor(lambda r: 7 if len(r.output_token_ids) == 2 else 5))
+    assert req.output_token_ids == [5, 5, 7] and req.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_pool_exhaustion_preempts_the_latest_request_and_it_recomputes_later():
+    # 6 blocks of 4: two requests of 8-token prompts and 8 new tokens need
+    # 4 blocks each eventually, so one must be preempted.
+    sched = make_scheduler(num_kv_blocks=6, block_size=4)
+    first, second = make_request(prompt_len=8, max_tokens=8), make_request(prompt_len=8, max_tokens=8)
+    sched.add_request(first)
+    sched.add_request(second)
+    preempted_step = None
+    for step in range(100):
+        out, _ = run_step(sched)
+        if out.num_preempted:
+            preempted_step = out
+            break
+    assert preempted_step is not None
+    assert second.num_preemptions == 1 and second.status == RequestStatus.WAITING
+    assert sched.waiting[0] is second and not preempted_step.new_requests, "no admission in a step that preempted"
+    drain(sched)
+    assert first.status == second.status == RequestStatus.FINISHED_LENGTH
+    assert len(second.output_token_ids) == 8
+    assert sched.num_free_blocks == 6
+
+
+def test_preempted_request_is_resent_in_full_with_its_output_so_far():
+    sched = make_scheduler(num_kv_blocks=6, block_size=4)
+    first, second = make_request(prompt_len=8, max_tokens=8), make_request(prompt_len=8, max_tokens=8)
+    sched.add_request(first)
+    sched.add_request(second)
+    while not second.num_preemptions:
+        run_step(sched)
+    outputs_before = list(second.output_token_ids)
+    resent = None
+    while resent is None:
+        out, _ = run_step(sched)
+        resent = next((n for n in out.new_requests if n.request is second), None)
+    assert resent.token_ids == second.prompt_token_ids + outputs_before
+    assert resent.num_output_tokens == len(outputs_before)
+
+
+def test_abort_frees_blocks_and_is_idempotent():
+    sched = make_scheduler()
+    req = make_request(max_tokens=10)
+    sched.add_request(req)
+    run_step(sched)
+    assert sched.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED) is req
+    assert sched.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED) is None
+    assert sched.num_free_blocks == sched.config.num_kv_blocks
+    assert not sched.has_work
+
+
+def test_handles_are_reused_only_after_the_executor_was_told_to_forget():
+    sched = make_scheduler()
+    a = make_request(max_tokens=1)
+    sched.add_request(a)
+    run_step(sched)  # a finishes
+    b = make_request(max_tokens=1)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert out.finished_handles == [a.handle]
+    assert b.handle != a.handle
+
+
+def test_request_that_can_never_fit_is_refused_at_admission():
+    sched = make_scheduler(num_kv_blocks=4, block_size=4, max_model_len=100)
+    assert "max_model_len" in sched.fits(90, 20)
+    assert "KV pool" in sched.fits(10, 10)
+    with pytest.raises(ValueError, match="KV pool"):
+        sched.add_request(make_request(prompt_len=10, max_tokens=10))
+
+
+def test_reset_executor_state_requeues_running_requests_for_recompute_in_order():
+    sched = make_scheduler()
+    reqs = make_requests(3, max_tokens=10)
+    for r in reqs:
+        sched.add_request(r)
+    run_step(sched)
+    run_step(sched)
+    sched.reset_executor_state()
+    assert list(sched.waiting) == reqs and not sched.running
+    assert sched.num_free_blocks == sched.config.num_kv_blocks
+    tokens_before = [r.all_token_ids for r in reqs]
+    out, _ = run_step(sched)
+    assert [n.request for n in out.new_requests] == reqs
+    assert [n.token_ids for n in out.new_requests] == tokens_before
+    assert all(n.num_computed_tokens == 0 for n in out.new_requests)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -27,6 +29,20 @@ class SchedulerSettings(BaseSettings):
     # At most this many prompt tokens of one request per step (chunked
     # prefill), so long prompts share steps with running decodes.
     max_prefill_chunk: int = Field(default=512, ge=1)
+    # fcfs: arrival order. priority: GenerateRequest.priority (lower = more
+    # urgent), then arrival, for both admission and preemption.
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    # Reuse the KV of full blocks shared with earlier requests.
+    enable_prefix_caching: bool = True
+    # Backpressure: most requests waiting for admission; more are refused
+    # with RESOURCE_EXHAUSTED.
+    max_queued_requests: int = Field(default=4096, ge=1)
+    # Backpressure: most prompt tokens waiting for admission.
+    max_queued_tokens: int = Field(default=1_048_576, ge=1)
+    # Backpressure: refuse a request whose predicted time to first token
+    # (from measured step throughput and the work queued ahead of it)
+    # exceeds this; 0 turns the check off.
+    max_queue_delay_ms: float = Field(default=30_000.0, ge=0)
     # Largest accepted stop-string list, and longest stop string.
     max_stop_strings: int = Field(default=16, ge=0)
     max_stop_string_chars: int = Field(default=256, ge=1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from tokenizers import Tokenizer
 
 from llmsched.v1 import executor_pb2 as epb
 from scheduler_svc import convert
+from scheduler_svc.backpressure import AdmissionLimits, ThroughputEstimator, check_admission
 from scheduler_svc.config import SchedulerSettings
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.output_processor import RequestDelta, RequestOutputState
@@ -52,6 +54,10 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._on_serving_change = on_serving_change or (lambda serving: None)
         self.connected = False
+        self.throughput = ThroughputEstimator()
+        self._admission = AdmissionLimits(
+            settings.max_queued_requests, settings.max_queued_tokens, settings.max_queue_delay_ms
+        )
 
     # ----- lifecycle -------------------------------------------------------
 
@@ -82,6 +88,8 @@ class Engine:
                     max_num_seqs=self.settings.max_num_seqs,
                     max_num_batched_tokens=self.settings.max_num_batched_tokens,
                     max_prefill_chunk=self.settings.max_prefill_chunk,
+                    policy=self.settings.policy,
+                    enable_prefix_caching=self.settings.enable_prefix_caching,
                 )
             )
             self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
@@ -100,15 +108,29 @@ class Engine:
         return request_id in self._streams
 
     def submit(self, request: Request) -> RequestStream:
-        """Queues a validated request; raises ValueError when it can never
-        fit, Unavailable when no executor is connected."""
-        if not self.connected or self.scheduler is None:
+        """Queues a validated request. Raises ValueError when it can never
+        fit, Overloaded when admission control sheds it, Unavailable when no
+        executor is connected."""
+        sched = self.scheduler
+        if not self.connected or sched is None:
             raise Unavailable("no executor is connected")
         if request.request_id in self._streams:
             raise ValueError(f"request_id {request.request_id!r} is already live")
-        reason = self.scheduler.fits(request.num_prompt_tokens, request.sampling.max_tokens)
+        reason = sched.fits(request.num_prompt_tokens, request.sampling.max_tokens)
         if reason:
             raise ValueError(reason)
+        pending_tokens = sum(r.num_tokens for r in self._pending_adds)
+        if sched.config.policy == "priority":
+            ahead = sched.waiting.tokens_ahead_of((request.priority, sched.next_arrival_seq))
+        else:
+            ahead = sched.waiting.num_tokens
+        check_admission(
+            self._admission,
+            self.throughput,
+            num_queued_requests=len(sched.waiting) + len(self._pending_adds),
+            num_queued_tokens=ahead + pending_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
         stream = RequestStream(state=RequestOutputState(request, self.tokenizer))
         self._streams[request.request_id] = stream
         self._pending_adds.append(request)
@@ -141,6 +163,7 @@ class Engine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            started = time.perf_counter()
             try:
                 result = await self.client.step(convert.plan_to_proto(out))
             except ExecutorUnavailable as exc:
@@ -150,6 +173,7 @@ class Engine:
             if result.error:
                 self._on_step_error(out, result.error)
                 continue
+            self.throughput.observe(out.total_num_scheduled_tokens, time.perf_counter() - started)
             tokens = sched.update_from_output(out, convert.sampled_from_proto(result))
             self._emit(tokens)
 

@@ -51,6 +51,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Small integer naming the request on the step channel.
     handle: int = -1
+    # Order of arrival at the scheduler; ties in priority go to the earlier.
+    arrival_seq: int = -1
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens (prompt + output) whose KV is in the executor's cache.
     num_computed_tokens: int = 0

@@ -7,12 +7,14 @@ each computes; the engine sends that plan to the executor, and
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass
+from typing import Literal
 
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_needed
 from scheduler_svc.plan import NewRequestData, SampledToken, SchedulerOutput
 from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.request_queue import RequestQueue
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,15 +29,20 @@ class SchedulerConfig:
     # At most this many prompt tokens of one request per step (chunked
     # prefill), so a long prompt cannot take a whole step's budget.
     max_prefill_chunk: int = 512
+    # fcfs: arrival order. priority: `priority` first (lower = more urgent),
+    # then arrival; both for admission and for choosing preemption victims.
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    enable_prefix_caching: bool = True
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size)
-        self.waiting: deque[Request] = deque()
-        # Kept in admission order: the last one is the first to be preempted.
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting = RequestQueue(self.order_key)
+        # Sorted by order_key: the last one is the first to be preempted.
         self.running: list[Request] = []
+        self._next_arrival = 0
         self.requests: dict[str, Request] = {}
         self._by_handle: dict[int, Request] = {}
         self._free_handles: list[int] = []
@@ -65,9 +72,19 @@ class Scheduler:
         if reason:
             raise ValueError(reason)
         request.handle = self._alloc_handle()
+        request.arrival_seq = self._next_arrival
+        self._next_arrival += 1
         self.requests[request.request_id] = request
         self._by_handle[request.handle] = request
-        self.waiting.append(request)
+        self.waiting.push(request)
+
+    @property
+    def next_arrival_seq(self) -> int:
+        return self._next_arrival
+
+    def order_key(self, req: Request) -> tuple[int, int]:
+        """Smaller runs first and is preempted last."""
+        return (req.priority if self.config.policy == "priority" else 0, req.arrival_seq)
 
     def _alloc_handle(self) -> int:
         # Reusing small handles keeps the plan's varints short.
@@ -86,10 +103,11 @@ class Scheduler:
         """The rule: each request's num_computed_tokens catches up with its
         num_tokens, under a per-step token budget. Prefill, chunked prefill
         and decode are this one loop; a decode is just a request one token
-        behind. Running requests go first, in admission order; when one
-        needs a block and none is free, the last running request is
+        behind. Running requests go first, in policy order; when one needs a
+        block and none is free, the least urgent running request is
         preempted (its blocks freed, recomputed later). Waiting requests are
-        admitted FCFS only in a step that preempted nothing."""
+        admitted in policy order, starting from their longest cached prefix,
+        and only in a step that preempted nothing."""
         cfg = self.config
         out = SchedulerOutput(step_id=self._step_id)
         self._step_id += 1
@@ -114,14 +132,20 @@ class Scheduler:
             i += 1
 
         while self.waiting and not out.num_preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.peek()
+            hit = self.kv.find_cached_prefix(req)
+            req.num_computed_tokens = hit.num_tokens
             n = self._num_tokens_to_schedule(req, budget)
-            new_blocks = self.kv.allocate_slots(req, n)
+            new_blocks = self.kv.allocate_slots(req, n, hit)
             if new_blocks is None:
-                break  # FCFS: the head waits for blocks, nobody overtakes it
-            self.waiting.popleft()
+                req.num_computed_tokens = 0
+                break  # the head waits for blocks; nobody overtakes it
+            self.kv.record_hit(hit)
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = min(hit.num_tokens, req.num_prompt_tokens)
+            self.waiting.pop()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            bisect.insort(self.running, req, key=self.order_key)
             self._record(out, req, n, new_blocks)
             budget -= n
 
@@ -160,7 +184,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.push(req)
 
     def _forget_on_executor(self, req: Request) -> bool:
         """Queues the executor-side cleanup; True if there was state to drop."""
@@ -176,6 +200,7 @@ class Scheduler:
         (EOS, stop token, max_tokens, max_model_len)."""
         for req, n in out.scheduled():
             req.num_computed_tokens += n
+            self.kv.cache_computed_blocks(req)
         results: list[SampledToken] = []
         for handle, token, logprobs in sampled:
             req = self._by_handle.get(handle)
@@ -209,6 +234,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
+        self.kv.forget(req)
         del self._by_handle[req.handle]
         if self._forget_on_executor(req):
             self._to_release.append(req.handle)
@@ -219,13 +245,15 @@ class Scheduler:
     def reset_executor_state(self) -> None:
         """The executor lost every request (restart or failed step): free all
         blocks and requeue the running requests, in order, for recompute."""
-        for req in reversed(self.running):
+        for req in self.running:
             self.kv.free(req)
             req.on_executor = False
             req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
-            self.waiting.appendleft(req)
+            self.waiting.push(req)
         self.running.clear()
+        # The KV content is gone, so nothing cached can be trusted.
+        self.kv.reset_prefix_cache()
         # The executor forgot everything: pending forgets are moot.
         self._to_forget.clear()
         self._free_handles.extend(self._to_release)

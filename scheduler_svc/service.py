@@ -12,6 +12,7 @@ import grpc
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 from scheduler_svc import convert
+from scheduler_svc.backpressure import Overloaded
 from scheduler_svc.engine import Engine, Unavailable
 from scheduler_svc.output_processor import RequestDelta
 from scheduler_svc.request import Request
@@ -67,6 +68,9 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Unavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except Overloaded as exc:
+            context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded: {exc}")
         except ValueError as exc:  # can never fit, or a duplicate id
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 

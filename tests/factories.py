@@ -18,12 +18,16 @@ def make_scheduler(**overrides) -> Scheduler:
     return Scheduler(SchedulerConfig(**cfg))
 
 
-def make_request(prompt_len: int = 8, max_tokens: int = 4, request_id: str | None = None, first_token: int = 10,
-                 **sampling) -> Request:
+def make_request(prompt_len: int = 8, max_tokens: int = 4, request_id: str | None = None,
+                 prompt: list[int] | None = None, priority: int = 0, **sampling) -> Request:
+    """Prompts are distinct per request (no accidental prefix hits) unless
+    `prompt` is given."""
     sampling.setdefault("temperature", 0.0)
+    n = next(_ids)
     return Request(
-        request_id=request_id or f"req-{next(_ids)}",
-        prompt_token_ids=list(range(first_token, first_token + prompt_len)),
+        request_id=request_id or f"req-{n}",
+        prompt_token_ids=list(prompt) if prompt is not None else [10 + 1000 * n + i for i in range(prompt_len)],
+        priority=priority,
         sampling=SamplingParams(max_tokens=max_tokens, **sampling),
         eos_token_ids=frozenset({EOS}),
     )

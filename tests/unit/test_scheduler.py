@@ -124,7 +124,7 @@ def test_pool_exhaustion_preempts_the_latest_request_and_it_recomputes_later():
             break
     assert preempted_step is not None
     assert second.num_preemptions == 1 and second.status == RequestStatus.WAITING
-    assert sched.waiting[0] is second and not preempted_step.new_requests, "no admission in a step that preempted"
+    assert sched.waiting.peek() is second and not preempted_step.new_requests, "no admission in a step that preempted"
     drain(sched)
     assert first.status == second.status == RequestStatus.FINISHED_LENGTH
     assert len(second.output_token_ids) == 8

@@ -62,6 +62,9 @@ def copy_blocks(
     assert block_mapping.dim() == 2 and block_mapping.shape[1] == 2, f"block_mapping {tuple(block_mapping.shape)}"
     assert block_mapping.dtype == torch.int64, f"block_mapping dtype {block_mapping.dtype}"
     assert block_mapping.is_contiguous()
+    assert block_mapping.device == k_cache.device == v_cache.device, (
+        f"block_mapping on {block_mapping.device}, caches on {k_cache.device} / {v_cache.device}"
+    )
     num_pairs = block_mapping.shape[0]
     if num_pairs == 0:
         return

@@ -89,6 +89,8 @@ def write_kv_cache(
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         assert t.stride(-1) == 1, f"{name} must be contiguous along head_dim, strides {t.stride()}"
     assert slot_mapping.is_contiguous()
+    for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+        assert t.device == key.device, f"{name} on {t.device}, key on {key.device}"
     if num_tokens == 0:
         return
 

@@ -16,7 +16,8 @@ online softmax in fp32.
 Query tiles are numbered without a host sync: request r owns tiles starting at
 ``(cu_query_lens[r] + r * (BLOCK_Q - 1)) // BLOCK_Q``, which leaves room for
 ``ceil(q_len / BLOCK_Q)`` tiles per request; a program finds its request by binary
-search over cu_query_lens, and the few surplus programs exit at once.
+search over cu_query_lens (after an O(1) check for the one-token-per-request decode
+layout), and the few surplus programs exit at once.
 
 Split-KV (flash-decoding): when a decode batch has too few (request, KV head) pairs to
 fill the GPU, each program takes only one of NUM_SPLITS slices of the context and
@@ -51,8 +52,14 @@ def _request_of_tile(
     BLOCK_Q: tl.constexpr,
 ):
     """Largest request r whose first query tile is <= ``tile`` (first tiles never decrease)."""
-    lo = tl.zeros([], dtype=tl.int32)
-    hi = tl.zeros([], dtype=tl.int32) + num_reqs
+    # Decode fast path: with one query per request, tile i is request i. Checking that
+    # costs two independent loads instead of log2(num_reqs) dependent ones.
+    guess = tl.minimum(tile, num_reqs - 1)
+    guess_first = (tl.load(cu_query_lens_ptr + guess) + guess * (BLOCK_Q - 1)) // BLOCK_Q
+    next_first = (tl.load(cu_query_lens_ptr + guess + 1) + (guess + 1) * (BLOCK_Q - 1)) // BLOCK_Q
+    hit = (guess_first <= tile) & (next_first > tile)
+    lo = tl.where(hit, guess, 0)
+    hi = tl.where(hit, guess + 1, num_reqs)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         first_tile = (tl.load(cu_query_lens_ptr + mid) + mid * (BLOCK_Q - 1)) // BLOCK_Q
@@ -272,11 +279,17 @@ class _Config:
 # Upper bound on split-KV slices: more only adds merge traffic.
 _MAX_SPLITS = 16
 # Positions per split below which splitting stops paying for the merge.
-_MIN_POSITIONS_PER_SPLIT = 256
+_MIN_POSITIONS_PER_SPLIT = 128
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)
+    return (9, 0)  # interpreter runs: pick tiles as for the H100/H200 target
 
 
 def _num_sms(device: torch.device) -> int:
@@ -286,6 +299,24 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+# (block_m, tile_n, num_warps) before GQA widening, keyed by (is_fp32, is_decode, wide_head).
+# Picked from compiled register/shared-memory usage on sm_90 (tests/kernels/aot_compile.py):
+# every entry compiles without spills. fp32 runs its dots on FMA units ("ieee"), which need
+# many more registers per tile, hence its smaller tiles; it is a correctness path.
+_TILES = {
+    # fp16 / bf16
+    (False, True, False): (16, 64, 4),  # decode, head_dim <= 128: 116 regs, 38 KB smem
+    (False, True, True): (16, 32, 4),  # decode, head_dim 256
+    (False, False, False): (64, 64, 4),  # prefill/mixed, head_dim <= 128: 185 regs, 80 KB smem (sm_90)
+    (False, False, True): (64, 32, 8),  # prefill/mixed, head_dim 256
+    # fp32
+    (True, True, False): (16, 32, 8),
+    (True, True, True): (16, 32, 8),
+    (True, False, False): (32, 32, 8),
+    (True, False, True): (16, 32, 8),
+}
+
+
 def _pick_config(
     num_tokens: int,
     num_reqs: int,
@@ -293,21 +324,22 @@ def _pick_config(
     group: int,
     head_dim_pad: int,
     max_context: int,  # block_tables width * block_size: an upper bound, known without a sync
+    dtype: torch.dtype,
     device: torch.device,
 ) -> _Config:
     """Tile shapes from host-known sizes only (no device sync, CUDA-graph friendly)."""
-    group_pad = triton.next_power_of_2(group)
     # Only shapes are known on the host. num_tokens == num_reqs is the decode signature;
-    # any other batch is treated as containing prefill chunks.
+    # any other batch is treated as containing prefill chunks (still correct either way).
     is_decode = num_tokens == num_reqs
-    tile_n = 64 if head_dim_pad <= 128 else 32
-    if is_decode:
-        block_q = 1
-        block_m = max(16, group_pad)
-    else:
-        # 64 rows keep the fp32 accumulator at <= 64 regs/thread for head_dim 128.
-        block_m = max(64 if head_dim_pad <= 128 else 32, group_pad)
-        block_q = max(1, block_m // group_pad)
+    block_m, tile_n, num_warps = _TILES[(dtype == torch.float32, is_decode, head_dim_pad > 128)]
+    group_pad = triton.next_power_of_2(group)
+    # A tile holds whole groups: at least one token's worth of heads.
+    block_m = max(block_m, group_pad)
+    block_q = 1 if is_decode else block_m // group_pad
+    if dtype != torch.float32 and not is_decode and _compute_capability(device) < (9, 0):
+        # Without Hopper's wgmma the 64x64 tile spills on sm_80 (255 regs + 52 B of
+        # spills, 128 regs + 20 B at 8 warps); 64x32 at 4 warps fits in 190 regs.
+        tile_n = 32
 
     num_splits = 1
     if is_decode:
@@ -318,7 +350,6 @@ def _pick_config(
             by_length = max(1, max_context // _MIN_POSITIONS_PER_SPLIT)
             num_splits = max(1, min(_MAX_SPLITS, by_occupancy, by_length))
 
-    num_warps = 8 if block_m * head_dim_pad >= 64 * 256 else 4
     return _Config(
         block_q=block_q, block_m=block_m, tile_n=tile_n, num_splits=num_splits, num_warps=num_warps, num_stages=2
     )
@@ -348,7 +379,8 @@ def _check_inputs(query, k_cache, v_cache, cu_query_lens, seq_lens, block_tables
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim, strides {t.stride()}"
     assert cu_query_lens.is_contiguous() and seq_lens.is_contiguous()
-    for name, t in (("cache", k_cache), ("cu_query_lens", cu_query_lens), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+    others = (("cache", k_cache), ("cu_query_lens", cu_query_lens), ("seq_lens", seq_lens), ("block_tables", block_tables))
+    for name, t in others:
         assert t.device == query.device, f"{name} on {t.device}, query on {query.device}"
 
 
@@ -374,7 +406,14 @@ def paged_attention(
         return out
 
     cfg = _pick_config(
-        num_tokens, num_reqs, num_kv_heads, group, head_dim_pad, block_tables.shape[1] * block_size, query.device
+        num_tokens,
+        num_reqs,
+        num_kv_heads,
+        group,
+        head_dim_pad,
+        block_tables.shape[1] * block_size,
+        query.dtype,
+        query.device,
     )
     # Enough tiles for ceil(q_len / block_q) per request (see the module docstring).
     num_q_tiles = (num_tokens + num_reqs * (cfg.block_q - 1)) // cfg.block_q

@@ -54,18 +54,20 @@ def test_reference_paged_attention_matches_sdpa(name, reqs, gqa, dtype, block_si
     assert out.dtype == dtype and out.shape == batch.query.shape
 
     cu = batch.cu_query_lens.tolist()
+    # The only difference from SDPA is the final rounding to the input dtype.
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     for req in range(len(reqs)):
-        expected = dense_causal_attention(batch.query[cu[req] : cu[req + 1]], batch.keys[req], batch.values[req], batch.scale)
-        # The only difference from SDPA is the final rounding to the input dtype.
-        atol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
-        torch.testing.assert_close(out[cu[req] : cu[req + 1]].float(), expected, atol=atol, rtol=atol, msg=f"request {req}")
+        rows = slice(cu[req], cu[req + 1])
+        expected = dense_causal_attention(batch.query[rows], batch.keys[req], batch.values[req], batch.scale)
+        torch.testing.assert_close(out[rows].float(), expected, atol=tol, rtol=tol, msg=f"request {req}")
 
 
 def test_reference_decode_is_last_row_of_prefill():
     """A decode step over a cached context equals the last row of the full prefill."""
     batch = make_paged_batch(
-        ((9, 0),), num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32, device=torch.device("cpu")
-    )
+        ((9, 0),), num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32,
+        device=torch.device("cpu"),
+    )  # fmt: skip
     full = reference.paged_attention(*batch.attention_args())  # [9, 4, 16]
     decode = reference.paged_attention(
         batch.query[-1:],

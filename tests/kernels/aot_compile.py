@@ -1,0 +1,176 @@
+"""Compile every kernel variant the launchers pick, for NVIDIA GPUs, on a machine without one.
+
+The Triton interpreter accepts programs the real compiler rejects (loop-carried type
+changes, unsupported dot shapes, ...), and says nothing about registers or shared memory.
+The Triton wheel ships ptxas, so the launchers' real launch arguments can be compiled
+ahead of time down to a cubin. Run as a script (a separate process, because
+TRITON_INTERPRET must be off when triton is imported):
+
+    python tests/kernels/aot_compile.py --arch 90 --out resources.json
+
+It prints and writes, per launch, the registers, local memory (spills) and shared memory.
+This uses Triton internals (the JIT binder); test_kernels_compile.py skips if they move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silence the 3.9 default-change warning
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+# Exit status when this Triton's internals differ from what this script drives.
+EXIT_UNSUPPORTED = 3
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+except ImportError as exc:  # pragma: no cover - depends on the Triton version
+    print(f"unsupported triton {triton.__version__}: {exc}", file=sys.stderr)
+    sys.exit(EXIT_UNSUPPORTED)
+
+from kernels import copy_blocks as cb  # noqa: E402
+from kernels import kv_write  # noqa: E402
+from kernels import paged_attention as pa  # noqa: E402
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: records ``kernel[grid](*args, **kwargs)``."""
+
+    def __init__(self, jit_fn, sink: list, label: str):
+        self.jit_fn, self.sink, self.label = jit_fn, sink, label
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.sink.append((self.label, self.jit_fn, args, kwargs))
+
+        return launch
+
+
+def _compile(jit_fn, args, kwargs, target: GPUTarget):
+    """What JITFunction.run does before launching, minus the driver."""
+    backend = make_backend(target)
+    binder = create_function_from_signature(jit_fn.signature, jit_fn.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = jit_fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(jit_fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def _resource_usage(ptx: str, arch: int, workdir: Path) -> dict:
+    """Registers and spills as ``ptxas -v`` reports them for the kernel's PTX."""
+    ptx_path, cubin_path = workdir / "kernel.ptx", workdir / "kernel.cubin"
+    ptx_path.write_text(ptx)
+    ptxas = get_ptxas(arch).path  # the binary Triton itself uses for this arch
+    arch_name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    cmd = [ptxas, f"-arch={arch_name}", "-v", str(ptx_path), "-o", str(cubin_path)]
+    report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    numbers = {
+        "regs": r"Used (\d+) registers",
+        "spill_stores": r"(\d+) bytes spill stores",
+        "spill_loads": r"(\d+) bytes spill loads",
+        "stack": r"(\d+) bytes stack frame",
+    }
+    return {key: int(re.search(pattern, report).group(1)) for key, pattern in numbers.items()}
+
+
+def _attention_launch(reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, max_blocks=None):
+    """Call the real launcher on small CPU tensors of the given shape."""
+    num_tokens = sum(q for q, _ in reqs)
+    seq_lens = [q + c for q, c in reqs]
+    width = max_blocks or max(-(-s // block_size) for s in seq_lens)
+    cu = [0]
+    for q, _ in reqs:
+        cu.append(cu[-1] + q)
+    pa.paged_attention(
+        torch.zeros(num_tokens, num_heads, head_dim, dtype=dtype),
+        torch.zeros(width * len(reqs), block_size, num_kv_heads, head_dim, dtype=dtype),
+        torch.zeros(width * len(reqs), block_size, num_kv_heads, head_dim, dtype=dtype),
+        torch.tensor(cu, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        torch.zeros(len(reqs), width, dtype=torch.int32),
+        head_dim**-0.5,
+    )
+
+
+def _record_all_launches(arch: int) -> list:
+    launches: list = []
+    pa._paged_attention_kernel = _Recorder(pa._paged_attention_kernel, launches, "attention")
+    pa._merge_splits_kernel = _Recorder(pa._merge_splits_kernel, launches, "merge_splits")
+    kv_write._write_kv_cache_kernel = _Recorder(kv_write._write_kv_cache_kernel, launches, "write_kv")
+    cb._copy_blocks_kernel = _Recorder(cb._copy_blocks_kernel, launches, "copy_blocks")
+    pa._num_sms = lambda device: 132  # choose tiles as on an H100/H200
+    pa._compute_capability = lambda device: divmod(arch, 10)
+
+    decode, prefill = ((1, 100),) * 4, ((100, 0), (30, 40))
+    for label_dtype in (torch.float16, torch.bfloat16, torch.float32):
+        # Llama-3-8B shapes: 32 heads, 8 KV heads, head_dim 128.
+        _attention_launch(decode, 32, 8, 128, 16, label_dtype)
+        _attention_launch(prefill, 32, 8, 128, 16, label_dtype)
+    _attention_launch(((1, 100),), 32, 8, 128, 16, torch.bfloat16, max_blocks=512)  # split-KV decode
+    _attention_launch(prefill, 16, 16, 256, 32, torch.float32)  # widest rows
+    _attention_launch(prefill, 16, 16, 256, 32, torch.bfloat16)
+    _attention_launch(prefill, 16, 2, 80, 32, torch.float16)  # padded head_dim, GQA 8
+    _attention_launch(decode, 4, 2, 8, 16, torch.float16)  # tiny head_dim padded to 16
+
+    for dtype, kvh, hd in ((torch.float16, 8, 128), (torch.bfloat16, 3, 80), (torch.float32, 1, 8)):
+        kv_write.write_kv_cache(
+            torch.zeros(4, kvh, hd, dtype=dtype),
+            torch.zeros(4, kvh, hd, dtype=dtype),
+            torch.zeros(2, 16, kvh, hd, dtype=dtype),
+            torch.zeros(2, 16, kvh, hd, dtype=dtype),
+            torch.zeros(4, dtype=torch.int64),
+        )
+    cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
+    cb.copy_blocks(cache, cache.clone(), torch.zeros(2, 2, dtype=torch.int64))
+    return launches
+
+
+def _describe(label: str, kwargs: dict, args: tuple) -> str:
+    dtype = args[0].dtype  # every kernel's first argument holds the data dtype
+    keys = ("BLOCK_M", "BLOCK_Q", "TILE_N", "HEAD_DIM", "GROUP", "NUM_SPLITS", "NUM_KV_HEADS", "num_warps")
+    shape = ",".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
+    return f"{label}[{str(dtype).removeprefix('torch.')}:{shape}]"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80 or 90")
+    parser.add_argument("--out", type=Path, default=None)
+    opts = parser.parse_args()
+
+    target = GPUTarget("cuda", opts.arch, 32)
+    ptxas = get_ptxas(opts.arch).path
+    if not (ptxas and os.path.exists(ptxas)) or not hasattr(triton.runtime.jit.JITFunction, "_pack_args"):
+        print(f"unsupported triton {triton.__version__}: no ptxas or JIT internals moved", file=sys.stderr)
+        return EXIT_UNSUPPORTED
+    results = {}
+    workdir = Path(tempfile.mkdtemp(prefix="aot_compile_"))
+    for label, jit_fn, args, kwargs in _record_all_launches(opts.arch):
+        name = _describe(label, kwargs, args)
+        if name in results:
+            continue
+        compiled = _compile(jit_fn, args, kwargs, target)
+        usage = _resource_usage(compiled.asm["ptx"], opts.arch, workdir)
+        usage["shared"] = compiled.metadata.shared
+        results[name] = usage
+        print(f"sm_{opts.arch} {name}: {usage}", flush=True)
+    if opts.out:
+        opts.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

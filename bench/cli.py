@@ -1,0 +1,319 @@
+"""`python -m bench`: a serving benchmark for the llmsched.v1.Scheduler API,
+in the spirit of `vllm bench serve`. See bench/README.md."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import workloads as wl
+from bench.baselines import BASELINES, STATIC_BATCH_SIZE, cb_limits_from_env, compare_outputs, describe
+from bench.client import drained_server_info, run_requests, server_info
+from bench.report import baseline_record, format_table, request_record, summarize, write_json
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("server")
+    g.add_argument("--address", default=DEFAULT_ADDRESS, help="scheduler host:port (ignored with --launch)")
+    g.add_argument("--launch", action="store_true", help="start executor + scheduler for the run, stop them after")
+    g.add_argument("--model", default="bench-small",
+                   help="built-in model name or checkpoint directory: served with --launch, used for prompt "
+                        "token ids and the baselines")
+    g.add_argument("--executor-env", action="append", default=[], metavar="K=V", help="extra executor env (--launch)")
+    g.add_argument("--scheduler-env", action="append", default=[], metavar="K=V", help="extra scheduler env (--launch)")
+    g.add_argument("--num-threads", type=int, default=1,
+                   help="torch intra-op threads, for the launched executor and the baselines alike")
+    g.add_argument("--vocab-size", type=int, default=None, help="override the vocab the random prompts draw from")
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=["mixed", "shared-prefix", "overload"], default="mixed")
+    g.add_argument("--dataset", type=Path, default=None, help="JSONL of {prompt | prompt_token_ids, max_tokens}")
+    g.add_argument("--num-requests", type=int, default=None, help="mixed: 256, shared-prefix: 128, dataset: all")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prompt-len-scale", type=float, default=1.0, help="scale every prompt length (median and clip)")
+    g.add_argument("--output-len-scale", type=float, default=1.0, help="scale every output length (median and clip)")
+    for kind in ("prompt", "output"):
+        for what in ("median", "min", "max"):
+            g.add_argument(f"--{kind}-{what}", type=float if what == "median" else int, default=None,
+                           help=f"override the {kind} length {what} (after scaling)")
+    g.add_argument("--len-sigma", type=float, default=wl.DEFAULT_SIGMA, help="sigma of the log-normal lengths")
+    g.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: prefix tokens (512)")
+    g.add_argument("--suffix-len", type=int, default=None, help="shared-prefix: unique suffix tokens (32)")
+    g.add_argument("--shared-output-len", type=int, default=None, help="shared-prefix: output tokens (64)")
+
+    g = p.add_argument_group("arrivals")
+    g.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals at this many requests/s (seeded); inf = offline, all at t=0")
+    g.add_argument("--capacity-from", type=Path, default=None,
+                   help="a previous offline report: request rate = --rate-factor x its request throughput")
+    g.add_argument("--rate-factor", type=float, default=None, help="with --capacity-from; overload 2.0, else 0.7")
+    g.add_argument("--duration", type=float, default=60.0, help="overload: seconds of arrivals")
+    g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    g.add_argument("--request-timeout", type=float, default=None, help="per-request gRPC deadline, seconds")
+
+    g = p.add_argument_group("baselines")
+    g.add_argument("--baseline", action="append", choices=sorted(BASELINES), default=[],
+                   help="HF transformers baseline on the same weights and work (repeatable)")
+    g.add_argument("--hf-static-batch-size", type=int, default=STATIC_BATCH_SIZE)
+    g.add_argument("--check-requests", type=int, default=4,
+                   help="K warm-up requests before timing, and greedy outputs of the first K requests compared "
+                        "with each baseline's (0 = neither)")
+    g.add_argument("--strict-check", action="store_true", help="exit 1 when greedy outputs differ")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--out", type=Path, default=None, help="JSON report (default bench_results/<timestamp>.json)")
+    g.add_argument("--no-plots", action="store_true")
+    g.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.num_requests is not None and args.num_requests < 1:
+        p.error("--num-requests must be at least 1")
+    if args.check_requests < 0:
+        p.error("--check-requests must be 0 or more")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        p.error("--max-concurrency must be at least 1")
+    if args.dataset is not None and args.workload == "overload":
+        p.error("--dataset replaces the workload; use --request-rate for online arrivals")
+    return args
+
+
+def parse_env_pairs(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"expected K=V, got {pair!r}")
+        env[key] = value
+    return env
+
+
+def vocab_size_for(model: str, override: int | None) -> int:
+    if override is not None:
+        return override
+    path = Path(model)
+    if path.is_dir():
+        return int(json.loads((path / "config.json").read_text())["vocab_size"])
+    try:
+        from executor_svc.builtin import BUILTIN_MODELS
+    except ImportError as exc:  # a scheduler-only install has no torch
+        raise SystemExit(f"cannot look up the vocab of {model!r} ({exc}); pass --vocab-size") from None
+    if model not in BUILTIN_MODELS:
+        raise SystemExit(f"--model {model!r} is neither a directory nor a built-in ({', '.join(BUILTIN_MODELS)})")
+    return BUILTIN_MODELS[model].vocab_size
+
+
+def _lengths(args: argparse.Namespace, kind: str, base: wl.LengthDist) -> wl.LengthDist:
+    d = base.scaled(getattr(args, f"{kind}_len_scale"))
+    median = getattr(args, f"{kind}_median") or d.median
+    lo = getattr(args, f"{kind}_min") or d.lo
+    hi = getattr(args, f"{kind}_max") or d.hi
+    return wl.LengthDist(median, lo, max(lo, hi), args.len_sigma)
+
+
+def resolve_rate(args: argparse.Namespace) -> float | None:
+    """Requests/s for online mode, None for offline."""
+    if args.capacity_from is not None:
+        capacity = json.loads(args.capacity_from.read_text())["summary"]["request_throughput"]
+        factor = args.rate_factor or (2.0 if args.workload == "overload" else 0.7)
+        return capacity * factor
+    if math.isinf(args.request_rate):
+        if args.workload == "overload":
+            raise SystemExit("overload needs --request-rate or --capacity-from (BENCHMARKS.md: twice capacity)")
+        return None
+    return args.request_rate
+
+
+def build_workload(args: argparse.Namespace, vocab_size: int, rate: float | None) -> wl.Workload:
+    prompt, output = _lengths(args, "prompt", wl.MIXED_PROMPT), _lengths(args, "output", wl.MIXED_OUTPUT)
+    if args.dataset is not None:
+        work = wl.from_jsonl(args.dataset, args.num_requests)
+    elif args.workload == "mixed":
+        work = wl.mixed(args.num_requests or 256, vocab_size, args.seed, prompt, output)
+    elif args.workload == "shared-prefix":
+        spec = wl.SharedPrefixSpec(num_requests=args.num_requests or 128)
+        spec = spec.scaled(args.prompt_len_scale, args.output_len_scale)
+        spec = wl.SharedPrefixSpec(spec.num_requests, args.prefix_len or spec.prefix_len,
+                                   args.suffix_len or spec.suffix_len, args.shared_output_len or spec.output_len)
+        work = wl.shared_prefix(vocab_size, args.seed, spec)
+    else:
+        work = wl.overload(rate, args.duration, vocab_size, args.seed, prompt, output)
+        if args.num_requests is not None:
+            del work.requests[args.num_requests:]
+        return work
+    if rate is not None:
+        wl.with_poisson_arrivals(work, rate, args.seed)
+    return work
+
+
+def _info_dict(info) -> dict:
+    # Field by field rather than MessageToDict, which writes uint64 as text.
+    return {f.name: getattr(info, f.name) for f in info.DESCRIPTOR.fields}
+
+
+def _environment(num_threads: int) -> dict:
+    env = {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+           "num_threads": num_threads}
+    for mod in ("torch", "transformers", "grpc"):
+        if mod in sys.modules:
+            env[f"{mod}_version"] = getattr(sys.modules[mod], "__version__", "?")
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                           cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        env["git_commit"] = None
+    return env
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    executor_env, scheduler_env = parse_env_pairs(args.executor_env), parse_env_pairs(args.scheduler_env)
+    if "EXECUTOR_MODEL" in executor_env:
+        raise SystemExit("set the model with --model, not EXECUTOR_MODEL: the baselines and prompts need it too")
+    # The executor's thread count is what the baselines must match.
+    num_threads = int(executor_env.setdefault("EXECUTOR_NUM_THREADS", str(args.num_threads)))
+    rate = resolve_rate(args)
+    mode = "offline" if rate is None else "online"
+    vocab_size = vocab_size_for(args.model, args.vocab_size)
+    work = build_workload(args, vocab_size, rate)
+    requests = work.requests
+    if not requests:
+        raise SystemExit("the workload has no requests (overload: raise --duration or --request-rate)")
+    out = args.out or Path("bench_results") / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
+    stem = out.with_suffix("")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    k = min(args.check_requests, len(requests))
+
+    services, log_file = None, None
+    if args.launch:
+        from llmsched.launch import launch
+
+        log_path = stem.with_name(stem.name + ".services.log")
+        log_file = log_path.open("w")
+        services = launch(executor_env={"EXECUTOR_MODEL": args.model, **executor_env}, scheduler_env=scheduler_env)
+        services.stdout = log_file  # their logs would bury the summary table
+        _say(f"launching executor + scheduler ({args.model}); logs in {log_path}")
+    hf, prompts, checks = None, None, {}
+    try:
+        if services is not None:
+            services.start()
+        address = services.scheduler_address if services else args.address
+        info_before = asyncio.run(server_info(address))
+        expected = Path(args.model).name
+        if info_before.model != expected:
+            _say(f"warning: the server serves {info_before.model!r}, not {expected!r}: prompts and baselines "
+                 "assume --model")
+        if clipped := wl.fit_to_context(requests, info_before.max_model_len):
+            _say(f"note: {clipped} requests shortened to fit max_model_len={info_before.max_model_len}")
+        if k:
+            _warm_up(address, wl.warmup_requests(requests[:k], vocab_size, args.seed), args)
+        if args.baseline:
+            from bench.baselines import load_hf_model, prompt_token_ids
+
+            hf = load_hf_model(args.model, num_threads)
+            prompts = prompt_token_ids(requests, hf.tokenizer_json)
+            # Each baseline's greedy outputs on the first k requests, before
+            # anything is timed: a baseline that fails here fails in seconds.
+            checks = {name: BASELINES[name](hf, prompts[:k], [r.max_tokens for r in requests[:k]],
+                                            **_baseline_kwargs(args, scheduler_env)).outputs
+                      for name in (args.baseline if k else [])}
+
+        _say(f"timed run: {len(requests)} requests, {mode}"
+             + (f" at {rate:.3g} req/s" if rate else "")
+             + (f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""))
+        run = asyncio.run(run_requests(address, requests, tag=f"bench-{os.getpid()}",
+                                       max_concurrency=args.max_concurrency, timeout_s=args.request_timeout,
+                                       show_progress=not args.no_progress, desc=work.name))
+        info_after, drained = asyncio.run(drained_server_info(address))
+    finally:
+        if services is not None:
+            services.stop()
+            log_file.close()
+
+    correctness = _check(run, checks, k)
+    summary = summarize(run)
+    report = {
+        "mode": mode,
+        "workload": {"name": work.name, **work.params},
+        "config": {**{key: (str(v) if isinstance(v, Path) else v) for key, v in vars(args).items()},
+                   "request_rate": rate, "address": address, "executor_env": executor_env,
+                   "scheduler_env": scheduler_env},
+        "environment": _environment(num_threads),
+        "started_unix": run.started_unix,
+        "summary": summary,
+        "server": {
+            "before": _info_dict(info_before), "after": _info_dict(info_after), "drained": drained,
+            "kv_blocks_held_after": info_after.num_kv_blocks - info_after.num_free_kv_blocks,
+            "preemptions": info_after.num_preemptions - info_before.num_preemptions,
+        },
+        "correctness": correctness,
+        "baselines": [],
+        "requests": [request_record(r) for r in run.results],
+    }
+    # Baselines run after the services stopped, so neither side competes
+    # with the other for the CPU.
+    for name in args.baseline:
+        _say(f"baseline {name}: {len(requests)} requests, {num_threads} torch threads")
+        b = BASELINES[name](hf, prompts, [r.max_tokens for r in requests], **_baseline_kwargs(args, scheduler_env))
+        done = [r for r in run.results if r.ok]
+        differ = compare_outputs([r.index for r in done], [r.output_ids for r in done],
+                                 [b.outputs[r.index] for r in done])
+        agreement = {"compared": len(done), "identical": len(done) - len(differ),
+                     "mismatches": [describe(m) for m in differ[:20]]}
+        report["baselines"].append(baseline_record(b, summary, agreement))
+
+    write_json(report, out)
+    print(format_table(report))
+    _say(f"report: {out}")
+    if not args.no_plots:
+        from bench.plots import write_plots
+
+        paths, why = write_plots(report, stem)
+        _say(why or "plots: " + ", ".join(str(p) for p in paths))
+    mismatched = any(c["mismatches"] for c in correctness["per_baseline"].values())
+    return 1 if args.strict_check and mismatched else 0
+
+
+def _warm_up(address: str, requests: list[wl.BenchRequest], args: argparse.Namespace) -> None:
+    _say(f"warm-up: {len(requests)} requests (prompts unlike the workload's, so the prefix cache stays cold)")
+    run = asyncio.run(run_requests(address, requests, tag=f"warmup-{os.getpid()}", timeout_s=args.request_timeout,
+                                   show_progress=False))
+    if bad := [r for r in run.results if not r.ok]:
+        _say(f"warning: {len(bad)} warm-up requests did not complete: {bad[0].error}")
+
+
+def _check(run, checks: dict[str, list[list[int]]], k: int) -> dict:
+    """Our greedy outputs of the first k requests (from the timed run, so
+    the outputs checked are the outputs timed) against each baseline's,
+    computed before any timing. Mismatches are shouted on stderr."""
+    per_baseline = {}
+    ours = run.results[:k]
+    for name, theirs in checks.items():
+        mismatches = compare_outputs([r.index for r in ours], [r.output_ids for r in ours], theirs)
+        per_baseline[name] = {"checked": k, "mismatches": [describe(m) for m in mismatches]}
+        if mismatches:
+            _say(f"\n!!! GREEDY MISMATCH: ours vs {name} differ on {len(mismatches)} of the first {k} requests:")
+            for m in mismatches:
+                _say(f"!!!   {describe(m)}")
+            _say("!!! the throughput ratio compares different outputs\n")
+        else:
+            _say(f"greedy check vs {name}: first {k} requests identical")
+    return {"checked": k, "per_baseline": per_baseline}
+
+
+def _baseline_kwargs(args: argparse.Namespace, scheduler_env: dict[str, str]) -> dict:
+    return {"batch_size": args.hf_static_batch_size, **cb_limits_from_env(scheduler_env)}

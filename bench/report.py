@@ -1,0 +1,164 @@
+"""Turns a run into figures: the summary dict that goes into the JSON
+report, the printed table, and the JSON file itself."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+from bench.baselines import BaselineResult
+from bench.client import RequestResult, RunResult
+from bench.stats import Distribution, inter_token_latencies, throughput_timeline, tpot, ttft
+
+MS = 1000.0
+LATENCY_FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms")
+
+
+def request_record(r: RequestResult) -> dict:
+    """Everything measured about one request; times in seconds from the
+    run's start, rounded to the microsecond to keep the file readable."""
+    n = len(r.output_ids)
+    return {
+        "index": r.index, "request_id": r.request_id, "status": r.status, "error": r.error,
+        "finish_reason": r.finish_reason, "prompt_len": r.prompt_len, "max_tokens": r.max_tokens,
+        "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "output_tokens": n,
+        "cached_prompt_tokens": r.cached_prompt_tokens,
+        "arrival_s": _round(r.arrival_s), "send_s": _round(r.send_s), "end_s": _round(r.end_s),
+        "ttft_s": _round(ttft(r.send_s, r.chunk_times)), "tpot_s": _round(tpot(r.send_s, r.chunk_times, n)),
+        "e2e_s": _round(r.end_s - r.send_s),
+        "chunk_times_s": [_round(t) for t in r.chunk_times], "chunk_tokens": list(r.chunk_tokens),
+    }
+
+
+def summarize(run: RunResult) -> dict:
+    ok = [r for r in run.results if r.ok]
+    latencies: dict[str, list[float]] = {k: [] for k in LATENCY_FIGURES}
+    token_events: list[tuple[float, int]] = []
+    for r in ok:
+        n = len(r.output_ids)
+        if (v := ttft(r.send_s, r.chunk_times)) is not None:
+            latencies["ttft_ms"].append(v)
+        if (v := tpot(r.send_s, r.chunk_times, n)) is not None:
+            latencies["tpot_ms"].append(v)
+        latencies["itl_ms"].extend(inter_token_latencies(r.chunk_times, r.chunk_tokens))
+        latencies["e2e_ms"].append(r.end_s - r.send_s)
+        latencies["queue_ms"].append(r.send_s - r.arrival_s)
+        token_events.extend(zip(r.chunk_times, r.chunk_tokens))
+    duration = run.duration_s
+    out_tokens = sum(len(r.output_ids) for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_prompt_tokens for r in ok)
+    bucket_s, timeline = throughput_timeline(token_events, duration)
+    per_sec = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
+    return {
+        "num_requests": len(run.results),
+        "completed": len(ok),
+        "rejected": sum(r.status == "rejected" for r in run.results),
+        "failed": sum(r.status == "failed" for r in run.results),
+        "duration_s": duration,
+        "request_throughput": per_sec(len(ok)),
+        "output_throughput": per_sec(out_tokens),
+        "total_token_throughput": per_sec(out_tokens + prompt_tokens),
+        "total_prompt_tokens": prompt_tokens,
+        "total_output_tokens": out_tokens,
+        "cached_prompt_tokens": cached,
+        "cached_prompt_fraction": cached / prompt_tokens if prompt_tokens else 0.0,
+        **{k: asdict(Distribution.of(v).scaled(MS)) for k, v in latencies.items()},
+        "timeline": {"bucket_s": bucket_s, "output_tokens_per_s": timeline},
+    }
+
+
+def baseline_record(b: BaselineResult, ours: dict, agreement: dict | None) -> dict:
+    def ratio(x: float, y: float) -> float:
+        return x / y if y > 0 else math.nan
+
+    return {
+        "name": b.name, "wall_s": b.wall_s, "num_requests": b.num_requests, "output_tokens": b.output_tokens,
+        "output_throughput": b.output_throughput, "request_throughput": b.request_throughput,
+        # ours / baseline: above 1 means we are faster on the same work.
+        "ratio_output_throughput": ratio(ours["output_throughput"], b.output_throughput),
+        "ratio_request_throughput": ratio(ours["request_throughput"], b.request_throughput),
+        "agreement": agreement, "extra": b.extra,
+    }
+
+
+def format_table(report: dict) -> str:
+    s, wl, cfg = report["summary"], report["workload"], report["config"]
+    lines = []
+
+    def title(text: str) -> None:
+        lines.append(f"{' ' + text + ' ':=^64}")
+
+    def row(label: str, value: object) -> None:
+        lines.append(f"{label:<44}{value:>20}")
+
+    title("llmsched serving benchmark")
+    row("Workload", f"{wl['name']} ({report['mode']})")
+    row("Model", Path(cfg["model"]).name)  # a checkpoint path would overflow the column
+    row("Requests: completed / total", f"{s['completed']} / {s['num_requests']}")
+    row("Rejected (RESOURCE_EXHAUSTED)", s["rejected"])
+    row("Failed", s["failed"])
+    row("Duration (s)", f"{s['duration_s']:.2f}")
+    row("Request throughput (req/s)", f"{s['request_throughput']:.2f}")
+    row("Output token throughput (tok/s)", f"{s['output_throughput']:.1f}")
+    row("Total token throughput (tok/s)", f"{s['total_token_throughput']:.1f}")
+    row("Prompt / output tokens", f"{s['total_prompt_tokens']} / {s['total_output_tokens']}")
+    row("Cached prompt tokens", f"{s['cached_prompt_tokens']} ({s['cached_prompt_fraction']:.1%})")
+    title("latency (ms)")
+    lines.append(f"{'':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>12}")
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"),
+                       ("queue_ms", "client q")):
+        d = s[key]
+        lines.append(f"{label:<12}" + "".join(f"{_num(d[k]):>10}" for k in ("mean", "p50", "p90", "p99"))
+                     + f"{_num(d['max']):>12}")
+    server = report.get("server") or {}
+    if server.get("after"):
+        title("server")
+        row("Preemptions during run", server.get("preemptions", "?"))
+        row("KV blocks held after drain (must be 0)", server.get("kv_blocks_held_after", "?"))
+    if report.get("baselines"):
+        title("baselines (same run; ratio = ours / baseline)")
+        lines.append(f"{'':<12}{'wall s':>10}{'out tok/s':>12}{'ratio':>10}{'greedy agreement':>20}")
+        lines.append(f"{'ours':<12}{s['duration_s']:>10.2f}{s['output_throughput']:>12.1f}{'1.00':>10}{'':>20}")
+        for b in report["baselines"]:
+            agree = b.get("agreement") or {}
+            agree_text = f"{agree.get('identical', '?')}/{agree.get('compared', '?')}"
+            lines.append(f"{b['name']:<12}{b['wall_s']:>10.2f}{b['output_throughput']:>12.1f}"
+                         f"{_num(b['ratio_output_throughput'], 2) + 'x':>10}{agree_text:>20}")
+        if report["mode"] != "offline":
+            lines.append("note: baselines run offline; the ratio compares them with an online run")
+    check = report.get("correctness") or {}
+    for name, c in (check.get("per_baseline") or {}).items():
+        if c["mismatches"]:
+            lines.append(f"!!! GREEDY MISMATCH vs {name} on {len(c['mismatches'])} of {c['checked']} checked requests")
+    lines.append("=" * 64)
+    return "\n".join(lines)
+
+
+def without_nan(obj: object) -> object:
+    """NaN (an empty distribution, a zero-time ratio) becomes null: NaN is
+    not JSON, and jq or a browser would refuse the file."""
+    if isinstance(obj, float):
+        return None if math.isnan(obj) else obj
+    if isinstance(obj, dict):
+        return {k: without_nan(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [without_nan(v) for v in obj]
+    return obj
+
+
+def write_json(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(without_nan(report), indent=1, allow_nan=False) + "\n")
+
+
+def _num(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None or math.isnan(v) else f"{v:.{digits}f}"
+
+
+def _round(v: float | None) -> float | None:
+    if v is None or math.isnan(v):
+        return None
+    return round(v, 6)

@@ -1,0 +1,234 @@
+"""Seeded, reproducible workloads (../shared/BENCHMARKS.md): mixed,
+shared-prefix, overload, and JSONL datasets.
+
+Every request is drawn in turn from one seeded RNG (lengths, then token
+ids), so the first k requests of a 32-request run are the first k of the
+full 256-request run: a scaled-down smoke run measures a prefix of the real
+workload, not a different one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from bench.stats import poisson_arrivals
+
+# Ids 0-2 are <unk>, <s>, </s> in every model we serve; a random prompt must
+# not contain them, or EOS/BOS handling would differ between engines.
+FIRST_REGULAR_ID = 3
+# Arrival times get their own RNG stream, so changing the rate never changes
+# the prompts (and the other way round).
+ARRIVAL_SEED_OFFSET = 1_000_003
+# Spread of the log-normal length laws: median 128 then gives p90 ~ 360 and
+# p99 ~ 820 before clipping, a real mix of short and long requests.
+DEFAULT_SIGMA = 0.8
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    """One request of a workload. Exactly one of prompt_token_ids /
+    prompt_text is set; arrival_s is the offset from the run's start at
+    which the client sends it (0 for offline)."""
+
+    index: int
+    max_tokens: int
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    arrival_s: float = 0.0
+
+    @property
+    def prompt_len(self) -> int | None:
+        """Known only for token-id prompts; text is tokenized server-side."""
+        return None if self.prompt_token_ids is None else len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class LengthDist:
+    """Log-normal lengths with the given median, clipped to [lo, hi]."""
+
+    median: float
+    lo: int
+    hi: int
+    sigma: float = DEFAULT_SIGMA
+
+    def __post_init__(self):
+        if not 1 <= self.lo <= self.hi:
+            raise ValueError(f"length bounds must satisfy 1 <= lo <= hi, got lo={self.lo} hi={self.hi}")
+        if self.median <= 0 or self.sigma < 0:
+            raise ValueError(f"need median > 0 and sigma >= 0, got median={self.median} sigma={self.sigma}")
+
+    def sample(self, rng: random.Random) -> int:
+        n = round(math.exp(rng.gauss(math.log(self.median), self.sigma)))
+        return min(self.hi, max(self.lo, n))
+
+    def scaled(self, factor: float) -> "LengthDist":
+        """The same law shrunk or grown, so a smoke run keeps its shape."""
+        lo = max(1, round(self.lo * factor))
+        return LengthDist(max(self.median * factor, 1.0), lo, max(lo, round(self.hi * factor)), self.sigma)
+
+
+MIXED_PROMPT = LengthDist(median=128, lo=16, hi=1024)
+MIXED_OUTPUT = LengthDist(median=128, lo=8, hi=512)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefixSpec:
+    num_requests: int = 128
+    prefix_len: int = 512
+    suffix_len: int = 32
+    output_len: int = 64
+
+    def scaled(self, prompt_factor: float, output_factor: float) -> "SharedPrefixSpec":
+        return replace(self, prefix_len=max(1, round(self.prefix_len * prompt_factor)),
+                       suffix_len=max(1, round(self.suffix_len * prompt_factor)),
+                       output_len=max(1, round(self.output_len * output_factor)))
+
+
+@dataclass(slots=True)
+class Workload:
+    """The requests plus what produced them, for the report."""
+
+    name: str
+    requests: list[BenchRequest]
+    params: dict = field(default_factory=dict)
+
+
+def random_token_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    if vocab_size <= FIRST_REGULAR_ID:
+        raise ValueError(f"vocab_size {vocab_size} leaves no regular token ids")
+    return [rng.randrange(FIRST_REGULAR_ID, vocab_size) for _ in range(n)]
+
+
+def mixed(num_requests: int, vocab_size: int, seed: int = 0, prompt: LengthDist = MIXED_PROMPT,
+          output: LengthDist = MIXED_OUTPUT) -> Workload:
+    rng = random.Random(seed)
+    requests = []
+    for i in range(num_requests):
+        prompt_len, max_tokens = prompt.sample(rng), output.sample(rng)
+        requests.append(BenchRequest(i, max_tokens, prompt_token_ids=random_token_ids(rng, prompt_len, vocab_size)))
+    return Workload("mixed", requests, {"num_requests": num_requests, "seed": seed, "vocab_size": vocab_size,
+                                        "prompt": _dist_dict(prompt), "output": _dist_dict(output)})
+
+
+def shared_prefix(vocab_size: int, seed: int = 0, spec: SharedPrefixSpec = SharedPrefixSpec()) -> Workload:
+    rng = random.Random(seed)
+    prefix = random_token_ids(rng, spec.prefix_len, vocab_size)
+    requests = [
+        BenchRequest(i, spec.output_len, prompt_token_ids=prefix + random_token_ids(rng, spec.suffix_len, vocab_size))
+        for i in range(spec.num_requests)
+    ]
+    params = {"num_requests": spec.num_requests, "prefix_len": spec.prefix_len, "suffix_len": spec.suffix_len,
+              "output_len": spec.output_len, "seed": seed, "vocab_size": vocab_size}
+    return Workload("shared-prefix", requests, params)
+
+
+def overload(rate: float, duration_s: float, vocab_size: int, seed: int = 0, prompt: LengthDist = MIXED_PROMPT,
+             output: LengthDist = MIXED_OUTPUT) -> Workload:
+    """Poisson arrivals at `rate` for `duration_s`, lengths as in mixed. The
+    number of requests is whatever the Poisson stream yields."""
+    arrivals = poisson_arrivals(rate, seed + ARRIVAL_SEED_OFFSET, duration_s=duration_s)
+    work = mixed(len(arrivals), vocab_size, seed, prompt, output)
+    for req, t in zip(work.requests, arrivals):
+        req.arrival_s = t
+    work.name = "overload"
+    work.params.update(request_rate=rate, duration_s=duration_s)
+    return work
+
+
+def with_poisson_arrivals(work: Workload, rate: float, seed: int) -> Workload:
+    """Online mode: the same requests, sent in a seeded Poisson stream."""
+    arrivals = poisson_arrivals(rate, seed + ARRIVAL_SEED_OFFSET, num=len(work.requests))
+    for req, t in zip(work.requests, arrivals):
+        req.arrival_s = t
+    work.params["request_rate"] = rate
+    return work
+
+
+WARMUP_SEED_OFFSET = 7_919
+WARMUP_MAX_TOKENS = 32
+WARMUP_TEXT_PROMPT_LEN = 32
+
+
+def warmup_requests(requests: list[BenchRequest], vocab_size: int, seed: int) -> list[BenchRequest]:
+    """Requests shaped like the given ones (prompt lengths, output capped at
+    WARMUP_MAX_TOKENS) but with fresh random tokens: they warm the engine
+    without warming the prefix cache for the timed requests, which would
+    inflate cached_prompt_tokens and speed."""
+    rng = random.Random(seed + WARMUP_SEED_OFFSET)
+    return [BenchRequest(i, min(r.max_tokens, WARMUP_MAX_TOKENS),
+                         prompt_token_ids=random_token_ids(rng, r.prompt_len or WARMUP_TEXT_PROMPT_LEN, vocab_size))
+            for i, r in enumerate(requests)]
+
+
+def parse_jsonl(lines: Iterable[str], source: str = "<jsonl>") -> list[BenchRequest]:
+    """Lines of {"prompt": str | "prompt_token_ids": [int], "max_tokens": int}.
+    Blank lines are skipped; anything else malformed raises ValueError naming
+    the line, since a silently dropped request would skew every figure."""
+    requests: list[BenchRequest] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{source}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected an object, got {type(obj).__name__}")
+        has_text, has_ids = "prompt" in obj, "prompt_token_ids" in obj
+        if has_text == has_ids:
+            raise ValueError(f"{where}: give exactly one of 'prompt' and 'prompt_token_ids'")
+        max_tokens = obj.get("max_tokens")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"{where}: 'max_tokens' must be a positive integer, got {max_tokens!r}")
+        req = BenchRequest(len(requests), max_tokens)
+        if has_text:
+            if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+                raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+            req.prompt_text = obj["prompt"]
+        else:
+            ids = obj["prompt_token_ids"]
+            if (not isinstance(ids, list) or not ids
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+                raise ValueError(f"{where}: 'prompt_token_ids' must be a non-empty list of non-negative integers")
+            req.prompt_token_ids = list(ids)
+        requests.append(req)
+    if not requests:
+        raise ValueError(f"{source}: no requests")
+    return requests
+
+
+def from_jsonl(path: str | Path, num_requests: int | None = None) -> Workload:
+    path = Path(path)
+    with path.open(encoding="utf-8") as f:
+        requests = parse_jsonl(f, str(path))
+    if num_requests is not None:
+        requests = requests[:num_requests]
+    return Workload("dataset", requests, {"path": str(path), "num_requests": len(requests)})
+
+
+def fit_to_context(requests: list[BenchRequest], max_model_len: int) -> int:
+    """Shortens requests that could never fit the server's context (the
+    server would reject them as INVALID_ARGUMENT): the prompt keeps at most
+    max_model_len - 1 tokens, and the output what is left. Returns how many
+    were changed, which the report prints. Text prompts have no known
+    length here and are left alone."""
+    changed = 0
+    for req in requests:
+        if req.prompt_token_ids is None:
+            continue
+        if len(req.prompt_token_ids) + req.max_tokens <= max_model_len:
+            continue
+        del req.prompt_token_ids[max_model_len - 1:]
+        req.max_tokens = max(1, min(req.max_tokens, max_model_len - len(req.prompt_token_ids)))
+        changed += 1
+    return changed
+
+
+def _dist_dict(d: LengthDist) -> dict:
+    return {"median": d.median, "min": d.lo, "max": d.hi, "sigma": d.sigma}

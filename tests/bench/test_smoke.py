@@ -1,0 +1,53 @@
+"""The whole tool end to end: `python -m bench --launch` against tiny-random
+with a tiny hf-static baseline. Checks the report is complete, not speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+SUMMARY_KEYS = {"num_requests", "completed", "rejected", "failed", "duration_s", "request_throughput",
+                "output_throughput", "total_token_throughput", "total_prompt_tokens", "total_output_tokens",
+                "cached_prompt_tokens", "cached_prompt_fraction", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms",
+                "queue_ms", "timeline"}
+REQUEST_KEYS = {"index", "request_id", "status", "error", "finish_reason", "prompt_len", "max_tokens",
+                "prompt_tokens", "completion_tokens", "output_tokens", "cached_prompt_tokens", "arrival_s", "send_s",
+                "end_s", "ttft_s", "tpot_s", "e2e_s", "chunk_times_s", "chunk_tokens"}
+
+
+@pytest.mark.slow
+def test_launch_run_writes_a_complete_report_with_a_baseline(tmp_path):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "bench", "--launch", "--model", "tiny-random", "--num-requests", "5",
+           "--prompt-median", "8", "--prompt-min", "4", "--prompt-max", "24",
+           "--output-median", "4", "--output-min", "2", "--output-max", "8",
+           "--baseline", "hf-static", "--hf-static-batch-size", "2", "--check-requests", "2",
+           "--out", str(out), "--no-plots"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Output token throughput" in proc.stdout and "hf-static" in proc.stdout
+
+    report = json.loads(out.read_text())
+    assert {"mode", "workload", "config", "environment", "summary", "server", "correctness", "baselines",
+            "requests"} <= set(report)
+    s = report["summary"]
+    assert SUMMARY_KEYS <= set(s)
+    assert s["completed"] == 5 and s["failed"] == 0 and s["rejected"] == 0
+    assert {"mean", "p50", "p90", "p99"} <= set(s["ttft_ms"])
+    assert len(report["requests"]) == 5
+    for r in report["requests"]:
+        assert REQUEST_KEYS <= set(r)
+        assert r["output_tokens"] == r["max_tokens"] == sum(r["chunk_tokens"])
+    assert report["server"]["kv_blocks_held_after"] == 0
+    [b] = report["baselines"]
+    assert b["name"] == "hf-static" and b["output_tokens"] == s["total_output_tokens"]
+    assert b["ratio_output_throughput"] > 0
+    assert b["agreement"]["compared"] == 5
+    assert report["correctness"]["per_baseline"]["hf-static"]["checked"] == 2
+    assert (tmp_path / "report.services.log").exists()

@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(PIP_FIND) -e '.[executor,test]'
+	$(BIN)/python -m pip install -q $(PIP_FIND) -e '.[executor,test,bench]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from prometheus_client import start_http_server
+
 from executor_svc.config import ExecutorSettings
 from executor_svc.service import ExecutorService
 from llmsched import server as srv
+from llmsched.tracing import setup_tracing
 from llmsched.v1 import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("executor_svc")
@@ -15,7 +18,10 @@ SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 
 
 async def serve(settings: ExecutorSettings) -> None:
-    service = ExecutorService(settings)
+    tracing = setup_tracing("executor")
+    service = ExecutorService(settings, tracing)
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.host)
     server, port, health = srv.create_server(
         f"{settings.host}:{settings.port}",
         lambda s: executor_pb2_grpc.add_ExecutorServicer_to_server(service, s),
@@ -33,6 +39,7 @@ async def serve(settings: ExecutorSettings) -> None:
     # The grace period lets the step in flight finish and reach the scheduler.
     await server.stop(grace=5.0)
     service.close()
+    tracing.shutdown()
 
 
 def main() -> None:

@@ -9,11 +9,15 @@ tables.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -123,7 +127,107 @@ class TorchAttentionBackend:
         return o.squeeze(2)
 
 
-def make_backend(name: str) -> AttentionBackend:
-    if name == "torch":
-        return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}")
+class TritonAttentionBackend:
+    """The Triton kernels in kernels/: one launch writes a layer's K/V, one
+    launch attends the whole mixed batch (decodes, prefills and chunks
+    alike). Runs on CUDA, or on CPU under Triton's interpreter
+    (TRITON_INTERPRET=1, slow: for tests only).
+
+    kernels.* is imported here, not at module level, so the torch backend
+    never imports triton.
+    """
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        try:
+            from kernels.kv_write import write_kv_cache
+            from kernels.paged_attention import paged_attention
+        except ImportError as exc:
+            raise RuntimeError(
+                f"attention backend 'triton' needs the triton package, which failed to import: {exc}"
+            ) from exc
+        self._write_kv_cache = write_kv_cache
+        self._paged_attention = paged_attention
+
+    def write_kv(self, key, value, k_cache, v_cache, meta):
+        # key, value: [num_tokens, num_kv_heads, head_dim]. The launcher wants
+        # head_dim contiguous and a contiguous int32/int64 slot_mapping; what
+        # the runner builds already is, so these are no-ops there.
+        self._write_kv_cache(
+            _unit_last_stride(key), _unit_last_stride(value), k_cache, v_cache,
+            _index_tensor(meta.slot_mapping, torch.int64),
+        )
+
+    def attend(self, query, k_cache, v_cache, meta, scale):
+        # query: [num_tokens, num_heads, head_dim] -> same shape
+        return self._paged_attention(
+            _unit_last_stride(query), k_cache, v_cache,
+            _index_tensor(meta.cu_query_lens, torch.int32),
+            _index_tensor(meta.seq_lens, torch.int32),
+            _index_tensor(meta.block_tables, torch.int32),
+            scale,
+        )
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _index_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous `dtype` tensor; returns t itself when it already is."""
+    return t.to(dtype).contiguous()
+
+
+BACKEND_NAMES = ("auto", "torch", "triton")
+
+
+def _interpreting() -> bool:
+    # The exact test kernels/paged_attention.py uses to switch its bf16
+    # interpreter workaround on, so both agree on what "interpreting" means.
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend_name(name: str, device: torch.device | str | None = None) -> str:
+    """auto -> triton on CUDA, torch anywhere else; other names unchanged.
+
+    device is where the model runs; None means cuda when available.
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
+    if name != "auto":
+        return name
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def make_backend(name: str, device: torch.device | str | None = None) -> AttentionBackend:
+    """The backend for EXECUTOR_ATTENTION_BACKEND=name on device.
+
+    auto picks triton on CUDA (torch if triton cannot be imported, with a
+    warning) and torch elsewhere. An explicit triton off CUDA is refused
+    unless TRITON_INTERPRET=1 is set, which must be set before the process
+    imports triton.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    resolved = resolve_backend_name(name, device)
+    if resolved == "torch":
+        backend: AttentionBackend = TorchAttentionBackend()
+    elif name == "auto":
+        try:
+            backend = TritonAttentionBackend()
+        except RuntimeError as exc:
+            log.warning("attention backend auto: %s; falling back to torch", exc)
+            backend = TorchAttentionBackend()
+    else:
+        if device.type != "cuda" and not _interpreting():
+            raise ValueError(
+                f"EXECUTOR_ATTENTION_BACKEND=triton needs a CUDA device, but the executor runs on {device}; "
+                "use auto or torch there, or set TRITON_INTERPRET=1 (Triton's slow CPU interpreter, for tests)"
+            )
+        backend = TritonAttentionBackend()
+    log.info("attention backend: %s (requested %s, device %s)", backend.name, name, device)
+    return backend

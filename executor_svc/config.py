@@ -16,6 +16,8 @@ class ExecutorSettings(BaseSettings):
     host: str = "127.0.0.1"
     # Port of the llmsched.v1.Executor service; 0 picks a free port.
     port: int = Field(default=50052, ge=0, le=65535)
+    # Port of the Prometheus /metrics endpoint; 0 turns it off.
+    metrics_port: int = Field(default=8001, ge=0, le=65535)
     # A built-in model name (tiny-random, bench-small) or a Hugging Face
     # checkpoint directory with config.json, *.safetensors, tokenizer.json.
     model: str = "tiny-random"
@@ -31,8 +33,10 @@ class ExecutorSettings(BaseSettings):
     kv_cache_memory_mb: int = Field(default=512, ge=1)
     # Longest prompt + generation; 0 = the model's max_position_embeddings.
     max_model_len: int = Field(default=0, ge=0)
-    # Attention implementation: torch (plain PyTorch, any device).
-    attention_backend: Literal["torch"] = "torch"
+    # Attention implementation: torch (plain PyTorch, any device), triton
+    # (the Triton kernels in kernels/; CUDA, or CPU only under
+    # TRITON_INTERPRET=1, for tests) or auto = triton on CUDA, else torch.
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
     # Intra-op CPU threads for torch; 0 = torch's default.
     num_threads: int = Field(default=0, ge=0)
     # Largest number of top logprobs a request may ask for.

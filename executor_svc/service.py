@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +19,8 @@ from executor_svc.kv_cache import KVCachePool, num_blocks_for_budget
 from executor_svc.model import build_model
 from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner
+from executor_svc.telemetry import StepTelemetry, wall_ns
+from llmsched.tracing import Tracing
 from llmsched.v1 import executor_pb2 as pb
 from llmsched.v1 import executor_pb2_grpc as pb_grpc
 
@@ -39,7 +42,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ExecutorService(pb_grpc.ExecutorServicer):
-    def __init__(self, settings: ExecutorSettings):
+    def __init__(self, settings: ExecutorSettings, tracing: Tracing):
         if settings.num_threads:
             torch.set_num_threads(settings.num_threads)
         self.settings = settings
@@ -55,8 +58,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             self.cfg, settings.block_size, self.dtype, settings.kv_cache_memory_mb
         )
         self.pool = KVCachePool(self.cfg, num_blocks, settings.block_size, self.device, self.dtype)
-        self.runner = ModelRunner(model, self.pool, make_backend(settings.attention_backend), self.device)
+        self.runner = ModelRunner(model, self.pool, make_backend(settings.attention_backend, self.device), self.device)
         self.instance_id = uuid.uuid4().hex
+        self.telemetry = StepTelemetry(tracing)
         # One thread runs every step, so the event loop stays free for
         # health checks and handshakes while the model computes.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
@@ -85,18 +89,24 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         )
 
     def _run_step(self, plan: pb.StepPlan) -> pb.StepResult:
+        started_wall, started = wall_ns(), time.perf_counter()
         try:
-            return result_to_proto(self.runner.execute(step_from_proto(plan)))
+            result = result_to_proto(self.runner.execute(step_from_proto(plan)))
         except Exception as exc:  # the executor must survive a bad step
             log.exception("step %d failed", plan.step_id)
             # Request state may be half-applied: forget it all, so the
             # scheduler recomputes from a clean slate.
             self.runner.reset()
-            return pb.StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+            result = pb.StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+        num_tokens = sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(plan.cached_num_scheduled_tokens)
+        self.telemetry.record(plan.traceparent, plan.step_id, started_wall, started, time.perf_counter(),
+                              result.prepare_ns, result.forward_ns, result.sample_ns, num_tokens, result.error or None)
+        return result
 
     async def Step(self, request_iterator, context):
         async with self._stream_lock:
             self.runner.reset()
+            self.telemetry.stream_started()
             loop = asyncio.get_running_loop()
             async for plan in request_iterator:
                 yield await loop.run_in_executor(self._compute, self._run_step, plan)

@@ -50,6 +50,8 @@ class Services:
 
     scheduler_port: int
     executor_port: int
+    scheduler_metrics_port: int = 0
+    executor_metrics_port: int = 0
     executor_env: dict[str, str] = field(default_factory=dict)
     scheduler_env: dict[str, str] = field(default_factory=dict)
     executor: subprocess.Popen | None = None
@@ -65,7 +67,12 @@ class Services:
         return f"127.0.0.1:{self.executor_port}"
 
     def start_executor(self, timeout_s: float = 120.0) -> None:
-        env = {**os.environ, "EXECUTOR_PORT": str(self.executor_port), **self.executor_env}
+        env = {
+            **os.environ,
+            "EXECUTOR_PORT": str(self.executor_port),
+            "EXECUTOR_METRICS_PORT": str(self.executor_metrics_port),
+            **self.executor_env,
+        }
         self.executor = subprocess.Popen([sys.executable, "-m", "executor_svc"], env=env, stdout=self.stdout, stderr=self.stdout)
         wait_serving(self.executor_address, timeout_s, self.executor)
 
@@ -73,6 +80,7 @@ class Services:
         env = {
             **os.environ,
             "SCHEDULER_PORT": str(self.scheduler_port),
+            "SCHEDULER_METRICS_PORT": str(self.scheduler_metrics_port),
             "SCHEDULER_EXECUTOR_ADDRESS": self.executor_address,
             **self.scheduler_env,
         }
@@ -113,9 +121,13 @@ class Services:
 
 def launch(executor_env: Mapping[str, str] | None = None, scheduler_env: Mapping[str, str] | None = None,
            scheduler_port: int | None = None, executor_port: int | None = None) -> Services:
+    """Services on free loopback ports (metrics endpoints included), so
+    several pairs can run side by side."""
     return Services(
         scheduler_port=scheduler_port or free_port(),
         executor_port=executor_port or free_port(),
+        scheduler_metrics_port=free_port(),
+        executor_metrics_port=free_port(),
         executor_env=dict(executor_env or {}),
         scheduler_env=dict(scheduler_env or {}),
     )
@@ -126,6 +138,8 @@ def main() -> None:
     services = Services(
         scheduler_port=int(os.environ.get("SCHEDULER_PORT", 50051)),
         executor_port=int(os.environ.get("EXECUTOR_PORT", 50052)),
+        scheduler_metrics_port=int(os.environ.get("SCHEDULER_METRICS_PORT", 8000)),
+        executor_metrics_port=int(os.environ.get("EXECUTOR_METRICS_PORT", 8001)),
     )
     stop = False
 

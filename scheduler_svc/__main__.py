@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from prometheus_client import start_http_server
+
 from llmsched import server as srv
+from llmsched.tracing import setup_tracing
 from llmsched.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerSettings
 from scheduler_svc.engine import Engine
@@ -23,10 +26,13 @@ async def serve(settings: SchedulerSettings) -> int:
         if "servicer" in health_ref:
             asyncio.get_running_loop().create_task(srv.set_serving(health_ref["servicer"], [SERVICE_NAME], serving))
 
-    engine = Engine(settings, on_serving_change)
+    tracing = setup_tracing("scheduler")
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.host)
+    engine = Engine(settings, tracing, on_serving_change)
     server, port, health = srv.create_server(
         f"{settings.host}:{settings.port}",
-        lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(engine), s),
+        lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(engine, tracing), s),
         [SERVICE_NAME],
         settings.max_message_bytes,
     )
@@ -51,6 +57,7 @@ async def serve(settings: SchedulerSettings) -> int:
     start.cancel()
     stop_wait.cancel()
     await engine.stop()
+    tracing.shutdown()
     return code
 
 

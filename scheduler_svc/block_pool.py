@@ -28,6 +28,9 @@ class BlockPool:
         # Every block with ref_count 0, least recently freed first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_evictions = 0
+        # Lifetime counters, for per-step telemetry.
+        self.num_allocated = 0
+        self.num_released = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,6 +58,7 @@ class BlockPool:
                 self.num_evictions += 1
             self.ref_counts[b] = 1
             blocks.append(b)
+        self.num_allocated += n
         return blocks
 
     def lookup(self, h: BlockHash) -> int | None:
@@ -92,3 +96,4 @@ class BlockPool:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self._free[b] = None
+                self.num_released += 1

@@ -15,6 +15,8 @@ class SchedulerSettings(BaseSettings):
     host: str = "0.0.0.0"
     # Port of the public API; 0 picks a free port.
     port: int = Field(default=50051, ge=0, le=65535)
+    # Port of the Prometheus /metrics endpoint; 0 turns it off.
+    metrics_port: int = Field(default=8000, ge=0, le=65535)
     # host:port of the executor's step channel.
     executor_address: str = "localhost:50052"
     # How long to wait for the executor at start-up before giving up.

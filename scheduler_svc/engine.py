@@ -13,10 +13,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
 from tokenizers import Tokenizer
 
+from llmsched.tracing import Tracing, traceparent_of
 from llmsched.v1 import executor_pb2 as epb
-from scheduler_svc import convert
+from scheduler_svc import convert, telemetry
 from scheduler_svc.backpressure import AdmissionLimits, ThroughputEstimator, check_admission
 from scheduler_svc.config import SchedulerSettings
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
@@ -36,13 +38,20 @@ class Unavailable(Exception):
 class RequestStream:
     """A live request's output channel to its Generate handler."""
 
+    state: RequestOutputState
+    telemetry: telemetry.RequestTelemetry
     queue: asyncio.Queue[RequestDelta] = field(default_factory=asyncio.Queue)
-    state: RequestOutputState | None = None
 
 
 class Engine:
-    def __init__(self, settings: SchedulerSettings, on_serving_change: Callable[[bool], None] | None = None):
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        tracing: Tracing,
+        on_serving_change: Callable[[bool], None] | None = None,
+    ):
         self.settings = settings
+        self.tracing = tracing
         self.client = ExecutorClient(settings.executor_address, settings.max_message_bytes)
         self.scheduler: Scheduler | None = None
         self.info: epb.HandshakeResponse | None = None
@@ -107,7 +116,7 @@ class Engine:
     def is_live(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    def submit(self, request: Request) -> RequestStream:
+    def submit(self, request: Request, span: trace.Span) -> RequestStream:
         """Queues a validated request. Raises ValueError when it can never
         fit, Overloaded when admission control sheds it, Unavailable when no
         executor is connected."""
@@ -131,7 +140,11 @@ class Engine:
             num_queued_tokens=ahead + pending_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
         )
-        stream = RequestStream(state=RequestOutputState(request, self.tokenizer))
+        stream = RequestStream(
+            state=RequestOutputState(request, self.tokenizer),
+            telemetry=telemetry.RequestTelemetry(span, self.tracing.enabled),
+        )
+        stream.telemetry.on_queued(request.num_prompt_tokens)
         self._streams[request.request_id] = stream
         self._pending_adds.append(request)
         self._wakeup.set()
@@ -155,27 +168,64 @@ class Engine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            out = sched.schedule()
-            if out.is_empty:
-                # Cannot happen while every admitted request fits the pool
-                # alone; waiting here instead of spinning keeps it visible.
-                log.error("scheduler has work but scheduled nothing; waiting for new input")
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            started = time.perf_counter()
-            try:
-                result = await self.client.step(convert.plan_to_proto(out))
-            except ExecutorUnavailable as exc:
-                log.warning("executor lost: %s", exc)
-                await self._recover()
-                continue
-            if result.error:
-                self._on_step_error(out, result.error)
-                continue
-            self.throughput.observe(out.total_num_scheduled_tokens, time.perf_counter() - started)
-            tokens = sched.update_from_output(out, convert.sampled_from_proto(result))
-            self._emit(tokens)
+            with self.tracing.tracer.start_as_current_span("scheduler.step") as step_span:
+                await self._step(sched, step_span)
+
+    async def _step(self, sched: Scheduler, step_span: trace.Span) -> None:
+        pool = sched.kv.pool
+        allocated, released = pool.num_allocated, pool.num_released
+        queried, hits = sched.kv.num_queried_blocks, sched.kv.num_hit_blocks
+        out = sched.schedule()
+        for req in out.preempted:
+            self._streams[req.request_id].telemetry.on_preempted()
+        if out.is_empty:
+            # Cannot happen while every admitted request fits the pool
+            # alone; waiting here instead of spinning keeps it visible.
+            log.error("scheduler has work but scheduled nothing; waiting for new input")
+            self._wakeup.clear()
+            await self._wakeup.wait()
+            return
+        for req, _ in out.scheduled():
+            self._streams[req.request_id].telemetry.on_scheduled(step_span)
+        plan = convert.plan_to_proto(out)
+        if self.tracing.enabled:
+            plan.traceparent = traceparent_of(step_span)
+        started = time.perf_counter()
+        try:
+            result = await self.client.step(plan)
+        except ExecutorUnavailable as exc:
+            log.warning("executor lost: %s", exc)
+            step_span.add_event("executor_lost", {"error": str(exc)})
+            await self._recover()
+            return
+        elapsed = time.perf_counter() - started
+        if result.error:
+            step_span.set_status(trace.Status(trace.StatusCode.ERROR, result.error))
+            self._on_step_error(out, result.error)
+            return
+        self.throughput.observe(out.total_num_scheduled_tokens, elapsed)
+        telemetry.STEP_DURATION.observe(elapsed)
+        tokens = sched.update_from_output(out, convert.sampled_from_proto(result))
+        self._emit(tokens)
+        block_size = sched.config.block_size
+        telemetry.PREFIX_QUERIES.inc((sched.kv.num_queried_blocks - queried) * block_size)
+        telemetry.PREFIX_HITS.inc((sched.kv.num_hit_blocks - hits) * block_size)
+        telemetry.record_load(len(sched.running), len(sched.waiting), sched.num_free_blocks, sched.config.num_kv_blocks)
+        if self.tracing.enabled:
+            scheduled = out.scheduled()
+            decode = sum(1 for req, n in scheduled if n == 1 and req.num_computed_tokens > req.num_prompt_tokens)
+            step_span.set_attributes({
+                "llmsched.step_id": out.step_id,
+                "llmsched.num_requests": len(scheduled),
+                "llmsched.num_new_requests": len(out.new_requests),
+                "llmsched.num_decode_tokens": decode,
+                "llmsched.num_prefill_tokens": out.total_num_scheduled_tokens - decode,
+                "llmsched.num_preempted": out.num_preempted,
+                "llmsched.blocks_allocated": pool.num_allocated - allocated,
+                "llmsched.blocks_freed": pool.num_released - released,
+                "llmsched.executor.forward_ms": result.forward_ns / 1e6,
+                "llmsched.executor.sample_ms": result.sample_ns / 1e6,
+            })
 
     def _apply_pending(self) -> None:
         sched = self.scheduler
@@ -200,6 +250,7 @@ class Engine:
             if stream is None:
                 continue
             req = toks[0].request
+            stream.telemetry.on_tokens(len(toks))
             delta = stream.state.on_tokens(toks)
             if stream.state.stopped_by_string and not req.status.is_finished:
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
@@ -211,11 +262,20 @@ class Engine:
     def _finish_stream(self, req: Request, delta: RequestDelta) -> None:
         stream = self._streams.pop(req.request_id, None)
         if stream is not None:
-            stream.queue.put_nowait(stream.state.finish(delta, req.status))
+            delta = stream.state.finish(delta, req.status)
+            stream.telemetry.on_finished(
+                req.status, req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens
+            )
+            stream.queue.put_nowait(delta)
 
     def _end_stream(self, request_id: str, delta: RequestDelta) -> None:
+        """Ends a stream with an error delta (no usage, no detokenizer flush)."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
+            req = stream.state.request
+            stream.telemetry.on_finished(
+                RequestStatus.FINISHED_ERROR, req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens
+            )
             stream.queue.put_nowait(delta)
 
     def _on_step_error(self, out: SchedulerOutput, error: str) -> None:

@@ -45,7 +45,12 @@ class SchedulerOutput:
     new_block_ids: list[int] = field(default_factory=list)
     # Handles the executor must forget before this step.
     finished_handles: list[int] = field(default_factory=list)
-    num_preempted: int = 0
+    # Requests preempted while building this step.
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -121,7 +121,7 @@ class Scheduler:
             while new_blocks is None:
                 victim = self.running[-1]
                 self._preempt(victim)
-                out.num_preempted += 1
+                out.preempted.append(victim)
                 if victim is req:
                     break
                 new_blocks = self.kv.allocate_slots(req, n)

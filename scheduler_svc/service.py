@@ -8,10 +8,13 @@ import logging
 import uuid
 
 import grpc
+from opentelemetry import trace
 
+from llmsched.tracing import Tracing, context_from_metadata
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 from scheduler_svc import convert
+from scheduler_svc.telemetry import record_rejected
 from scheduler_svc.backpressure import Overloaded
 from scheduler_svc.engine import Engine, Unavailable
 from scheduler_svc.output_processor import RequestDelta
@@ -22,8 +25,9 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerService(spb_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, tracing: Tracing):
         self.engine = engine
+        self.tracing = tracing
 
     def _limits(self) -> Limits:
         info, s = self.engine.info, self.engine.settings
@@ -61,18 +65,44 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         )
 
     async def Generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext):
+        span = self.tracing.tracer.start_span(
+            "Generate", context=context_from_metadata(context.invocation_metadata()), kind=trace.SpanKind.SERVER
+        )
+        try:
+            async for response in self._generate(request, context, span):
+                yield response
+        finally:
+            span.end()
+
+    async def _reject(self, context, span, code: grpc.StatusCode, reason: str, message: str) -> None:
+        record_rejected(span, self.tracing.enabled, reason, message)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, message))
+        await context.abort(code, message)
+
+    async def _generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext, span: trace.Span):
         try:
             req = self._build_request(request)
-            stream = self.engine.submit(req)
+            if self.tracing.enabled:
+                span.set_attributes({
+                    "gen_ai.operation.name": "text_completion",
+                    "gen_ai.request.model": self.engine.info.model,
+                    "gen_ai.request.max_tokens": req.sampling.max_tokens,
+                    "gen_ai.request.temperature": req.sampling.temperature,
+                    "gen_ai.request.top_p": req.sampling.top_p,
+                    "gen_ai.request.top_k": req.sampling.top_k,
+                    "llmsched.request_id": req.request_id,
+                    "llmsched.priority": req.priority,
+                })
+            stream = self.engine.submit(req, span)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._reject(context, span, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
         except Unavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await self._reject(context, span, grpc.StatusCode.UNAVAILABLE, "unavailable", str(exc))
         except Overloaded as exc:
             context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded: {exc}")
+            await self._reject(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", f"overloaded: {exc}")
         except ValueError as exc:  # can never fit, or a duplicate id
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._reject(context, span, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
 
         want_logprobs = req.sampling.logprobs > 0
         finished = False
@@ -84,10 +114,10 @@ class SchedulerService(spb_grpc.SchedulerServicer):
                     delta.merge(stream.queue.get_nowait())
                 finished = delta.finish_status is not None
                 if delta.error is not None:
-                    yield_partial = delta.token_ids or delta.text
-                    if yield_partial:
+                    if delta.token_ids or delta.text:
                         yield convert.delta_to_response(req.request_id, _without_finish(delta), want_logprobs)
                     code, message = delta.error
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, message))
                     await context.abort(getattr(grpc.StatusCode, code), message)
                 yield convert.delta_to_response(req.request_id, delta, want_logprobs)
         finally:

@@ -1,0 +1,71 @@
+"""Executor metrics and per-step spans.
+
+The runner measures its phases with perf_counter; the spans are built after
+the fact from those durations, so the runner itself knows nothing of
+tracing.
+"""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry import trace
+from prometheus_client import Counter, Histogram
+
+from llmsched.tracing import Tracing, context_from_traceparent
+
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+PREPARE = Histogram("llmsched_executor_prepare_seconds", "Building the step's input tensors", buckets=_BUCKETS)
+FORWARD = Histogram("llmsched_executor_forward_seconds", "Model forward pass and logits", buckets=_BUCKETS)
+SAMPLE = Histogram("llmsched_executor_sample_seconds", "Sampling", buckets=_BUCKETS)
+IDLE = Histogram("llmsched_executor_idle_seconds", "Gap between one step's end and the next step's start",
+                 buckets=_BUCKETS)
+BUSY_TOTAL = Counter("llmsched_executor_busy_seconds", "Time spent computing steps")
+IDLE_TOTAL = Counter("llmsched_executor_idle_between_steps_seconds",
+                     "Time between consecutive steps of one stream (P7: idle / (idle + busy))")
+STEPS = Counter("llmsched_executor_steps", "Steps executed, by outcome", ["outcome"])
+
+
+class StepTelemetry:
+    """Tracks idle gaps between steps of one step stream."""
+
+    def __init__(self, tracing: Tracing):
+        self.tracing = tracing
+        self._last_end: float | None = None
+
+    def stream_started(self) -> None:
+        self._last_end = None
+
+    def record(self, traceparent: str, step_id: int, started_wall_ns: int, started: float, ended: float,
+               prepare_ns: int, forward_ns: int, sample_ns: int, num_tokens: int, error: str | None) -> None:
+        if self._last_end is not None:
+            gap = max(0.0, started - self._last_end)
+            IDLE.observe(gap)
+            IDLE_TOTAL.inc(gap)
+        self._last_end = ended
+        BUSY_TOTAL.inc(ended - started)
+        STEPS.labels("error" if error else "ok").inc()
+        if not error:
+            PREPARE.observe(prepare_ns / 1e9)
+            FORWARD.observe(forward_ns / 1e9)
+            SAMPLE.observe(sample_ns / 1e9)
+        if not self.tracing.enabled:
+            return
+        tracer = self.tracing.tracer
+        end_wall_ns = started_wall_ns + int((ended - started) * 1e9)
+        span = tracer.start_span("executor.step", context=context_from_traceparent(traceparent),
+                                 start_time=started_wall_ns,
+                                 attributes={"llmsched.step_id": step_id, "llmsched.num_tokens": num_tokens})
+        ctx = trace.set_span_in_context(span)
+        t = started_wall_ns
+        for name, ns in (("prepare", prepare_ns), ("forward", forward_ns), ("sample", sample_ns)):
+            tracer.start_span(name, context=ctx, start_time=t).end(end_time=t + ns)
+            t += ns
+        if error:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+        span.end(end_time=end_wall_ns)
+
+
+def wall_ns() -> int:
+    return time.time_ns()

@@ -1,0 +1,124 @@
+"""Per-request and per-step observability: Prometheus metrics and the
+OpenTelemetry request span's events, attributes and links.
+
+One RequestTelemetry per live request records its timeline (arrival, first
+scheduled, first token, last token); the engine calls it at each event.
+"""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry import trace
+from prometheus_client import Counter, Gauge, Histogram
+
+# Link a request span to its first steps, then to steps whose index is a
+# power of two: a 2,000-token generation gets ~19 links, not 2,000.
+NUM_LINKED_FIRST_STEPS = 8
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+TIME_TO_FIRST_TOKEN = Histogram("llmsched_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS)
+INTER_TOKEN_LATENCY = Histogram("llmsched_inter_token_latency_seconds", "Time between a request's consecutive tokens",
+                                buckets=_LATENCY_BUCKETS)
+E2E_LATENCY = Histogram("llmsched_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS)
+QUEUE_TIME = Histogram("llmsched_request_queue_time_seconds", "Arrival to first scheduled", buckets=_LATENCY_BUCKETS)
+PROMPT_TOKENS = Histogram("llmsched_request_prompt_tokens", "Prompt tokens per request", buckets=_TOKEN_BUCKETS)
+GENERATION_TOKENS = Histogram("llmsched_request_generation_tokens", "Generated tokens per request", buckets=_TOKEN_BUCKETS)
+STEP_DURATION = Histogram("llmsched_step_duration_seconds", "Plan sent to result received", buckets=_LATENCY_BUCKETS)
+NUM_RUNNING = Gauge("llmsched_num_requests_running", "Requests in the running set")
+NUM_WAITING = Gauge("llmsched_num_requests_waiting", "Requests waiting for admission")
+KV_USAGE = Gauge("llmsched_kv_cache_usage_ratio", "Share of KV blocks held by live requests")
+PREEMPTIONS = Counter("llmsched_num_preemptions", "Requests preempted (recomputed later)")
+PREFIX_QUERIES = Counter("llmsched_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+PREFIX_HITS = Counter("llmsched_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+FINISHED = Counter("llmsched_request_success", "Requests finished, by reason", ["finished_reason"])
+REJECTED = Counter("llmsched_request_rejected", "Requests refused at admission, by reason", ["reason"])
+
+FINISH_LABELS = {2: "stop", 3: "length", 4: "abort", 5: "error"}
+
+
+def is_linked_step(index: int) -> bool:
+    return index < NUM_LINKED_FIRST_STEPS or (index & (index - 1)) == 0
+
+
+class RequestTelemetry:
+    def __init__(self, span: trace.Span, tracing: bool):
+        self.span = span
+        self.tracing = tracing
+        self.arrival = time.monotonic()
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.num_steps = 0
+
+    def on_queued(self, num_prompt_tokens: int) -> None:
+        if self.tracing:
+            self.span.add_event("queued", {"prompt_tokens": num_prompt_tokens})
+
+    def on_scheduled(self, step_span: trace.Span | None) -> None:
+        now = time.monotonic()
+        if self.first_scheduled is None:
+            self.first_scheduled = now
+            QUEUE_TIME.observe(now - self.arrival)
+            if self.tracing:
+                self.span.add_event("first_scheduled")
+        if self.tracing and step_span is not None and is_linked_step(self.num_steps):
+            self.span.add_link(step_span.get_span_context(), {"step_index": self.num_steps})
+        self.num_steps += 1
+
+    def on_preempted(self) -> None:
+        PREEMPTIONS.inc()
+        if self.tracing:
+            self.span.add_event("preempted", {"steps_so_far": self.num_steps})
+
+    def on_tokens(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+            TIME_TO_FIRST_TOKEN.observe(now - self.arrival)
+            if self.tracing:
+                self.span.add_event("first_token")
+        elif self.last_token is not None and num_tokens:
+            gap = (now - self.last_token) / num_tokens
+            for _ in range(num_tokens):
+                INTER_TOKEN_LATENCY.observe(gap)
+        self.last_token = now
+
+    def on_finished(self, status: int, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> None:
+        now = time.monotonic()
+        reason = FINISH_LABELS.get(status, "unknown")
+        FINISHED.labels(reason).inc()
+        E2E_LATENCY.observe(now - self.arrival)
+        PROMPT_TOKENS.observe(prompt_tokens)
+        GENERATION_TOKENS.observe(output_tokens)
+        if not self.tracing:
+            return
+        attrs = {
+            "gen_ai.usage.input_tokens": prompt_tokens,
+            "gen_ai.usage.output_tokens": output_tokens,
+            "llmsched.cached_prompt_tokens": cached_tokens,
+            "llmsched.finish_reason": reason,
+            "llmsched.num_steps": self.num_steps,
+        }
+        if self.first_scheduled is not None:
+            attrs["llmsched.queue_time_s"] = self.first_scheduled - self.arrival
+        if self.first_token is not None:
+            attrs["llmsched.time_to_first_token_s"] = self.first_token - self.arrival
+            attrs["llmsched.prefill_time_s"] = self.first_token - (self.first_scheduled or self.arrival)
+            attrs["llmsched.decode_time_s"] = now - self.first_token
+        self.span.set_attributes(attrs)
+        self.span.add_event("finished", {"reason": reason})
+
+
+def record_rejected(span: trace.Span, tracing: bool, reason: str, message: str) -> None:
+    REJECTED.labels(reason).inc()
+    if tracing:
+        span.add_event("rejected", {"reason": reason, "message": message})
+
+
+def record_load(num_running: int, num_waiting: int, num_free_blocks: int, num_blocks: int) -> None:
+    NUM_RUNNING.set(num_running)
+    NUM_WAITING.set(num_waiting)
+    KV_USAGE.set(1.0 - num_free_blocks / num_blocks if num_blocks else 0.0)

@@ -67,8 +67,10 @@ class PlanError(ValueError):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
+                 fail_on_token: int = -1):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
+        self.fail_on_token = fail_on_token  # fault injection for tests; -1 = off
         self.kv_caches = pool.layer_caches()
         self.requests: dict[int, RequestState] = {}
 
@@ -135,6 +137,8 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append((handle, st))
 
+        if self.fail_on_token >= 0 and self.fail_on_token in input_ids:
+            raise RuntimeError(f"injected fault: batch holds token {self.fail_on_token}")
         dev = self.device
         max_blocks = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)

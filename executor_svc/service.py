@@ -58,7 +58,10 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             self.cfg, settings.block_size, self.dtype, settings.kv_cache_memory_mb
         )
         self.pool = KVCachePool(self.cfg, num_blocks, settings.block_size, self.device, self.dtype)
-        self.runner = ModelRunner(model, self.pool, make_backend(settings.attention_backend, self.device), self.device)
+        self.runner = ModelRunner(
+            model, self.pool, make_backend(settings.attention_backend, self.device), self.device,
+            fail_on_token=settings.debug_fail_on_token,
+        )
         self.instance_id = uuid.uuid4().hex
         self.telemetry = StepTelemetry(tracing)
         # One thread runs every step, so the event loop stays free for

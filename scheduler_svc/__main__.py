@@ -51,8 +51,11 @@ async def serve(settings: SchedulerSettings) -> int:
     elif start in done:
         log.error("could not start: %s", start.exception())
         code = 1
-    log.info("shutting down")
+    log.info("shutting down: draining for up to %.0fs", settings.drain_timeout_s)
     await srv.set_serving(health, [SERVICE_NAME], False)
+    if start in done and start.exception() is None:
+        # New calls get UNAVAILABLE; live ones finish or end with ABORT.
+        await engine.drain(settings.drain_timeout_s)
     await server.stop(grace=5.0)
     start.cancel()
     stop_wait.cancel()

@@ -24,6 +24,12 @@ class SchedulerSettings(BaseSettings):
     # After the step channel breaks: how long to keep reconnecting before
     # in-flight requests fail with UNAVAILABLE.
     executor_reconnect_timeout_s: float = Field(default=30.0, gt=0)
+    # Health reports NOT_SERVING when work is pending and no step has
+    # completed for this long.
+    stall_timeout_s: float = Field(default=60.0, gt=0)
+    # On SIGTERM: how long in-flight requests may run before they are
+    # aborted (FINISH_REASON_ABORT).
+    drain_timeout_s: float = Field(default=30.0, ge=0)
     # At most this many requests run in one step.
     max_num_seqs: int = Field(default=256, ge=1)
     # At most this many tokens (prefill + decode) are computed per step.

@@ -62,7 +62,17 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._on_serving_change = on_serving_change or (lambda serving: None)
+        self._serving: bool | None = None
         self.connected = False
+        self.draining = False
+        # Set whenever no request is live; drain() waits on it.
+        self._idle = asyncio.Event()
+        self._idle.set()
+        # Progress watchdog: when work is pending but no step completed for
+        # stall_timeout_s, health reports NOT_SERVING.
+        self._last_progress = time.monotonic()
+        self.stalled = False
+        self._watchdog: asyncio.Task | None = None
         self.throughput = ThroughputEstimator()
         self._admission = AdmissionLimits(
             settings.max_queued_requests, settings.max_queued_tokens, settings.max_queue_delay_ms
@@ -73,15 +83,54 @@ class Engine:
     async def start(self) -> None:
         await self._connect(self.settings.executor_connect_timeout_s)
         self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self._watchdog = asyncio.create_task(self._watch_progress(), name="engine-watchdog")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._task, self._watchdog):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         await self.client.close()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Graceful shutdown: refuse new requests, let live ones finish for
+        up to timeout_s, then abort the rest (their streams end with
+        FINISH_REASON_ABORT)."""
+        self.draining = True
+        self._update_health()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            live = list(self._streams)
+            log.warning("drain timeout: aborting %d requests", len(live))
+            for request_id in live:
+                self.abort(request_id)
+            try:
+                await asyncio.wait_for(self._idle.wait(), 5.0)
+            except asyncio.TimeoutError:
+                self._fail_all("UNAVAILABLE", "server shut down")
+
+    def _update_health(self) -> None:
+        serving = self.connected and not self.stalled and not self.draining
+        if serving != self._serving:
+            self._serving = serving
+            self._on_serving_change(serving)
+
+    async def _watch_progress(self) -> None:
+        timeout = self.settings.stall_timeout_s
+        while True:
+            # A timer, not a poll for work: it only judges elapsed time.
+            await asyncio.sleep(timeout / 4)
+            sched = self.scheduler
+            busy = sched is not None and sched.has_work
+            stalled = busy and time.monotonic() - self._last_progress > timeout
+            if stalled != self.stalled:
+                log.warning("no step completed for %.0fs with work pending" if stalled else "progress resumed", timeout)
+                self.stalled = stalled
+                self._update_health()
 
     async def _connect(self, timeout_s: float) -> None:
         info = await self.client.connect(timeout_s)
@@ -104,7 +153,8 @@ class Engine:
             self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
         self.info = info
         self.connected = True
-        self._on_serving_change(True)
+        self._last_progress = time.monotonic()
+        self._update_health()
         log.info(
             "connected to executor %s (%s): model=%s kv_blocks=%d block_size=%d max_model_len=%d",
             info.instance_id, self.settings.executor_address, info.model, info.num_kv_blocks, info.block_size,
@@ -121,6 +171,8 @@ class Engine:
         fit, Overloaded when admission control sheds it, Unavailable when no
         executor is connected."""
         sched = self.scheduler
+        if self.draining:
+            raise Unavailable("the server is shutting down")
         if not self.connected or sched is None:
             raise Unavailable("no executor is connected")
         if request.request_id in self._streams:
@@ -146,6 +198,7 @@ class Engine:
         )
         stream.telemetry.on_queued(request.num_prompt_tokens)
         self._streams[request.request_id] = stream
+        self._idle.clear()
         self._pending_adds.append(request)
         self._wakeup.set()
         return stream
@@ -167,6 +220,7 @@ class Engine:
             if sched is None or not sched.has_work:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                self._last_progress = time.monotonic()
                 continue
             with self.tracing.tracer.start_as_current_span("scheduler.step") as step_span:
                 await self._step(sched, step_span)
@@ -203,6 +257,7 @@ class Engine:
             step_span.set_status(trace.Status(trace.StatusCode.ERROR, result.error))
             self._on_step_error(out, result.error)
             return
+        self._last_progress = time.monotonic()
         self.throughput.observe(out.total_num_scheduled_tokens, elapsed)
         telemetry.STEP_DURATION.observe(elapsed)
         tokens = sched.update_from_output(out, convert.sampled_from_proto(result))
@@ -259,8 +314,14 @@ class Engine:
             else:
                 stream.queue.put_nowait(delta)
 
+    def _pop_stream(self, request_id: str) -> RequestStream | None:
+        stream = self._streams.pop(request_id, None)
+        if not self._streams:
+            self._idle.set()
+        return stream
+
     def _finish_stream(self, req: Request, delta: RequestDelta) -> None:
-        stream = self._streams.pop(req.request_id, None)
+        stream = self._pop_stream(req.request_id)
         if stream is not None:
             delta = stream.state.finish(delta, req.status)
             stream.telemetry.on_finished(
@@ -270,7 +331,7 @@ class Engine:
 
     def _end_stream(self, request_id: str, delta: RequestDelta) -> None:
         """Ends a stream with an error delta (no usage, no detokenizer flush)."""
-        stream = self._streams.pop(request_id, None)
+        stream = self._pop_stream(request_id)
         if stream is not None:
             req = stream.state.request
             stream.telemetry.on_finished(
@@ -279,19 +340,22 @@ class Engine:
             stream.queue.put_nowait(delta)
 
     def _on_step_error(self, out: SchedulerOutput, error: str) -> None:
-        """The executor failed this step and dropped all request state. The
-        requests in the step fail; the others are recomputed."""
+        """The executor failed this step and dropped all request state.
+        Every request is recomputed; the step's requests become suspects and
+        are retried in steps of their own, so only a request that fails
+        again, alone, ends with INTERNAL."""
         log.error("step %d failed on the executor: %s", out.step_id, error)
         sched = self.scheduler
         for req, _ in out.scheduled():
-            if sched.finish_request(req.request_id, RequestStatus.FINISHED_ERROR) is not None:
-                self._end_stream(req.request_id, _error_delta("INTERNAL", f"executor step failed: {error}"))
+            req.num_failed_steps += 1
+            if req.num_failed_steps >= 2 and sched.finish_request(req.request_id, RequestStatus.FINISHED_ERROR):
+                self._end_stream(req.request_id, _error_delta("INTERNAL", f"executor step failed twice: {error}"))
         sched.reset_executor_state()
 
     async def _recover(self) -> None:
         """The step channel broke: keep every request, reconnect, recompute."""
         self.connected = False
-        self._on_serving_change(False)
+        self._update_health()
         if self.scheduler is not None:
             self.scheduler.reset_executor_state()
         try:
@@ -314,6 +378,7 @@ class Engine:
                 sched.finish_request(request_id, RequestStatus.FINISHED_ERROR)
             self._end_stream(request_id, _error_delta(code, message))
         self._pending_adds.clear()
+        self._idle.set()
         self._pending_aborts.clear()
 
     # ----- introspection ---------------------------------------------------

@@ -61,6 +61,9 @@ class Request:
     # before first scheduling and after a preemption.
     on_executor: bool = False
     num_preemptions: int = 0
+    # Executor steps this request was in that failed; from 1 on it is
+    # retried in a step of its own.
+    num_failed_steps: int = 0
     num_cached_prompt_tokens: int = 0
 
     @property

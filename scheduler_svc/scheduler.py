@@ -112,6 +112,10 @@ class Scheduler:
         out = SchedulerOutput(step_id=self._step_id)
         self._step_id += 1
         budget = cfg.max_num_batched_tokens
+        if self.waiting and self.waiting.peek().num_failed_steps and self._admit(out, budget) is not None:
+            # A request whose step failed is retried alone, so a second
+            # failure names it and spares the rest of the batch.
+            return self._finish_plan(out)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -132,23 +136,36 @@ class Scheduler:
             i += 1
 
         while self.waiting and not out.num_preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            req = self.waiting.peek()
-            hit = self.kv.find_cached_prefix(req)
-            req.num_computed_tokens = hit.num_tokens
-            n = self._num_tokens_to_schedule(req, budget)
-            new_blocks = self.kv.allocate_slots(req, n, hit)
-            if new_blocks is None:
-                req.num_computed_tokens = 0
+            if self.waiting.peek().num_failed_steps:
+                break  # a suspect runs alone, next step
+            n = self._admit(out, budget)
+            if n is None:
                 break  # the head waits for blocks; nobody overtakes it
-            self.kv.record_hit(hit)
-            if req.num_preemptions == 0:
-                req.num_cached_prompt_tokens = min(hit.num_tokens, req.num_prompt_tokens)
-            self.waiting.pop()
-            req.status = RequestStatus.RUNNING
-            bisect.insort(self.running, req, key=self.order_key)
-            self._record(out, req, n, new_blocks)
             budget -= n
+        return self._finish_plan(out)
 
+    def _admit(self, out: SchedulerOutput, budget: int) -> int | None:
+        """Moves the head of the queue to running, starting from its longest
+        cached prefix. Returns the tokens scheduled, or None when the pool
+        cannot hold them (nothing changes then)."""
+        req = self.waiting.peek()
+        hit = self.kv.find_cached_prefix(req)
+        req.num_computed_tokens = hit.num_tokens
+        n = self._num_tokens_to_schedule(req, budget)
+        new_blocks = self.kv.allocate_slots(req, n, hit)
+        if new_blocks is None:
+            req.num_computed_tokens = 0
+            return None
+        self.kv.record_hit(hit)
+        if req.num_preemptions == 0:
+            req.num_cached_prompt_tokens = min(hit.num_tokens, req.num_prompt_tokens)
+        self.waiting.pop()
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=self.order_key)
+        self._record(out, req, n, new_blocks)
+        return n
+
+    def _finish_plan(self, out: SchedulerOutput) -> SchedulerOutput:
         out.finished_handles, self._to_forget = self._to_forget, []
         # The executor applies finished_handles before new requests, so a
         # finished request's handle is reusable from the next plan on.
@@ -200,6 +217,7 @@ class Scheduler:
         (EOS, stop token, max_tokens, max_model_len)."""
         for req, n in out.scheduled():
             req.num_computed_tokens += n
+            req.num_failed_steps = 0
             self.kv.cache_computed_blocks(req)
         results: list[SampledToken] = []
         for handle, token, logprobs in sampled:

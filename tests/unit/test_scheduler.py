@@ -193,3 +193,19 @@ def test_reset_executor_state_requeues_running_requests_for_recompute_in_order()
     assert [n.request for n in out.new_requests] == reqs
     assert [n.token_ids for n in out.new_requests] == tokens_before
     assert all(n.num_computed_tokens == 0 for n in out.new_requests)
+
+
+def test_requests_of_a_failed_step_are_retried_alone_then_rejoin_the_batch():
+    sched = make_scheduler()
+    reqs = make_requests(3, max_tokens=10)
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()  # this step "fails" on the executor
+    for r, _ in out.scheduled():
+        r.num_failed_steps += 1
+    sched.reset_executor_state()
+    alone = [run_step(sched)[0] for _ in range(3)]
+    assert [[r for r, _ in o.scheduled()] for o in alone] == [[reqs[0]], [reqs[1]], [reqs[2]]]
+    assert all(r.num_failed_steps == 0 for r in reqs), "a step that succeeds clears the suspicion"
+    out, _ = run_step(sched)
+    assert {r.request_id for r, _ in out.scheduled()} == {r.request_id for r in reqs}

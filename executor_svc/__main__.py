@@ -10,6 +10,7 @@ from prometheus_client import start_http_server
 from executor_svc.config import ExecutorSettings
 from executor_svc.service import ExecutorService
 from llmsched import server as srv
+from llmsched.security import server_credentials
 from llmsched.tracing import setup_tracing
 from llmsched.v1 import executor_pb2, executor_pb2_grpc
 
@@ -27,6 +28,7 @@ async def serve(settings: ExecutorSettings) -> None:
         lambda s: executor_pb2_grpc.add_ExecutorServicer_to_server(service, s),
         [SERVICE_NAME],
         settings.max_message_bytes,
+        credentials=server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca),
     )
     stop = asyncio.Event()
     srv.install_stop_signals(stop)

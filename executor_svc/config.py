@@ -46,4 +46,9 @@ class ExecutorSettings(BaseSettings):
     # Fault injection for tests: a step whose batch holds this token id
     # fails with an exception, as a broken forward pass would. -1 = off.
     debug_fail_on_token: int = -1
+    # TLS for the step channel: PEM certificate and key. With
+    # tls_client_ca, the scheduler must present a certificate signed by it.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
     log_level: str = "INFO"

@@ -25,10 +25,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
     """Blocks until the health service at address reports SERVING."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if proc is not None and proc.poll() is not None:
@@ -57,6 +59,9 @@ class Services:
     executor: subprocess.Popen | None = None
     scheduler: subprocess.Popen | None = None
     stdout: object = None
+    # For the start-up health probes when a service uses TLS.
+    scheduler_credentials: grpc.ChannelCredentials | None = None
+    executor_credentials: grpc.ChannelCredentials | None = None
 
     @property
     def scheduler_address(self) -> str:
@@ -74,7 +79,7 @@ class Services:
             **self.executor_env,
         }
         self.executor = subprocess.Popen([sys.executable, "-m", "executor_svc"], env=env, stdout=self.stdout, stderr=self.stdout)
-        wait_serving(self.executor_address, timeout_s, self.executor)
+        wait_serving(self.executor_address, timeout_s, self.executor, self.executor_credentials)
 
     def start_scheduler(self, timeout_s: float = 120.0) -> None:
         env = {
@@ -85,7 +90,7 @@ class Services:
             **self.scheduler_env,
         }
         self.scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc"], env=env, stdout=self.stdout, stderr=self.stdout)
-        wait_serving(self.scheduler_address, timeout_s, self.scheduler)
+        wait_serving(self.scheduler_address, timeout_s, self.scheduler, self.scheduler_credentials)
 
     def start(self) -> "Services":
         try:

@@ -24,17 +24,21 @@ def create_server(
     register: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
     max_message_bytes: int,
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Builds (but does not start) an aio server bound to address.
+    """Builds (but does not start) an aio server bound to address, with
+    TLS when credentials are given.
 
     Returns the server, the bound port (useful with port 0) and the health
     servicer, which starts NOT_SERVING: callers flip it when ready.
     """
     server = grpc.aio.server(
+        interceptors=list(interceptors),
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
-        ]
+        ],
     )
     register(server)
     health_servicer = health.aio.HealthServicer()
@@ -44,7 +48,10 @@ def create_server(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    port = server.add_insecure_port(address)
+    if credentials is not None:
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
     return server, port, health_servicer

@@ -8,6 +8,7 @@ import logging
 from prometheus_client import start_http_server
 
 from llmsched import server as srv
+from llmsched.security import ApiKeyInterceptor, load_api_keys, server_credentials
 from llmsched.tracing import setup_tracing
 from llmsched.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerSettings
@@ -35,6 +36,8 @@ async def serve(settings: SchedulerSettings) -> int:
         lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(engine, tracing), s),
         [SERVICE_NAME],
         settings.max_message_bytes,
+        credentials=server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca),
+        interceptors=[ApiKeyInterceptor(keys)] if (keys := load_api_keys(settings.api_keys, settings.api_keys_file)) else [],
     )
     health_ref["servicer"] = health
     stop = asyncio.Event()

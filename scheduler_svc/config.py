@@ -59,4 +59,19 @@ class SchedulerSettings(BaseSettings):
     # Largest gRPC message accepted or sent, in bytes; a bigger
     # GenerateRequest is refused with RESOURCE_EXHAUSTED by gRPC itself.
     max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # TLS for the public API: PEM certificate and key. With tls_client_ca,
+    # clients must present a certificate signed by that CA (mutual TLS).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    # TLS to the executor: the CA that signed its certificate; with
+    # executor_tls_cert/key, the scheduler presents a client certificate.
+    executor_tls_ca: str = ""
+    executor_tls_cert: str = ""
+    executor_tls_key: str = ""
+    # API keys for the public API, sent as `authorization: Bearer <key>`:
+    # comma-separated, and/or a file of one key per line. Both empty = no
+    # authentication. Health and reflection stay open.
+    api_keys: str = ""
+    api_keys_file: str = ""
     log_level: str = "INFO"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from tokenizers import Tokenizer
 
+from llmsched.security import channel_credentials
 from llmsched.tracing import Tracing, traceparent_of
 from llmsched.v1 import executor_pb2 as epb
 from scheduler_svc import convert, telemetry
@@ -52,7 +53,11 @@ class Engine:
     ):
         self.settings = settings
         self.tracing = tracing
-        self.client = ExecutorClient(settings.executor_address, settings.max_message_bytes)
+        self.client = ExecutorClient(
+            settings.executor_address,
+            settings.max_message_bytes,
+            channel_credentials(settings.executor_tls_ca, settings.executor_tls_cert, settings.executor_tls_key),
+        )
         self.scheduler: Scheduler | None = None
         self.info: epb.HandshakeResponse | None = None
         self.tokenizer: Tokenizer | None = None

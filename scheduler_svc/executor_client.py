@@ -20,8 +20,9 @@ class ExecutorUnavailable(Exception):
 
 
 class ExecutorClient:
-    def __init__(self, address: str, max_message_bytes: int):
+    def __init__(self, address: str, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None):
         self.address = address
+        self._credentials = credentials
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -36,7 +37,10 @@ class ExecutorClient:
         deadline = time.monotonic() + timeout_s
         delay = 0.05
         while True:
-            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+            if self._credentials is not None:
+                self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=self._options)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
             stub = pb_grpc.ExecutorStub(self._channel)
             try:
                 info = await stub.Handshake(pb.HandshakeRequest(), timeout=max(0.1, min(5.0, deadline - time.monotonic())))

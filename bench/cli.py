@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                                             **_baseline_kwargs(args, scheduler_env)).outputs
                       for name in (args.baseline if k else [])}
 
+        metrics_before = _scrape_services(services)
         _say(f"timed run: {len(requests)} requests, {mode}"
              + (f" at {rate:.3g} req/s" if rate else "")
              + (f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""))
@@ -239,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                                        max_concurrency=args.max_concurrency, timeout_s=args.request_timeout,
                                        show_progress=not args.no_progress, desc=work.name))
         info_after, drained = asyncio.run(drained_server_info(address))
+        server_figures = _server_figures(metrics_before, _scrape_services(services))
     finally:
         if services is not None:
             services.stop()
@@ -259,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             "before": _info_dict(info_before), "after": _info_dict(info_after), "drained": drained,
             "kv_blocks_held_after": info_after.num_kv_blocks - info_after.num_free_kv_blocks,
             "preemptions": info_after.num_preemptions - info_before.num_preemptions,
+            **server_figures,
         },
         "correctness": correctness,
         "baselines": [],
@@ -286,6 +289,24 @@ def main(argv: list[str] | None = None) -> int:
         _say(why or "plots: " + ", ".join(str(p) for p in paths))
     mismatched = any(c["mismatches"] for c in correctness["per_baseline"].values())
     return 1 if args.strict_check and mismatched else 0
+
+
+def _scrape_services(services):
+    """Both services' counters, when this run launched them (their metrics
+    ports are known then); None otherwise."""
+    if services is None:
+        return None
+    from bench.server_metrics import scrape
+
+    return scrape(services.scheduler_metrics_port), scrape(services.executor_metrics_port)
+
+
+def _server_figures(before, after) -> dict:
+    if before is None or after is None:
+        return {"p6_kv_utilisation": None, "p7_executor_idle_fraction": None}
+    from bench.server_metrics import derived_figures
+
+    return derived_figures(before[0], after[0], before[1], after[1])
 
 
 def _warm_up(address: str, requests: list[wl.BenchRequest], args: argparse.Namespace) -> None:

@@ -118,6 +118,10 @@ def format_table(report: dict) -> str:
         title("server")
         row("Preemptions during run", server.get("preemptions", "?"))
         row("KV blocks held after drain (must be 0)", server.get("kv_blocks_held_after", "?"))
+        for key, label in (("p6_kv_utilisation", "P6 KV utilisation (tokens held / slots)"),
+                           ("p7_executor_idle_fraction", "P7 executor idle fraction between steps")):
+            value = server.get(key)
+            row(label, "n/a (needs --launch)" if value is None else f"{value:.3f}")
     if report.get("baselines"):
         title("baselines (same run; ratio = ours / baseline)")
         lines.append(f"{'':<12}{'wall s':>10}{'out tok/s':>12}{'ratio':>10}{'greedy agreement':>20}")

@@ -270,7 +270,12 @@ class Engine:
         block_size = sched.config.block_size
         telemetry.PREFIX_QUERIES.inc((sched.kv.num_queried_blocks - queried) * block_size)
         telemetry.PREFIX_HITS.inc((sched.kv.num_hit_blocks - hits) * block_size)
-        telemetry.record_load(len(sched.running), len(sched.waiting), sched.num_free_blocks, sched.config.num_kv_blocks)
+        tables = sched.kv.block_tables
+        telemetry.record_load(
+            len(sched.running), len(sched.waiting), sched.num_free_blocks, sched.config.num_kv_blocks,
+            tokens_held=sum(r.num_computed_tokens for r in sched.running),
+            slots_allocated=block_size * sum(len(tables[r.request_id]) for r in sched.running),
+        )
         if self.tracing.enabled:
             scheduled = out.scheduled()
             decode = sum(1 for req, n in scheduled if n == 1 and req.num_computed_tokens > req.num_prompt_tokens)

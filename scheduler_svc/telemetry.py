@@ -33,6 +33,9 @@ KV_USAGE = Gauge("llmsched_kv_cache_usage_ratio", "Share of KV blocks held by li
 PREEMPTIONS = Counter("llmsched_num_preemptions", "Requests preempted (recomputed later)")
 PREFIX_QUERIES = Counter("llmsched_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_HITS = Counter("llmsched_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+KV_TOKENS_HELD = Counter("llmsched_kv_tokens_held", "Tokens with KV in running requests' blocks, summed over steps")
+KV_SLOTS_ALLOCATED = Counter("llmsched_kv_slots_allocated",
+                             "Token slots in running requests' blocks, summed over steps (P6 = held / allocated)")
 FINISHED = Counter("llmsched_request_success", "Requests finished, by reason", ["finished_reason"])
 REJECTED = Counter("llmsched_request_rejected", "Requests refused at admission, by reason", ["reason"])
 
@@ -118,7 +121,10 @@ def record_rejected(span: trace.Span, tracing: bool, reason: str, message: str) 
         span.add_event("rejected", {"reason": reason, "message": message})
 
 
-def record_load(num_running: int, num_waiting: int, num_free_blocks: int, num_blocks: int) -> None:
+def record_load(num_running: int, num_waiting: int, num_free_blocks: int, num_blocks: int,
+                tokens_held: int, slots_allocated: int) -> None:
+    KV_TOKENS_HELD.inc(tokens_held)
+    KV_SLOTS_ALLOCATED.inc(slots_allocated)
     NUM_RUNNING.set(num_running)
     NUM_WAITING.set(num_waiting)
     KV_USAGE.set(1.0 - num_free_blocks / num_blocks if num_blocks else 0.0)

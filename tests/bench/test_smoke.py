@@ -45,6 +45,8 @@ def test_launch_run_writes_a_complete_report_with_a_baseline(tmp_path):
         assert REQUEST_KEYS <= set(r)
         assert r["output_tokens"] == r["max_tokens"] == sum(r["chunk_tokens"])
     assert report["server"]["kv_blocks_held_after"] == 0
+    assert 0 < report["server"]["p6_kv_utilisation"] <= 1
+    assert 0 <= report["server"]["p7_executor_idle_fraction"] < 1
     [b] = report["baselines"]
     assert b["name"] == "hf-static" and b["output_tokens"] == s["total_output_tokens"]
     assert b["ratio_output_throughput"] > 0

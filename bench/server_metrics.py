@@ -1,0 +1,41 @@
+"""P6 and P7 from the services' own Prometheus counters, read before and
+after the timed run: KV utilisation (tokens held / slots allocated, over
+steps) and the executor's idle fraction between steps."""
+
+from __future__ import annotations
+
+import urllib.request
+
+
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """Sums of every sample by metric name (labels folded together)."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, value = line.rpartition(" ")
+        name = name_part.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def derived_figures(sched_before, sched_after, exec_before, exec_after) -> dict[str, float | None]:
+    held = _delta(sched_before, sched_after, "llmsched_kv_tokens_held_total")
+    slots = _delta(sched_before, sched_after, "llmsched_kv_slots_allocated_total")
+    idle = _delta(exec_before, exec_after, "llmsched_executor_idle_between_steps_seconds_total")
+    busy = _delta(exec_before, exec_after, "llmsched_executor_busy_seconds_total")
+    return {
+        "p6_kv_utilisation": held / slots if slots else None,
+        "p7_executor_idle_fraction": idle / (idle + busy) if idle + busy else None,
+        "executor_busy_s": busy,
+        "executor_idle_s": idle,
+    }

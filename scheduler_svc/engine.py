@@ -228,7 +228,13 @@ class Engine:
                 self._last_progress = time.monotonic()
                 continue
             with self.tracing.tracer.start_as_current_span("scheduler.step") as step_span:
-                await self._step(sched, step_span)
+                try:
+                    await self._step(sched, step_span)
+                except Exception:
+                    # A bug must not leave every stream hanging: fail what is
+                    # live (blocks are freed and the executor told) and go on.
+                    log.exception("engine step crashed; failing live requests")
+                    self._fail_all("INTERNAL", "internal scheduler error")
 
     async def _step(self, sched: Scheduler, step_span: trace.Span) -> None:
         pool = sched.kv.pool

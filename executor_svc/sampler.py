@@ -14,6 +14,11 @@ from dataclasses import dataclass
 import torch
 
 
+# Temperatures below this are greedy: dividing logits by a tinier positive
+# number overflows to inf and softmax to NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingSettings:
     temperature: float  # 0 = greedy
@@ -58,7 +63,7 @@ def sample(logits: torch.Tensor, settings: list[SamplingSettings], output_positi
     greedy = logits.argmax(dim=-1)  # [num_rows]
     token_ids = greedy.tolist()
     for i, s in enumerate(settings):
-        if s.temperature <= 0.0:
+        if s.temperature < GREEDY_BELOW_TEMPERATURE:
             continue
         row = _filter_top_k_top_p(logits[i] / s.temperature, s.top_k, s.top_p)
         probs = row.softmax(-1).cpu()  # [vocab]

@@ -61,6 +61,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.info: epb.HandshakeResponse | None = None
         self.tokenizer: Tokenizer | None = None
+        self.max_token_chars = 1
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds: list[Request] = []
         self._pending_aborts: list[str] = []
@@ -156,6 +157,8 @@ class Engine:
                 )
             )
             self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
+            # Bounds the characters a prompt of max_model_len tokens can have.
+            self.max_token_chars = max(1, max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)))
         self.info = info
         self.connected = True
         self._last_progress = time.monotonic()

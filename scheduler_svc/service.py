@@ -23,6 +23,10 @@ from scheduler_svc.validation import InvalidRequest, Limits, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
+# Prompts up to this many characters are tokenized inline (a few hundred
+# microseconds); longer ones in a worker thread.
+INLINE_TOKENIZE_CHARS = 4096
+
 
 class SchedulerService(spb_grpc.SchedulerServicer):
     def __init__(self, engine: Engine, tracing: Tracing):
@@ -40,7 +44,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             max_stop_token_ids=s.max_stop_token_ids,
         )
 
-    def _build_request(self, msg: spb.GenerateRequest) -> Request:
+    async def _build_request(self, msg: spb.GenerateRequest) -> Request:
         engine = self.engine
         if engine.info is None or engine.tokenizer is None:
             raise Unavailable("no executor is connected")
@@ -48,7 +52,18 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         validate_prompt(msg, limits)
         sampling = sampling_from_proto(msg.sampling, limits)
         if msg.prompt:
-            prompt_ids = engine.tokenizer.encode(msg.prompt).ids
+            # No token is longer than the tokenizer's longest vocabulary
+            # entry, so a longer text cannot fit and is refused untokenized.
+            max_chars = limits.max_model_len * engine.max_token_chars
+            if len(msg.prompt) > max_chars:
+                raise InvalidRequest("prompt", f"{len(msg.prompt)} characters cannot fit max_model_len "
+                                               f"{limits.max_model_len} (at most {max_chars} characters)")
+            if len(msg.prompt) > INLINE_TOKENIZE_CHARS:
+                # The Rust tokenizer releases the GIL: long texts are encoded
+                # off the event loop, so running streams do not stall.
+                prompt_ids = (await asyncio.to_thread(engine.tokenizer.encode, msg.prompt)).ids
+            else:
+                prompt_ids = engine.tokenizer.encode(msg.prompt).ids
         else:
             prompt_ids = list(msg.prompt_token_ids)
         if not prompt_ids:
@@ -81,7 +96,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
 
     async def _generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext, span: trace.Span):
         try:
-            req = self._build_request(request)
+            req = await self._build_request(request)
             if self.tracing.enabled:
                 span.set_attributes({
                     "gen_ai.operation.name": "text_completion",

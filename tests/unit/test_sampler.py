@@ -56,3 +56,9 @@ def test_logprobs_report_the_chosen_token_and_the_top_n():
     expected = torch.log_softmax(logits[0], -1)
     assert top_ids == [1, 2]
     assert abs(lp - float(expected[1])) < 1e-6 and abs(top_lps[1] - float(expected[2])) < 1e-6
+
+
+def test_tiny_positive_temperature_is_greedy_not_nan():
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    for t in (1e-38, 1e-45, 1e-6):
+        assert sample(logits, [settings(temperature=t, seed=1)] * 2, [0, 0]).token_ids == logits.argmax(-1).tolist()

@@ -37,6 +37,7 @@ async def serve(settings: ExecutorSettings) -> None:
     log.info("executor listening on %s:%d", settings.host, port)
     await stop.wait()
     log.info("shutting down")
+    service.stopping = True
     await srv.set_serving(health, [SERVICE_NAME], False)
     # The grace period lets the step in flight finish and reach the scheduler.
     await server.stop(grace=5.0)

@@ -70,6 +70,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         # Only one scheduler drives the executor at a time; a new stream
         # replaces the old one and starts from empty request state.
         self._stream_lock = asyncio.Lock()
+        # Set on SIGTERM: the step in flight finishes and its result is
+        # sent, then the stream ends so the scheduler reconnects elsewhere.
+        self.stopping = False
         log.info(
             "executor %s: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
             self.instance_id, self.model_name, self.device, self.dtype, num_blocks, settings.block_size,
@@ -113,6 +116,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             loop = asyncio.get_running_loop()
             async for plan in request_iterator:
                 yield await loop.run_in_executor(self._compute, self._run_step, plan)
+                if self.stopping:
+                    log.info("stopping: step stream closed after step %d", plan.step_id)
+                    return
 
     def close(self) -> None:
         self._compute.shutdown(wait=True)

@@ -2,9 +2,9 @@
 
 Besides hard bounds on the waiting queue, a request is refused when its
 predicted time to first token is too long: the prompt tokens queued ahead
-of it, plus its own, divided by the token throughput the executor has
-recently sustained. The estimate only counts work; it does not try to
-model batching, so it errs towards admitting while the queue is short.
+of it, plus its own, divided by the prefill throughput the executor has
+recently sustained. The estimate only counts work; it does not model slots
+freeing up in the running set.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from dataclasses import dataclass
 EWMA_ALPHA = 0.1
 # Steps to measure before the predicted-wait check applies.
 MIN_STEPS = 5
+# A step counts as prefill-heavy with at least this many prompt tokens,
+# making up at least half of the step.
+PREFILL_STEP_MIN_TOKENS = 64
 
 
 class Overloaded(Exception):
@@ -25,16 +28,33 @@ class Overloaded(Exception):
 
 @dataclass(slots=True)
 class ThroughputEstimator:
-    """Tokens computed per second of step time, smoothed."""
+    """How fast queued prompt tokens get computed, in tokens per second of
+    step time, smoothed.
+
+    Queued work is prompt tokens, and prompts are computed in big prefill
+    chunks, far faster per token than one-token decodes. So steps where
+    prefill dominates give the estimate; until one has been seen, every
+    step does (a pessimistic start).
+    """
 
     tokens_per_s: float = 0.0
     num_steps: int = 0
+    num_prefill_steps: int = 0
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, num_prefill_tokens: int = 0) -> None:
         if seconds <= 0 or num_tokens <= 0:
             return
         rate = num_tokens / seconds
-        self.tokens_per_s = rate if self.num_steps == 0 else (1 - EWMA_ALPHA) * self.tokens_per_s + EWMA_ALPHA * rate
+        prefill_heavy = num_prefill_tokens * 2 >= num_tokens and num_prefill_tokens >= PREFILL_STEP_MIN_TOKENS
+        if prefill_heavy:
+            first = self.num_prefill_steps == 0
+            self.num_prefill_steps += 1
+        elif self.num_prefill_steps == 0:
+            first = self.num_steps == 0
+        else:
+            self.num_steps += 1
+            return
+        self.tokens_per_s = rate if first else (1 - EWMA_ALPHA) * self.tokens_per_s + EWMA_ALPHA * rate
         self.num_steps += 1
 
     def predict_wait_s(self, num_tokens_ahead: int) -> float | None:

@@ -272,7 +272,8 @@ class Engine:
             self._on_step_error(out, result.error)
             return
         self._last_progress = time.monotonic()
-        self.throughput.observe(out.total_num_scheduled_tokens, elapsed)
+        prefill_tokens = sum(n for req, n in out.scheduled() if req.num_computed_tokens < req.num_prompt_tokens)
+        self.throughput.observe(out.total_num_scheduled_tokens, elapsed, prefill_tokens)
         telemetry.STEP_DURATION.observe(elapsed)
         tokens = sched.update_from_output(out, convert.sampled_from_proto(result))
         self._emit(tokens)

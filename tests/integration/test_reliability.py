@@ -176,3 +176,38 @@ def test_sigterm_drains_then_exits_zero(stories_path, drain_s, expect):
     finally:
         client.channel.close()
         services.stop()
+
+
+def test_health_reports_a_stalled_executor_and_recovers(stories_path):
+    services, client = start_services(str(stories_path), scheduler_env={"SCHEDULER_STALL_TIMEOUT_S": "1"})
+    try:
+        streams = Streams(client, [spb.GenerateRequest(prompt_token_ids=[1, 403, 407, 261, 378], sampling=spb.SamplingParams(
+            max_tokens=60, temperature=0))]).start()
+        wait_until(lambda: streams.total_tokens > 3, what="first tokens")
+        services.executor.send_signal(signal.SIGSTOP)  # alive, but answers nothing
+        try:
+            wait_until(lambda: health(client) == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "NOT_SERVING on stall")
+        finally:
+            services.executor.send_signal(signal.SIGCONT)
+        wait_until(lambda: health(client) == health_pb2.HealthCheckResponse.SERVING, 10, "SERVING after progress")
+        streams.join()
+        assert streams.errors == [None]
+        assert streams.tokens[0] == hf_greedy(client.model, [1, 403, 407, 261, 378], 60)
+    finally:
+        client.channel.close()
+        services.stop()
+
+
+def test_executor_sigterm_exits_zero_and_a_restart_resumes_the_streams(fresh):
+    services, client = fresh
+    prompt = [1, 403, 407, 261, 378]
+    streams = Streams(client, [spb.GenerateRequest(prompt_token_ids=prompt, sampling=spb.SamplingParams(
+        max_tokens=80, temperature=0)) for _ in range(4)]).start()
+    wait_until(lambda: streams.total_tokens > 20, what="first tokens")
+    services.executor.send_signal(signal.SIGTERM)
+    assert services.executor.wait(30) == 0
+    services.start_executor()
+    streams.join()
+    want = hf_greedy(client.model, prompt, 80)
+    assert streams.errors == [None] * 4 and streams.tokens == [want] * 4
+    client.assert_no_leaked_blocks()

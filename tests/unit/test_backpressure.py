@@ -45,3 +45,14 @@ def test_estimator_smooths_towards_recent_rates():
     for _ in range(50):
         est.observe(1000, 1.0)
     assert 900 < est.tokens_per_s <= 1000
+
+
+def test_prefill_heavy_steps_set_the_rate_once_seen():
+    est = ThroughputEstimator()
+    for _ in range(5):
+        est.observe(256, 1.0)  # decode steps: 256 tokens/s
+    assert est.tokens_per_s == 256
+    est.observe(2048, 1.0, num_prefill_tokens=2000)  # a prefill step: 2048 tokens/s
+    assert est.tokens_per_s == 2048
+    est.observe(100, 1.0)  # later decode steps no longer drag it down
+    assert est.tokens_per_s == 2048 and est.num_steps == 7

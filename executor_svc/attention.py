@@ -50,6 +50,10 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+# Decode requests attended per SDPA call by the torch backend.
+DECODE_GROUP = 32
+
+
 class TorchAttentionBackend:
     """Plain PyTorch: decode requests batched in one masked SDPA call over
     their gathered blocks, prefill chunks one request at a time (their query
@@ -79,18 +83,25 @@ class TorchAttentionBackend:
                     query[start : start + q_len], k_cache, v_cache, meta.block_tables[r], seq_len, block_size, scale
                 )
             start += q_len
-        if decode_reqs:
-            tokens = torch.tensor(decode_tokens, dtype=torch.long, device=query.device)
-            reqs = torch.tensor(decode_reqs, dtype=torch.long, device=query.device)
-            max_seq = max(meta.seq_lens_host[r] for r in decode_reqs)
+        # Decodes sorted by context length and batched in groups, so each
+        # group gathers little more than its own context: one batch padded
+        # to the longest context read several times the KV it needed.
+        order = sorted(range(len(decode_reqs)), key=lambda i: meta.seq_lens_host[decode_reqs[i]])
+        for g in range(0, len(order), DECODE_GROUP):
+            group = order[g : g + DECODE_GROUP]
+            tokens = torch.tensor([decode_tokens[i] for i in group], dtype=torch.long, device=query.device)
+            reqs = torch.tensor([decode_reqs[i] for i in group], dtype=torch.long, device=query.device)
+            max_seq = meta.seq_lens_host[decode_reqs[group[-1]]]
             out[tokens] = self._decode_batch(query[tokens], k_cache, v_cache, meta, reqs, max_seq, scale)
         return out
 
     @staticmethod
     def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         # cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_ids: [..., nb]
-        blocks = cache[block_ids]  # [..., nb, block_size, num_kv_heads, head_dim]
-        return blocks.flatten(-4, -3)  # [..., nb * block_size, num_kv_heads, head_dim]
+        # index_select on the flat block dimension copies whole blocks, about
+        # twice as fast on CPU as advanced indexing with a 2-D index.
+        blocks = cache.index_select(0, block_ids.reshape(-1))  # [n * nb, block_size, num_kv_heads, head_dim]
+        return blocks.view(*block_ids.shape[:-1], -1, *cache.shape[2:])  # [..., nb * block_size, kvh, d]
 
     def _prefill_one(self, q, k_cache, v_cache, block_table, seq_len, block_size, scale):
         # q: [q_len, num_heads, head_dim]

@@ -51,3 +51,15 @@ def test_torch_backend_writes_kv_to_the_mapped_slots():
     TorchAttentionBackend().write_kv(key, -key, k_cache, v_cache, meta)
     assert torch.equal(k_cache.view(-1, 1, 3)[[5, 0, 2]], key)
     assert torch.equal(v_cache.view(-1, 1, 3)[[5, 0, 2]], -key)
+
+
+def test_many_decodes_of_mixed_lengths_are_grouped_without_changing_results():
+    # More decodes than one DECODE_GROUP, lengths unsorted, plus a prefill.
+    g = torch.Generator().manual_seed(5)
+    seq_lens = torch.randint(1, 40, (70,), generator=g).tolist()
+    query_lens = [1] * 70
+    query_lens[33], seq_lens[33] = 6, 30
+    query, k_cache, v_cache, meta = make_batch(query_lens, seq_lens, num_blocks=70 * 10)
+    got = TorchAttentionBackend().attend(query, k_cache, v_cache, meta, 0.25)
+    want = reference.paged_attention(query, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens, meta.block_tables, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -19,7 +19,7 @@ from executor_svc.kv_cache import KVCachePool, num_blocks_for_budget
 from executor_svc.model import build_model
 from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner
-from executor_svc.telemetry import StepTelemetry, wall_ns
+from executor_svc.telemetry import StepTelemetry
 from llmsched.tracing import Tracing
 from llmsched.v1 import executor_pb2 as pb
 from llmsched.v1 import executor_pb2_grpc as pb_grpc
@@ -95,7 +95,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         )
 
     def _run_step(self, plan: pb.StepPlan) -> pb.StepResult:
-        started_wall, started = wall_ns(), time.perf_counter()
+        started_wall, started = time.time_ns(), time.perf_counter()
         try:
             result = result_to_proto(self.runner.execute(step_from_proto(plan)))
         except Exception as exc:  # the executor must survive a bad step

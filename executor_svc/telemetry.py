@@ -7,8 +7,6 @@ tracing.
 
 from __future__ import annotations
 
-import time
-
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
@@ -65,7 +63,3 @@ class StepTelemetry:
         if error:
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         span.end(end_time=end_wall_ns)
-
-
-def wall_ns() -> int:
-    return time.time_ns()

@@ -20,7 +20,7 @@ from llmsched.security import channel_credentials
 from llmsched.tracing import Tracing, traceparent_of
 from llmsched.v1 import executor_pb2 as epb
 from scheduler_svc import convert, telemetry
-from scheduler_svc.backpressure import AdmissionLimits, ThroughputEstimator, check_admission
+from scheduler_svc.backpressure import AdmissionLimits, StepTimeEstimator, check_admission
 from scheduler_svc.config import SchedulerSettings
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.output_processor import RequestDelta, RequestOutputState
@@ -79,9 +79,10 @@ class Engine:
         self._last_progress = time.monotonic()
         self.stalled = False
         self._watchdog: asyncio.Task | None = None
-        self.throughput = ThroughputEstimator()
+        self.step_time = StepTimeEstimator()
         self._admission = AdmissionLimits(
-            settings.max_queued_requests, settings.max_queued_tokens, settings.max_queue_delay_ms
+            settings.max_queued_requests, settings.max_queued_tokens, settings.max_queue_delay_ms,
+            token_budget=settings.max_num_batched_tokens,
         )
 
     # ----- lifecycle -------------------------------------------------------
@@ -195,10 +196,11 @@ class Engine:
             ahead = sched.waiting.num_tokens
         check_admission(
             self._admission,
-            self.throughput,
+            self.step_time,
             num_queued_requests=len(sched.waiting) + len(self._pending_adds),
             num_queued_tokens=ahead + pending_tokens,
             num_prompt_tokens=request.num_prompt_tokens,
+            num_running=len(sched.running),
         )
         stream = RequestStream(
             state=RequestOutputState(request, self.tokenizer),
@@ -272,8 +274,7 @@ class Engine:
             self._on_step_error(out, result.error)
             return
         self._last_progress = time.monotonic()
-        prefill_tokens = sum(n for req, n in out.scheduled() if req.num_computed_tokens < req.num_prompt_tokens)
-        self.throughput.observe(out.total_num_scheduled_tokens, elapsed, prefill_tokens)
+        self.step_time.observe(elapsed)
         telemetry.STEP_DURATION.observe(elapsed)
         tokens = sched.update_from_output(out, convert.sampled_from_proto(result))
         self._emit(tokens)

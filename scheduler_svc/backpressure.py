@@ -1,15 +1,15 @@
 """Admission control that protects requests already admitted.
 
 Besides hard bounds on the waiting queue, a request is refused when its
-predicted time to first token is too long. Running requests take their
-decode tokens out of every step's token budget first, so what is left per
-step goes to the prompts queued ahead of the new one, then to its own:
+predicted time to first token is too long. Two things hold a queued
+request back, and the prediction is the longer of the two:
 
-    steps = ceil((queued prompt tokens + own prompt) / (budget - running))
-    wait  = steps x recent step duration
-
-The model ignores slots freeing up as running requests finish, so it errs
-towards refusing when the running set is near the budget.
+- compute: running requests take their decode tokens out of every step's
+  token budget first; what is left goes to the prompts queued ahead, then
+  to its own: ceil(tokens / (budget - running)) steps of the recent step
+  duration;
+- slots: with the running set full (max_num_seqs), it waits for as many
+  requests to finish as are queued ahead of it, at the recent finish rate.
 """
 
 from __future__ import annotations
@@ -33,22 +33,34 @@ class Overloaded(Exception):
 
 @dataclass(slots=True)
 class StepTimeEstimator:
-    """Recent step duration (plan sent to result back), smoothed."""
+    """Recent step duration (plan sent to result back) and requests finished
+    per step, smoothed."""
 
     step_s: float = 0.0
+    finished_per_step: float = 0.0
     num_steps: int = 0
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: float, num_finished: int = 0) -> None:
         if seconds <= 0:
             return
-        self.step_s = seconds if self.num_steps == 0 else (1 - EWMA_ALPHA) * self.step_s + EWMA_ALPHA * seconds
+        if self.num_steps == 0:
+            self.step_s, self.finished_per_step = seconds, float(num_finished)
+        else:
+            self.step_s = (1 - EWMA_ALPHA) * self.step_s + EWMA_ALPHA * seconds
+            self.finished_per_step = (1 - EWMA_ALPHA) * self.finished_per_step + EWMA_ALPHA * num_finished
         self.num_steps += 1
 
-    def predict_wait_s(self, num_tokens_ahead: int, num_running: int, token_budget: int) -> float | None:
+    def predict_wait_s(self, num_tokens_ahead: int, num_running: int, token_budget: int,
+                       num_requests_ahead: int = 0, max_num_seqs: int | None = None) -> float | None:
         if self.num_steps < MIN_STEPS:
             return None
         prefill_per_step = max(1, token_budget - num_running)
-        return math.ceil(num_tokens_ahead / prefill_per_step) * self.step_s
+        wait = math.ceil(num_tokens_ahead / prefill_per_step) * self.step_s
+        if max_num_seqs is not None:
+            slots_short = num_requests_ahead + 1 - (max_num_seqs - num_running)
+            if slots_short > 0 and self.finished_per_step > 0:
+                wait = max(wait, slots_short / self.finished_per_step * self.step_s)
+        return wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +69,7 @@ class AdmissionLimits:
     max_queued_tokens: int
     max_queue_delay_ms: float
     token_budget: int  # the scheduler's max_num_batched_tokens
+    max_num_seqs: int
 
 
 def check_admission(
@@ -68,7 +81,8 @@ def check_admission(
     num_running: int,
 ) -> None:
     """Raises Overloaded with the reason and a retry hint."""
-    wait_s = estimator.predict_wait_s(num_queued_tokens + num_prompt_tokens, num_running, limits.token_budget)
+    wait_s = estimator.predict_wait_s(num_queued_tokens + num_prompt_tokens, num_running, limits.token_budget,
+                                      num_queued_requests, limits.max_num_seqs)
     if num_queued_requests + 1 > limits.max_queued_requests:
         raise Overloaded(f"waiting queue is full ({num_queued_requests} requests)", _retry_ms(wait_s))
     if num_queued_tokens + num_prompt_tokens > limits.max_queued_tokens:
@@ -79,7 +93,8 @@ def check_admission(
     if limits.max_queue_delay_ms > 0 and wait_s is not None and wait_s * 1000 > limits.max_queue_delay_ms:
         raise Overloaded(
             f"predicted time to first token {wait_s * 1000:.0f} ms exceeds the limit of "
-            f"{limits.max_queue_delay_ms:.0f} ms ({num_queued_tokens} tokens queued, {num_running} running, "
+            f"{limits.max_queue_delay_ms:.0f} ms ({num_queued_requests} requests and {num_queued_tokens} tokens "
+            f"queued, {num_running} running, "
             f"{estimator.step_s * 1000:.0f} ms per step)",
             int(wait_s * 1000 - limits.max_queue_delay_ms) + 1,
         )

@@ -82,7 +82,7 @@ class Engine:
         self.step_time = StepTimeEstimator()
         self._admission = AdmissionLimits(
             settings.max_queued_requests, settings.max_queued_tokens, settings.max_queue_delay_ms,
-            token_budget=settings.max_num_batched_tokens,
+            token_budget=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
         )
 
     # ----- lifecycle -------------------------------------------------------
@@ -274,10 +274,11 @@ class Engine:
             self._on_step_error(out, result.error)
             return
         self._last_progress = time.monotonic()
-        self.step_time.observe(elapsed)
         telemetry.STEP_DURATION.observe(elapsed)
+        live_before = len(sched.requests)
         tokens = sched.update_from_output(out, convert.sampled_from_proto(result))
         self._emit(tokens)
+        self.step_time.observe(elapsed, num_finished=live_before - len(sched.requests))
         block_size = sched.config.block_size
         telemetry.PREFIX_QUERIES.inc((sched.kv.num_queried_blocks - queried) * block_size)
         telemetry.PREFIX_HITS.inc((sched.kv.num_hit_blocks - hits) * block_size)

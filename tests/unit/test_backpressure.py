@@ -4,13 +4,14 @@ from scheduler_svc.backpressure import (
     MAX_RETRY_AFTER_MS, AdmissionLimits, Overloaded, StepTimeEstimator, check_admission,
 )
 
-LIMITS = AdmissionLimits(max_queued_requests=10, max_queued_tokens=10_000, max_queue_delay_ms=2000, token_budget=1000)
+LIMITS = AdmissionLimits(max_queued_requests=10, max_queued_tokens=10_000, max_queue_delay_ms=2000, token_budget=1000,
+                         max_num_seqs=1000)
 
 
-def warmed(step_s: float) -> StepTimeEstimator:
+def warmed(step_s: float, finished_per_step: int = 0) -> StepTimeEstimator:
     est = StepTimeEstimator()
     for _ in range(10):
-        est.observe(step_s)
+        est.observe(step_s, finished_per_step)
     return est
 
 
@@ -57,3 +58,20 @@ def test_estimator_smooths_towards_recent_step_times():
     for _ in range(50):
         est.observe(1.0)
     assert 0.9 < est.step_s <= 1.0
+
+
+def test_with_the_running_set_full_the_wait_is_for_slots_to_free():
+    limits = AdmissionLimits(100, 10_000, 2000, token_budget=1000, max_num_seqs=8)
+    # 8 running of 8, 5 queued ahead: 6 must finish; one finishes per step
+    # of 0.5 s, so 3 s, although the prompts need one step of compute.
+    with pytest.raises(Overloaded, match="predicted time to first token 3000 ms"):
+        check_admission(limits, _finishing(0.5, every=1), 5, 200, 50, num_running=8)
+    # Slots free: admitted.
+    check_admission(limits, _finishing(0.5, every=1), 0, 0, 50, num_running=3)
+
+
+def _finishing(step_s: float, every: int) -> StepTimeEstimator:
+    est = StepTimeEstimator()
+    for i in range(400):
+        est.observe(step_s, 1 if i % every == 0 else 0)
+    return est

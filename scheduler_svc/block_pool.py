@@ -27,7 +27,6 @@ class BlockPool:
         self.cached: dict[BlockHash, int] = {}
         # Every block with ref_count 0, least recently freed first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.num_evictions = 0
         # Lifetime counters, for per-step telemetry.
         self.num_allocated = 0
         self.num_released = 0
@@ -55,7 +54,6 @@ class BlockPool:
             if h is not None:
                 del self.cached[h]
                 self.block_hashes[b] = None
-                self.num_evictions += 1
             self.ref_counts[b] = 1
             blocks.append(b)
         self.num_allocated += n

@@ -36,10 +36,6 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int = 0
 
-    @classmethod
-    def greedy(cls, max_tokens: int = 16, **kw) -> "SamplingParams":
-        return cls(max_tokens=max_tokens, temperature=0.0, **kw)
-
 
 @dataclass(slots=True, eq=False)
 class Request:
@@ -77,7 +73,3 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def max_total_tokens(self) -> int:
-        return self.num_prompt_tokens + self.sampling.max_tokens

@@ -24,6 +24,9 @@ class SchedulerSettings(BaseSettings):
     # After the step channel breaks: how long to keep reconnecting before
     # in-flight requests fail with UNAVAILABLE.
     executor_reconnect_timeout_s: float = Field(default=30.0, gt=0)
+    # A step whose result does not arrive within this long counts as a lost
+    # executor: the scheduler reconnects and recomputes.
+    step_timeout_s: float = Field(default=120.0, gt=0)
     # Health reports NOT_SERVING when work is pending and no step has
     # completed for this long.
     stall_timeout_s: float = Field(default=60.0, gt=0)

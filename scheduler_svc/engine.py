@@ -262,10 +262,12 @@ class Engine:
             plan.traceparent = traceparent_of(step_span)
         started = time.perf_counter()
         try:
-            result = await self.client.step(plan)
-        except ExecutorUnavailable as exc:
-            log.warning("executor lost: %s", exc)
-            step_span.add_event("executor_lost", {"error": str(exc)})
+            result = await asyncio.wait_for(self.client.step(plan), self.settings.step_timeout_s)
+        except (ExecutorUnavailable, asyncio.TimeoutError) as exc:
+            # A timeout (the executor stopped answering) has an empty message.
+            reason = str(exc) or f"no step result within {self.settings.step_timeout_s}s"
+            log.warning("executor lost: %s", reason)
+            step_span.add_event("executor_lost", {"error": reason})
             await self._recover()
             return
         elapsed = time.perf_counter() - started

@@ -63,7 +63,10 @@ class Streams:
 
 @pytest.fixture
 def fresh(stories_path):
-    services, client = start_services(str(stories_path), scheduler_env={"SCHEDULER_EXECUTOR_RECONNECT_TIMEOUT_S": "60"})
+    # A short step timeout: should a restarted executor leave a step unanswered,
+    # the scheduler reconnects instead of waiting for the default 120 s.
+    services, client = start_services(str(stories_path), scheduler_env={"SCHEDULER_EXECUTOR_RECONNECT_TIMEOUT_S": "60",
+                                                                        "SCHEDULER_STEP_TIMEOUT_S": "10"})
     yield services, client
     client.channel.close()
     services.stop()

@@ -47,7 +47,7 @@ def make_running_scheduler(num_requests: int, prompt_len: int) -> Scheduler:
 
 def fake_result(out) -> bytes:
     """What the executor would send back: one token per sampling request."""
-    handles = [r.handle for r, n in out.scheduled() if r.num_computed_tokens + n == r.num_tokens]
+    handles = out.sampling_handles()
     return epb.StepResult(step_id=out.step_id, sampled_handles=handles,
                           sampled_token_ids=[7] * len(handles)).SerializeToString()
 

@@ -18,6 +18,23 @@ log = logging.getLogger("executor_svc")
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 
 
+def keepalive_options(interval_s: float) -> list[tuple[str, int]]:
+    """Ping the scheduler every interval_s and drop it after as long without
+    an answer; accept the scheduler's own pings (it sends them every few
+    seconds, idle or not, which gRPC servers otherwise punish)."""
+    ms = int(interval_s * 1000)
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        # Newer gRPC cores time keepalive pings out by this one.
+        ("grpc.http2.ping_timeout_ms", ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+
+
 async def serve(settings: ExecutorSettings) -> None:
     tracing = setup_tracing("executor")
     service = ExecutorService(settings, tracing)
@@ -29,7 +46,9 @@ async def serve(settings: ExecutorSettings) -> None:
         [SERVICE_NAME],
         settings.max_message_bytes,
         credentials=server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca),
+        options=keepalive_options(settings.scheduler_keepalive_s),
     )
+    await srv.set_serving(health, [SERVICE_NAME], False)
     stop = asyncio.Event()
     srv.install_stop_signals(stop)
     await server.start()

@@ -43,6 +43,10 @@ class ExecutorSettings(BaseSettings):
     max_logprobs: int = Field(default=20, ge=0, le=1024)
     # Largest gRPC message accepted or sent, in bytes.
     max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    # Keepalive ping interval to the connected scheduler, in seconds: a
+    # scheduler that stops answering for as long again loses its step
+    # stream, so a standby scheduler can take over.
+    scheduler_keepalive_s: float = Field(default=10.0, gt=0)
     # Fault injection for tests: a step whose batch holds this token id
     # fails with an exception, as a broken forward pass would. -1 = off.
     debug_fail_on_token: int = -1

@@ -64,12 +64,18 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         )
         self.instance_id = uuid.uuid4().hex
         self.telemetry = StepTelemetry(tracing)
-        # One thread runs every step, so the event loop stays free for
-        # health checks and handshakes while the model computes.
+        # One thread runs every step, in plan order, so the event loop stays
+        # free to receive and decode the next plan, and to answer health
+        # checks, while the model computes.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
-        # Only one scheduler drives the executor at a time; a new stream
-        # replaces the old one and starts from empty request state.
-        self._stream_lock = asyncio.Lock()
+        # One scheduler drives the executor at a time: a second step stream
+        # is refused while the first is open. A scheduler that dies or stops
+        # answering keepalive pings loses its stream, and the next one in
+        # starts from empty request state.
+        self._stream_open = False
+        # Epoch of the last plan that failed (StepPlan.epoch); plans of that
+        # epoch still arriving are discarded. Touched by the step thread only.
+        self._failed_epoch: int | None = None
         # Set on SIGTERM: the step in flight finishes and its result is
         # sent, then the stream ends so the scheduler reconnects elsewhere.
         self.stopping = False
@@ -94,15 +100,28 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             device=str(self.device),
         )
 
-    def _run_step(self, plan: pb.StepPlan) -> pb.StepResult:
+    def _reset(self) -> None:
+        self.runner.reset()
+        self._failed_epoch = None
+
+    def _run_step(self, plan: pb.StepPlan, step) -> pb.StepResult:
+        """Runs on the step thread. `step` is the decoded plan, or the
+        exception decoding it raised."""
+        if plan.epoch == self._failed_epoch:
+            # Sent before the scheduler learnt of the failure: it names
+            # requests forgotten since. The scheduler ignores this result.
+            return pb.StepResult(step_id=plan.step_id, discarded=True)
         started_wall, started = time.time_ns(), time.perf_counter()
         try:
-            result = result_to_proto(self.runner.execute(step_from_proto(plan)))
+            if isinstance(step, Exception):
+                raise step
+            result = result_to_proto(self.runner.execute(step))
         except Exception as exc:  # the executor must survive a bad step
             log.exception("step %d failed", plan.step_id)
             # Request state may be half-applied: forget it all, so the
             # scheduler recomputes from a clean slate.
             self.runner.reset()
+            self._failed_epoch = plan.epoch
             result = pb.StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
         num_tokens = sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(plan.cached_num_scheduled_tokens)
         self.telemetry.record(plan.traceparent, plan.step_id, started_wall, started, time.perf_counter(),
@@ -110,15 +129,45 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         return result
 
     async def Step(self, request_iterator, context):
-        async with self._stream_lock:
-            self.runner.reset()
-            self.telemetry.stream_started()
-            loop = asyncio.get_running_loop()
+        if self._stream_open:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "another scheduler holds this executor's step stream (one scheduler per executor)",
+            )
+        self._stream_open = True
+        loop = asyncio.get_running_loop()
+        # Plans are received and decoded here, on the event loop, while the
+        # step thread computes earlier ones; results go back in plan order.
+        steps: asyncio.Queue = asyncio.Queue()
+
+        async def receive_plans() -> None:
             async for plan in request_iterator:
-                yield await loop.run_in_executor(self._compute, self._run_step, plan)
+                try:
+                    step = step_from_proto(plan)
+                except Exception as exc:  # reported as that step's failure
+                    step = exc
+                steps.put_nowait((plan.step_id, loop.run_in_executor(self._compute, self._run_step, plan, step)))
+            steps.put_nowait(None)
+
+        receiver = None
+        try:
+            # Queued behind whatever the step thread still runs for a
+            # previous stream, so no old step sees the fresh state.
+            await loop.run_in_executor(self._compute, self._reset)
+            self.telemetry.stream_started()
+            await context.send_initial_metadata(())  # accepted: see ExecutorClient.connect
+            receiver = asyncio.create_task(receive_plans())
+            while (item := await steps.get()) is not None:
+                step_id, result = item
+                yield await result
                 if self.stopping:
-                    log.info("stopping: step stream closed after step %d", plan.step_id)
+                    log.info("stopping: step stream closed after step %d", step_id)
                     return
+            await receiver  # re-raises a broken request stream
+        finally:
+            if receiver is not None:
+                receiver.cancel()
+            self._stream_open = False
 
     def close(self) -> None:
         self._compute.shutdown(wait=True)

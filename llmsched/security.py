@@ -3,6 +3,7 @@ public API."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from pathlib import Path
 
@@ -55,6 +56,21 @@ def load_api_keys(keys: str, keys_file: str) -> list[bytes]:
     return [k.encode() for k in found]
 
 
+def presented_api_key(metadata) -> bytes:
+    """The key in `authorization: Bearer <key>`, or b"" when there is none."""
+    header = next((v for k, v in metadata or () if k == "authorization"), "")
+    if isinstance(header, bytes):
+        header = header.decode(errors="replace")
+    scheme, _, presented = header.partition(" ")
+    return presented.strip().encode() if scheme.lower() == "bearer" else b""
+
+
+def api_key_owner(metadata) -> str:
+    """Names the API key a call presented, without keeping the key: calls
+    with the same key have the same owner."""
+    return hashlib.sha256(presented_api_key(metadata)).hexdigest()
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Requires `authorization: Bearer <key>` on every call but health and
     reflection. Every key is compared in constant time, all of them each
@@ -66,11 +82,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         self._keys = keys
 
     def _authorized(self, metadata) -> bool:
-        header = next((v for k, v in metadata or () if k == "authorization"), "")
-        if isinstance(header, bytes):
-            header = header.decode(errors="replace")
-        scheme, _, presented = header.partition(" ")
-        token = presented.strip().encode() if scheme.lower() == "bearer" else b""
+        token = presented_api_key(metadata)
         ok = False
         for key in self._keys:
             ok |= hmac.compare_digest(token, key)

@@ -26,18 +26,22 @@ def create_server(
     max_message_bytes: int,
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    options: Iterable[tuple[str, int | str]] = (),
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Builds (but does not start) an aio server bound to address, with
     TLS when credentials are given.
 
     Returns the server, the bound port (useful with port 0) and the health
-    servicer, which starts NOT_SERVING: callers flip it when ready.
+    servicer. gRPC's servicer starts the overall status as SERVING; callers
+    must `await set_serving(..., False)` before starting the server and
+    flip it when ready.
     """
     server = grpc.aio.server(
         interceptors=list(interceptors),
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            *options,
         ],
     )
     register(server)

@@ -22,24 +22,34 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 async def serve(settings: SchedulerSettings) -> int:
     """Returns the process exit code."""
     health_ref = {}
+    health_lock = asyncio.Lock()  # FIFO: changes land in the order they happen
+
+    async def set_serving(serving: bool) -> None:
+        async with health_lock:
+            await srv.set_serving(health_ref["servicer"], [SERVICE_NAME], serving)
 
     def on_serving_change(serving: bool) -> None:
         if "servicer" in health_ref:
-            asyncio.get_running_loop().create_task(srv.set_serving(health_ref["servicer"], [SERVICE_NAME], serving))
+            asyncio.get_running_loop().create_task(set_serving(serving))
 
     tracing = setup_tracing("scheduler")
     if settings.metrics_port:
         start_http_server(settings.metrics_port, addr=settings.host)
     engine = Engine(settings, tracing, on_serving_change)
+    keys = load_api_keys(settings.api_keys, settings.api_keys_file)
+    service = SchedulerService(engine, tracing, api_keys_on=bool(keys))
     server, port, health = srv.create_server(
         f"{settings.host}:{settings.port}",
-        lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerService(engine, tracing), s),
+        lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, s),
         [SERVICE_NAME],
         settings.max_message_bytes,
         credentials=server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca),
-        interceptors=[ApiKeyInterceptor(keys)] if (keys := load_api_keys(settings.api_keys, settings.api_keys_file)) else [],
+        interceptors=[ApiKeyInterceptor(keys)] if keys else [],
     )
     health_ref["servicer"] = health
+    # NOT_SERVING until an executor is connected: probes and launchers
+    # must not send traffic that can only get UNAVAILABLE.
+    await srv.set_serving(health, [SERVICE_NAME], False)
     stop = asyncio.Event()
     srv.install_stop_signals(stop)
     await server.start()
@@ -49,8 +59,7 @@ async def serve(settings: SchedulerSettings) -> int:
     done, _ = await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if start in done and start.exception() is None:
-        await srv.set_serving(health, [SERVICE_NAME], True)
-        await stop_wait
+        await stop_wait  # health follows the engine's connection from here
     elif start in done:
         log.error("could not start: %s", start.exception())
         code = 1

@@ -24,6 +24,13 @@ class SchedulerSettings(BaseSettings):
     # After the step channel breaks: how long to keep reconnecting before
     # in-flight requests fail with UNAVAILABLE.
     executor_reconnect_timeout_s: float = Field(default=30.0, gt=0)
+    # Keepalive ping interval to the executor, in seconds: an executor that
+    # dies or stops answering for as long again is noticed even when no
+    # step is in flight, and health turns NOT_SERVING.
+    executor_keepalive_s: float = Field(default=10.0, gt=0)
+    # Step plans sent ahead of their results: with 2, the scheduler plans
+    # step N+1 while the executor runs step N. 1 = plan, run, update in turn.
+    max_plans_in_flight: int = Field(default=2, ge=1, le=8)
     # A step whose result does not arrive within this long counts as a lost
     # executor: the scheduler reconnects and recomputes.
     step_timeout_s: float = Field(default=120.0, gt=0)

@@ -36,6 +36,7 @@ def plan_to_proto(out: SchedulerOutput) -> epb.StepPlan:
         new_block_handles=out.new_block_handles,
         new_block_ids=out.new_block_ids,
         finished_handles=out.finished_handles,
+        epoch=out.executor_epoch,
     )
     for n in out.new_requests:
         plan.new_requests.append(

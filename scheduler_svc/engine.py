@@ -1,8 +1,14 @@
 """The engine loop: the only code that mutates scheduler state.
 
 gRPC handlers never touch the Scheduler directly. They queue adds and
-aborts, which the loop applies at the next step boundary, so a step in
-flight never sees its requests change under it.
+aborts, which the loop applies at the next step boundary, so a step being
+planned never sees its requests change under it.
+
+The loop keeps up to SCHEDULER_MAX_PLANS_IN_FLIGHT plans on the step
+stream: it sends the plan for step N+1 before the result of step N
+arrives, so the executor finds its next plan waiting when a step ends, and
+detokenizing and streaming to clients happen while it computes. The
+executor applies plans and returns results strictly in order.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,7 +48,21 @@ class RequestStream:
 
     state: RequestOutputState
     telemetry: telemetry.RequestTelemetry
+    # Who may Abort it: a digest of the API key that created it (None when
+    # API keys are off).
+    owner: str | None = None
     queue: asyncio.Queue[RequestDelta] = field(default_factory=asyncio.Queue)
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A plan sent whose result has not been applied yet."""
+
+    out: SchedulerOutput
+    span: trace.Span
+    sent_at: float  # perf_counter
+    blocks_allocated: int
+    blocks_freed: int
 
 
 class Engine:
@@ -57,6 +78,7 @@ class Engine:
             settings.executor_address,
             settings.max_message_bytes,
             channel_credentials(settings.executor_tls_ca, settings.executor_tls_cert, settings.executor_tls_key),
+            keepalive_s=settings.executor_keepalive_s,
         )
         self.scheduler: Scheduler | None = None
         self.info: epb.HandshakeResponse | None = None
@@ -67,6 +89,14 @@ class Engine:
         self._pending_aborts: list[str] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._in_flight: deque[InFlightStep] = deque()
+        # When the executor last answered a step, to time each step from
+        # when the executor could start it.
+        self._last_result_at = 0.0
+        # Set (with the reason) when the executor is found gone; the loop
+        # then recovers at its next turn.
+        self._lost_reason: str | None = None
+        self._health_watch: asyncio.Task | None = None
         self._on_serving_change = on_serving_change or (lambda serving: None)
         self._serving: bool | None = None
         self.connected = False
@@ -93,7 +123,7 @@ class Engine:
         self._watchdog = asyncio.create_task(self._watch_progress(), name="engine-watchdog")
 
     async def stop(self) -> None:
-        for task in (self._task, self._watchdog):
+        for task in (self._task, self._watchdog, self._health_watch):
             if task is not None:
                 task.cancel()
                 try:
@@ -162,6 +192,8 @@ class Engine:
             self.max_token_chars = max(1, max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)))
         self.info = info
         self.connected = True
+        self._last_result_at = time.perf_counter()
+        self._health_watch = asyncio.create_task(self._watch_executor(), name="executor-health-watch")
         self._last_progress = time.monotonic()
         self._update_health()
         log.info(
@@ -175,7 +207,7 @@ class Engine:
     def is_live(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    def submit(self, request: Request, span: trace.Span) -> RequestStream:
+    def submit(self, request: Request, span: trace.Span, owner: str | None = None) -> RequestStream:
         """Queues a validated request. Raises ValueError when it can never
         fit, Overloaded when admission control sheds it, Unavailable when no
         executor is connected."""
@@ -205,6 +237,7 @@ class Engine:
         stream = RequestStream(
             state=RequestOutputState(request, self.tokenizer),
             telemetry=telemetry.RequestTelemetry(span, self.tracing.enabled),
+            owner=owner,
         )
         stream.telemetry.on_queued(request.num_prompt_tokens)
         self._streams[request.request_id] = stream
@@ -213,9 +246,12 @@ class Engine:
         self._wakeup.set()
         return stream
 
-    def abort(self, request_id: str) -> bool:
-        """Ends a live request at the next step boundary. Idempotent."""
-        if request_id not in self._streams:
+    def abort(self, request_id: str, owner: str | None = None) -> bool:
+        """Ends a live request at the next step boundary. Idempotent. Only
+        the owner (the API key that created it) may abort it; to anyone
+        else it does not exist."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.owner != owner:
             return False
         self._pending_aborts.append(request_id)
         self._wakeup.set()
@@ -225,60 +261,119 @@ class Engine:
 
     async def _run(self) -> None:
         while True:
-            self._apply_pending()
-            sched = self.scheduler
-            if sched is None or not sched.has_work:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                self._last_progress = time.monotonic()
-                continue
-            with self.tracing.tracer.start_as_current_span("scheduler.step") as step_span:
-                try:
-                    await self._step(sched, step_span)
-                except Exception:
-                    # A bug must not leave every stream hanging: fail what is
-                    # live (blocks are freed and the executor told) and go on.
-                    log.exception("engine step crashed; failing live requests")
-                    self._fail_all("INTERNAL", "internal scheduler error")
+            try:
+                await self._turn()
+            except Exception:
+                # A bug must not leave every stream hanging: fail what is
+                # live (blocks are freed and the executor told) and go on.
+                log.exception("engine step crashed; failing live requests")
+                self._fail_all("INTERNAL", "internal scheduler error")
+                # Results of plans in flight can no longer be matched: start
+                # the executor over on a fresh stream.
+                self._executor_lost("internal scheduler error")
 
-    async def _step(self, sched: Scheduler, step_span: trace.Span) -> None:
+    async def _turn(self) -> None:
+        """One turn: send a plan while fewer than the limit are in flight,
+        else apply the oldest result, else wait for new work."""
+        self._apply_pending()
+        if self._lost_reason is not None:
+            await self._recover(self._lost_reason)
+            return
+        sched = self.scheduler
+        if sched is None:
+            await self._wait_for_input()
+            return
+        if len(self._in_flight) < self.settings.max_plans_in_flight and sched.has_work:
+            out = self._plan(sched)
+            if out is not None:
+                await self._send(out)
+                return
+            if self._in_flight:
+                await self._receive(sched)
+                return
+            # Nothing runnable and nothing in flight: cannot happen while
+            # every admitted request fits the pool alone; waiting here
+            # instead of spinning keeps it visible.
+            log.error("scheduler has work but scheduled nothing; waiting for new input")
+            await self._wait_for_input()
+            return
+        if self._in_flight:
+            await self._receive(sched)
+            return
+        await self._wait_for_input()
+        self._last_progress = time.monotonic()
+
+    async def _wait_for_input(self) -> None:
+        self._wakeup.clear()
+        await self._wakeup.wait()
+
+    def _plan(self, sched: Scheduler) -> SchedulerOutput | None:
+        """Schedules the next step; None when it has nothing to run (what it
+        preempted or must forget then waits for the next plan)."""
         pool = sched.kv.pool
         allocated, released = pool.num_allocated, pool.num_released
-        queried, hits = sched.kv.num_queried_blocks, sched.kv.num_hit_blocks
+        span = self.tracing.tracer.start_span("scheduler.step")
         out = sched.schedule()
         for req in out.preempted:
             self._streams[req.request_id].telemetry.on_preempted()
         if out.is_empty:
-            # Cannot happen while every admitted request fits the pool
-            # alone; waiting here instead of spinning keeps it visible.
-            log.error("scheduler has work but scheduled nothing; waiting for new input")
-            self._wakeup.clear()
-            await self._wakeup.wait()
-            return
+            span.end()
+            return None
         for req, _ in out.scheduled():
-            self._streams[req.request_id].telemetry.on_scheduled(step_span)
+            self._streams[req.request_id].telemetry.on_scheduled(span)
+        self._in_flight.append(InFlightStep(out, span, 0.0, pool.num_allocated - allocated,
+                                            pool.num_released - released))
+        return out
+
+    async def _send(self, out: SchedulerOutput) -> None:
+        step = self._in_flight[-1]
         plan = convert.plan_to_proto(out)
         if self.tracing.enabled:
-            plan.traceparent = traceparent_of(step_span)
-        started = time.perf_counter()
+            plan.traceparent = traceparent_of(step.span)
         try:
-            result = await asyncio.wait_for(self.client.step(plan), self.settings.step_timeout_s)
+            await asyncio.wait_for(self.client.send(plan), self.settings.step_timeout_s)
+        except (ExecutorUnavailable, asyncio.TimeoutError) as exc:
+            self._executor_lost(str(exc) or f"could not send a step within {self.settings.step_timeout_s}s")
+            return
+        step.sent_at = time.perf_counter()
+
+    async def _receive(self, sched: Scheduler) -> None:
+        try:
+            result = await asyncio.wait_for(self.client.receive(), self.settings.step_timeout_s)
         except (ExecutorUnavailable, asyncio.TimeoutError) as exc:
             # A timeout (the executor stopped answering) has an empty message.
-            reason = str(exc) or f"no step result within {self.settings.step_timeout_s}s"
-            log.warning("executor lost: %s", reason)
-            step_span.add_event("executor_lost", {"error": reason})
-            await self._recover()
+            self._executor_lost(str(exc) or f"no step result within {self.settings.step_timeout_s}s")
             return
-        elapsed = time.perf_counter() - started
-        if result.error:
-            step_span.set_status(trace.Status(trace.StatusCode.ERROR, result.error))
-            self._on_step_error(out, result.error)
-            return
+        step = self._in_flight.popleft()
+        out, step_span = step.out, step.span
+        now = time.perf_counter()
+        # The executor could start this step once it was sent and the one
+        # before it was done.
+        elapsed = now - max(step.sent_at, self._last_result_at)
+        self._last_result_at = now
+        try:
+            if out.executor_epoch != sched.executor_epoch or result.discarded:
+                # Planned before the executor's state was reset: its
+                # requests have been requeued for recompute already.
+                step_span.add_event("discarded")
+                return
+            if result.error:
+                step_span.set_status(trace.Status(trace.StatusCode.ERROR, result.error))
+                self._on_step_error(out, result.error)
+                return
+            self._apply_result(sched, step, result, elapsed)
+        finally:
+            step_span.end()
+
+    def _apply_result(self, sched: Scheduler, step: InFlightStep, result: epb.StepResult, elapsed: float) -> None:
+        out, step_span = step.out, step.span
         self._last_progress = time.monotonic()
         telemetry.STEP_DURATION.observe(elapsed)
+        queried, hits = sched.kv.num_queried_blocks, sched.kv.num_hit_blocks
         live_before = len(sched.requests)
+        dropped = sched.num_dropped_tokens
         tokens = sched.update_from_output(out, convert.sampled_from_proto(result))
+        telemetry.DROPPED_TOKENS.inc(sched.num_dropped_tokens - dropped)
         self._emit(tokens)
         self.step_time.observe(elapsed, num_finished=live_before - len(sched.requests))
         block_size = sched.config.block_size
@@ -287,24 +382,42 @@ class Engine:
         tables = sched.kv.block_tables
         telemetry.record_load(
             len(sched.running), len(sched.waiting), sched.num_free_blocks, sched.config.num_kv_blocks,
-            tokens_held=sum(r.num_computed_tokens for r in sched.running),
+            tokens_held=sum(min(r.num_computed_tokens, r.num_tokens) for r in sched.running),
             slots_allocated=block_size * sum(len(tables[r.request_id]) for r in sched.running),
         )
         if self.tracing.enabled:
-            scheduled = out.scheduled()
-            decode = sum(1 for req, n in scheduled if n == 1 and req.num_computed_tokens > req.num_prompt_tokens)
+            entries = out.entries.values()
+            decode = sum(1 for e in entries if e.num_tokens == 1 and e.start >= e.request.num_prompt_tokens)
             step_span.set_attributes({
                 "llmsched.step_id": out.step_id,
-                "llmsched.num_requests": len(scheduled),
+                "llmsched.num_requests": len(entries),
                 "llmsched.num_new_requests": len(out.new_requests),
                 "llmsched.num_decode_tokens": decode,
                 "llmsched.num_prefill_tokens": out.total_num_scheduled_tokens - decode,
                 "llmsched.num_preempted": out.num_preempted,
-                "llmsched.blocks_allocated": pool.num_allocated - allocated,
-                "llmsched.blocks_freed": pool.num_released - released,
+                "llmsched.blocks_allocated": step.blocks_allocated,
+                "llmsched.blocks_freed": step.blocks_freed,
                 "llmsched.executor.forward_ms": result.forward_ns / 1e6,
                 "llmsched.executor.sample_ms": result.sample_ns / 1e6,
             })
+
+    def _executor_lost(self, reason: str) -> None:
+        """Noted here, handled by the loop's next turn (see _recover)."""
+        if self._lost_reason is None:
+            self._lost_reason = reason
+        self._wakeup.set()
+
+    async def _watch_executor(self) -> None:
+        """Follows the executor's health while connected, idle or busy, so
+        health turns NOT_SERVING when it dies or freezes with no traffic."""
+        reason = await self.client.watch_health()
+        self._executor_lost(reason)
+
+    def _end_in_flight(self, reason: str) -> None:
+        for step in self._in_flight:
+            step.span.add_event("executor_lost", {"error": reason})
+            step.span.end()
+        self._in_flight.clear()
 
     def _apply_pending(self) -> None:
         sched = self.scheduler
@@ -333,6 +446,8 @@ class Engine:
             delta = stream.state.on_tokens(toks)
             if stream.state.stopped_by_string and not req.status.is_finished:
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+            # A stop string that completes on the last allowed token still
+            # reports STOP: RequestOutputState.finish decides the reason.
             if req.status.is_finished:
                 self._finish_stream(req, delta)
             else:
@@ -349,7 +464,7 @@ class Engine:
         if stream is not None:
             delta = stream.state.finish(delta, req.status)
             stream.telemetry.on_finished(
-                req.status, req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens
+                delta.finish_status, req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens
             )
             stream.queue.put_nowait(delta)
 
@@ -370,16 +485,32 @@ class Engine:
         again, alone, ends with INTERNAL."""
         log.error("step %d failed on the executor: %s", out.step_id, error)
         sched = self.scheduler
-        for req, _ in out.scheduled():
+        for e in out.entries.values():
+            if e.is_stale:
+                continue
+            req = e.request
             req.num_failed_steps += 1
             if req.num_failed_steps >= 2 and sched.finish_request(req.request_id, RequestStatus.FINISHED_ERROR):
                 self._end_stream(req.request_id, _error_delta("INTERNAL", f"executor step failed twice: {error}"))
         sched.reset_executor_state()
 
-    async def _recover(self) -> None:
-        """The step channel broke: keep every request, reconnect, recompute."""
+    async def _recover(self, reason: str) -> None:
+        """The executor is gone: keep every request, reconnect, recompute.
+        Results of plans in flight will never come; their requests are
+        requeued with everything else."""
+        log.warning("executor lost: %s", reason)
+        self._lost_reason = None
         self.connected = False
         self._update_health()
+        if self._health_watch is not None:
+            self._health_watch.cancel()
+            try:
+                await self._health_watch
+            except asyncio.CancelledError:
+                pass
+            self._health_watch = None
+        self._lost_reason = None  # the watch may have noted the same loss
+        self._end_in_flight(reason)
         if self.scheduler is not None:
             self.scheduler.reset_executor_state()
         try:

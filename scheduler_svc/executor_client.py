@@ -1,5 +1,6 @@
 """The scheduler's side of the step channel: handshake, then one
-bidirectional stream on which each plan gets exactly one result."""
+bidirectional stream on which each plan gets exactly one result, in order.
+Plans may be sent before earlier results are read (pipelining)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmsched.v1 import executor_pb2 as pb
 from llmsched.v1 import executor_pb2_grpc as pb_grpc
@@ -20,22 +22,36 @@ class ExecutorUnavailable(Exception):
 
 
 class ExecutorClient:
-    def __init__(self, address: str, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(self, address: str, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None,
+                 keepalive_s: float = 10.0):
         self.address = address
         self._credentials = credentials
+        ms = int(keepalive_s * 1000)
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # Keepalive pings find an executor that died or froze even when
+            # no step is in flight: the health watch below then breaks.
+            ("grpc.keepalive_time_ms", ms),
+            ("grpc.keepalive_timeout_ms", ms),
+            # Newer gRPC cores time keepalive pings out by this one.
+            ("grpc.http2.ping_timeout_ms", ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
         ]
         self._channel: grpc.aio.Channel | None = None
         self._call = None
 
     async def connect(self, timeout_s: float) -> pb.HandshakeResponse:
-        """Handshakes, retrying with capped exponential backoff until
-        timeout_s; then opens a fresh step stream."""
+        """Handshakes and opens a fresh step stream, retrying with capped
+        exponential backoff until timeout_s. The executor serves one
+        scheduler at a time and refuses a second stream with
+        FAILED_PRECONDITION; that is retried too, so a standby scheduler
+        takes over once the first one is gone."""
         await self.close()
         deadline = time.monotonic() + timeout_s
         delay = 0.05
+        last_refusal = None
         while True:
             if self._credentials is not None:
                 self._channel = grpc.aio.secure_channel(self.address, self._credentials, options=self._options)
@@ -45,27 +61,64 @@ class ExecutorClient:
             try:
                 info = await stub.Handshake(pb.HandshakeRequest(), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
                 self._call = stub.Step()
-                return info
+                # The executor sends initial metadata once it has accepted
+                # this stream as its only one.
+                await asyncio.wait_for(self._call.initial_metadata(), max(0.1, min(5.0, deadline - time.monotonic())))
+                if self._call.done():  # ended before accepting: refused or broken
+                    code, details = await self._call.code(), await self._call.details()
+                else:
+                    return info
             except grpc.aio.AioRpcError as exc:
-                await self._channel.close()
-                self._channel = None
-                if time.monotonic() + delay > deadline:
-                    raise ExecutorUnavailable(f"executor at {self.address} unreachable: {exc.details()}") from exc
-                log.debug("executor not ready (%s); retrying in %.2fs", exc.code(), delay)
-                await asyncio.sleep(delay)  # backoff between connection attempts, not a poll for work
-                delay = min(delay * 2, 1.0)
+                code, details = exc.code(), exc.details()
+            except asyncio.TimeoutError:
+                code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "no answer"
+            if self._call is not None:
+                self._call.cancel()
+                self._call = None
+            await self._channel.close()
+            self._channel = None
+            if code == grpc.StatusCode.FAILED_PRECONDITION and details != last_refusal:
+                log.warning("executor at %s refused the step stream: %s; retrying", self.address, details)
+                last_refusal = details
+            if time.monotonic() + delay > deadline:
+                raise ExecutorUnavailable(f"executor at {self.address} unavailable: {details}")
+            log.debug("executor not ready (%s); retrying in %.2fs", code, delay)
+            await asyncio.sleep(delay)  # backoff between connection attempts, not a poll for work
+            delay = min(delay * 2, 1.0)
 
-    async def step(self, plan: pb.StepPlan) -> pb.StepResult:
+    async def send(self, plan: pb.StepPlan) -> None:
         if self._call is None:
             raise ExecutorUnavailable("no step stream")
         try:
             await self._call.write(plan)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            raise ExecutorUnavailable(f"step stream broke: {exc}") from exc
+
+    async def receive(self) -> pb.StepResult:
+        """The result of the oldest plan sent and not yet answered."""
+        if self._call is None:
+            raise ExecutorUnavailable("no step stream")
+        try:
             result = await self._call.read()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             raise ExecutorUnavailable(f"step stream broke: {exc}") from exc
         if result is grpc.aio.EOF:
             raise ExecutorUnavailable("executor closed the step stream")
         return result
+
+    async def watch_health(self) -> str:
+        """Returns when the executor stops serving or the connection to it
+        breaks, with the reason. Runs while connected, busy or idle."""
+        channel = self._channel
+        if channel is None:
+            return "not connected"
+        try:
+            async for resp in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="")):
+                if resp.status != health_pb2.HealthCheckResponse.SERVING:
+                    return "executor health is NOT_SERVING"
+            return "executor ended its health stream"
+        except grpc.aio.AioRpcError as exc:
+            return f"executor connection lost: {exc.code().name} {exc.details()}"
 
     async def close(self) -> None:
         if self._call is not None:

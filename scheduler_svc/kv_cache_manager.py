@@ -118,13 +118,15 @@ class KVCacheManager:
         table.extend(new_blocks)
         return new_blocks
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Makes the request's full, computed blocks findable by later
-        requests with the same prefix."""
+    def cache_computed_blocks(self, request: Request, num_computed: int) -> None:
+        """Makes the request's full blocks within its first num_computed
+        tokens findable by later requests with the same prefix. The caller
+        vouches that those tokens are known and their KV written: a block
+        must never be named by tokens still in flight."""
         if not self.enable_prefix_caching:
             return
         table = self.block_tables.get(request.request_id, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        num_full = min(num_computed // self.block_size, len(table), request.num_tokens // self.block_size)
         done = self._num_cached.get(request.request_id, 0)
         if num_full <= done:
             return

@@ -63,6 +63,9 @@ class RequestOutputState:
         if not self.stopped_by_string and status != RequestStatus.FINISHED_ABORTED:
             text, self.stopped_by_string = self.stops.feed(self.detok.flush())
             delta.text += text + ("" if self.stopped_by_string else self.stops.flush())
+        if self.stopped_by_string and status == RequestStatus.FINISHED_LENGTH:
+            # The stop string completed on the last allowed token.
+            status = RequestStatus.FINISHED_STOPPED
         req = self.request
         delta.finish_status = status
         delta.usage = Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens)

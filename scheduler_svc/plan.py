@@ -34,8 +34,30 @@ class NewRequestData:
 
 
 @dataclass(slots=True)
+class ScheduledRequest:
+    """One request's part in a step, as it was when the step was planned."""
+
+    request: Request
+    num_tokens: int
+    # num_computed_tokens before this step: the step computes positions
+    # [start, start + num_tokens).
+    start: int
+    # The step reaches the request's last token, so the executor samples one.
+    samples: bool
+    # request.epoch when planned; a different epoch at update time means the
+    # executor lost the request since, and this part of the result is stale.
+    epoch: int
+
+    @property
+    def is_stale(self) -> bool:
+        return self.request.epoch != self.epoch or self.request.status.is_finished
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     step_id: int
+    # Scheduler.executor_epoch when planned (see StepPlan.epoch).
+    executor_epoch: int = 0
     new_requests: list[NewRequestData] = field(default_factory=list)
     # Requests the executor holds: parallel lists.
     cached_requests: list[Request] = field(default_factory=list)
@@ -47,6 +69,10 @@ class SchedulerOutput:
     finished_handles: list[int] = field(default_factory=list)
     # Requests preempted while building this step.
     preempted: list[Request] = field(default_factory=list)
+    # Every scheduled request, in scheduling order, keyed by handle: results
+    # are matched against the step's own requests, never against whoever
+    # holds a handle by the time the result arrives.
+    entries: dict[int, ScheduledRequest] = field(default_factory=dict)
 
     @property
     def num_preempted(self) -> int:
@@ -62,9 +88,11 @@ class SchedulerOutput:
 
     def scheduled(self) -> list[tuple[Request, int]]:
         """(request, tokens scheduled) for every request in the step."""
-        return [(n.request, n.num_scheduled_tokens) for n in self.new_requests] + list(
-            zip(self.cached_requests, self.cached_num_scheduled_tokens)
-        )
+        return [(e.request, e.num_tokens) for e in self.entries.values()]
+
+    def sampling_handles(self) -> list[int]:
+        """Handles of the requests the executor samples a token for."""
+        return [h for h, e in self.entries.items() if e.samples]
 
 
 @dataclass(slots=True)

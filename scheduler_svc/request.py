@@ -50,8 +50,16 @@ class Request:
     # Order of arrival at the scheduler; ties in priority go to the earlier.
     arrival_seq: int = -1
     output_token_ids: list[int] = field(default_factory=list)
-    # Tokens (prompt + output) whose KV is in the executor's cache.
+    # Tokens (prompt + output) whose KV is in the executor's cache or is
+    # computed by a step already sent (in flight).
     num_computed_tokens: int = 0
+    # Tokens sampled by steps in flight: the executor knows them, the
+    # scheduler not yet. Each counts as a token to compute in the next step.
+    num_output_placeholders: int = 0
+    # Moves on whenever the executor loses this request's state (preemption,
+    # executor reset), so results of steps sent before are recognised as
+    # stale and dropped.
+    epoch: int = 0
     status: RequestStatus = RequestStatus.WAITING
     # Whether the executor currently holds this request's state; false
     # before first scheduling and after a preemption.
@@ -65,6 +73,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

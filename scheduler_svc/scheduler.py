@@ -3,6 +3,14 @@
 Each step, `schedule()` decides which requests run and how many tokens
 each computes; the engine sends that plan to the executor, and
 `update_from_output()` applies the sampled tokens.
+
+Plans may be in flight while the next one is built (the engine keeps up to
+SCHEDULER_MAX_PLANS_IN_FLIGHT). Scheduling a step therefore counts its
+tokens as computed at once, and each token it will sample as a placeholder
+that the next step computes: the executor appends what it samples to its
+own copy of the request, so no plan needs a token the scheduler has not
+seen. A result is matched against the step's own entries; an entry whose
+request was preempted, reset or finished since is stale and dropped.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_needed
-from scheduler_svc.plan import NewRequestData, SampledToken, SchedulerOutput
+from scheduler_svc.plan import NewRequestData, SampledToken, ScheduledRequest, SchedulerOutput
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.request_queue import RequestQueue
 
@@ -44,15 +52,23 @@ class Scheduler:
         self.running: list[Request] = []
         self._next_arrival = 0
         self.requests: dict[str, Request] = {}
-        self._by_handle: dict[int, Request] = {}
         self._free_handles: list[int] = []
         self._next_handle = 0
         # Handles to tell the executor to forget in the next plan.
         self._to_forget: list[int] = []
-        # Handles of finished requests, reusable once that plan is built.
+        # Handles of finished requests whose forget is not planned yet.
         self._to_release: list[int] = []
+        # (step id of the plan carrying their forget, handles): reusable once
+        # that step's result is applied, so no plan in flight names them.
+        self._releasing: list[tuple[int, list[int]]] = []
         self._step_id = 0
+        # Moves on at every executor reset; plans of an older epoch still in
+        # flight are ignored when their results arrive.
+        self.executor_epoch = 0
         self.num_preemptions = 0
+        # Sampled tokens dropped because their request had finished, been
+        # preempted or reset while the step was in flight.
+        self.num_dropped_tokens = 0
 
     # ----- admission -------------------------------------------------------
 
@@ -75,7 +91,6 @@ class Scheduler:
         request.arrival_seq = self._next_arrival
         self._next_arrival += 1
         self.requests[request.request_id] = request
-        self._by_handle[request.handle] = request
         self.waiting.push(request)
 
     @property
@@ -109,7 +124,7 @@ class Scheduler:
         admitted in policy order, starting from their longest cached prefix,
         and only in a step that preempted nothing."""
         cfg = self.config
-        out = SchedulerOutput(step_id=self._step_id)
+        out = SchedulerOutput(step_id=self._step_id, executor_epoch=self.executor_epoch)
         self._step_id += 1
         budget = cfg.max_num_batched_tokens
         if self.waiting and self.waiting.peek().num_failed_steps and self._admit(out, budget) is not None:
@@ -120,6 +135,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self._last_token_in_flight(req):
+                i += 1  # it finishes when that result arrives
+                continue
             n = self._num_tokens_to_schedule(req, budget)
             new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
@@ -166,15 +184,24 @@ class Scheduler:
         return n
 
     def _finish_plan(self, out: SchedulerOutput) -> SchedulerOutput:
+        if out.is_empty:
+            return out  # not sent: its forgets wait for the next plan
         out.finished_handles, self._to_forget = self._to_forget, []
-        # The executor applies finished_handles before new requests, so a
-        # finished request's handle is reusable from the next plan on.
-        self._free_handles.extend(self._to_release)
-        self._to_release.clear()
+        if self._to_release:
+            self._releasing.append((out.step_id, self._to_release))
+            self._to_release = []
         return out
 
+    def _last_token_in_flight(self, req: Request) -> bool:
+        """A step in flight samples the request's last allowed token, so
+        scheduling it again could only compute past its end."""
+        return req.num_output_placeholders > 0 and (
+            len(req.output_token_ids) + req.num_output_placeholders >= req.sampling.max_tokens
+            or req.num_tokens_with_placeholders >= self.config.max_model_len
+        )
+
     def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
         if n > 1:
             n = min(n, self.config.max_prefill_chunk)
         if n <= 0:
@@ -190,6 +217,12 @@ class Scheduler:
         else:
             out.new_requests.append(NewRequestData.from_request(req, self.kv.get_block_table(req), n))
             req.on_executor = True
+        start = req.num_computed_tokens
+        samples = start + n == req.num_tokens_with_placeholders
+        out.entries[req.handle] = ScheduledRequest(req, n, start, samples, req.epoch)
+        req.num_computed_tokens += n
+        if samples:
+            req.num_output_placeholders += 1
 
     def _preempt(self, req: Request) -> None:
         """Frees the request's blocks and puts it at the front of the queue;
@@ -197,11 +230,19 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         self._forget_on_executor(req)
-        req.num_computed_tokens = 0
+        self._drop_executor_progress(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(req)
+
+    @staticmethod
+    def _drop_executor_progress(req: Request) -> None:
+        """The executor no longer holds the request: what is in flight for
+        it is stale, and it recomputes from its known tokens."""
+        req.num_computed_tokens = 0
+        req.num_output_placeholders = 0
+        req.epoch += 1
 
     def _forget_on_executor(self, req: Request) -> bool:
         """Queues the executor-side cleanup; True if there was state to drop."""
@@ -212,23 +253,33 @@ class Scheduler:
         return True
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[tuple[int, int, tuple | None]]) -> list[SampledToken]:
-        """Applies a step's result: advances computed counts, appends the
-        sampled tokens and finishes requests that hit a token-level stop
-        (EOS, stop token, max_tokens, max_model_len)."""
-        for req, n in out.scheduled():
-            req.num_computed_tokens += n
-            req.num_failed_steps = 0
-            self.kv.cache_computed_blocks(req)
+        """Applies a step's result, in step order: turns placeholders into
+        the sampled tokens, makes newly computed full blocks findable, and
+        finishes requests that hit a token-level stop (EOS, stop token,
+        max_tokens, max_model_len). Tokens of stale entries are dropped."""
+        for e in out.entries.values():
+            if not e.is_stale:
+                e.request.num_failed_steps = 0
+                # Every input of this step is known by now (the step before
+                # it has been applied), so its blocks can be named.
+                self.kv.cache_computed_blocks(e.request, e.start + e.num_tokens)
         results: list[SampledToken] = []
         for handle, token, logprobs in sampled:
-            req = self._by_handle.get(handle)
-            if req is None or req.status.is_finished:
-                raise RuntimeError(f"executor sampled for handle {handle}, which is not running")
+            e = out.entries.get(handle)
+            if e is None or not e.samples:
+                raise RuntimeError(f"executor sampled for handle {handle}, which step {out.step_id} did not sample")
+            if e.is_stale:
+                self.num_dropped_tokens += 1
+                continue
+            req = e.request
+            req.num_output_placeholders -= 1
             req.output_token_ids.append(token)
             results.append(SampledToken(req, token, logprobs))
             status = self._check_stop(req, token)
             if status is not None:
                 self.finish_request(req.request_id, status)
+        while self._releasing and self._releasing[0][0] <= out.step_id:
+            self._free_handles.extend(self._releasing.pop(0)[1])
         return results
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
@@ -253,11 +304,11 @@ class Scheduler:
         req.status = status
         self.kv.free(req)
         self.kv.forget(req)
-        del self._by_handle[req.handle]
         if self._forget_on_executor(req):
             self._to_release.append(req.handle)
         else:
-            self._free_handles.append(req.handle)
+            # Preempted or never run, but a plan already built may name it.
+            self._releasing.append((self._step_id - 1, [req.handle]))
         return req
 
     def reset_executor_state(self) -> None:
@@ -266,16 +317,21 @@ class Scheduler:
         for req in self.running:
             self.kv.free(req)
             req.on_executor = False
-            req.num_computed_tokens = 0
+            self._drop_executor_progress(req)
             req.status = RequestStatus.WAITING
             self.waiting.push(req)
         self.running.clear()
+        self.executor_epoch += 1
         # The KV content is gone, so nothing cached can be trusted.
         self.kv.reset_prefix_cache()
-        # The executor forgot everything: pending forgets are moot.
+        # The executor forgot everything and results of plans in flight are
+        # ignored: pending forgets are moot and every handle is reusable.
         self._to_forget.clear()
         self._free_handles.extend(self._to_release)
         self._to_release.clear()
+        for _, handles in self._releasing:
+            self._free_handles.extend(handles)
+        self._releasing.clear()
 
     # ----- introspection ---------------------------------------------------
 

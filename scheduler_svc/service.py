@@ -10,6 +10,7 @@ import uuid
 import grpc
 from opentelemetry import trace
 
+from llmsched.security import api_key_owner
 from llmsched.tracing import Tracing, context_from_metadata
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
@@ -29,9 +30,15 @@ INLINE_TOKENIZE_CHARS = 4096
 
 
 class SchedulerService(spb_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, tracing: Tracing):
+    def __init__(self, engine: Engine, tracing: Tracing, api_keys_on: bool = False):
         self.engine = engine
         self.tracing = tracing
+        # With API keys on, a request belongs to the key that created it and
+        # only that key can Abort it.
+        self.api_keys_on = api_keys_on
+
+    def _owner(self, context: grpc.aio.ServicerContext) -> str | None:
+        return api_key_owner(context.invocation_metadata()) if self.api_keys_on else None
 
     def _limits(self) -> Limits:
         info, s = self.engine.info, self.engine.settings
@@ -108,7 +115,8 @@ class SchedulerService(spb_grpc.SchedulerServicer):
                     "llmsched.request_id": req.request_id,
                     "llmsched.priority": req.priority,
                 })
-            stream = self.engine.submit(req, span)
+            owner = self._owner(context)
+            stream = self.engine.submit(req, span, owner)
         except InvalidRequest as exc:
             await self._reject(context, span, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
         except Unavailable as exc:
@@ -139,10 +147,10 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             # Client cancel, disconnect or deadline: free the request at the
             # next step boundary. A no-op when it already finished.
             if not finished:
-                self.engine.abort(req.request_id)
+                self.engine.abort(req.request_id, owner)
 
     async def Abort(self, request: spb.AbortRequest, context):
-        return spb.AbortResponse(found=self.engine.abort(request.request_id))
+        return spb.AbortResponse(found=self.engine.abort(request.request_id, self._owner(context)))
 
     async def GetServerInfo(self, request, context):
         info = self.engine.server_info()

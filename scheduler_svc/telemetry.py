@@ -26,7 +26,12 @@ E2E_LATENCY = Histogram("llmsched_e2e_request_latency_seconds", "Arrival to fini
 QUEUE_TIME = Histogram("llmsched_request_queue_time_seconds", "Arrival to first scheduled", buckets=_LATENCY_BUCKETS)
 PROMPT_TOKENS = Histogram("llmsched_request_prompt_tokens", "Prompt tokens per request", buckets=_TOKEN_BUCKETS)
 GENERATION_TOKENS = Histogram("llmsched_request_generation_tokens", "Generated tokens per request", buckets=_TOKEN_BUCKETS)
-STEP_DURATION = Histogram("llmsched_step_duration_seconds", "Plan sent to result received", buckets=_LATENCY_BUCKETS)
+STEP_DURATION = Histogram("llmsched_step_duration_seconds",
+                          "From when the executor could start a step (plan sent, previous step done) to its result",
+                          buckets=_LATENCY_BUCKETS)
+DROPPED_TOKENS = Counter("llmsched_dropped_tokens",
+                         "Tokens sampled by a step in flight for a request that had finished, been preempted or "
+                         "reset meanwhile; never streamed")
 NUM_RUNNING = Gauge("llmsched_num_requests_running", "Requests in the running set")
 NUM_WAITING = Gauge("llmsched_num_requests_waiting", "Requests waiting for admission")
 KV_USAGE = Gauge("llmsched_kv_cache_usage_ratio", "Share of KV blocks held by live requests")

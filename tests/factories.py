@@ -45,11 +45,7 @@ class FakeExecutor:
         self.next_token = next_token
 
     def run(self, out) -> list[tuple[int, int, None]]:
-        sampled = []
-        for req, n in out.scheduled():
-            if req.num_computed_tokens + n == req.num_tokens:
-                sampled.append((req.handle, self.next_token(req), None))
-        return sampled
+        return [(h, self.next_token(out.entries[h].request), None) for h in out.sampling_handles()]
 
 
 def run_step(sched: Scheduler, executor: FakeExecutor | None = None):

@@ -82,7 +82,7 @@ def test_a_hit_on_a_cached_free_block_takes_it_out_of_the_free_pool():
     first = make_request(prompt=[1, 2, 3, 4, 5])
     kv.allocate_slots(first, 5)
     first.num_computed_tokens = 5
-    kv.cache_computed_blocks(first)
+    kv.cache_computed_blocks(first, 5)
     kv.free(first)
     assert kv.num_free_blocks == 4
     second = make_request(prompt=[1, 2, 3, 4, 9])

@@ -427,13 +427,13 @@ def _check_inputs(query, k_cache, v_cache, cu_query_lens, seq_lens, block_tables
 
 
 def _check_features(sliding_window, softcap) -> None:
-    # bool is an int subclass; True as a window is a caller bug, not W=1.
-    if sliding_window is not None and (
-        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
-    ):
-        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and 0.0 < softcap < float("inf")):
-        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
+    # bool is an int subclass: True as a window or cap is a caller bug, not 1.
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0.0 < softcap < float("inf"):
+            raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
 
 
 def paged_attention(

@@ -504,8 +504,9 @@ def test_copy_blocks_int64_block_offsets(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window,softcap", [(None, None), (512, 50.0)], ids=["plain", "w512-cap50"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DTYPE_NAMES[d])
-def test_paged_attention_large_mixed_batch_gpu(dtype):
+def test_paged_attention_large_mixed_batch_gpu(dtype, window, softcap):
     gen = torch.Generator().manual_seed(0)
     decode = [(1, int(c)) for c in torch.randint(1, 3000, (48,), generator=gen)]
     chunks = [(int(q), int(c)) for q, c in zip(torch.randint(1, 600, (6,), generator=gen), [0, 0, 512, 1024, 77, 4000])]
@@ -513,7 +514,7 @@ def test_paged_attention_large_mixed_batch_gpu(dtype):
         tuple(decode + chunks), num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=dtype,
         device=torch.device("cuda"),
     )  # fmt: skip
-    _check_attention(batch, dtype)
+    _check_attention(batch, dtype, window, softcap)
 
 
 @pytest.mark.gpu

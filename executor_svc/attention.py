@@ -170,14 +170,15 @@ class TritonAttentionBackend:
             _index_tensor(meta.slot_mapping, torch.int64),
         )
 
-    def attend(self, query, k_cache, v_cache, meta, scale):
-        # query: [num_tokens, num_heads, head_dim] -> same shape
+    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
+        # query: [num_tokens, num_heads, head_dim] -> same shape. sliding_window and
+        # softcap are per call (per layer); None switches the feature off in the kernel.
         return self._paged_attention(
             _unit_last_stride(query), k_cache, v_cache,
             _index_tensor(meta.cu_query_lens, torch.int32),
             _index_tensor(meta.seq_lens, torch.int32),
             _index_tensor(meta.block_tables, torch.int32),
-            scale,
+            scale, sliding_window=sliding_window, softcap=softcap,
         )
 
 

@@ -23,6 +23,16 @@ Split-KV (flash-decoding): when a decode batch has too few (request, KV head) pa
 fill the GPU, each program takes only one of NUM_SPLITS slices of the context and
 writes an unnormalised partial result; a second small kernel merges the slices.
 
+Optional per-call features, each behind a constexpr switch so the plain kernel is
+compiled without them:
+
+* Sliding window W (USE_WINDOW): a query at position i sees positions j with
+  ``i - W < j <= i``. A query tile starts its KV loop at the tile holding the first
+  position its earliest query sees, so tiles wholly outside the window are never
+  loaded; split-KV divides only that visible range.
+* Score soft-capping s (USE_SOFTCAP): ``s * tanh(q.k * scale / s)`` before masking and
+  softmax (Gemma 2).
+
 tl.dot needs every dimension >= 16, so rows are padded to BLOCK_M >= 16, the head dim
 to HEAD_DIM_PAD >= 16 (next power of two, masked) and TILE_N >= 16.
 """
@@ -81,6 +91,15 @@ def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2; libdevice's tanh has no Triton-interpreter (CPU) implementation."""
+    # exp2 of a non-positive argument: never overflows. Absolute error ~1e-7.
+    e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]                     (NUM_SPLITS == 1)
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32 (NUM_SPLITS > 1)
@@ -94,7 +113,10 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_reqs, max_blocks_per_req] int32
     num_reqs,
     num_heads,
-    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain (exp2 is cheaper)
+    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain (exp2 is cheaper);
+    #            with USE_SOFTCAP: softmax scale / softcap, the argument of tanh
+    softcap_log2,  # softcap * log2(e)                                   (USE_SOFTCAP)
+    window,  # sliding window W: positions i - W < j <= i are visible   (USE_WINDOW)
     stride_q_t,
     stride_q_h,
     stride_o_t,
@@ -117,6 +139,8 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs so they are not rounded to tf32
     DOT_UPCAST: tl.constexpr,  # interpreter + bf16 only, see _mma
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -157,8 +181,16 @@ def _paged_attention_kernel(
     last_q_idx = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q) - 1
     kv_len = context_len + last_q_idx + 1
     num_kv_tiles = tl.cdiv(kv_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
-    kv_tile_begin = split * tiles_per_split
+    if USE_WINDOW:
+        # The first query of the tile sees the earliest positions; tiles before the one
+        # holding its first visible position are skipped, not loaded and masked.
+        first_visible = tl.maximum(context_len + q_tile * BLOCK_Q - window + 1, 0)
+        first_kv_tile = first_visible // TILE_N
+    else:
+        first_kv_tile = 0
+    # Split-KV slices only the tiles the query tile can see.
+    tiles_per_split = tl.cdiv(num_kv_tiles - first_kv_tile, NUM_SPLITS)
+    kv_tile_begin = first_kv_tile + split * tiles_per_split
     kv_tile_end = tl.minimum(kv_tile_begin + tiles_per_split, num_kv_tiles)
 
     block_table_row = block_tables_ptr + req.to(tl.int64) * stride_bt_r
@@ -185,9 +217,16 @@ def _paged_attention_kernel(
             other=0.0,
         )  # [TILE_N, HEAD_DIM_PAD]
         scores = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32), DOT_PRECISION, DOT_UPCAST)
-        scores = scores * qk_scale  # [BLOCK_M, TILE_N]
+        if USE_SOFTCAP:
+            scores = _tanh(scores * qk_scale) * softcap_log2  # [BLOCK_M, TILE_N]
+        else:
+            scores = scores * qk_scale  # [BLOCK_M, TILE_N]
         # Causal inside the chunk; also hides positions past kv_len (they are > q_pos).
-        scores = tl.where(offs_n[None, :] <= q_pos[:, None], scores, float("-inf"))
+        visible = offs_n[None, :] <= q_pos[:, None]  # [BLOCK_M, TILE_N]
+        if USE_WINDOW:
+            # The first tile of the loop may still hold positions some rows must not see.
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))  # [BLOCK_M]
         rescale = tl.exp2(row_max - new_max)  # [BLOCK_M]
@@ -254,7 +293,7 @@ def _merge_splits_kernel(
         other=0.0,
     )  # [SPLITS_PAD, HEAD_DIM_PAD]
 
-    # Slice 0 always holds position 0, which every query sees, so the max is real.
+    # Every query sees at least its own position, held by some slice, so the max is real.
     global_max = tl.max(part_max, axis=0)
     weight = tl.exp2(part_max - global_max)  # [SPLITS_PAD]; empty slices -> 0
     denom = tl.sum(part_sum * weight, axis=0)
@@ -326,6 +365,7 @@ def _pick_config(
     max_context: int,  # block_tables width * block_size: an upper bound, known without a sync
     dtype: torch.dtype,
     device: torch.device,
+    sliding_window: int | None = None,
 ) -> _Config:
     """Tile shapes from host-known sizes only (no device sync, CUDA-graph friendly)."""
     # Only shapes are known on the host. num_tokens == num_reqs is the decode signature;
@@ -347,7 +387,9 @@ def _pick_config(
         sms = _num_sms(device)
         if programs < sms:
             by_occupancy = triton.cdiv(2 * sms, programs)
-            by_length = max(1, max_context // _MIN_POSITIONS_PER_SPLIT)
+            # A decode query sees at most `sliding_window` positions: only those are split.
+            visible = max_context if sliding_window is None else min(max_context, sliding_window)
+            by_length = max(1, visible // _MIN_POSITIONS_PER_SPLIT)
             num_splits = max(1, min(_MAX_SPLITS, by_occupancy, by_length))
 
     return _Config(
@@ -384,6 +426,16 @@ def _check_inputs(query, k_cache, v_cache, cu_query_lens, seq_lens, block_tables
         assert t.device == query.device, f"{name} on {t.device}, query on {query.device}"
 
 
+def _check_features(sliding_window, softcap) -> None:
+    # bool is an int subclass: True as a window or cap is a caller bug, not 1.
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0.0 < softcap < float("inf"):
+            raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -392,9 +444,12 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [num_reqs] int32
     block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Triton version of ``kernels.reference.paged_attention``."""
+    """Triton version of ``kernels.reference.paged_attention`` (same arguments)."""
     _check_inputs(query, k_cache, v_cache, cu_query_lens, seq_lens, block_tables)
+    _check_features(sliding_window, softcap)
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -414,6 +469,7 @@ def paged_attention(
         block_tables.shape[1] * block_size,
         query.dtype,
         query.device,
+        sliding_window,
     )
     # Enough tiles for ceil(q_len / block_q) per request (see the module docstring).
     num_q_tiles = (num_tokens + num_reqs * (cfg.block_q - 1)) // cfg.block_q
@@ -442,7 +498,9 @@ def paged_attention(
         block_tables,
         num_reqs,
         num_heads,
-        scale * _LOG2E,
+        scale * _LOG2E if softcap is None else scale / softcap,
+        0.0 if softcap is None else softcap * _LOG2E,
+        0 if sliding_window is None else sliding_window,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -465,6 +523,8 @@ def paged_attention(
         NUM_SPLITS=cfg.num_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_UPCAST=query.dtype == torch.bfloat16 and _interpreting(),
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -65,12 +65,19 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [num_reqs] int32
     block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each request's new query tokens over its paged context.
 
     Query token i of a request with q_len new tokens sits at position
     ``seq_len - q_len + i`` and sees every cached position <= its own. One code path
     covers decode (q_len 1), prefill, chunked prefill and prefix-cache hits.
+
+    sliding_window W (None = unbounded): a query at position i sees only positions j
+    with ``i - W < j <= i`` (W = 1: itself). softcap s (None = off): the scaled scores
+    become ``s * tanh(scores / s)`` before masking and softmax. Both as in HF
+    transformers (Mistral / Gemma 2).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -88,19 +95,26 @@ def paged_attention(
             continue
         assert q_len <= seq_len, f"request {req}: {q_len} query tokens but seq_len {seq_len}"
 
-        keys = gather_context(k_cache, block_tables[req], seq_len)  # [seq_len, num_kv_heads, head_dim]
-        values = gather_context(v_cache, block_tables[req], seq_len)  # [seq_len, num_kv_heads, head_dim]
+        # Positions before the first query's window are never read (the Triton kernel
+        # skips them too), so they may hold anything, even NaN.
+        first = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+        keys = gather_context(k_cache, block_tables[req], seq_len)[first:]  # [kv_len, num_kv_heads, head_dim]
+        values = gather_context(v_cache, block_tables[req], seq_len)[first:]  # [kv_len, num_kv_heads, head_dim]
         # GQA: query head h reads kv head h // group, i.e. each kv head repeated group times.
-        keys = keys.float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
-        values = values.float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
+        keys = keys.float().repeat_interleave(group, dim=1)  # [kv_len, num_heads, head_dim]
+        values = values.float().repeat_interleave(group, dim=1)  # [kv_len, num_heads, head_dim]
         q = query[q_start:q_end].float()  # [q_len, num_heads, head_dim]
 
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale  # [num_heads, q_len, seq_len]
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale  # [num_heads, q_len, kv_len]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
-        kv_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
-        visible = kv_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        kv_pos = torch.arange(first, seq_len, device=query.device)  # [kv_len]
+        visible = kv_pos[None, :] <= q_pos[:, None]  # [q_len, kv_len]
+        if sliding_window is not None:
+            visible &= kv_pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # [num_heads, q_len, seq_len]
+        probs = torch.softmax(scores, dim=-1)  # [num_heads, q_len, kv_len]
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
     return out
 

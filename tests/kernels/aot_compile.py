@@ -86,7 +86,9 @@ def _resource_usage(ptx: str, arch: int, workdir: Path) -> dict:
     return {key: int(re.search(pattern, report).group(1)) for key, pattern in numbers.items()}
 
 
-def _attention_launch(reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, max_blocks=None):
+def _attention_launch(
+    reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, max_blocks=None, sliding_window=None, softcap=None
+):
     """Call the real launcher on small CPU tensors of the given shape."""
     num_tokens = sum(q for q, _ in reqs)
     seq_lens = [q + c for q, c in reqs]
@@ -102,6 +104,8 @@ def _attention_launch(reqs, num_heads, num_kv_heads, head_dim, block_size, dtype
         torch.tensor(seq_lens, dtype=torch.int32),
         torch.zeros(len(reqs), width, dtype=torch.int32),
         head_dim**-0.5,
+        sliding_window=sliding_window,
+        softcap=softcap,
     )
 
 
@@ -124,6 +128,15 @@ def _record_all_launches(arch: int) -> list:
     _attention_launch(prefill, 16, 16, 256, 32, torch.bfloat16)
     _attention_launch(prefill, 16, 2, 80, 32, torch.float16)  # padded head_dim, GQA 8
     _attention_launch(decode, 4, 2, 8, 16, torch.float16)  # tiny head_dim padded to 16
+    # Sliding window (Mistral: 32/8/128, W 4096), with split-KV over the window.
+    _attention_launch(decode, 32, 8, 128, 16, torch.bfloat16, sliding_window=4096)
+    _attention_launch(prefill, 32, 8, 128, 16, torch.bfloat16, sliding_window=4096)
+    _attention_launch(((1, 100),), 32, 8, 128, 16, torch.bfloat16, max_blocks=512, sliding_window=4096)
+    # Gemma 2 (8/4/256): soft-capped global layers and windowed soft-capped layers.
+    _attention_launch(decode, 8, 4, 256, 16, torch.bfloat16, softcap=50.0)
+    _attention_launch(prefill, 8, 4, 256, 16, torch.bfloat16, softcap=50.0)
+    _attention_launch(prefill, 8, 4, 256, 16, torch.bfloat16, sliding_window=4096, softcap=50.0)
+    _attention_launch(prefill, 32, 8, 128, 16, torch.float32, sliding_window=4096, softcap=50.0)
 
     for dtype, kvh, hd in ((torch.float16, 8, 128), (torch.bfloat16, 3, 80), (torch.float32, 1, 8)):
         kv_write.write_kv_cache(
@@ -141,6 +154,7 @@ def _record_all_launches(arch: int) -> list:
 def _describe(label: str, kwargs: dict, args: tuple) -> str:
     dtype = args[0].dtype  # every kernel's first argument holds the data dtype
     keys = ("BLOCK_M", "BLOCK_Q", "TILE_N", "HEAD_DIM", "GROUP", "NUM_SPLITS", "NUM_KV_HEADS", "num_warps")
+    keys += ("USE_WINDOW", "USE_SOFTCAP")
     shape = ",".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
     return f"{label}[{str(dtype).removeprefix('torch.')}:{shape}]"
 

@@ -29,6 +29,13 @@ ATTENTION_TOLERANCES = {
 MIXED = ((1, 37), (1, 70), (19, 0), (7, 45), (66, 13), (1, 0))
 DECODE = ((1, 1), (1, 16), (1, 64), (1, 100), (1, 131))
 PREFILL = ((23, 0), (40, 0))
+# Prefill longer than the largest test window (64), so every window changes the result.
+LONG_PREFILL = ((90, 0), (23, 0))
+
+# Window sizes the issue asks for (None = no window) and a soft-cap small enough to
+# change outputs by far more than ATTENTION_TOLERANCES for unit-scale random q/k.
+WINDOWS = (None, 1, 17, 64)
+SOFTCAP = 2.0
 
 
 def cdiv(a: int, b: int) -> int:
@@ -46,6 +53,10 @@ class PagedBatch:
     scale: float
     keys: list[torch.Tensor]  # per request [seq_len, num_kv_heads, head_dim], dense
     values: list[torch.Tensor]  # per request [seq_len, num_kv_heads, head_dim], dense
+
+    def context_lens(self) -> list[int]:
+        q_lens = (self.cu_query_lens[1:] - self.cu_query_lens[:-1]).tolist()
+        return [s - q for s, q in zip(self.seq_lens.tolist(), q_lens)]
 
     def attention_args(self):
         return (
@@ -114,6 +125,28 @@ def make_paged_batch(
         keys=keys,
         values=values,
     )
+
+
+def poison_outside_window(batch: PagedBatch, window: int, align: int = 64) -> int:
+    """NaN into every cached position of a request that lies in an ``align``-position
+    tile wholly before the window of the request's first query; returns how many.
+
+    The first query of a request has the earliest window, so no query of the request
+    sees these positions, and with ``align`` a multiple of the kernel's TILE_N they
+    fill whole KV tiles. A kernel that loads such a tile and only masks it multiplies
+    the poisoned V rows by probability 0, and 0 * NaN = NaN: only skipping the tile
+    keeps the output finite.
+    """
+    block_size = batch.k_cache.shape[1]
+    poisoned = 0
+    for req, context_len in enumerate(batch.context_lens()):
+        end = max(0, context_len - window + 1) // align * align  # first query sees >= context_len - W + 1
+        positions = torch.arange(end, device=batch.k_cache.device)  # [end]
+        block_ids = batch.block_tables[req].long()[positions // block_size]  # [end]
+        batch.k_cache[block_ids, positions % block_size] = float("nan")
+        batch.v_cache[block_ids, positions % block_size] = float("nan")
+        poisoned += end
+    return poisoned
 
 
 def huge_stride_cache(

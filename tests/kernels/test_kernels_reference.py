@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import DECODE, DTYPE_NAMES, MIXED, PREFILL, make_paged_batch
+from kernel_cases import (
+    DECODE,
+    DTYPE_NAMES,
+    LONG_PREFILL,
+    MIXED,
+    PREFILL,
+    SOFTCAP,
+    WINDOWS,
+    make_paged_batch,
+    poison_outside_window,
+)
 
 from kernels import reference
 
@@ -60,6 +70,87 @@ def test_reference_paged_attention_matches_sdpa(name, reqs, gqa, dtype, block_si
         rows = slice(cu[req], cu[req + 1])
         expected = dense_causal_attention(batch.query[rows], batch.keys[req], batch.values[req], batch.scale)
         torch.testing.assert_close(out[rows].float(), expected, atol=tol, rtol=tol, msg=f"request {req}")
+
+
+def dense_window_softcap_attention(
+    query: torch.Tensor,  # [q_len, num_heads, head_dim]
+    keys: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    values: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim] fp32
+    """Explicit softmax over the whole unpaged sequence (SDPA has no soft-cap), the window
+    as a band of the full [q_len, seq_len] mask, as HF transformers builds it."""
+    q_len, seq_len = query.shape[0], keys.shape[0]
+    group = query.shape[1] // keys.shape[1]
+    q = query.float().transpose(0, 1)  # [num_heads, q_len, head_dim]
+    k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
+    v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, seq_len, head_dim]
+    scores = q @ k.transpose(1, 2) * scale  # [num_heads, q_len, seq_len]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    # Query i sits at position seq_len - q_len + i =: p and sees keys p - window < j <= p.
+    offset = seq_len - q_len
+    mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(diagonal=offset)  # [q_len, seq_len]
+    if window is not None:
+        mask &= torch.ones(q_len, seq_len, dtype=torch.bool).triu(diagonal=offset - window + 1)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ v).transpose(0, 1)  # [q_len, num_heads, head_dim]
+
+
+@pytest.mark.parametrize("softcap", [None, SOFTCAP], ids=lambda c: f"cap{c}")
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w}")
+@pytest.mark.parametrize(
+    "reqs,gqa,dtype",
+    [
+        pytest.param(DECODE, 1, torch.float32, id="fp32-gqa1-decode"),
+        pytest.param(LONG_PREFILL, 2, torch.float32, id="fp32-gqa2-prefill"),
+        pytest.param(MIXED, 8, torch.bfloat16, id="bf16-gqa8-mixed"),
+    ],
+)
+def test_reference_window_softcap_matches_dense(reqs, gqa, dtype, window, softcap):
+    num_kv_heads, head_dim = 2, 32
+    batch = make_paged_batch(
+        reqs, num_heads=num_kv_heads * gqa, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,
+        dtype=dtype, device=torch.device("cpu"), seed=gqa,
+    )  # fmt: skip
+    out = reference.paged_attention(*batch.attention_args(), sliding_window=window, softcap=softcap)
+    cu = batch.cu_query_lens.tolist()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype]
+    for req in range(len(reqs)):
+        rows = slice(cu[req], cu[req + 1])
+        expected = dense_window_softcap_attention(
+            batch.query[rows], batch.keys[req], batch.values[req], batch.scale, window, softcap
+        )
+        torch.testing.assert_close(
+            out[rows].float(), expected, atol=tol, rtol=tol, msg=lambda m: f"request {req}, w {window}, cap {softcap}: {m}"
+        )
+
+
+def test_reference_window_one_is_own_value():
+    """W = 1: each query sees only its own position, so the output is its own V row."""
+    batch = make_paged_batch(
+        MIXED, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    out = reference.paged_attention(*batch.attention_args(), sliding_window=1, softcap=SOFTCAP)
+    cu = batch.cu_query_lens.tolist()
+    for req in range(len(MIXED)):
+        q_len = cu[req + 1] - cu[req]
+        own = batch.values[req][-q_len:].repeat_interleave(2, dim=1)  # [q_len, num_heads, head_dim]
+        torch.testing.assert_close(out[cu[req] : cu[req + 1]], own, msg=f"request {req}")
+
+
+def test_reference_never_reads_before_the_window():
+    """Positions before every query's window may hold NaN (evicted or reused blocks)."""
+    batch = make_paged_batch(
+        ((1, 200), (7, 150)), num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    clean = reference.paged_attention(*batch.attention_args(), sliding_window=17)
+    assert poison_outside_window(batch, 17, align=1) > 0
+    torch.testing.assert_close(reference.paged_attention(*batch.attention_args(), sliding_window=17), clean)
 
 
 def test_reference_decode_is_last_row_of_prefill():

@@ -17,11 +17,15 @@ from kernel_cases import (
     ATTENTION_TOLERANCES,
     DECODE,
     DTYPE_NAMES,
+    LONG_PREFILL,
     MIXED,
     PREFILL,
+    SOFTCAP,
+    WINDOWS,
     PagedBatch,
     huge_stride_cache,
     make_paged_batch,
+    poison_outside_window,
 )
 
 from kernels import reference
@@ -70,12 +74,16 @@ def _scenario_cases():
     ]
 
 
-def _check_attention(batch: PagedBatch, dtype: torch.dtype) -> None:
-    out = pa.paged_attention(*batch.attention_args())
-    expected = reference.paged_attention(*batch.attention_args())
+def _check_attention(
+    batch: PagedBatch, dtype: torch.dtype, sliding_window: int | None = None, softcap: float | None = None
+) -> torch.Tensor:  # the reference output
+    features = {"sliding_window": sliding_window, "softcap": softcap}
+    out = pa.paged_attention(*batch.attention_args(), **features)
+    expected = reference.paged_attention(*batch.attention_args(), **features)
     assert out.shape == expected.shape and out.dtype == dtype
     atol, rtol = ATTENTION_TOLERANCES[dtype]
-    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol, msg=lambda m: f"{features}: {m}")
+    return expected
 
 
 @pytest.mark.parametrize("dtype,gqa,head_dim,block_size,reqs", _pairwise_attention_cases() + _scenario_cases())
@@ -146,10 +154,14 @@ def test_paged_attention_decode_shaped_batch_with_prefill(device):
     block_q=st.sampled_from([1, 2, 4, 8]),
     tile_n=st.sampled_from([16, 32, 64]),
     num_splits=st.sampled_from([1, 2, 3]),
+    window=st.sampled_from(WINDOWS),
+    softcap=st.sampled_from([None, SOFTCAP]),
 )
-def test_paged_attention_random_batches(device, reqs, gqa, head_dim, block_size, block_q, tile_n, num_splits):
-    """Random batch layouts x forced tile shapes: the tile -> request mapping, causal
-    bounds and split-KV slicing must hold for any combination."""
+def test_paged_attention_random_batches(
+    device, reqs, gqa, head_dim, block_size, block_q, tile_n, num_splits, window, softcap
+):
+    """Random batch layouts x forced tile shapes x window/soft-cap: the tile -> request
+    mapping, causal and window bounds and split-KV slicing must hold for any combination."""
     reqs = tuple((q, c) if q + c > 0 else (1, 0) for q, c in reqs)  # every request owns >= 1 position
     batch = make_paged_batch(
         reqs, num_heads=2 * gqa, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=torch.float32,
@@ -167,7 +179,7 @@ def test_paged_attention_random_batches(device, reqs, gqa, head_dim, block_size,
     original = pa._pick_config
     pa._pick_config = lambda *args, **kwargs: forced
     try:
-        _check_attention(batch, torch.float32)
+        _check_attention(batch, torch.float32, window, softcap)
     finally:
         pa._pick_config = original
 
@@ -229,6 +241,162 @@ def test_paged_attention_int64_block_offsets(device):
     out = pa.paged_attention(*args)
     expected = reference.paged_attention(*small.attention_args())
     atol, rtol = ATTENTION_TOLERANCES[dtype]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+
+# --- sliding window and soft-capping ----------------------------------------------------
+
+WINDOW_SCENARIOS = (("decode", DECODE), ("prefill", LONG_PREFILL), ("mixed", MIXED))
+
+
+def _window_softcap_cases():
+    """Every (window, soft-cap, scenario) but the plain kernel's, tested above: 21 cases.
+
+    dtype, GQA ratio and head_dim follow (i + j), (i + 2j) and (2i + j) mod 3 for window/
+    soft-cap combination i and scenario j: each value meets every scenario (i spans 0..6)
+    and every window (i takes two consecutive values, j three).
+    """
+    combos = [(w, c) for w in WINDOWS for c in (None, SOFTCAP) if (w, c) != (None, None)]
+    cases = []
+    for i, (window, softcap) in enumerate(combos):
+        for j, (name, reqs) in enumerate(WINDOW_SCENARIOS):
+            dtype = DTYPES[(i + j) % 3]
+            gqa = GQA_RATIOS[(i + 2 * j) % 3]
+            head_dim = (32, 64, 80)[(2 * i + j) % 3]
+            block_size = BLOCK_SIZES[(i + j) % 2]
+            case_id = f"w{window}-cap{softcap}-{DTYPE_NAMES[dtype]}-gqa{gqa}-hd{head_dim}-bs{block_size}-{name}"
+            cases.append(pytest.param(dtype, gqa, head_dim, block_size, reqs, window, softcap, id=case_id))
+    return cases
+
+
+def _assert_feature_changes_output(batch, dtype, expected, without: dict, feature: str) -> None:
+    """A case proves nothing about a feature that does not change its expected output."""
+    plain = reference.paged_attention(*batch.attention_args(), **without)
+    atol, _ = ATTENTION_TOLERANCES[dtype]
+    change = (expected.float() - plain.float()).abs().max().item()
+    assert change > 10 * atol, f"{feature} changes the expected output by only {change:.3g}: the case cannot catch it"
+
+
+@pytest.mark.parametrize("dtype,gqa,head_dim,block_size,reqs,window,softcap", _window_softcap_cases())
+def test_paged_attention_window_softcap(device, dtype, gqa, head_dim, block_size, reqs, window, softcap):
+    batch = make_paged_batch(
+        reqs, num_heads=2 * gqa, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype,
+        device=device, seed=head_dim + gqa,
+    )  # fmt: skip
+    expected = _check_attention(batch, dtype, window, softcap)
+    if window is not None:
+        _assert_feature_changes_output(batch, dtype, expected, {"softcap": softcap}, f"window {window}")
+    # With W = 1 a query sees one position: its softmax is 1 whatever the scores.
+    if softcap is not None and window != 1:
+        _assert_feature_changes_output(batch, dtype, expected, {"sliding_window": window}, f"softcap {softcap}")
+
+
+@pytest.mark.parametrize("window,softcap", [(1, None), (17, SOFTCAP), (64, None), (300, SOFTCAP)])
+def test_paged_attention_split_kv_with_window(device, monkeypatch, window, softcap):
+    """Split-KV over the visible tiles only: with W = 1 two of three slices are empty;
+    4-query tiles hold rows whose windows start in different slices."""
+    reqs = ((1, 700), (1, 300), (4, 90), (1, 0))
+    batch = make_paged_batch(
+        reqs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16, device=device
+    )
+    forced = pa._Config(block_q=4, block_m=16, tile_n=16, num_splits=3, num_warps=4, num_stages=2)
+    monkeypatch.setattr(pa, "_pick_config", lambda *args, **kwargs: forced)
+    _check_attention(batch, torch.float16, window, softcap)
+
+
+def test_split_kv_heuristic_counts_only_the_window():
+    """Long contexts are split, but not when a small window leaves little to split."""
+    # 1 request, 1 KV head, GQA 8, head_dim 128, an 8192-position block table.
+    args = (1, 1, 1, 8, 128, 8192, torch.bfloat16, torch.device("cpu"))
+    assert pa._pick_config(*args).num_splits > 1
+    assert pa._pick_config(*args, sliding_window=4096).num_splits > 1
+    assert pa._pick_config(*args, sliding_window=128).num_splits == 1
+
+
+# Decodes, chunks and a short prefill whose windows start past whole 64-position tiles.
+SKIP_REQS = ((1, 200), (1, 131), (7, 150), (20, 100), (3, 0))
+_FORCED_SPLIT = pa._Config(block_q=4, block_m=16, tile_n=16, num_splits=3, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize(
+    "reqs,num_kv_heads,window,forced",
+    [
+        *(pytest.param(SKIP_REQS, 2, w, None, id=f"mixed-w{w}") for w in (1, 17, 64)),
+        # Fewer tokens: 4-query tiles x 3 slices make many interpreted programs.
+        *(pytest.param(SKIP_REQS[:3], 2, w, _FORCED_SPLIT, id=f"mixed-split3-w{w}") for w in (1, 17, 64)),
+        # The launcher's own split-KV decode: 4 slices of the 512-position window.
+        pytest.param(((1, 2000), (1, 900)), 1, 512, None, id="decode-auto-split-w512"),
+    ],
+)
+def test_paged_attention_skips_kv_tiles_outside_the_window(device, monkeypatch, reqs, num_kv_heads, window, forced):
+    """KV tiles wholly outside every query's window are never loaded, not merely masked.
+
+    Every position in a 64-position tile before the window of a request's first query is
+    NaN in K and V (poison_outside_window). A kernel that loads those tiles and masks
+    them gets NaN: the masked scores become -inf, but P @ V multiplies the poisoned V
+    rows by 0, and 0 * NaN = NaN. Only skipping gives a finite, correct output. The
+    expected output is the reference's on the cache before poisoning.
+    Checked: with the kernel's loop forced to start at tile 0 (first_kv_tile = 0) every
+    case here fails on NaN.
+    """
+    gqa = 8 // num_kv_heads
+    batch = make_paged_batch(
+        reqs, num_heads=num_kv_heads * gqa, num_kv_heads=num_kv_heads, head_dim=64, block_size=16,
+        dtype=torch.float16, device=device,
+    )  # fmt: skip
+    expected = reference.paged_attention(*batch.attention_args(), sliding_window=window)
+    poisoned = poison_outside_window(batch, window)
+    assert poisoned >= 2 * 64, f"only {poisoned} positions poisoned: the case does not test skipping"
+    if forced is None:
+        cfg = pa._pick_config(
+            batch.query.shape[0], len(reqs), num_kv_heads, gqa, 64, batch.block_tables.shape[1] * 16,
+            torch.float16, batch.query.device, window,
+        )  # fmt: skip
+        assert 64 % cfg.tile_n == 0, f"poisoned tiles of 64 positions do not align with TILE_N {cfg.tile_n}"
+        if num_kv_heads == 1:
+            assert cfg.num_splits > 1, f"the decode case must exercise split-KV: {cfg}"
+    else:
+        monkeypatch.setattr(pa, "_pick_config", lambda *args, **kwargs: forced)
+
+    out = pa.paged_attention(*batch.attention_args(), sliding_window=window)
+    assert torch.isfinite(out).all(), "the kernel read a KV tile wholly outside the window (NaN poison in the output)"
+    atol, rtol = ATTENTION_TOLERANCES[torch.float16]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+
+def test_paged_attention_rejects_bad_window_and_softcap(device):
+    batch = make_paged_batch(
+        ((1, 3),), num_heads=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32, device=device
+    )
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="sliding_window"):
+            pa.paged_attention(*batch.attention_args(), sliding_window=bad)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap"):
+            pa.paged_attention(*batch.attention_args(), softcap=bad)
+
+
+def test_triton_backend_passes_window_and_softcap_to_the_kernel(device):
+    """executor_svc's TritonAttentionBackend.attend forwards the per-call features."""
+    from executor_svc.attention import AttentionMetadata, TritonAttentionBackend  # noqa: PLC0415
+
+    batch = make_paged_batch(
+        MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, device=device
+    )
+    q_lens = (batch.cu_query_lens[1:] - batch.cu_query_lens[:-1]).tolist()
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),  # attend does not write
+        cu_query_lens=batch.cu_query_lens,
+        seq_lens=batch.seq_lens,
+        block_tables=batch.block_tables,
+        query_lens_host=q_lens,
+        seq_lens_host=batch.seq_lens.tolist(),
+    )
+    out = TritonAttentionBackend().attend(
+        batch.query, batch.k_cache, batch.v_cache, meta, batch.scale, sliding_window=17, softcap=SOFTCAP
+    )
+    expected = reference.paged_attention(*batch.attention_args(), sliding_window=17, softcap=SOFTCAP)
+    atol, rtol = ATTENTION_TOLERANCES[torch.float32]
     torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
 
 
@@ -336,8 +504,9 @@ def test_copy_blocks_int64_block_offsets(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window,softcap", [(None, None), (512, 50.0)], ids=["plain", "w512-cap50"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DTYPE_NAMES[d])
-def test_paged_attention_large_mixed_batch_gpu(dtype):
+def test_paged_attention_large_mixed_batch_gpu(dtype, window, softcap):
     gen = torch.Generator().manual_seed(0)
     decode = [(1, int(c)) for c in torch.randint(1, 3000, (48,), generator=gen)]
     chunks = [(int(q), int(c)) for q, c in zip(torch.randint(1, 600, (6,), generator=gen), [0, 0, 512, 1024, 77, 4000])]
@@ -345,7 +514,7 @@ def test_paged_attention_large_mixed_batch_gpu(dtype):
         tuple(decode + chunks), num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=dtype,
         device=torch.device("cuda"),
     )  # fmt: skip
-    _check_attention(batch, dtype)
+    _check_attention(batch, dtype, window, softcap)
 
 
 @pytest.mark.gpu

@@ -80,10 +80,12 @@ def restart_executor(services):
 
 def test_streams_survive_two_executor_kills_with_oracle_tokens(fresh):
     services, client = fresh
-    prompts = [[1, 403, 407, 261, 378 + (i % 8)] for i in range(32)]  # 8 distinct: fewer oracle runs
-    greedy = [spb.GenerateRequest(prompt_token_ids=p, sampling=spb.SamplingParams(max_tokens=90, temperature=0))
+    # 8 distinct prompts: fewer oracle runs. Long outputs, so that both kills
+    # land mid-generation however fast the streams run before the first.
+    prompts = [[1, 403, 407, 261, 378 + (i % 8)] for i in range(32)]
+    greedy = [spb.GenerateRequest(prompt_token_ids=p, sampling=spb.SamplingParams(max_tokens=300, temperature=0))
               for p in prompts[:28]]
-    seeded = [spb.GenerateRequest(prompt_token_ids=p, sampling=spb.SamplingParams(max_tokens=90, temperature=0.8, seed=i))
+    seeded = [spb.GenerateRequest(prompt_token_ids=p, sampling=spb.SamplingParams(max_tokens=300, temperature=0.8, seed=i))
               for i, p in enumerate(prompts[28:])]
     # The no-fault run of the seeded requests, for comparison.
     baseline = Streams(client, seeded).start()
@@ -102,7 +104,7 @@ def test_streams_survive_two_executor_kills_with_oracle_tokens(fresh):
     streams.join()
     assert streams.errors == [None] * 32
     for req, tokens in zip(greedy, streams.tokens[:28]):
-        assert tokens == hf_greedy(client.model, list(req.prompt_token_ids), 90)
+        assert tokens == hf_greedy(client.model, list(req.prompt_token_ids), 300)
     assert streams.tokens[28:] == expected_seeded, "seeded sampling must not change across recomputes"
     client.assert_no_leaked_blocks()
     assert health(client) == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,124 @@
+"""P12: single-stream time per output token, against HF `generate` on the
+same weights, measured in the same run (../shared/BENCHMARKS.md).
+
+    python -m bench.single_stream                      # stories260K, 200 greedy tokens
+    python -m bench.single_stream --model bench-small --repeats 3
+
+Ours: both services are launched (one torch thread for the executor), one
+greedy request streams `--tokens` tokens with ignore_eos; time per output
+token is (last token's arrival - first token's arrival) / (tokens - 1), so
+the prefill is left out. It runs once per SCHEDULER_MAX_PLANS_IN_FLIGHT
+value given. HF: `generate` with max_new_tokens = tokens and = 1 on the same
+prompt (one thread, KV cache on); time per token = (T(tokens) - T(1)) /
+(tokens - 1). The greedy tokens of both sides are compared. Medians over
+--repeats runs; the JSON report goes to bench_results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from llmsched.v1 import scheduler_pb2 as spb
+from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
+
+DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K")
+PROMPT = [1, 403, 407, 261, 378]  # "Once upon a time" in stories260K's tokenizer; any ids work
+
+
+def ours_per_token_ms(model: str, in_flight: int, tokens: int, repeats: int, threads: int) -> tuple[list[float], list[int]]:
+    from llmsched.launch import launch
+
+    services = launch(
+        executor_env={"EXECUTOR_MODEL": model, "EXECUTOR_NUM_THREADS": str(threads)},
+        scheduler_env={"SCHEDULER_MAX_PLANS_IN_FLIGHT": str(in_flight)},
+    ).start()
+    try:
+        with grpc.insecure_channel(services.scheduler_address) as channel:
+            stub = spb_grpc.SchedulerStub(channel)
+            req = spb.GenerateRequest(prompt_token_ids=PROMPT, sampling=spb.SamplingParams(
+                max_tokens=tokens, temperature=0, ignore_eos=True))
+            times, out = [], []
+            for i in range(repeats + 1):  # the first run warms up both processes
+                ids, first, last = [], None, None
+                for resp in stub.Generate(req, timeout=600):
+                    now = time.perf_counter()
+                    if resp.token_ids:
+                        first = first or now
+                        last = now
+                    ids += resp.token_ids
+                if i:
+                    times.append((last - first) * 1000 / (len(ids) - 1))
+                out = ids
+            return times, out
+    finally:
+        services.stop()
+
+
+def hf_per_token_ms(model: str, tokens: int, repeats: int, threads: int) -> tuple[list[float], list[int]]:
+    import torch
+
+    from bench.baselines import load_hf_model
+
+    hf = load_hf_model(model, threads).model
+    ids = torch.tensor([PROMPT])
+
+    def run(n: int) -> tuple[float, list[int]]:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)
+        return time.perf_counter() - started, out[0, len(PROMPT):].tolist()
+
+    run(tokens)  # warm-up
+    times, out = [], []
+    for _ in range(repeats):
+        t_all, out = run(tokens)
+        t_one, _ = run(1)
+        times.append((t_all - t_one) * 1000 / (tokens - 1))
+    return times, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.single_stream", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--plans-in-flight", type=int, action="append", default=None,
+                   help="SCHEDULER_MAX_PLANS_IN_FLIGHT values to run (default: 1 and 2)")
+    p.add_argument("--out", type=Path, default=Path("bench_results") / "single_stream.json")
+    args = p.parse_args(argv)
+    in_flight_values = args.plans_in_flight or [1, 2]
+
+    hf_times, hf_tokens = hf_per_token_ms(args.model, args.tokens, args.repeats, args.num_threads)
+    hf_ms = statistics.median(hf_times)
+    report = {"model": args.model, "tokens": args.tokens, "repeats": args.repeats,
+              "hf_generate_ms_per_token": hf_ms, "hf_runs_ms": hf_times, "ours": {}}
+    print(f"P12 single stream, {args.tokens} greedy tokens, {Path(args.model).name}, medians of {args.repeats}")
+    print(f"{'':28} {'ms/token':>9} {'vs HF generate':>15}")
+    print(f"{'HF generate':28} {hf_ms:9.3f} {'1.00x':>15}")
+    mismatch = False
+    for k in in_flight_values:
+        times, tokens = ours_per_token_ms(args.model, k, args.tokens, args.repeats, args.num_threads)
+        ms = statistics.median(times)
+        same = tokens == hf_tokens
+        mismatch |= not same
+        report["ours"][str(k)] = {"ms_per_token": ms, "runs_ms": times, "ratio_to_hf": ms / hf_ms,
+                                  "tokens_equal_hf": same}
+        label = f"llmsched, {k} plan{'s' if k > 1 else ''} in flight"
+        print(f"{label:28} {ms:9.3f} {ms / hf_ms:14.2f}x{'' if same else '  (tokens differ from HF!)'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"report: {args.out}")
+    return 1 if mismatch else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

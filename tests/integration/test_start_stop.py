@@ -77,6 +77,10 @@ CASES = {
     "kv-blocks-beyond-free-memory": lambda pair, tmp, ckpt: BadStart(
         "executor_svc", {"EXECUTOR_MODEL": str(ckpt), "EXECUTOR_NUM_KV_BLOCKS": "10000000000"},
         "EXECUTOR_NUM_KV_BLOCKS=10000000000"),
+    "model-neither-directory-nor-built-in": lambda pair, tmp, ckpt: BadStart(
+        "executor_svc", {"EXECUTOR_MODEL": str(tmp / "no-such-dir")}, f"EXECUTOR_MODEL='{tmp / 'no-such-dir'}'"),
+    "port-not-a-number": lambda pair, tmp, ckpt: BadStart(
+        "scheduler_svc", {"SCHEDULER_PORT": "fifty"}, "SCHEDULER_PORT='fifty'"),
     "executor-metrics-port-in-use": lambda pair, tmp, ckpt: BadStart(
         "executor_svc", {"EXECUTOR_METRICS_PORT": str(pair.executor_metrics_port)},
         f"EXECUTOR_METRICS_PORT={pair.executor_metrics_port}: address already in use"),

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+
 from bench import workloads as wl
 from bench.baselines import BASELINES, STATIC_BATCH_SIZE, cb_limits_from_env, compare_outputs, describe
 from bench.client import drained_server_info, run_requests, server_info
@@ -210,9 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     hf, prompts, checks = None, None, {}
     try:
         if services is not None:
-            services.start()
+            try:
+                services.start()
+            except (RuntimeError, TimeoutError) as exc:
+                raise SystemExit(f"error: the launched services did not start: {exc} (logs: {log_path})") from None
         address = services.scheduler_address if services else args.address
-        info_before = asyncio.run(server_info(address))
+        try:
+            info_before = asyncio.run(server_info(address))
+        except grpc.RpcError as exc:
+            raise SystemExit(f"error: no llmsched scheduler answers at {address}: {exc.code().name} "
+                             f"{exc.details()!r} (start one with `make serve`, or pass --launch)") from None
         expected = Path(args.model).name
         if info_before.model != expected:
             _say(f"warning: the server serves {info_before.model!r}, not {expected!r}: prompts and baselines "
@@ -267,6 +276,13 @@ def main(argv: list[str] | None = None) -> int:
         "baselines": [],
         "requests": [request_record(r) for r in run.results],
     }
+    if not summary["completed"]:
+        # Throughput of nothing is no result: say why and fail the command.
+        write_json(report, out)
+        first = next((r.error for r in run.results if r.error), "no error recorded")
+        _say(f"error: none of the {len(run.results)} requests completed; the first failed with: "
+             f"{' '.join(first.split())[:300]} (report: {out})")
+        return 1
     # Baselines run after the services stopped, so neither side competes
     # with the other for the CPU.
     for name in args.baseline:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from prometheus_client import start_http_server
-
 from executor_svc.config import ExecutorSettings
 from executor_svc.service import ExecutorService
 from llmsched import server as srv
+from llmsched.errors import StartupError, exit_with, load_settings
 from llmsched.security import server_credentials
 from llmsched.tracing import setup_tracing
 from llmsched.v1 import executor_pb2, executor_pb2_grpc
@@ -36,12 +35,13 @@ def keepalive_options(interval_s: float) -> list[tuple[str, int]]:
 
 
 async def serve(settings: ExecutorSettings) -> None:
+    # The metrics port first: a clash then shows before the model loads.
+    srv.start_metrics_server(settings.metrics_port, settings.host, "EXECUTOR_METRICS_PORT")
     tracing = setup_tracing("executor")
     service = ExecutorService(settings, tracing)
-    if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr=settings.host)
     server, port, health = srv.create_server(
         f"{settings.host}:{settings.port}",
+        "EXECUTOR_PORT",
         lambda s: executor_pb2_grpc.add_ExecutorServicer_to_server(service, s),
         [SERVICE_NAME],
         settings.max_message_bytes,
@@ -65,9 +65,12 @@ async def serve(settings: ExecutorSettings) -> None:
 
 
 def main() -> None:
-    settings = ExecutorSettings()
-    srv.setup_logging(settings.log_level)
-    asyncio.run(serve(settings))
+    try:
+        settings = load_settings(ExecutorSettings)
+        srv.setup_logging(settings.log_level)
+        asyncio.run(serve(settings))
+    except StartupError as exc:
+        exit_with("executor", exc)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from executor_svc.attention import make_backend
 from executor_svc.checkpoint import load_checkpoint
 from executor_svc.config import ExecutorSettings
 from executor_svc.convert import result_to_proto, step_from_proto
-from executor_svc.kv_cache import KVCachePool, num_blocks_for_budget
+from executor_svc.kv_cache import KVCachePool, pool_num_blocks
 from executor_svc.model import build_model
 from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner
@@ -54,9 +54,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.tokenizer_json = ckpt.tokenizer_json
         self.max_model_len = settings.max_model_len or self.cfg.max_position_embeddings
         model = build_model(self.cfg, ckpt.state_dict, self.max_model_len, self.device, self.dtype)
-        num_blocks = settings.num_kv_blocks or num_blocks_for_budget(
-            self.cfg, settings.block_size, self.dtype, settings.kv_cache_memory_mb
-        )
+        num_blocks = pool_num_blocks(self.cfg, settings.block_size, self.dtype, self.device,
+                                     settings.num_kv_blocks, settings.kv_cache_memory_mb)
         self.pool = KVCachePool(self.cfg, num_blocks, settings.block_size, self.device, self.dtype)
         self.runner = ModelRunner(
             model, self.pool, make_backend(settings.attention_backend, self.device), self.device,
@@ -96,7 +95,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             instance_id=self.instance_id,
             vocab_size=self.cfg.vocab_size,
             eos_token_ids=eos,
-            max_logprobs=self.settings.max_logprobs,
+            # top-k over the vocabulary cannot return more than it holds, so
+            # a larger setting would let requests through that fail the step.
+            max_logprobs=min(self.settings.max_logprobs, self.cfg.vocab_size),
             device=str(self.device),
         )
 

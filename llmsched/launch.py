@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmsched.security import channel_credentials
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -138,34 +140,84 @@ def launch(executor_env: Mapping[str, str] | None = None, scheduler_env: Mapping
     )
 
 
-def main() -> None:
-    """Foreground run for `make serve`: Ctrl-C (or SIGTERM) stops both."""
+def probe_credentials(env: Mapping[str, str], prefix: str) -> grpc.ChannelCredentials | None:
+    """How main() probes a service that has TLS on (prefix SCHEDULER or
+    EXECUTOR): it trusts that service's own certificate, and where the
+    service asks for client certificates it presents the one the scheduler
+    presents to the executor (SCHEDULER_EXECUTOR_TLS_CERT/KEY)."""
+    cert = env.get(f"{prefix}_TLS_CERT", "")
+    if not cert:
+        return None
+    mutual = bool(env.get(f"{prefix}_TLS_CLIENT_CA"))
+    return channel_credentials(cert, *((env.get("SCHEDULER_EXECUTOR_TLS_CERT", ""),
+                                        env.get("SCHEDULER_EXECUTOR_TLS_KEY", "")) if mutual else ()))
+
+
+def port_from_env(name: str, default: int) -> int:
+    """A service port for main(). 0 means any free port, as it does for the
+    services themselves; the launcher picks one here because it must know
+    where to probe (a bind race with another process would now fail the
+    start loudly, as the services bind without SO_REUSEPORT)."""
+    raw = os.environ.get(name, str(default))
+    try:
+        port = int(raw)
+    except ValueError:
+        raise SystemExit(f"launch: {name}={raw!r}: not a port number") from None
+    return port or free_port()
+
+
+class _Stop(Exception):
+    """SIGINT or SIGTERM reached main()."""
+
+
+def _on_stop_signal(signum, frame) -> None:
+    _ignore_stop_signals()
+    raise _Stop
+
+
+def _ignore_stop_signals() -> None:
+    # Once stopping, a second Ctrl-C must not interrupt stopping the children.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def main() -> int:
+    """Foreground run for `make serve`: Ctrl-C (or SIGTERM) stops both.
+    Exit code 0 after a signal, 1 when a service failed to start or died."""
+    # Installed explicitly: under a shell that ignores SIGINT (`cmd &` in a
+    # script) Python raises no KeyboardInterrupt, and Ctrl-C did nothing.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_stop_signal)
     services = Services(
-        scheduler_port=int(os.environ.get("SCHEDULER_PORT", 50051)),
-        executor_port=int(os.environ.get("EXECUTOR_PORT", 50052)),
+        scheduler_port=port_from_env("SCHEDULER_PORT", 50051),
+        executor_port=port_from_env("EXECUTOR_PORT", 50052),
         scheduler_metrics_port=int(os.environ.get("SCHEDULER_METRICS_PORT", 8000)),
         executor_metrics_port=int(os.environ.get("EXECUTOR_METRICS_PORT", 8001)),
+        scheduler_credentials=probe_credentials(os.environ, "SCHEDULER"),
+        executor_credentials=probe_credentials(os.environ, "EXECUTOR"),
     )
-    stop = False
-
-    def on_signal(signum, frame):
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
     try:
         services.start()
-        print(f"serving llmsched.v1.Scheduler on {services.scheduler_address} (Ctrl-C stops)", flush=True)
-        while not stop and services.scheduler.poll() is None and services.executor.poll() is None:
+        print(f"serving llmsched.v1.Scheduler on {services.scheduler_address} "
+              f"(executor on {services.executor_address}; Ctrl-C stops)", flush=True)
+        while services.scheduler.poll() is None and services.executor.poll() is None:
             try:
                 services.scheduler.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
                 pass
-    except KeyboardInterrupt:
-        pass
+        for name, proc in (("scheduler", services.scheduler), ("executor", services.executor)):
+            if proc.poll() is not None:
+                print(f"launch: the {name} exited with code {proc.returncode}", file=sys.stderr, flush=True)
+        return 1
+    except _Stop:
+        return 0
+    except (RuntimeError, TimeoutError) as exc:  # from start(): the service's own error is above it
+        print(f"launch: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
+        _ignore_stop_signals()
         services.stop()
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

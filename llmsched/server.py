@@ -4,13 +4,19 @@ reflection, message-size limits and graceful shutdown."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import signal
+import socket
 from collections.abc import Callable, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from llmsched.errors import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +27,7 @@ OVERALL = ""
 
 def create_server(
     address: str,
+    port_setting: str,
     register: Callable[[grpc.aio.Server], None],
     service_names: Iterable[str],
     max_message_bytes: int,
@@ -29,7 +36,8 @@ def create_server(
     options: Iterable[tuple[str, int | str]] = (),
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Builds (but does not start) an aio server bound to address, with
-    TLS when credentials are given.
+    TLS when credentials are given. port_setting names the variable the
+    port came from (EXECUTOR_PORT), for the error when it cannot bind.
 
     Returns the server, the bound port (useful with port 0) and the health
     servicer. gRPC's servicer starts the overall status as SERVING; callers
@@ -41,6 +49,9 @@ def create_server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # gRPC sets SO_REUSEPORT by default: a second copy would bind
+            # the same port and silently take half of the requests.
+            ("grpc.so_reuseport", 0),
             *options,
         ],
     )
@@ -52,13 +63,42 @@ def create_server(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    if credentials is not None:
-        port = server.add_secure_port(address, credentials)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise RuntimeError(f"could not bind {address}")
+        host, _, wanted = address.rpartition(":")
+        raise StartupError(f"{port_setting}={wanted}: {_why_unbindable(host, int(wanted))} ({address})")
     return server, port, health_servicer
+
+
+def _why_unbindable(host: str, port: int) -> str:
+    """gRPC only says that the bind failed; a plain socket tells why."""
+    try:
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        with socket.socket(family) as s:
+            s.bind((host.strip("[]"), port))
+    except OSError as exc:
+        return _describe(exc)
+    return "could not bind"
+
+
+def _describe(exc: OSError) -> str:
+    return "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+
+
+def start_metrics_server(port: int, host: str, port_setting: str) -> None:
+    """The Prometheus /metrics endpoint; port 0 turns it off."""
+    if not port:
+        return
+    try:
+        start_http_server(port, addr=host)
+    except OSError as exc:
+        raise StartupError(f"{port_setting}={port}: {_describe(exc)} ({host}:{port})") from None
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, names: Iterable[str], serving: bool) -> None:

@@ -13,6 +13,7 @@ can skip building attributes at all.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -20,6 +21,9 @@ from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 PROPAGATOR = TraceContextTextMapPropagator()
+# How long a stop may wait for the last spans to reach the collector. The
+# SDK alone waits up to 30 s on one that is down (10 s per batch export).
+SHUTDOWN_TIMEOUT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -27,10 +31,21 @@ class Tracing:
     tracer: trace.Tracer
     enabled: bool
     provider: object | None = None
+    exporter: object | None = None
 
     def shutdown(self) -> None:
-        if self.provider is not None:
-            self.provider.shutdown()
+        """Flushes what is queued for at most SHUTDOWN_TIMEOUT_S, then gives
+        up on the rest."""
+        if self.provider is None:
+            return
+        flush = threading.Thread(target=self.provider.shutdown, name="otel-shutdown", daemon=True)
+        flush.start()
+        flush.join(SHUTDOWN_TIMEOUT_S)
+        if flush.is_alive():
+            # Ends the export's retry wait and closes its channel, so the
+            # export in flight fails now rather than at its deadline.
+            self.exporter.shutdown()
+            flush.join(0.5)
 
 
 def exporter_name() -> str:
@@ -59,7 +74,7 @@ def setup_tracing(default_service_name: str) -> Tracing:
     service = os.environ.get("OTEL_SERVICE_NAME") or default_service_name
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service}))
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    return Tracing(provider.get_tracer("llmsched"), enabled=True, provider=provider)
+    return Tracing(provider.get_tracer("llmsched"), enabled=True, provider=provider, exporter=exporter)
 
 
 class _MetadataGetter(Getter):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from prometheus_client import start_http_server
-
 from llmsched import server as srv
+from llmsched.errors import StartupError, exit_with, load_settings
 from llmsched.security import ApiKeyInterceptor, load_api_keys, server_credentials
 from llmsched.tracing import setup_tracing
 from llmsched.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -33,13 +32,13 @@ async def serve(settings: SchedulerSettings) -> int:
             asyncio.get_running_loop().create_task(set_serving(serving))
 
     tracing = setup_tracing("scheduler")
-    if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr=settings.host)
+    srv.start_metrics_server(settings.metrics_port, settings.host, "SCHEDULER_METRICS_PORT")
     engine = Engine(settings, tracing, on_serving_change)
     keys = load_api_keys(settings.api_keys, settings.api_keys_file)
     service = SchedulerService(engine, tracing, api_keys_on=bool(keys))
     server, port, health = srv.create_server(
         f"{settings.host}:{settings.port}",
+        "SCHEDULER_PORT",
         lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, s),
         [SERVICE_NAME],
         settings.max_message_bytes,
@@ -77,9 +76,13 @@ async def serve(settings: SchedulerSettings) -> int:
 
 
 def main() -> None:
-    settings = SchedulerSettings()
-    srv.setup_logging(settings.log_level)
-    raise SystemExit(asyncio.run(serve(settings)))
+    try:
+        settings = load_settings(SchedulerSettings)
+        srv.setup_logging(settings.log_level)
+        code = asyncio.run(serve(settings))
+    except StartupError as exc:
+        exit_with("scheduler", exc)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ the one the request deserves: a request this file's own reading of the API
 contract (`expected_outcome`) judges bad gets INVALID_ARGUMENT naming one of
 its bad fields, a message over 4 MiB gets RESOURCE_EXHAUSTED, a good request
 streams a well-formed answer. After every example both processes are alive
-and answering and no KV block is held.
+and answering, no KV block is held, and no executor step has failed: no
+request field may be able to break a step.
 
 Reproducible: hypothesis is derandomized and keeps no example database.
 The server's timing is not, so every check accepts each outcome a race may
@@ -23,6 +24,7 @@ import re
 import struct
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -30,6 +32,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from llmsched.v1 import scheduler_pb2 as spb
@@ -39,7 +42,10 @@ VOCAB = 512
 MAX_MODEL_LEN = 512
 EOS = 2
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-MAX_LOGPROBS = 20
+# Set above the vocabulary on purpose: the executor advertises at most the
+# vocabulary size, and asking for more must be refused, not fail a step.
+EXECUTOR_MAX_LOGPROBS = 1024
+MAX_LOGPROBS = min(EXECUTOR_MAX_LOGPROBS, VOCAB)
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -96,7 +102,7 @@ def env(stories_path):
     # priority policy so that GenerateRequest.priority matters.
     services, client = start_services(
         str(stories_path),
-        executor_env={"EXECUTOR_NUM_KV_BLOCKS": str(NUM_KV_BLOCKS)},
+        executor_env={"EXECUTOR_NUM_KV_BLOCKS": str(NUM_KV_BLOCKS), "EXECUTOR_MAX_LOGPROBS": str(EXECUTOR_MAX_LOGPROBS)},
         scheduler_env={"SCHEDULER_POLICY": "priority"},
     )
     yield Env(services, client, Tokenizer.from_file(str(stories_path / "tokenizer.json")))
@@ -104,11 +110,21 @@ def env(stories_path):
     services.stop()
 
 
+def failed_steps(services) -> float:
+    """The executor's own count of steps that raised (llmsched_executor_steps{outcome="error"})."""
+    url = f"http://127.0.0.1:{services.executor_metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == "llmsched_executor_steps"
+               for sample in family.samples if sample.name.endswith("_total") and sample.labels.get("outcome") == "error")
+
+
 def assert_alive(services, client) -> None:
     assert services.scheduler.poll() is None, f"scheduler exited with {services.scheduler.returncode}"
     assert services.executor.poll() is None, f"executor exited with {services.executor.returncode}"
     info = client.info()
     assert info.num_kv_blocks == NUM_KV_BLOCKS and info.max_model_len == MAX_MODEL_LEN
+    assert failed_steps(services) == 0, "an executor step failed: a request reached the model that breaks it"
 
 
 # ----- what a request deserves -------------------------------------------
@@ -276,8 +292,8 @@ FIELDS = {
     ),
     "ignore_eos": (st.booleans(), st.booleans()),
     "logprobs": (
-        st.one_of(st.just(0), st.just(0), st.integers(0, MAX_LOGPROBS)),
-        st.sampled_from([MAX_LOGPROBS, MAX_LOGPROBS + 1, 1000, U32]),
+        st.one_of(st.just(0), st.just(0), st.integers(0, 20), st.sampled_from([1, VOCAB - 1, VOCAB])),
+        st.sampled_from([MAX_LOGPROBS, VOCAB + 1, EXECUTOR_MAX_LOGPROBS, EXECUTOR_MAX_LOGPROBS + 1, U32]),
     ),
 }
 
@@ -587,6 +603,18 @@ def test_pool_pressure_with_cancels_aborts_and_duplicates(env):
     assert client.info().num_preemptions > before, "the pool was meant to be too small: no preemption happened"
     assert_alive(services, client)
     client.assert_no_leaked_blocks()
+
+
+def test_logprobs_beyond_the_vocabulary_are_refused_by_name(env):
+    """EXECUTOR_MAX_LOGPROBS (1024) exceeds the vocabulary (512): a request
+    for 513 used to be accepted and then fail every step it was in."""
+    services, client = env.services, env.client
+    with pytest.raises(grpc.RpcError) as exc:
+        client.generate(prompt="Once upon a time", sampling={"max_tokens": 2, "logprobs": VOCAB + 1})
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.value.details().startswith("sampling.logprobs")
+    tokens, _, last, _ = client.generate(prompt="Once upon a time", sampling={"max_tokens": 2, "logprobs": VOCAB})
+    assert len(tokens) == 2 and all(len(lp.top_token_ids) == VOCAB for lp in last.logprobs)
+    assert_alive(services, client)
 
 
 def test_server_still_serves_correctly_after_the_fuzzing(env):

@@ -1,0 +1,48 @@
+"""`python -m bench` fails loudly and briefly: one line on stderr and a
+non-zero exit when no server answers, or when no request completes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmsched.launch import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["--model", "tiny-random", "--num-requests", "3", "--prompt-median", "8", "--prompt-min", "4",
+         "--prompt-max", "16", "--output-median", "4", "--output-min", "2", "--output-max", "8",
+         "--check-requests", "0", "--no-plots", "--no-progress"]
+
+
+def run_bench(args: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error: ")]
+
+
+def test_no_server_listening_is_one_line_and_exit_1(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    proc = run_bench(["--address", address, *SMALL, "--out", str(tmp_path / "r.json")], timeout_s=60)
+    assert proc.returncode == 1, f"exit code {proc.returncode}; stderr: {proc.stderr[-2000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = error_lines(proc.stderr)
+    assert f"no llmsched scheduler answers at {address}" in line and "UNAVAILABLE" in line, line
+
+
+@pytest.mark.slow
+def test_a_run_where_no_request_completes_exits_1_and_says_why(tmp_path):
+    # Prompt ids drawn from a vocabulary larger than the served model's
+    # (as with a --model other than the server's): every request is refused.
+    out = tmp_path / "r.json"
+    proc = run_bench(["--launch", *SMALL, "--vocab-size", "1000000", "--out", str(out)], timeout_s=180)
+    assert proc.returncode == 1, f"exit code {proc.returncode}; stderr: {proc.stderr[-2000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = error_lines(proc.stderr)
+    assert "none of the 3 requests completed" in line and "INVALID_ARGUMENT" in line, line
+    assert out.exists(), "the report of the failed run is still written"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -27,11 +27,15 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
     cu_query_lens: torch.Tensor  # [num_reqs + 1] int32: query offsets per request
     seq_lens: torch.Tensor  # [num_reqs] int32: context length incl. this step's tokens
-    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32; columns past a request's blocks are padding
     # Host-side copies, so the torch backend can split the batch without
     # device syncs.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # What a backend derives from the fields above on its first layer call and
+    # reuses on every later layer of the same step (the metadata is built once
+    # per step and shared by all layers). Keys belong to the backend.
+    cache: dict = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
@@ -46,18 +50,74 @@ class AttentionBackend(Protocol):
     ) -> None: ...
 
     def attend(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor: ...
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of each new query token over its request's cached context.
+
+        As in HF transformers: with sliding_window W, the query at position i
+        sees key position j iff i - W < j <= i; with softcap s the scaled
+        scores become s * tanh(scores / s) before masking and softmax.
+        """
+        ...
 
 
-# Decode requests attended per SDPA call by the torch backend.
-DECODE_GROUP = 32
+# Keys gathered per decode chunk (rows x padded context). Big enough that the
+# per-call overhead vanishes, small enough that the gathered K and V are
+# still in cache when SDPA reads them back (bench/attention.py).
+DECODE_CHUNK_TOKENS = 8192
+
+
+@dataclass(slots=True)
+class _DecodeChunk:
+    """Decode requests of similar context length, attended in one SDPA call."""
+
+    tokens: torch.Tensor  # [n] int64: their rows in the step batch
+    block_ids: torch.Tensor  # [n * num_blocks] int64: blocks to gather, row by row
+    num_blocks: int  # per row, after padding to the chunk's longest
+    mask: torch.Tensor | None  # [n, 1, 1, num_blocks * block_size] additive; None: every key visible
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """One request with more than one query token (prefill or chunk)."""
+
+    start: int  # its query rows are start:end in the step batch
+    end: int
+    block_ids: torch.Tensor  # [num_blocks] int64: the blocks holding its visible keys
+    kv_len: int  # keys used, from the first gathered block's first position
+    mask: torch.Tensor | None  # [q_len, kv_len] additive; None: plain causal (q_len == kv_len)
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    decodes: list[_DecodeChunk]
+    prefills: list[_Prefill]
+    max_gather_blocks: int  # the largest decode chunk, to size the reused gather buffers
 
 
 class TorchAttentionBackend:
-    """Plain PyTorch: decode requests batched in one masked SDPA call over
-    their gathered blocks, prefill chunks one request at a time (their query
-    lengths differ, so batching them would mostly multiply padding)."""
+    """Plain PyTorch. Every layer gathers only the cache blocks a query can
+    see and hands them to SDPA (CPU flash attention):
+
+    - decodes are sorted by how many blocks they read and cut into chunks of
+      about DECODE_CHUNK_TOKENS keys; each chunk is gathered into one reused
+      buffer and attended in one call, with the GQA group as the query axis
+      so K/V are never repeated per head;
+    - prefills and chunks are attended one request at a time (their query
+      lengths differ, so batching them would mostly multiply padding).
+
+    Which blocks, the padding masks and the order are worked out once per
+    step (and window) and kept in meta.cache for every layer. A sliding
+    window skips the blocks wholly before it. Softcapping has no SDPA kernel,
+    so it takes an explicit matmul-softmax-matmul path.
+    """
 
     name = "torch"
 
@@ -67,75 +127,154 @@ class TorchAttentionBackend:
         k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = key
         v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = value
 
-    def attend(self, query, k_cache, v_cache, meta, scale):
-        # query: [num_tokens, num_heads, head_dim]
-        out = torch.empty_like(query)
+    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
+        # query: [num_tokens, num_heads, head_dim] -> same shape
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         block_size = k_cache.shape[1]
-        decode_reqs: list[int] = []
-        decode_tokens: list[int] = []
-        start = 0
-        for r, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-            if q_len == 1:
-                decode_reqs.append(r)
-                decode_tokens.append(start)
-            else:
-                out[start : start + q_len] = self._prefill_one(
-                    query[start : start + q_len], k_cache, v_cache, meta.block_tables[r], seq_len, block_size, scale
-                )
-            start += q_len
-        # Decodes sorted by context length and batched in groups, so each
-        # group gathers little more than its own context: one batch padded
-        # to the longest context read several times the KV it needed.
-        order = sorted(range(len(decode_reqs)), key=lambda i: meta.seq_lens_host[decode_reqs[i]])
-        for g in range(0, len(order), DECODE_GROUP):
-            group = order[g : g + DECODE_GROUP]
-            tokens = torch.tensor([decode_tokens[i] for i in group], dtype=torch.long, device=query.device)
-            reqs = torch.tensor([decode_reqs[i] for i in group], dtype=torch.long, device=query.device)
-            max_seq = meta.seq_lens_host[decode_reqs[group[-1]]]
-            out[tokens] = self._decode_batch(query[tokens], k_cache, v_cache, meta, reqs, max_seq, scale)
+        key = ("torch", block_size, sliding_window)
+        plan = meta.cache.get(key)
+        if plan is None:
+            plan = meta.cache[key] = _plan_step(meta, block_size, sliding_window, query.device)
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        out = torch.empty_like(query)
+        if plan.decodes:
+            k_buf = k_cache.new_empty(plan.max_gather_blocks, *k_cache.shape[1:])
+            v_buf = v_cache.new_empty(plan.max_gather_blocks, *v_cache.shape[1:])
+        for chunk in plan.decodes:
+            n = chunk.tokens.shape[0]
+            ctx = chunk.num_blocks * block_size
+            # [n, ctx, kvh, d] viewed as [n, kvh, ctx, d]
+            k = _gather(k_cache, chunk.block_ids, k_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+            v = _gather(v_cache, chunk.block_ids, v_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+            # Query head h reads KV head h // group, so the group is a query axis.
+            q = query.index_select(0, chunk.tokens).view(n, num_kv_heads, group, head_dim)
+            o = _attention(q, k, v, chunk.mask, False, scale, softcap)  # [n, kvh, group, d]
+            out.index_copy_(0, chunk.tokens, o.reshape(n, num_heads, head_dim))
+        for pf in plan.prefills:
+            q_len = pf.end - pf.start
+            k = _gather(k_cache, pf.block_ids, None).view(-1, num_kv_heads, head_dim)[: pf.kv_len]
+            v = _gather(v_cache, pf.block_ids, None).view(-1, num_kv_heads, head_dim)[: pf.kv_len]
+            # q: [1, h, q_len, d]; k, v: [1, kvh, kv_len, d]
+            q = query[pf.start : pf.end].transpose(0, 1).unsqueeze(0)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = _attention(q, k, v, pf.mask, pf.mask is None, scale, softcap)  # [1, h, q_len, d]
+            out[pf.start : pf.end] = o[0].transpose(0, 1)
         return out
 
-    @staticmethod
-    def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        # cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_ids: [..., nb]
-        # index_select on the flat block dimension copies whole blocks, about
-        # twice as fast on CPU as advanced indexing with a 2-D index.
-        blocks = cache.index_select(0, block_ids.reshape(-1))  # [n * nb, block_size, num_kv_heads, head_dim]
-        return blocks.view(*block_ids.shape[:-1], -1, *cache.shape[2:])  # [..., nb * block_size, kvh, d]
 
-    def _prefill_one(self, q, k_cache, v_cache, block_table, seq_len, block_size, scale):
-        # q: [q_len, num_heads, head_dim]
-        q_len = q.shape[0]
-        num_blocks = -(-seq_len // block_size)
-        k = self._gather(k_cache, block_table[:num_blocks])[:seq_len]  # [seq_len, kvh, d]
-        v = self._gather(v_cache, block_table[:num_blocks])[:seq_len]
-        if seq_len == q_len:
-            mask, causal = None, True
-        else:
-            # Query i sits at position seq_len - q_len + i and sees keys <= it.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-            causal = False
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
-        )  # [num_heads, q_len, head_dim]
-        return o.transpose(0, 1)
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+    """cache's blocks block_ids, copied back to back (into buf when given).
 
-    def _decode_batch(self, q, k_cache, v_cache, meta, reqs, max_seq, scale):
-        # q: [num_decodes, num_heads, head_dim]
-        block_size = k_cache.shape[1]
-        num_blocks = -(-max_seq // block_size)
-        tables = meta.block_tables[reqs, :num_blocks]  # [num_decodes, num_blocks]
-        k = self._gather(k_cache, tables)[:, :max_seq]  # [num_decodes, max_seq, kvh, d]
-        v = self._gather(v_cache, tables)[:, :max_seq]
-        seq_lens = meta.seq_lens[reqs].to(torch.long)  # [num_decodes]
-        mask = torch.arange(max_seq, device=q.device)[None, :] < seq_lens[:, None]  # [num_decodes, max_seq]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
-        )  # [num_decodes, num_heads, 1, head_dim]
-        return o.squeeze(2)
+    index_select on the block dimension copies whole blocks, about twice as
+    fast on CPU as advanced indexing with a 2-D index.
+    """
+    # cache: [num_blocks, block_size, kvh, d] -> [len(block_ids), block_size, kvh, d]
+    if buf is None:
+        return cache.index_select(0, block_ids)
+    return torch.index_select(cache, 0, block_ids, out=buf[: block_ids.shape[0]])
+
+
+def _attention(q, k, v, mask, causal, scale, softcap):
+    """softmax(q k^T * scale [+ mask]) v, query head h reading KV head h // group.
+
+    q: [b, h, m, d]; k, v: [b, kvh, kv_len, d]; mask: additive, broadcastable
+    to [b, h, m, kv_len], or None; causal: top-left aligned (m == kv_len).
+    Returns [b, h, m, d].
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    b, h, m, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(b, kvh, h // kvh, m, d)  # [b, kvh, group, m, d]
+    scores = torch.matmul(qg, k.transpose(-1, -2).unsqueeze(2)).float() * scale  # [b, kvh, group, m, kv_len]
+    scores = softcap * torch.tanh(scores / softcap)
+    if causal:
+        mask = torch.full((m, k.shape[2]), float("-inf"), device=q.device).triu_(1)
+    if mask is not None:
+        scores = scores + mask.unsqueeze(2) if mask.dim() == 4 else scores + mask
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v.unsqueeze(2)).reshape(b, h, m, d)
+
+
+def _plan_step(meta: AttentionMetadata, block_size: int, window: int | None, device: torch.device) -> _StepPlan:
+    """Which blocks each request's queries can see, and the masks for the
+    padding and window edges; shared by every layer of the step."""
+    q_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
+    # First visible key position of each request's first query token.
+    firsts = [max(0, s - q - window + 1) if window is not None else 0 for q, s in zip(q_lens, seq_lens)]
+    starts = [0] * len(q_lens)
+    for r in range(1, len(q_lens)):
+        starts[r] = starts[r - 1] + q_lens[r - 1]
+    decode_reqs = [r for r, q in enumerate(q_lens) if q == 1]
+    prefills = [
+        _plan_prefill(meta, r, starts[r], q_lens[r], seq_lens[r], firsts[r], block_size, window, device)
+        for r, q in enumerate(q_lens)
+        if q > 1
+    ]
+    # Fewest blocks first, so that each chunk pads little.
+    first_block = {r: firsts[r] // block_size for r in decode_reqs}
+    num_blocks = {r: (seq_lens[r] - 1) // block_size - first_block[r] + 1 for r in decode_reqs}
+    decode_reqs.sort(key=num_blocks.__getitem__)
+    decodes: list[_DecodeChunk] = []
+    max_gather = 0
+    i = 0
+    while i < len(decode_reqs):
+        j = i + 1
+        # Grow while the padded chunk (rows x its longest, the newest) fits.
+        while j < len(decode_reqs) and (j + 1 - i) * num_blocks[decode_reqs[j]] * block_size <= DECODE_CHUNK_TOKENS:
+            j += 1
+        rows = decode_reqs[i:j]
+        chunk = _plan_decode_chunk(
+            meta, rows, [starts[r] for r in rows], [first_block[r] for r in rows], [num_blocks[r] for r in rows],
+            [firsts[r] for r in rows], [seq_lens[r] for r in rows], block_size, device,
+        )
+        decodes.append(chunk)
+        max_gather = max(max_gather, chunk.block_ids.shape[0])
+        i = j
+    return _StepPlan(decodes, prefills, max_gather)
+
+
+def _plan_decode_chunk(meta, rows, tokens, first_block, num_blocks, first_pos, seq_lens, block_size, device):
+    n, width = len(rows), max(num_blocks)
+    first = torch.tensor(first_block, dtype=torch.long, device=device)  # [n]
+    last = first + torch.tensor(num_blocks, dtype=torch.long, device=device) - 1  # [n]
+    # Shorter rows repeat their last block; the mask hides the repeats.
+    cols = torch.minimum(first[:, None] + torch.arange(width, device=device)[None, :], last[:, None])  # [n, width]
+    table = meta.block_tables.index_select(0, torch.tensor(rows, device=meta.block_tables.device)).to(device)
+    block_ids = table.long().gather(1, cols).reshape(-1)  # [n * width]
+    # Visible keys, relative to the row's first gathered position: [lo, hi).
+    lo = [p - b * block_size for p, b in zip(first_pos, first_block)]
+    hi = [s - b * block_size for s, b in zip(seq_lens, first_block)]
+    ctx = width * block_size
+    mask = None
+    if any(lo) or any(h != ctx for h in hi):
+        t = torch.arange(ctx, device=device)[None, :]  # [1, ctx]
+        lo_t = torch.tensor(lo, device=device)[:, None]
+        hi_t = torch.tensor(hi, device=device)[:, None]
+        hidden = (t < lo_t) | (t >= hi_t)  # [n, ctx]
+        mask = torch.zeros(n, ctx, device=device).masked_fill_(hidden, float("-inf")).view(n, 1, 1, ctx)
+    return _DecodeChunk(torch.tensor(tokens, dtype=torch.long, device=device), block_ids, width, mask)
+
+
+def _plan_prefill(meta, r, start, q_len, seq_len, first_pos, block_size, window, device) -> _Prefill:
+    first_block = first_pos // block_size
+    last_block = (seq_len - 1) // block_size
+    block_ids = meta.block_tables[r, first_block : last_block + 1].to(device=device, dtype=torch.long)
+    base = first_block * block_size  # position of the first gathered key
+    kv_len = seq_len - base
+    if q_len == kv_len and (window is None or window >= q_len):
+        return _Prefill(start, start + q_len, block_ids, kv_len, None)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]  # [q_len, 1]
+    k_pos = torch.arange(base, seq_len, device=device)[None, :]  # [1, kv_len]
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    mask = torch.zeros(q_len, kv_len, device=device).masked_fill_(hidden, float("-inf"))
+    return _Prefill(start, start + q_len, block_ids, kv_len, mask)
 
 
 class TritonAttentionBackend:
@@ -170,8 +309,12 @@ class TritonAttentionBackend:
             _index_tensor(meta.slot_mapping, torch.int64),
         )
 
-    def attend(self, query, k_cache, v_cache, meta, scale):
+    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
         # query: [num_tokens, num_heads, head_dim] -> same shape
+        if sliding_window is not None or softcap is not None:
+            raise NotImplementedError(
+                "attention backend 'triton' does not implement sliding_window or softcap yet; use the torch backend"
+            )
         return self._paged_attention(
             _unit_last_stride(query), k_cache, v_cache,
             _index_tensor(meta.cu_query_lens, torch.int32),

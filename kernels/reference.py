@@ -1,8 +1,8 @@
 """Plain-torch reference implementations of the KV-cache and attention ops.
 
 These are deliberately slow and literal (a Python loop per request) so that they are
-easy to check by eye. They are the ground truth for the Triton kernels' tests and the
-implementation used by the CPU executor. They import only torch.
+easy to check by eye. They are the ground truth for the Triton kernels' and the CPU
+executor's attention backends' tests. They import only torch.
 
 Shapes (shared with the Triton launchers):
 
@@ -65,12 +65,18 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [num_reqs] int32
     block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each request's new query tokens over its paged context.
 
     Query token i of a request with q_len new tokens sits at position
     ``seq_len - q_len + i`` and sees every cached position <= its own. One code path
     covers decode (q_len 1), prefill, chunked prefill and prefix-cache hits.
+
+    As in HF transformers: with ``sliding_window`` W the query at position p sees only
+    keys j with p - W < j <= p; with ``softcap`` s the scaled scores become
+    s * tanh(scores / s) before masking.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -96,9 +102,13 @@ def paged_attention(
         q = query[q_start:q_end].float()  # [q_len, num_heads, head_dim]
 
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale  # [num_heads, q_len, seq_len]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # [q_len]
         kv_pos = torch.arange(seq_len, device=query.device)  # [seq_len]
         visible = kv_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        if sliding_window is not None:
+            visible &= kv_pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [num_heads, q_len, seq_len]
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)

@@ -166,3 +166,10 @@ def test_torch_backend_never_imports_triton():
         "assert 'triton' not in sys.modules and 'kernels.paged_attention' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=120)
+
+
+@pytest.mark.parametrize("option", [{"sliding_window": 4}, {"softcap": 30.0}])
+def test_triton_backend_refuses_window_and_softcap_by_name(option):
+    query, _, _, k_cache, v_cache, meta = mixed_batch([1, 3], [6, 3], 4, 2, 8, 4)
+    with pytest.raises(NotImplementedError, match="sliding_window or softcap"):
+        TritonAttentionBackend().attend(query, k_cache, v_cache, meta, 8**-0.5, **option)

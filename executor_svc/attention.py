@@ -68,17 +68,20 @@ class AttentionBackend(Protocol):
         ...
 
 
-# Keys gathered per decode chunk (rows x padded context). Big enough that the
-# per-call overhead vanishes, small enough that the gathered K and V are
-# still in cache when SDPA reads them back (bench/attention.py).
-DECODE_CHUNK_TOKENS = 8192
+# Bytes of K gathered per decode chunk (rows x padded context x one token's
+# K), and as many of V. Big enough that the per-call overhead vanishes, small
+# enough that the gathered copies are still in cache when SDPA reads them
+# back; 1 MiB measured best for head_dim 8 and 32 (bench/attention.py).
+DECODE_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
 class _DecodeChunk:
-    """Decode requests of similar context length, attended in one SDPA call."""
+    """Decode requests of similar context length, attended in one SDPA call:
+    rows start:end of the step's sorted decodes."""
 
-    tokens: torch.Tensor  # [n] int64: their rows in the step batch
+    start: int
+    end: int
     block_ids: torch.Tensor  # [n * num_blocks] int64: blocks to gather, row by row
     num_blocks: int  # per row, after padding to the chunk's longest
     mask: torch.Tensor | None  # [n, 1, 1, num_blocks * block_size] additive; None: every key visible
@@ -97,6 +100,7 @@ class _Prefill:
 
 @dataclass(slots=True)
 class _StepPlan:
+    decode_tokens: torch.Tensor  # [num_decodes] int64: the decodes' rows in the step batch, sorted
     decodes: list[_DecodeChunk]
     prefills: list[_Prefill]
     max_gather_blocks: int  # the largest decode chunk, to size the reused gather buffers
@@ -106,10 +110,10 @@ class TorchAttentionBackend:
     """Plain PyTorch. Every layer gathers only the cache blocks a query can
     see and hands them to SDPA (CPU flash attention):
 
-    - decodes are sorted by how many blocks they read and cut into chunks of
-      about DECODE_CHUNK_TOKENS keys; each chunk is gathered into one reused
-      buffer and attended in one call, with the GQA group as the query axis
-      so K/V are never repeated per head;
+    - decodes are sorted by how many blocks they read and cut into chunks
+      of about DECODE_CHUNK_BYTES of K (and as much V); each chunk is
+      gathered into reused buffers and attended in one call, with the GQA
+      group as the query axis so K/V are never repeated per head;
     - prefills and chunks are attended one request at a time (their query
       lengths differ, so batching them would mostly multiply padding).
 
@@ -135,7 +139,8 @@ class TorchAttentionBackend:
         key = ("torch", block_size, sliding_window)
         plan = meta.cache.get(key)
         if plan is None:
-            plan = meta.cache[key] = _plan_step(meta, block_size, sliding_window, query.device)
+            token_bytes = k_cache[0, 0].numel() * k_cache.element_size()
+            plan = meta.cache[key] = _plan_step(meta, block_size, token_bytes, sliding_window, query.device)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
@@ -143,16 +148,20 @@ class TorchAttentionBackend:
         if plan.decodes:
             k_buf = k_cache.new_empty(plan.max_gather_blocks, *k_cache.shape[1:])
             v_buf = v_cache.new_empty(plan.max_gather_blocks, *v_cache.shape[1:])
+            # Query head h reads KV head h // group, so the group is a query axis.
+            q_all = query.index_select(0, plan.decode_tokens).view(-1, num_kv_heads, group, head_dim)
+            o_all = torch.empty_like(q_all)  # [num_decodes, kvh, group, d]
         for chunk in plan.decodes:
-            n = chunk.tokens.shape[0]
+            n = chunk.end - chunk.start
             ctx = chunk.num_blocks * block_size
             # [n, ctx, kvh, d] viewed as [n, kvh, ctx, d]
             k = _gather(k_cache, chunk.block_ids, k_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
             v = _gather(v_cache, chunk.block_ids, v_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
-            # Query head h reads KV head h // group, so the group is a query axis.
-            q = query.index_select(0, chunk.tokens).view(n, num_kv_heads, group, head_dim)
-            o = _attention(q, k, v, chunk.mask, False, scale, softcap)  # [n, kvh, group, d]
-            out.index_copy_(0, chunk.tokens, o.reshape(n, num_heads, head_dim))
+            o_all[chunk.start : chunk.end] = _attention(
+                q_all[chunk.start : chunk.end], k, v, chunk.mask, False, scale, softcap
+            )
+        if plan.decodes:
+            out.index_copy_(0, plan.decode_tokens, o_all.view(-1, num_heads, head_dim))
         for pf in plan.prefills:
             q_len = pf.end - pf.start
             k = _gather(k_cache, pf.block_ids, None).view(-1, num_kv_heads, head_dim)[: pf.kv_len]
@@ -200,64 +209,66 @@ def _attention(q, k, v, mask, causal, scale, softcap):
     return torch.matmul(probs, v.unsqueeze(2)).reshape(b, h, m, d)
 
 
-def _plan_step(meta: AttentionMetadata, block_size: int, window: int | None, device: torch.device) -> _StepPlan:
+def _plan_step(
+    meta: AttentionMetadata, block_size: int, token_bytes: int, window: int | None, device: torch.device
+) -> _StepPlan:
     """Which blocks each request's queries can see, and the masks for the
-    padding and window edges; shared by every layer of the step."""
+    padding and window edges; shared by every layer of the step.
+
+    token_bytes: one token's K in the cache (num_kv_heads * head_dim * element size).
+    """
     q_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
-    # First visible key position of each request's first query token.
-    firsts = [max(0, s - q - window + 1) if window is not None else 0 for q, s in zip(q_lens, seq_lens)]
-    starts = [0] * len(q_lens)
-    for r in range(1, len(q_lens)):
-        starts[r] = starts[r - 1] + q_lens[r - 1]
-    decode_reqs = [r for r, q in enumerate(q_lens) if q == 1]
-    prefills = [
-        _plan_prefill(meta, r, starts[r], q_lens[r], seq_lens[r], firsts[r], block_size, window, device)
-        for r, q in enumerate(q_lens)
-        if q > 1
-    ]
+    starts, decodes, prefills = 0, [], []
+    for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        # First key position the request's first query can see.
+        first = max(0, seq_len - q_len - window + 1) if window is not None else 0
+        if q_len == 1:
+            decodes.append((r, starts, first, seq_len))
+        else:
+            prefills.append(_plan_prefill(meta, r, starts, q_len, seq_len, first, block_size, window, device))
+        starts += q_len
+    if not decodes:
+        return _StepPlan(torch.empty(0, dtype=torch.long, device=device), [], prefills, 0)
+
     # Fewest blocks first, so that each chunk pads little.
-    first_block = {r: firsts[r] // block_size for r in decode_reqs}
-    num_blocks = {r: (seq_lens[r] - 1) // block_size - first_block[r] + 1 for r in decode_reqs}
-    decode_reqs.sort(key=num_blocks.__getitem__)
-    decodes: list[_DecodeChunk] = []
-    max_gather = 0
+    chunk_tokens = max(1, DECODE_CHUNK_BYTES // token_bytes)
+    first_block = [first // block_size for _, _, first, _ in decodes]
+    num_blocks = [(s - 1) // block_size - fb + 1 for (_, _, _, s), fb in zip(decodes, first_block)]
+    order = sorted(range(len(decodes)), key=num_blocks.__getitem__)
+    rows = [decodes[i][0] for i in order]
+    first_block = [first_block[i] for i in order]
+    num_blocks = [num_blocks[i] for i in order]
+    # Visible keys relative to each row's first gathered position: [lo, hi).
+    lo = [decodes[i][2] - fb * block_size for i, fb in zip(order, first_block)]
+    hi = [decodes[i][3] - fb * block_size for i, fb in zip(order, first_block)]
+
+    # Every sorted row's block ids, padded to the longest; shorter rows repeat
+    # their last block (the mask hides the repeats).
+    width = num_blocks[-1]
+    first_t = torch.tensor(first_block, device=device)  # [num_decodes]
+    last_t = first_t + torch.tensor(num_blocks, device=device) - 1
+    cols = torch.minimum(first_t[:, None] + torch.arange(width, device=device), last_t[:, None])  # [num_decodes, width]
+    tables = meta.block_tables.index_select(0, torch.tensor(rows, device=meta.block_tables.device)).to(device)
+    block_ids = tables.long().gather(1, cols)  # [num_decodes, width]
+
+    chunks: list[_DecodeChunk] = []
     i = 0
-    while i < len(decode_reqs):
+    while i < len(rows):
         j = i + 1
         # Grow while the padded chunk (rows x its longest, the newest) fits.
-        while j < len(decode_reqs) and (j + 1 - i) * num_blocks[decode_reqs[j]] * block_size <= DECODE_CHUNK_TOKENS:
+        while j < len(rows) and (j + 1 - i) * num_blocks[j] * block_size <= chunk_tokens:
             j += 1
-        rows = decode_reqs[i:j]
-        chunk = _plan_decode_chunk(
-            meta, rows, [starts[r] for r in rows], [first_block[r] for r in rows], [num_blocks[r] for r in rows],
-            [firsts[r] for r in rows], [seq_lens[r] for r in rows], block_size, device,
-        )
-        decodes.append(chunk)
-        max_gather = max(max_gather, chunk.block_ids.shape[0])
+        w = num_blocks[j - 1]
+        ctx = w * block_size
+        mask = None
+        if any(lo[i:j]) or any(h != ctx for h in hi[i:j]):
+            t = torch.arange(ctx, device=device)[None, :]  # [1, ctx]
+            hidden = (t < torch.tensor(lo[i:j], device=device)[:, None]) | (t >= torch.tensor(hi[i:j], device=device)[:, None])
+            mask = torch.zeros(j - i, ctx, device=device).masked_fill_(hidden, float("-inf")).view(j - i, 1, 1, ctx)
+        chunks.append(_DecodeChunk(i, j, block_ids[i:j, :w].reshape(-1), w, mask))
         i = j
-    return _StepPlan(decodes, prefills, max_gather)
-
-
-def _plan_decode_chunk(meta, rows, tokens, first_block, num_blocks, first_pos, seq_lens, block_size, device):
-    n, width = len(rows), max(num_blocks)
-    first = torch.tensor(first_block, dtype=torch.long, device=device)  # [n]
-    last = first + torch.tensor(num_blocks, dtype=torch.long, device=device) - 1  # [n]
-    # Shorter rows repeat their last block; the mask hides the repeats.
-    cols = torch.minimum(first[:, None] + torch.arange(width, device=device)[None, :], last[:, None])  # [n, width]
-    table = meta.block_tables.index_select(0, torch.tensor(rows, device=meta.block_tables.device)).to(device)
-    block_ids = table.long().gather(1, cols).reshape(-1)  # [n * width]
-    # Visible keys, relative to the row's first gathered position: [lo, hi).
-    lo = [p - b * block_size for p, b in zip(first_pos, first_block)]
-    hi = [s - b * block_size for s, b in zip(seq_lens, first_block)]
-    ctx = width * block_size
-    mask = None
-    if any(lo) or any(h != ctx for h in hi):
-        t = torch.arange(ctx, device=device)[None, :]  # [1, ctx]
-        lo_t = torch.tensor(lo, device=device)[:, None]
-        hi_t = torch.tensor(hi, device=device)[:, None]
-        hidden = (t < lo_t) | (t >= hi_t)  # [n, ctx]
-        mask = torch.zeros(n, ctx, device=device).masked_fill_(hidden, float("-inf")).view(n, 1, 1, ctx)
-    return _DecodeChunk(torch.tensor(tokens, dtype=torch.long, device=device), block_ids, width, mask)
+    tokens = torch.tensor([decodes[i][1] for i in order], dtype=torch.long, device=device)
+    return _StepPlan(tokens, chunks, prefills, max((c.end - c.start) * c.num_blocks for c in chunks))
 
 
 def _plan_prefill(meta, r, start, q_len, seq_len, first_pos, block_size, window, device) -> _Prefill:

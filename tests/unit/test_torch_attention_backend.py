@@ -183,7 +183,7 @@ def test_sliding_window_never_reads_blocks_wholly_outside_it():
 def test_decodes_split_into_many_chunks_match_dense_attention(monkeypatch):
     from executor_svc import attention
 
-    monkeypatch.setattr(attention, "DECODE_CHUNK_TOKENS", 48)
+    monkeypatch.setattr(attention, "DECODE_CHUNK_BYTES", 48 * 2 * 16 * 4)  # 48 tokens of 2 heads x 16 fp32
     g = torch.Generator().manual_seed(3)
     reqs = [(1, int(c)) for c in torch.randint(0, 60, (25,), generator=g)]
     reqs[7] = (9, 20)

@@ -77,8 +77,8 @@ DECODE_CHUNK_BYTES = 1 << 20
 
 @dataclass(slots=True)
 class _DecodeChunk:
-    """Decode requests of similar context length, attended in one SDPA call:
-    rows start:end of the step's sorted decodes."""
+    """Decode rows of similar length, attended in one SDPA call: rows
+    start:end of the step's sorted decode rows."""
 
     start: int
     end: int
@@ -100,7 +100,13 @@ class _Prefill:
 
 @dataclass(slots=True)
 class _StepPlan:
-    decode_tokens: torch.Tensor  # [num_decodes] int64: the decodes' rows in the step batch, sorted
+    # A decode row is one request's visible keys, or a piece of them when they
+    # outgrow one chunk (split-KV): rows are sorted by length and chunked.
+    row_tokens: torch.Tensor  # [num_rows] int64: each row's query in the step batch
+    # Set when some decode is split: each row's decode (0..num_decodes-1) and
+    # each decode's query row, to merge the pieces by their log-sum-exp.
+    row_decodes: torch.Tensor | None  # [num_rows] int64
+    decode_tokens: torch.Tensor | None  # [num_decodes] int64
     decodes: list[_DecodeChunk]
     prefills: list[_Prefill]
     max_gather_blocks: int  # the largest decode chunk, to size the reused gather buffers
@@ -149,19 +155,27 @@ class TorchAttentionBackend:
             k_buf = k_cache.new_empty(plan.max_gather_blocks, *k_cache.shape[1:])
             v_buf = v_cache.new_empty(plan.max_gather_blocks, *v_cache.shape[1:])
             # Query head h reads KV head h // group, so the group is a query axis.
-            q_all = query.index_select(0, plan.decode_tokens).view(-1, num_kv_heads, group, head_dim)
-            o_all = torch.empty_like(q_all)  # [num_decodes, kvh, group, d]
+            q_rows = query.index_select(0, plan.row_tokens).view(-1, num_kv_heads, group, head_dim)
+            o_rows = torch.empty_like(q_rows)  # [num_rows, kvh, group, d]
+            split = plan.row_decodes is not None
+            lse_rows = q_rows.new_empty(q_rows.shape[:-1], dtype=torch.float32) if split else None
         for chunk in plan.decodes:
             n = chunk.end - chunk.start
             ctx = chunk.num_blocks * block_size
             # [n, ctx, kvh, d] viewed as [n, kvh, ctx, d]
             k = _gather(k_cache, chunk.block_ids, k_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
             v = _gather(v_cache, chunk.block_ids, v_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
-            o_all[chunk.start : chunk.end] = _attention(
-                q_all[chunk.start : chunk.end], k, v, chunk.mask, False, scale, softcap
-            )
-        if plan.decodes:
-            out.index_copy_(0, plan.decode_tokens, o_all.view(-1, num_heads, head_dim))
+            q = q_rows[chunk.start : chunk.end]
+            if split:
+                o, lse = _attention_with_lse(q, k, v, chunk.mask, scale, softcap)
+                o_rows[chunk.start : chunk.end], lse_rows[chunk.start : chunk.end] = o, lse
+            else:
+                o_rows[chunk.start : chunk.end] = _attention(q, k, v, chunk.mask, False, scale, softcap)
+        if plan.decodes and split:
+            o = _merge_pieces(o_rows, lse_rows, plan.row_decodes, plan.decode_tokens.shape[0])
+            out.index_copy_(0, plan.decode_tokens, o.view(-1, num_heads, head_dim))
+        elif plan.decodes:
+            out.index_copy_(0, plan.row_tokens, o_rows.view(-1, num_heads, head_dim))
         for pf in plan.prefills:
             q_len = pf.end - pf.start
             k = _gather(k_cache, pf.block_ids, None).view(-1, num_kv_heads, head_dim)[: pf.kv_len]
@@ -209,6 +223,37 @@ def _attention(q, k, v, mask, causal, scale, softcap):
     return torch.matmul(probs, v.unsqueeze(2)).reshape(b, h, m, d)
 
 
+def _attention_with_lse(q, k, v, mask, scale, softcap):
+    """_attention without GQA or causality (q: [b, h, m, d], k, v: [b, h, kv_len, d]),
+    also returning each query row's log-sum-exp of its masked scores, [b, h, m] fp32."""
+    if softcap is None:
+        # CPU flash attention, the kernel SDPA runs here, which also returns the LSE.
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+        return out, lse
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [b, h, m, kv_len]
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v), lse
+
+
+def _merge_pieces(o_rows, lse_rows, row_decodes, num_decodes):
+    """Attention over a decode's whole context from its pieces' outputs.
+
+    o_rows: [num_rows, kvh, group, d], each normalised over its own keys;
+    lse_rows: [num_rows, kvh, group]. Each piece counts in proportion to the
+    exp-sum of its scores. Returns [num_decodes, kvh, group, d].
+    """
+    shape = (num_decodes, *lse_rows.shape[1:])
+    index = row_decodes[:, None, None].expand_as(lse_rows)
+    top = lse_rows.new_full(shape, float("-inf")).scatter_reduce_(0, index, lse_rows, "amax")
+    weight = torch.exp(lse_rows - top.index_select(0, row_decodes))  # [num_rows, kvh, group]
+    total = lse_rows.new_zeros(shape).index_add_(0, row_decodes, weight)
+    merged = o_rows.new_zeros(num_decodes, *o_rows.shape[1:]).index_add_(0, row_decodes, o_rows * weight[..., None])
+    return merged / total[..., None]
+
+
 def _plan_step(
     meta: AttentionMetadata, block_size: int, token_bytes: int, window: int | None, device: torch.device
 ) -> _StepPlan:
@@ -228,47 +273,57 @@ def _plan_step(
             prefills.append(_plan_prefill(meta, r, starts, q_len, seq_len, first, block_size, window, device))
         starts += q_len
     if not decodes:
-        return _StepPlan(torch.empty(0, dtype=torch.long, device=device), [], prefills, 0)
+        return _StepPlan(torch.empty(0, dtype=torch.long, device=device), None, None, [], prefills, 0)
 
-    # Fewest blocks first, so that each chunk pads little.
     chunk_tokens = max(1, DECODE_CHUNK_BYTES // token_bytes)
-    first_block = [first // block_size for _, _, first, _ in decodes]
-    num_blocks = [(s - 1) // block_size - fb + 1 for (_, _, _, s), fb in zip(decodes, first_block)]
-    order = sorted(range(len(decodes)), key=num_blocks.__getitem__)
-    rows = [decodes[i][0] for i in order]
-    first_block = [first_block[i] for i in order]
-    num_blocks = [num_blocks[i] for i in order]
-    # Visible keys relative to each row's first gathered position: [lo, hi).
-    lo = [decodes[i][2] - fb * block_size for i, fb in zip(order, first_block)]
-    hi = [decodes[i][3] - fb * block_size for i, fb in zip(order, first_block)]
+    # Pieces of at most chunk_tokens keys: one gathered piece stays in cache.
+    # Only the CPU kernel returns the log-sum-exp needed to merge pieces.
+    max_piece = max(1, chunk_tokens // block_size) if device.type == "cpu" else None
+    pieces = []  # (decode index, first block, num blocks, visible keys [lo, hi) relative to the first block)
+    for d, (_, _, first_pos, seq_len) in enumerate(decodes):
+        first, last = first_pos // block_size, (seq_len - 1) // block_size
+        step = max_piece or last - first + 1
+        for b in range(first, last + 1, step):
+            n = min(step, last + 1 - b)
+            base = b * block_size
+            pieces.append((d, b, n, max(0, first_pos - base), min(n * block_size, seq_len - base)))
+    # Fewest blocks first, so that each chunk pads little.
+    pieces.sort(key=lambda p: p[2])
+    num_blocks = [p[2] for p in pieces]
 
-    # Every sorted row's block ids, padded to the longest; shorter rows repeat
-    # their last block (the mask hides the repeats).
+    # Every row's block ids, padded to the longest; shorter rows repeat their
+    # last block (the mask hides the repeats).
     width = num_blocks[-1]
-    first_t = torch.tensor(first_block, device=device)  # [num_decodes]
+    first_t = torch.tensor([p[1] for p in pieces], device=device)  # [num_rows]
     last_t = first_t + torch.tensor(num_blocks, device=device) - 1
-    cols = torch.minimum(first_t[:, None] + torch.arange(width, device=device), last_t[:, None])  # [num_decodes, width]
-    tables = meta.block_tables.index_select(0, torch.tensor(rows, device=meta.block_tables.device)).to(device)
-    block_ids = tables.long().gather(1, cols)  # [num_decodes, width]
+    cols = torch.minimum(first_t[:, None] + torch.arange(width, device=device), last_t[:, None])  # [num_rows, width]
+    reqs = torch.tensor([decodes[p[0]][0] for p in pieces], device=meta.block_tables.device)
+    block_ids = meta.block_tables.index_select(0, reqs).to(device).long().gather(1, cols)  # [num_rows, width]
 
     chunks: list[_DecodeChunk] = []
     i = 0
-    while i < len(rows):
+    while i < len(pieces):
         j = i + 1
         # Grow while the padded chunk (rows x its longest, the newest) fits.
-        while j < len(rows) and (j + 1 - i) * num_blocks[j] * block_size <= chunk_tokens:
+        while j < len(pieces) and (j + 1 - i) * num_blocks[j] * block_size <= chunk_tokens:
             j += 1
         w = num_blocks[j - 1]
         ctx = w * block_size
+        lo, hi = [p[3] for p in pieces[i:j]], [p[4] for p in pieces[i:j]]
         mask = None
-        if any(lo[i:j]) or any(h != ctx for h in hi[i:j]):
+        if any(lo) or any(h != ctx for h in hi):
             t = torch.arange(ctx, device=device)[None, :]  # [1, ctx]
-            hidden = (t < torch.tensor(lo[i:j], device=device)[:, None]) | (t >= torch.tensor(hi[i:j], device=device)[:, None])
+            hidden = (t < torch.tensor(lo, device=device)[:, None]) | (t >= torch.tensor(hi, device=device)[:, None])
             mask = torch.zeros(j - i, ctx, device=device).masked_fill_(hidden, float("-inf")).view(j - i, 1, 1, ctx)
         chunks.append(_DecodeChunk(i, j, block_ids[i:j, :w].reshape(-1), w, mask))
         i = j
-    tokens = torch.tensor([decodes[i][1] for i in order], dtype=torch.long, device=device)
-    return _StepPlan(tokens, chunks, prefills, max((c.end - c.start) * c.num_blocks for c in chunks))
+    row_tokens = torch.tensor([decodes[p[0]][1] for p in pieces], dtype=torch.long, device=device)
+    row_decodes = decode_tokens = None
+    if len(pieces) > len(decodes):
+        row_decodes = torch.tensor([p[0] for p in pieces], dtype=torch.long, device=device)
+        decode_tokens = torch.tensor([start for _, start, _, _ in decodes], dtype=torch.long, device=device)
+    max_gather = max((c.end - c.start) * c.num_blocks for c in chunks)
+    return _StepPlan(row_tokens, row_decodes, decode_tokens, chunks, prefills, max_gather)
 
 
 def _plan_prefill(meta, r, start, q_len, seq_len, first_pos, block_size, window, device) -> _Prefill:

@@ -180,20 +180,24 @@ def test_sliding_window_never_reads_blocks_wholly_outside_it():
     torch.testing.assert_close(got, expected_outputs(query, meta, keys, values, 0.25, window, None), rtol=1e-5, atol=1e-5)
 
 
-def test_decodes_split_into_many_chunks_match_dense_attention(monkeypatch):
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 1.5), (30, 1.5)])
+def test_decodes_in_many_chunks_and_split_contexts_match_dense_attention(monkeypatch, window, softcap):
     from executor_svc import attention
 
-    monkeypatch.setattr(attention, "DECODE_CHUNK_BYTES", 48 * 2 * 16 * 4)  # 48 tokens of 2 heads x 16 fp32
+    # 48 keys of 2 heads x 16 fp32 per chunk: contexts past 48 tokens are split
+    # into pieces merged by their log-sum-exp.
+    monkeypatch.setattr(attention, "DECODE_CHUNK_BYTES", 48 * 2 * 16 * 4)
     g = torch.Generator().manual_seed(3)
-    reqs = [(1, int(c)) for c in torch.randint(0, 60, (25,), generator=g)]
+    reqs = [(1, int(c)) for c in torch.randint(0, 130, (25,), generator=g)]
     reqs[7] = (9, 20)
     query, k_cache, v_cache, meta, keys, values = paged_batch(reqs, 8, 2, 16, 4)
-    for window in (None, 5):
-        got = TorchAttentionBackend().attend(query, k_cache, v_cache, meta, 0.25, sliding_window=window)
-        want = expected_outputs(query, meta, keys, values, 0.25, window, None)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"window {window}")
-    plan = meta.cache[("torch", 4, None)]
+    got = TorchAttentionBackend().attend(query, k_cache, v_cache, meta, 0.25, sliding_window=window, softcap=softcap)
+    want = expected_outputs(query, meta, keys, values, 0.25, window, softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plan = meta.cache[("torch", 4, window)]
     assert len(plan.decodes) > 3, "the chunk budget should have cut 24 decodes into several chunks"
+    if window is None:
+        assert plan.row_decodes is not None, "contexts up to 130 tokens should have been split into 48-token pieces"
 
 
 def test_per_step_plan_is_built_once_and_reused_by_every_layer():

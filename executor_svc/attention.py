@@ -119,7 +119,9 @@ class TorchAttentionBackend:
     - decodes are sorted by how many blocks they read and cut into chunks
       of about DECODE_CHUNK_BYTES of K (and as much V); each chunk is
       gathered into reused buffers and attended in one call, with the GQA
-      group as the query axis so K/V are never repeated per head;
+      group as the query axis so K/V are never repeated per head. A context
+      longer than one chunk is cut into pieces whose outputs are merged by
+      their log-sum-exp (split-KV, as flash-decoding does on GPUs);
     - prefills and chunks are attended one request at a time (their query
       lengths differ, so batching them would mostly multiply padding).
 
@@ -147,37 +149,11 @@ class TorchAttentionBackend:
         if plan is None:
             token_bytes = k_cache[0, 0].numel() * k_cache.element_size()
             plan = meta.cache[key] = _plan_step(meta, block_size, token_bytes, sliding_window, query.device)
-        num_tokens, num_heads, head_dim = query.shape
-        num_kv_heads = k_cache.shape[2]
-        group = num_heads // num_kv_heads
         out = torch.empty_like(query)
         if plan.decodes:
-            k_buf = k_cache.new_empty(plan.max_gather_blocks, *k_cache.shape[1:])
-            v_buf = v_cache.new_empty(plan.max_gather_blocks, *v_cache.shape[1:])
-            # Query head h reads KV head h // group, so the group is a query axis.
-            q_rows = query.index_select(0, plan.row_tokens).view(-1, num_kv_heads, group, head_dim)
-            o_rows = torch.empty_like(q_rows)  # [num_rows, kvh, group, d]
-            split = plan.row_decodes is not None
-            lse_rows = q_rows.new_empty(q_rows.shape[:-1], dtype=torch.float32) if split else None
-        for chunk in plan.decodes:
-            n = chunk.end - chunk.start
-            ctx = chunk.num_blocks * block_size
-            # [n, ctx, kvh, d] viewed as [n, kvh, ctx, d]
-            k = _gather(k_cache, chunk.block_ids, k_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
-            v = _gather(v_cache, chunk.block_ids, v_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
-            q = q_rows[chunk.start : chunk.end]
-            if split:
-                o, lse = _attention_with_lse(q, k, v, chunk.mask, scale, softcap)
-                o_rows[chunk.start : chunk.end], lse_rows[chunk.start : chunk.end] = o, lse
-            else:
-                o_rows[chunk.start : chunk.end] = _attention(q, k, v, chunk.mask, False, scale, softcap)
-        if plan.decodes and split:
-            o = _merge_pieces(o_rows, lse_rows, plan.row_decodes, plan.decode_tokens.shape[0])
-            out.index_copy_(0, plan.decode_tokens, o.view(-1, num_heads, head_dim))
-        elif plan.decodes:
-            out.index_copy_(0, plan.row_tokens, o_rows.view(-1, num_heads, head_dim))
+            _attend_decodes(query, k_cache, v_cache, plan, scale, softcap, out)
+        num_kv_heads, head_dim = k_cache.shape[2:]
         for pf in plan.prefills:
-            q_len = pf.end - pf.start
             k = _gather(k_cache, pf.block_ids, None).view(-1, num_kv_heads, head_dim)[: pf.kv_len]
             v = _gather(v_cache, pf.block_ids, None).view(-1, num_kv_heads, head_dim)[: pf.kv_len]
             # q: [1, h, q_len, d]; k, v: [1, kvh, kv_len, d]
@@ -186,6 +162,36 @@ class TorchAttentionBackend:
             o = _attention(q, k, v, pf.mask, pf.mask is None, scale, softcap)  # [1, h, q_len, d]
             out[pf.start : pf.end] = o[0].transpose(0, 1)
         return out
+
+
+def _attend_decodes(query, k_cache, v_cache, plan: _StepPlan, scale, softcap, out) -> None:
+    """Writes the decodes' rows of out ([num_tokens, num_heads, head_dim])."""
+    num_heads, head_dim = query.shape[1:]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    k_buf = k_cache.new_empty(plan.max_gather_blocks, block_size, num_kv_heads, head_dim)
+    v_buf = v_cache.new_empty(plan.max_gather_blocks, block_size, num_kv_heads, head_dim)
+    # Query head h reads KV head h // group, so the group is a query axis.
+    q_rows = query.index_select(0, plan.row_tokens).view(-1, num_kv_heads, group, head_dim)
+    o_rows = torch.empty_like(q_rows)  # [num_rows, kvh, group, d]
+    split = plan.row_decodes is not None
+    lse_rows = q_rows.new_empty(q_rows.shape[:-1], dtype=torch.float32) if split else None  # [num_rows, kvh, group]
+    for chunk in plan.decodes:
+        n, ctx = chunk.end - chunk.start, chunk.num_blocks * block_size
+        # [n, ctx, kvh, d] viewed as [n, kvh, ctx, d]
+        k = _gather(k_cache, chunk.block_ids, k_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        v = _gather(v_cache, chunk.block_ids, v_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        q = q_rows[chunk.start : chunk.end]
+        if split:
+            o, lse = _attention_with_lse(q, k, v, chunk.mask, scale, softcap)
+            o_rows[chunk.start : chunk.end], lse_rows[chunk.start : chunk.end] = o, lse
+        else:
+            o_rows[chunk.start : chunk.end] = _attention(q, k, v, chunk.mask, False, scale, softcap)
+    if split:
+        o = _merge_pieces(o_rows, lse_rows, plan.row_decodes, plan.decode_tokens.shape[0])
+        out.index_copy_(0, plan.decode_tokens, o.view(-1, num_heads, head_dim))
+    else:
+        out.index_copy_(0, plan.row_tokens, o_rows.view(-1, num_heads, head_dim))
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:

@@ -177,7 +177,8 @@ def test_sliding_window_never_reads_blocks_wholly_outside_it():
             k_cache[meta.block_tables[r, b]] = float("nan")
             v_cache[meta.block_tables[r, b]] = float("nan")
     got = TorchAttentionBackend().attend(query, k_cache, v_cache, meta, 0.25, sliding_window=window)
-    torch.testing.assert_close(got, expected_outputs(query, meta, keys, values, 0.25, window, None), rtol=1e-5, atol=1e-5)
+    want = expected_outputs(query, meta, keys, values, 0.25, window, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 1.5), (30, 1.5)])

@@ -148,7 +148,8 @@ class TorchAttentionBackend:
         plan = meta.cache.get(key)
         if plan is None:
             token_bytes = k_cache[0, 0].numel() * k_cache.element_size()
-            plan = meta.cache[key] = _plan_step(meta, block_size, token_bytes, sliding_window, query.device)
+            plan = _plan_step(meta, block_size, token_bytes, sliding_window, k_cache.dtype, query.device)
+            meta.cache[key] = plan
         out = torch.empty_like(query)
         if plan.decodes:
             _attend_decodes(query, k_cache, v_cache, plan, scale, softcap, out)
@@ -256,17 +257,20 @@ def _merge_pieces(o_rows, lse_rows, row_decodes, num_decodes):
     top = lse_rows.new_full(shape, float("-inf")).scatter_reduce_(0, index, lse_rows, "amax")
     weight = torch.exp(lse_rows - top.index_select(0, row_decodes))  # [num_rows, kvh, group]
     total = lse_rows.new_zeros(shape).index_add_(0, row_decodes, weight)
-    merged = o_rows.new_zeros(num_decodes, *o_rows.shape[1:]).index_add_(0, row_decodes, o_rows * weight[..., None])
-    return merged / total[..., None]
+    merged = lse_rows.new_zeros(num_decodes, *o_rows.shape[1:])  # fp32, whatever o_rows' dtype
+    merged.index_add_(0, row_decodes, o_rows * weight[..., None])
+    return (merged / total[..., None]).to(o_rows.dtype)
 
 
 def _plan_step(
-    meta: AttentionMetadata, block_size: int, token_bytes: int, window: int | None, device: torch.device
+    meta: AttentionMetadata, block_size: int, token_bytes: int, window: int | None, dtype: torch.dtype,
+    device: torch.device,
 ) -> _StepPlan:
     """Which blocks each request's queries can see, and the masks for the
     padding and window edges; shared by every layer of the step.
 
-    token_bytes: one token's K in the cache (num_kv_heads * head_dim * element size).
+    token_bytes: one token's K in the cache (num_kv_heads * head_dim * element size);
+    dtype: the masks', the activations' dtype, as SDPA wants.
     """
     q_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
     starts, decodes, prefills = 0, [], []
@@ -276,7 +280,7 @@ def _plan_step(
         if q_len == 1:
             decodes.append((r, starts, first, seq_len))
         else:
-            prefills.append(_plan_prefill(meta, r, starts, q_len, seq_len, first, block_size, window, device))
+            prefills.append(_plan_prefill(meta, r, starts, q_len, seq_len, first, block_size, window, dtype, device))
         starts += q_len
     if not decodes:
         return _StepPlan(torch.empty(0, dtype=torch.long, device=device), None, None, [], prefills, 0)
@@ -320,7 +324,8 @@ def _plan_step(
         if any(lo) or any(h != ctx for h in hi):
             t = torch.arange(ctx, device=device)[None, :]  # [1, ctx]
             hidden = (t < torch.tensor(lo, device=device)[:, None]) | (t >= torch.tensor(hi, device=device)[:, None])
-            mask = torch.zeros(j - i, ctx, device=device).masked_fill_(hidden, float("-inf")).view(j - i, 1, 1, ctx)
+            mask = torch.zeros(j - i, 1, 1, ctx, dtype=dtype, device=device)
+            mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
         chunks.append(_DecodeChunk(i, j, block_ids[i:j, :w].reshape(-1), w, mask))
         i = j
     row_tokens = torch.tensor([decodes[p[0]][1] for p in pieces], dtype=torch.long, device=device)
@@ -332,7 +337,7 @@ def _plan_step(
     return _StepPlan(row_tokens, row_decodes, decode_tokens, chunks, prefills, max_gather)
 
 
-def _plan_prefill(meta, r, start, q_len, seq_len, first_pos, block_size, window, device) -> _Prefill:
+def _plan_prefill(meta, r, start, q_len, seq_len, first_pos, block_size, window, dtype, device) -> _Prefill:
     first_block = first_pos // block_size
     last_block = (seq_len - 1) // block_size
     block_ids = meta.block_tables[r, first_block : last_block + 1].to(device=device, dtype=torch.long)
@@ -345,7 +350,7 @@ def _plan_prefill(meta, r, start, q_len, seq_len, first_pos, block_size, window,
     hidden = k_pos > q_pos
     if window is not None:
         hidden |= k_pos <= q_pos - window
-    mask = torch.zeros(q_len, kv_len, device=device).masked_fill_(hidden, float("-inf"))
+    mask = torch.zeros(q_len, kv_len, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
     return _Prefill(start, start + q_len, block_ids, kv_len, mask)
 
 

@@ -217,3 +217,17 @@ def test_zero_or_negative_window_is_refused():
     query, k_cache, v_cache, meta, _, _ = paged_batch([(1, 4)], 4, 2, 16, 4)
     with pytest.raises(ValueError, match="sliding_window must be >= 1"):
         TorchAttentionBackend().attend(query, k_cache, v_cache, meta, 0.25, sliding_window=0)
+
+
+@pytest.mark.parametrize("window", [None, 17])
+def test_bf16_mixed_batch_with_split_contexts_matches_dense_attention(monkeypatch, window):
+    from executor_svc import attention
+
+    monkeypatch.setattr(attention, "DECODE_CHUNK_BYTES", 48 * 2 * 16 * 2)  # 48 tokens of 2 heads x 16 bf16
+    query, k_cache, v_cache, meta, keys, values = paged_batch(BATCHES["mixed"], 8, 2, 16, 4)
+    query, k_cache, v_cache = query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    got = TorchAttentionBackend().attend(query, k_cache, v_cache, meta, 0.25, sliding_window=window)
+    assert got.dtype == torch.bfloat16
+    keys, values = [k.bfloat16() for k in keys], [v.bfloat16() for v in values]
+    want = expected_outputs(query, meta, keys, values, 0.25, window, None)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

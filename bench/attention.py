@@ -96,6 +96,9 @@ class StepRow:
     gather_ms: float  # one decode step through the ModelRunner, wall time
     ours_ms: float
     speedup: float
+    gather_forward_ms: float  # of which the model's forward pass (StepOutput.forward_ns)
+    ours_forward_ms: float
+    forward_speedup: float
 
 
 def decode_metadata(block_tables: torch.Tensor, context: int) -> AttentionMetadata:
@@ -192,16 +195,23 @@ def bench_step(num_reqs: int, context: int, rounds: int, model_path: Path = STOR
             NewRequestData(h, tokens[h], tables[h], context - 1, 1, greedy, 0) for h in range(num_reqs)
         ])
         step_id += 1
-        runner.execute(plan)
+        return runner.execute(plan)
 
-    def with_backend(backend):
+    forward_ms: dict[str, list[float]] = {"gather": [], "ours": []}
+
+    def with_backend(name, backend):
         def run() -> None:
             runner.backend = backend
-            step()
+            forward_ms[name].append(step().forward_ns / 1e6)
         return run
 
-    ms = timed_rounds({"gather": with_backend(GatherBackend()), "ours": with_backend(TorchAttentionBackend())}, rounds)
-    return StepRow("stories260K", num_reqs, context, ms["gather"], ms["ours"], ms["gather"] / ms["ours"])
+    impls = {"gather": with_backend("gather", GatherBackend()), "ours": with_backend("ours", TorchAttentionBackend())}
+    ms = timed_rounds(impls, rounds)
+    fwd = {name: statistics.median(ts[1:]) for name, ts in forward_ms.items()}  # [0] is the warm-up
+    return StepRow(
+        "stories260K", num_reqs, context, ms["gather"], ms["ours"], ms["gather"] / ms["ours"],
+        fwd["gather"], fwd["ours"], fwd["gather"] / fwd["ours"],
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -231,7 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_step:
         step = bench_step(args.num_reqs, args.step_context, max(3, args.rounds // 2), args.model_path)
         print(f"\ndecode step, {step.model}, {step.num_reqs} requests x {step.context} context, ModelRunner: "
-              f"gather {step.gather_ms:.0f} ms, ours {step.ours_ms:.0f} ms ({step.speedup:.2f}x faster)")
+              f"gather {step.gather_ms:.0f} ms, ours {step.ours_ms:.0f} ms ({step.speedup:.2f}x faster); "
+              f"forward pass alone {step.gather_forward_ms:.0f} vs {step.ours_forward_ms:.0f} ms "
+              f"({step.forward_speedup:.2f}x)")
     report = {
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),

@@ -23,6 +23,7 @@ def test_attention_bench_writes_every_point_and_the_step(tmp_path, stories_path,
         assert r["ours_vs_dense"] == r["ours_ms"] / r["dense_ms"]
     step = report["step"]
     assert step["num_reqs"] == 5 and step["context"] == 50 and step["gather_ms"] > 0 and step["ours_ms"] > 0
+    assert 0 < step["ours_forward_ms"] <= step["ours_ms"] and 0 < step["gather_forward_ms"] <= step["gather_ms"]
     printed = capsys.readouterr().out
     assert "ours/dense" in printed and "decode step, stories260K, 5 requests x 50 context" in printed
 

@@ -54,7 +54,7 @@ def test_torch_backend_writes_kv_to_the_mapped_slots():
 
 
 def test_many_decodes_of_mixed_lengths_are_grouped_without_changing_results():
-    # More decodes than one DECODE_GROUP, lengths unsorted, plus a prefill.
+    # Many decodes, lengths unsorted, plus a prefill: sorting and chunking must not change results.
     g = torch.Generator().manual_seed(5)
     seq_lens = torch.randint(1, 40, (70,), generator=g).tolist()
     query_lens = [1] * 70

@@ -166,3 +166,14 @@ def test_torch_backend_never_imports_triton():
         "assert 'triton' not in sys.modules and 'kernels.paged_attention' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=120)
+
+
+@pytest.mark.parametrize("option", [{"sliding_window": 4}, {"softcap": 2.0}, {"sliding_window": 1, "softcap": 2.0}])
+def test_triton_and_torch_backends_agree_with_window_and_softcap(option):
+    query, _, _, k_cache, v_cache, meta = mixed_batch([1, 3], [6, 3], 4, 2, 8, 4)
+    scale = 8**-0.5
+    plain = TorchAttentionBackend().attend(query, k_cache, v_cache, meta, scale)
+    torch_out = TorchAttentionBackend().attend(query, k_cache, v_cache, meta, scale, **option)
+    triton_out = TritonAttentionBackend().attend(query, k_cache, v_cache, meta, scale, **option)
+    torch.testing.assert_close(triton_out, torch_out, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(torch_out, plain, atol=1e-4), f"{option} changed nothing: the check cannot fail"

@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from executor_svc.attention import make_backend
+from executor_svc.chat_template import load_chat_template
 from executor_svc.checkpoint import load_checkpoint
 from executor_svc.config import ExecutorSettings
 from executor_svc.convert import result_to_proto, step_from_proto
@@ -52,6 +53,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.cfg = ModelConfig.from_hf(ckpt.hf_config)
         self.model_name = ckpt.name
         self.tokenizer_json = ckpt.tokenizer_json
+        self.chat_template = load_chat_template(settings.model)
         self.max_model_len = settings.max_model_len or self.cfg.max_position_embeddings
         model = build_model(self.cfg, ckpt.state_dict, self.max_model_len, self.device, self.dtype)
         num_blocks = settings.num_kv_blocks or num_blocks_for_budget(
@@ -92,6 +94,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             eos_token_ids=eos,
             max_logprobs=self.settings.max_logprobs,
             device=str(self.device),
+            chat_template=self.chat_template.template,
+            bos_token=self.chat_template.bos_token,
+            eos_token=self.chat_template.eos_token,
         )
 
     def _run_step(self, plan: pb.StepPlan) -> pb.StepResult:

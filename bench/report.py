@@ -37,7 +37,8 @@ def summarize(run: RunResult) -> dict:
     latencies: dict[str, list[float]] = {k: [] for k in LATENCY_FIGURES}
     token_events: list[tuple[float, int]] = []
     for r in ok:
-        n = len(r.output_ids)
+        # An OpenAI stream carries no token ids: its usage counts them.
+        n = len(r.output_ids) or r.completion_tokens
         if (v := ttft(r.send_s, r.chunk_times)) is not None:
             latencies["ttft_ms"].append(v)
         if (v := tpot(r.send_s, r.chunk_times, n)) is not None:
@@ -47,7 +48,7 @@ def summarize(run: RunResult) -> dict:
         latencies["queue_ms"].append(r.send_s - r.arrival_s)
         token_events.extend(zip(r.chunk_times, r.chunk_tokens))
     duration = run.duration_s
-    out_tokens = sum(len(r.output_ids) for r in ok)
+    out_tokens = sum(len(r.output_ids) or r.completion_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_prompt_tokens for r in ok)
     bucket_s, timeline = throughput_timeline(token_events, duration)

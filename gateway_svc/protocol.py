@@ -38,23 +38,14 @@ _INERT_VALUES: dict[str, tuple] = {
     "parallel_tool_calls": (None, True, False),
     "response_format": (None, {"type": "text"}),
     "echo": (None, False),
-    # Added by sglang-router at SGLang's defaults. skip_special_tokens=true
-    # is what our detokenizer does; the others are off.
+    # Added by sglang-router 0.3.2 at SGLang's defaults (seen on the wire).
+    # skip_special_tokens=true is what our detokenizer does; the others are off.
     "continue_final_message": (None, False),
     "skip_special_tokens": (None, True),
     "separate_reasoning": (None, True),
     "stream_reasoning": (None, True),
     "no_stop_trim": (None, False),
     "return_hidden_states": (None, False),
-    "return_routed_experts": (None, False),
-    "lora_path": (None,),
-    "session_params": (None,),
-    "min_tokens": (None, 0),
-    "regex": (None,),
-    "ebnf": (None,),
-    "json_schema": (None,),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0),
 }
 
 

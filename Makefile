@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(PIP_FIND) -e '.[executor,gateway,test,bench]'
+	$(BIN)/python -m pip install -q $(PIP_FIND) -e '.[executor,gateway,router,test,bench]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

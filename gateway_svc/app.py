@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,10 +23,11 @@ from pydantic import BaseModel, ValidationError
 from gateway_svc import chat_template, metrics
 from gateway_svc.config import GatewaySettings
 from gateway_svc.errors import error_body, error_response, from_rpc_error
-from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError, param_of
 from gateway_svc.scheduler_client import ModelInfo, SchedulerClient
 from llmsched.v1 import scheduler_pb2 as spb
 
+log = logging.getLogger("gateway_svc")
 FINISH_REASONS = {
     spb.FINISH_REASON_STOP: "stop",
     spb.FINISH_REASON_LENGTH: "length",
@@ -96,7 +98,7 @@ async def _parse(request: Request, model: type[BaseModel]):
         parsed = model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = param_of(first["loc"])
         raise RequestError(param, f"{param}: {first['msg']}") from None
     parsed.check_inert_fields()
     return parsed
@@ -368,6 +370,11 @@ def create_app(settings: GatewaySettings, client_interceptors: list | None = Non
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError):
         return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500)
 
     @app.get("/health")
     async def health():

@@ -14,6 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+UINT32 = 2**32  # token ids, counts and top_k travel as uint32
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
 
 class RequestError(ValueError):
     """A 400 in OpenAI's shape, naming the offending field (`param`)."""
@@ -23,6 +26,24 @@ class RequestError(ValueError):
         super().__init__(message)
         self.param, self.message, self.status, self.code, self.type = param, message, status, code, type_
         self.retry_after_s = retry_after_s  # 429 only: the Retry-After header
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def param_of(loc: tuple) -> str | None:
+    """A pydantic error location as the field path a client wrote:
+    ('messages', 0, 'content') -> messages[0].content. Union member tags
+    (`str`, `list[int]`, ...) are not fields and are left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.lower() in _TYPE_TAGS or not part.isidentifier():
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or None
 
 
 # Fields we do not implement, with the values that mean "off" (OpenAI's
@@ -59,7 +80,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, lt=UINT32)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, lt=2**64)
@@ -70,10 +91,10 @@ class _Common(BaseModel):
     # End-user id, for the caller's own abuse tracking; changes no output.
     user: str | None = None
     # vLLM's extras, as it accepts them in the body.
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, lt=UINT32)  # -1 or 0: off
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
 
     def check_inert_fields(self) -> None:
         """Unknown fields and non-default values of unimplemented ones are
@@ -85,8 +106,8 @@ class _Common(BaseModel):
             if value not in allowed:
                 shown = ", ".join("null" if v is None else repr(v) for v in allowed)
                 raise RequestError(name, f"{name}={value!r} is not supported (only {shown})")
-        if self.stop_token_ids and any(t < 0 for t in self.stop_token_ids):
-            raise RequestError("stop_token_ids", "token ids must be >= 0")
+        if self.stop_token_ids and any(not 0 <= t < UINT32 for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids", "token ids must be in [0, 2^32)")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -97,9 +118,9 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     # OpenAI's default for completions.
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, lt=UINT32)
     # Top alternatives per token; 0 = only the sampled token's logprob.
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, lt=UINT32)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids used as they are."""
@@ -109,10 +130,15 @@ class CompletionRequest(_Common):
         if not p:
             raise RequestError("prompt", "empty prompt list")
         if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
-            return list(p)
-        raise RequestError("prompt", "a string, a list of strings, a list of token ids, or a list of such lists")
+            prompts = [list(p)]
+        elif all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+            prompts = list(p)
+        else:
+            raise RequestError("prompt", "a string, a list of strings, a list of token ids, or a list of such lists")
+        for prompt in prompts:
+            if isinstance(prompt, list) and any(not 0 <= t < UINT32 for t in prompt):
+                raise RequestError("prompt", "token ids must be in [0, 2^32)")
+        return prompts
 
 
 class ChatMessage(BaseModel):
@@ -142,9 +168,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, lt=UINT32)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=0, lt=UINT32)
 
     def resolved_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -11,7 +11,9 @@ import grpc
 import pytest
 
 from gateway_svc.errors import from_rpc_error
-from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from pydantic import ValidationError
+
+from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError, param_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,3 +87,31 @@ def test_chat_names_its_own_fields():
     err = from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "sampling.logprobs: at most 20, got 50"),
                          chat=True)
     assert err.param == "top_logprobs"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [-1, 5]}, "prompt"),
+    ({"prompt": [[1, 2], [2**32]]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids"),
+])
+def test_token_ids_out_of_range_are_refused_before_any_call(body, param):
+    with pytest.raises(RequestError) as exc:
+        parsed = CompletionRequest.model_validate(body)
+        parsed.check_inert_fields()
+        parsed.prompts()
+    assert exc.value.param == param
+
+
+@pytest.mark.parametrize("model, body, param", [
+    (CompletionRequest, {"prompt": [1, "a"]}, "prompt"),
+    (CompletionRequest, {"prompt": "x", "temperature": "hot"}, "temperature"),
+    (CompletionRequest, {"prompt": "x", "priority": 2**40}, "priority"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (ChatCompletionRequest, {"messages": [{"content": "x"}]}, "messages[0].role"),
+    (ChatCompletionRequest, {"messages": []}, "messages"),
+])
+def test_validation_errors_name_the_field_as_the_client_wrote_it(model, body, param):
+    with pytest.raises(ValidationError) as exc:
+        model.model_validate(body)
+    assert param_of(exc.value.errors()[0]["loc"]) == param

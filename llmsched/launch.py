@@ -68,7 +68,7 @@ def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = Non
 
 @dataclass
 class Services:
-    """Both services as child processes."""
+    """The services as child processes (the gateway when gateway_port is set)."""
 
     scheduler_port: int
     executor_port: int
@@ -203,7 +203,8 @@ def main() -> None:
         services.start()
         print(f"serving llmsched.v1.Scheduler on {services.scheduler_address} and the OpenAI API on "
               f"{services.gateway_url}/v1 (Ctrl-C stops)", flush=True)
-        while not stop and all(p.poll() is None for p in (services.scheduler, services.executor, services.gateway)):
+        children = [p for p in (services.scheduler, services.executor, services.gateway) if p is not None]
+        while not stop and all(p.poll() is None for p in children):
             try:
                 services.scheduler.wait(timeout=0.5)
             except subprocess.TimeoutExpired:

@@ -116,6 +116,16 @@ def test_chat_prompt_tokens_equal_transformers_apply_chat_template(gw, chat_mode
     assert out.choices[0].message.content == continuation(tok, hf_ids, expected)
 
 
+def test_scheduler_add_special_tokens_false_adds_no_bos(gw, chat_model):
+    _, grpc_client, _, _ = gw
+    tok = Tokenizer.from_file(str(chat_model / "tokenizer.json"))
+    greedy = {"max_tokens": 8, "temperature": 0}
+    with_bos = grpc_client.generate(prompt=PROMPT, sampling=greedy)[2].usage.prompt_tokens
+    tokens, _, last, _ = grpc_client.generate(prompt=PROMPT, add_special_tokens=False, sampling=greedy)
+    assert with_bos == len(tok.encode(PROMPT).ids) and last.usage.prompt_tokens == with_bos - 1
+    assert tokens == hf_greedy(str(chat_model), tok.encode(PROMPT, add_special_tokens=False).ids, 8)
+
+
 def test_usage_reports_cached_prompt_tokens(gw):
     _, _, client, model = gw
     prompt = PROMPT + " play in the park with his friends every single day after school."

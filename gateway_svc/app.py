@@ -172,7 +172,7 @@ class Gateway:
         if body.n > self.settings.max_n:
             raise RequestError("n", f"n={body.n} exceeds the most this server allows ({self.settings.max_n})")
 
-    async def _start(self, job: Job, requests: list[spb.GenerateRequest], metadata) -> list:
+    async def _start(self, job: Job, requests: list[tuple[int, spb.GenerateRequest]], metadata) -> list:
         """Starts every call and waits for each one's first response, so that
         a refusal (400, 429, 503) is still an HTTP status, not a stream."""
         job.samples = [Sample(i, sub, self.client.generate(r, metadata)) for i, (sub, r) in enumerate(requests)]

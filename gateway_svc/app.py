@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
 import grpc
@@ -288,49 +288,70 @@ class Gateway:
                                  "finish_reason": finish})
 
     async def _stream(self, job: Job, firsts: list) -> AsyncIterator[str]:
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(sample: Sample, resp) -> None:
-            try:
-                while resp is not grpc.aio.EOF:
-                    await queue.put((sample, resp))
-                    resp = await sample.call.read()
-                await queue.put((sample, None))
-            except grpc.aio.AioRpcError as exc:
-                await queue.put((sample, exc))
-
-        pumps = [asyncio.create_task(pump(s, f)) for s, f in zip(job.samples, firsts)]
         try:
             if job.chat:
                 for s in job.samples:
                     yield self._chunk(job, {"index": s.index, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None})
-            live = len(pumps)
-            while live:
-                sample, item = await queue.get()
-                if item is None:
-                    live -= 1
-                elif isinstance(item, grpc.aio.AioRpcError):
-                    err = from_rpc_error(item, job.chat)
-                    yield f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
-                    break
-                else:
+            failed = False
+            async with aclosing(_responses(job, firsts)) as responses:
+                async for sample, item in responses:
+                    if isinstance(item, grpc.aio.AioRpcError):
+                        err = from_rpc_error(item, job.chat)
+                        yield f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
+                        failed = True
+                        break
                     sample.add(item)
                     chunk = self._delta_chunk(job, sample, item)
                     if chunk:
                         yield chunk
-            else:
-                if job.include_usage:
-                    obj = {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
-                           "created": job.created, "model": job.model, "choices": [], "usage": _usage(job.samples)}
-                    yield f"data: {json.dumps(obj)}\n\n"
+            if job.include_usage and not failed:
+                obj = {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
+                       "created": job.created, "model": job.model, "choices": [], "usage": _usage(job.samples)}
+                yield f"data: {json.dumps(obj)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             # Normal end, an error, or the client went away: the calls still
             # running are cancelled and the scheduler frees their blocks.
             job.cancel()
-            for p in pumps:
-                p.cancel()
+
+
+async def _responses(job: Job, firsts: list) -> AsyncIterator[tuple[Sample, object]]:
+    """Every call's responses as they arrive, as (sample, response), or
+    (sample, AioRpcError) once for a call that fails. One call is read
+    directly; several are merged through a queue, one reader task each."""
+    if len(job.samples) == 1:
+        sample, resp = job.samples[0], firsts[0]
+        try:
+            while resp is not grpc.aio.EOF:
+                yield sample, resp
+                resp = await sample.call.read()
+        except grpc.aio.AioRpcError as exc:
+            yield sample, exc
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(sample: Sample, resp) -> None:
+        try:
+            while resp is not grpc.aio.EOF:
+                await queue.put((sample, resp))
+                resp = await sample.call.read()
+            await queue.put((sample, None))
+        except grpc.aio.AioRpcError as exc:
+            await queue.put((sample, exc))
+
+    pumps = [asyncio.create_task(pump(s, f)) for s, f in zip(job.samples, firsts)]
+    try:
+        live = len(pumps)
+        while live:
+            sample, item = await queue.get()
+            if item is None:
+                live -= 1
+            else:
+                yield sample, item
+    finally:
+        for p in pumps:
+            p.cancel()
 
 
 async def _until_disconnect(request: Request, coro, job: Job):

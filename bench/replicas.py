@@ -44,11 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=str(Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"))
     p.add_argument("--num-prefixes", type=int, default=12)
     p.add_argument("--per-prefix", type=int, default=8)
-    p.add_argument("--prefix-len", type=int, default=256)
-    p.add_argument("--suffix-len", type=int, default=32)
+    # Random ids decoded to text re-tokenize to ~1.7x as many tokens
+    # (stories260K): 128 + 16 ids become ~250 prompt tokens, within 512.
+    p.add_argument("--prefix-len", type=int, default=128)
+    p.add_argument("--suffix-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--kv-blocks", type=int, default=192,
-                   help="KV blocks per replica (16 tokens each): fewer than the prefixes need")
+    p.add_argument("--kv-blocks", type=int, default=160,
+                   help="KV blocks per replica (16 tokens each): fewer than all prefixes plus the running requests need")
     p.add_argument("--max-concurrency", type=int, default=8)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -59,9 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                                      args.output_len, vocab_size_for(args.model, None), args.seed)
     texts = decoded_prompts(requests, args.model)
     model = Path(args.model).name
-    blocks_needed = args.num_prefixes * args.prefix_len // 16
-    print(f"P10: {len(requests)} requests over {args.num_prefixes} prefixes of {args.prefix_len} tokens "
-          f"({blocks_needed} blocks of prefixes; {args.kv_blocks} blocks per replica)", file=sys.stderr)
+    print(f"P10: {len(requests)} requests over {args.num_prefixes} prefixes of {args.prefix_len} token ids "
+          f"(as text); {args.kv_blocks} KV blocks per replica", file=sys.stderr)
     rows = []
     for r in range(args.rounds):
         policies = ("cache_aware", "round_robin") if r % 2 == 0 else ("round_robin", "cache_aware")
@@ -83,11 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             s = summarize(run)
             row = {"round": r, "policy": policy, "completed": s["completed"], "failed": s["failed"],
                    "cached_prompt_fraction": s["cached_prompt_fraction"], "output_throughput": s["output_throughput"],
+                   "mean_prompt_tokens": s["total_prompt_tokens"] / max(1, s["completed"]),
                    "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"]}
             rows.append(row)
             print(f"round {r} {policy:11s}: cached {row['cached_prompt_fraction']:.1%}, "
                   f"{row['output_throughput']:.1f} output tok/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms "
-                  f"p99 {row['ttft_p99_ms']:.0f} ms, {row['completed']}/{len(requests)} completed", flush=True)
+                  f"p99 {row['ttft_p99_ms']:.0f} ms, {row['completed']}/{len(requests)} completed "
+                  f"(mean prompt {row['mean_prompt_tokens']:.0f} tokens)", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows},

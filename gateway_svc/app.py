@@ -49,14 +49,12 @@ class Sample:
     sub: int
     call: object
     text: str = ""
-    num_tokens: int = 0
     logprobs: list = field(default_factory=list)  # of spb.TokenLogprobs
     finish_reason: str | None = None
     usage: spb.Usage | None = None
 
     def add(self, resp: spb.GenerateResponse) -> None:
         self.text += resp.text
-        self.num_tokens += len(resp.token_ids)
         self.logprobs.extend(resp.logprobs)
         if resp.finish_reason:
             self.finish_reason = FINISH_REASONS[resp.finish_reason]

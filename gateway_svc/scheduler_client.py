@@ -25,16 +25,13 @@ MODEL_INFO_TTL_S = 2.0
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     model: str
-    max_model_len: int
     chat_template: str
     bos_token: str
     eos_token: str
-    instance_id: str
 
     @classmethod
     def from_proto(cls, info: spb.ServerInfo) -> "ModelInfo":
-        return cls(info.model, info.max_model_len, info.chat_template, info.bos_token, info.eos_token,
-                   info.executor_instance_id)
+        return cls(info.model, info.chat_template, info.bos_token, info.eos_token)
 
 
 class SchedulerClient:

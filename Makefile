@@ -1,5 +1,5 @@
 # Two commands set everything up on a fresh machine:
-#   make serve   install what is missing, run executor + scheduler (tiny-random)
+#   make serve   install what is missing, run executor + scheduler + OpenAI gateway (tiny-random)
 #   make test    install what is missing, run the whole suite
 PYTHON ?= python3
 VENV := .venv
@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(PIP_FIND) -e '.[executor,test,bench]'
+	$(BIN)/python -m pip install -q $(PIP_FIND) -e '.[executor,gateway,router,test,bench]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 

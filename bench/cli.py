@@ -1,5 +1,7 @@
-"""`python -m bench`: a serving benchmark for the llmsched.v1.Scheduler API,
-in the spirit of `vllm bench serve`. See bench/README.md."""
+"""`python -m bench`: a serving benchmark for the llmsched.v1.Scheduler API
+(or, with --endpoint openai, any OpenAI-compatible endpoint: our gateway, a
+router in front of replicas), in the spirit of `vllm bench serve`. See
+bench/README.md."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import grpc
 from bench import workloads as wl
 from bench.baselines import BASELINES, STATIC_BATCH_SIZE, cb_limits_from_env, compare_outputs, describe
 from bench.client import drained_server_info, run_requests, server_info
+from bench.openai_client import run_openai_requests, served_model
 from bench.report import baseline_record, format_table, request_record, summarize, write_json
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -29,7 +32,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("server")
     g.add_argument("--address", default=DEFAULT_ADDRESS, help="scheduler host:port (ignored with --launch)")
-    g.add_argument("--launch", action="store_true", help="start executor + scheduler for the run, stop them after")
+    g.add_argument("--endpoint", nargs="+", default=["grpc"], metavar="KIND [URL]",
+                   help="grpc (default: the scheduler at --address) or `openai URL`: streamed /v1/completions "
+                        "at URL, e.g. the gateway or a router (with --launch, the launched gateway)")
+    g.add_argument("--text-prompts", action="store_true",
+                   help="openai: send token-id prompts as their decoded text (routers refuse token ids)")
+    g.add_argument("--launch", action="store_true",
+                   help="start executor + scheduler (+ gateway with --endpoint openai) for the run, stop them after")
     g.add_argument("--model", default="bench-small",
                    help="built-in model name or checkpoint directory: served with --launch, used for prompt "
                         "token ids and the baselines")
@@ -158,6 +167,33 @@ def build_workload(args: argparse.Namespace, vocab_size: int, rate: float | None
     return work
 
 
+def parse_endpoint(args: argparse.Namespace) -> tuple[str, str | None]:
+    kind, rest = args.endpoint[0], args.endpoint[1:]
+    if kind == "grpc" and not rest:
+        return kind, None
+    if kind == "openai" and len(rest) <= 1:
+        if not rest and not args.launch:
+            raise SystemExit("--endpoint openai needs a URL (or --launch, which starts a gateway)")
+        return kind, rest[0].rstrip("/") if rest else None
+    raise SystemExit(f"--endpoint {' '.join(args.endpoint)}: expected `grpc` or `openai URL`")
+
+
+def decoded_prompts(requests: list[wl.BenchRequest], model: str) -> list[str]:
+    """Token-id prompts as text, for endpoints that take text only. The
+    server re-tokenizes it, so prompt lengths can shift a little; shared
+    prefixes stay shared."""
+    from tokenizers import Tokenizer
+
+    path = Path(model)
+    if path.is_dir():
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    else:
+        from executor_svc.builtin import BUILTIN_MODELS, byte_level_tokenizer_json
+
+        tok = Tokenizer.from_str(byte_level_tokenizer_json(BUILTIN_MODELS[model].vocab_size))
+    return [r.prompt_text if r.prompt_token_ids is None else tok.decode(list(r.prompt_token_ids)) for r in requests]
+
+
 def _info_dict(info) -> dict:
     # Field by field rather than MessageToDict, which writes uint64 as text.
     return {f.name: getattr(info, f.name) for f in info.DESCRIPTOR.fields}
@@ -198,7 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("bench_results") / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
     stem = out.with_suffix("")
     out.parent.mkdir(parents=True, exist_ok=True)
-    k = min(args.check_requests, len(requests))
+    kind, url = parse_endpoint(args)
+    if kind == "openai" and args.baseline:
+        raise SystemExit("--baseline needs --endpoint grpc: an OpenAI stream carries no token ids to compare")
+    # Greedy checks compare token ids, which only the gRPC stream carries.
+    k = min(args.check_requests, len(requests)) if kind == "grpc" else 0
+    prompt_texts = decoded_prompts(requests, args.model) if kind == "openai" and args.text_prompts else None
 
     services, log_file = None, None
     if args.launch:
@@ -206,9 +247,11 @@ def main(argv: list[str] | None = None) -> int:
 
         log_path = stem.with_name(stem.name + ".services.log")
         log_file = log_path.open("w")
-        services = launch(executor_env={"EXECUTOR_MODEL": args.model, **executor_env}, scheduler_env=scheduler_env)
+        services = launch(executor_env={"EXECUTOR_MODEL": args.model, **executor_env}, scheduler_env=scheduler_env,
+                          with_gateway=kind == "openai")
         services.stdout = log_file  # their logs would bury the summary table
-        _say(f"launching executor + scheduler ({args.model}); logs in {log_path}")
+        _say(f"launching executor + scheduler{' + gateway' if kind == 'openai' else ''} ({args.model}); "
+             f"logs in {log_path}")
     hf, prompts, checks = None, None, {}
     try:
         if services is not None:
@@ -216,20 +259,31 @@ def main(argv: list[str] | None = None) -> int:
                 services.start()
             except (RuntimeError, TimeoutError) as exc:
                 raise SystemExit(f"error: the launched services did not start: {exc} (logs: {log_path})") from None
-        address = services.scheduler_address if services else args.address
-        try:
-            info_before = asyncio.run(server_info(address))
-        except grpc.RpcError as exc:
-            raise SystemExit(f"error: no llmsched scheduler answers at {address}: {exc.code().name} "
-                             f"{exc.details()!r} (start one with `make serve`, or pass --launch)") from None
+        # The scheduler's gRPC address, when known: server figures come from it.
+        address = services.scheduler_address if services else (args.address if kind == "grpc" else None)
+        if kind == "openai" and services is not None:
+            url = services.gateway_url
+        if address is not None:
+            try:
+                info_before = asyncio.run(server_info(address))
+            except grpc.RpcError as exc:
+                raise SystemExit(f"error: no llmsched scheduler answers at {address}: {exc.code().name} "
+                                 f"{exc.details()!r} (start one with `make serve`, or pass --launch)") from None
+            served, max_model_len = info_before.model, info_before.max_model_len
+        else:
+            info_before = None
+            served, max_model_len = asyncio.run(served_model(url))
         expected = Path(args.model).name
-        if info_before.model != expected:
-            _say(f"warning: the server serves {info_before.model!r}, not {expected!r}: prompts and baselines "
-                 "assume --model")
-        if clipped := wl.fit_to_context(requests, info_before.max_model_len):
-            _say(f"note: {clipped} requests shortened to fit max_model_len={info_before.max_model_len}")
+        if served != expected:
+            _say(f"warning: the server serves {served!r}, not {expected!r}: prompts and baselines assume --model")
+        if clipped := wl.fit_to_context(requests, max_model_len):
+            _say(f"note: {clipped} requests shortened to fit max_model_len={max_model_len}")
         if k:
             _warm_up(address, wl.warmup_requests(requests[:k], vocab_size, args.seed), args)
+        elif kind == "openai":
+            warm = wl.warmup_requests(requests[:min(4, len(requests))], vocab_size, args.seed)
+            asyncio.run(run_openai_requests(url, served, warm, tag="warmup", show_progress=False,
+                                            prompt_texts=decoded_prompts(warm, args.model) if prompt_texts else None))
         if args.baseline:
             from bench.baselines import load_hf_model, prompt_token_ids
 
@@ -245,10 +299,15 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"timed run: {len(requests)} requests, {mode}"
              + (f" at {rate:.3g} req/s" if rate else "")
              + (f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""))
-        run = asyncio.run(run_requests(address, requests, tag=f"bench-{os.getpid()}",
-                                       max_concurrency=args.max_concurrency, timeout_s=args.request_timeout,
-                                       show_progress=not args.no_progress, desc=work.name))
-        info_after, drained = asyncio.run(drained_server_info(address))
+        if kind == "grpc":
+            run = asyncio.run(run_requests(address, requests, tag=f"bench-{os.getpid()}",
+                                           max_concurrency=args.max_concurrency, timeout_s=args.request_timeout,
+                                           show_progress=not args.no_progress, desc=work.name))
+        else:
+            run = asyncio.run(run_openai_requests(url, served, requests, prompt_texts=prompt_texts,
+                                                  max_concurrency=args.max_concurrency, timeout_s=args.request_timeout,
+                                                  show_progress=not args.no_progress, desc=work.name))
+        info_after, drained = asyncio.run(drained_server_info(address)) if address else (None, None)
         server_figures = _server_figures(metrics_before, _scrape_services(services))
     finally:
         if services is not None:
@@ -261,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         "mode": mode,
         "workload": {"name": work.name, **work.params},
         "config": {**{key: (str(v) if isinstance(v, Path) else v) for key, v in vars(args).items()},
-                   "request_rate": rate, "address": address, "executor_env": executor_env,
+                   "request_rate": rate, "address": address, "endpoint": kind, "url": url,
+                   "executor_env": executor_env,
                    "scheduler_env": scheduler_env},
         "environment": _environment(num_threads),
         "started_unix": run.started_unix,
@@ -271,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_blocks_held_after": info_after.num_kv_blocks - info_after.num_free_kv_blocks,
             "preemptions": info_after.num_preemptions - info_before.num_preemptions,
             **server_figures,
-        },
+        } if info_after is not None else {"url": url, **server_figures},
         "correctness": correctness,
         "baselines": [],
         "requests": [request_record(r) for r in run.results],

@@ -16,10 +16,15 @@ MS = 1000.0
 LATENCY_FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms")
 
 
+def output_tokens(r: RequestResult) -> int:
+    # An OpenAI stream carries no token ids: its usage counts them.
+    return len(r.output_ids) or r.completion_tokens
+
+
 def request_record(r: RequestResult) -> dict:
     """Everything measured about one request; times in seconds from the
     run's start, rounded to the microsecond to keep the file readable."""
-    n = len(r.output_ids)
+    n = output_tokens(r)
     return {
         "index": r.index, "request_id": r.request_id, "status": r.status, "error": r.error,
         "finish_reason": r.finish_reason, "prompt_len": r.prompt_len, "max_tokens": r.max_tokens,
@@ -37,7 +42,7 @@ def summarize(run: RunResult) -> dict:
     latencies: dict[str, list[float]] = {k: [] for k in LATENCY_FIGURES}
     token_events: list[tuple[float, int]] = []
     for r in ok:
-        n = len(r.output_ids)
+        n = output_tokens(r)
         if (v := ttft(r.send_s, r.chunk_times)) is not None:
             latencies["ttft_ms"].append(v)
         if (v := tpot(r.send_s, r.chunk_times, n)) is not None:
@@ -47,7 +52,7 @@ def summarize(run: RunResult) -> dict:
         latencies["queue_ms"].append(r.send_s - r.arrival_s)
         token_events.extend(zip(r.chunk_times, r.chunk_tokens))
     duration = run.duration_s
-    out_tokens = sum(len(r.output_ids) for r in ok)
+    out_tokens = sum(output_tokens(r) for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_prompt_tokens for r in ok)
     bucket_s, timeline = throughput_timeline(token_events, duration)

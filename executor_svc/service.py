@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from executor_svc.attention import make_backend
+from executor_svc.chat_template import load_chat_template
 from executor_svc.checkpoint import load_checkpoint
 from executor_svc.config import ExecutorSettings
 from executor_svc.convert import result_to_proto, step_from_proto
@@ -52,6 +53,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.cfg = ModelConfig.from_hf(ckpt.hf_config)
         self.model_name = ckpt.name
         self.tokenizer_json = ckpt.tokenizer_json
+        self.chat_template = load_chat_template(settings.model)
         self.max_model_len = settings.max_model_len or self.cfg.max_position_embeddings
         model = build_model(self.cfg, ckpt.state_dict, self.max_model_len, self.device, self.dtype)
         num_blocks = pool_num_blocks(self.cfg, settings.block_size, self.dtype, self.device,
@@ -99,6 +101,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             # a larger setting would let requests through that fail the step.
             max_logprobs=min(self.settings.max_logprobs, self.cfg.vocab_size),
             device=str(self.device),
+            chat_template=self.chat_template.template,
+            bos_token=self.chat_template.bos_token,
+            eos_token=self.chat_template.eos_token,
         )
 
     def _reset(self) -> None:

@@ -1,7 +1,8 @@
-"""Starts the executor and the scheduler as two processes and stops both
-together. Used by `make serve`, the integration tests and the benchmarks.
+"""Starts the executor, the scheduler and (optionally) the OpenAI gateway
+as processes and stops them together. Used by `make serve`, the integration
+tests and the benchmarks.
 
-    python -m llmsched.launch            # defaults: tiny-random on 50051/50052
+    python -m llmsched.launch            # tiny-random on 50051/50052, OpenAI API on 8080
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -48,9 +51,26 @@ def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None =
             time.sleep(0.1)  # start-up probe of another process: no event to wait on
 
 
+def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Blocks until GET url answers 200."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with code {proc.returncode} before serving")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer 200 within {timeout_s}s")
+        time.sleep(0.1)  # start-up probe of another process: no event to wait on
+
+
 @dataclass
 class Services:
-    """Both services as child processes."""
+    """The services as child processes (the gateway when gateway_port is set)."""
 
     scheduler_port: int
     executor_port: int
@@ -58,8 +78,12 @@ class Services:
     executor_metrics_port: int = 0
     executor_env: dict[str, str] = field(default_factory=dict)
     scheduler_env: dict[str, str] = field(default_factory=dict)
+    # The OpenAI-compatible gateway; port 0 = not started.
+    gateway_port: int = 0
+    gateway_env: dict[str, str] = field(default_factory=dict)
     executor: subprocess.Popen | None = None
     scheduler: subprocess.Popen | None = None
+    gateway: subprocess.Popen | None = None
     stdout: object = None
     # For the start-up health probes when a service uses TLS.
     scheduler_credentials: grpc.ChannelCredentials | None = None
@@ -72,6 +96,10 @@ class Services:
     @property
     def executor_address(self) -> str:
         return f"127.0.0.1:{self.executor_port}"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
 
     def start_executor(self, timeout_s: float = 120.0) -> None:
         env = {
@@ -94,10 +122,22 @@ class Services:
         self.scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc"], env=env, stdout=self.stdout, stderr=self.stdout)
         wait_serving(self.scheduler_address, timeout_s, self.scheduler, self.scheduler_credentials)
 
+    def start_gateway(self, timeout_s: float = 60.0) -> None:
+        env = {
+            **os.environ,
+            "GATEWAY_PORT": str(self.gateway_port),
+            "GATEWAY_SCHEDULER_ADDRESS": self.scheduler_address,
+            **self.gateway_env,
+        }
+        self.gateway = subprocess.Popen([sys.executable, "-m", "gateway_svc"], env=env, stdout=self.stdout, stderr=self.stdout)
+        wait_http_ok(f"{self.gateway_url}/health", timeout_s, self.gateway)
+
     def start(self) -> "Services":
         try:
             self.start_executor()
             self.start_scheduler()
+            if self.gateway_port:
+                self.start_gateway()
         except BaseException:
             self.stop()
             raise
@@ -115,7 +155,8 @@ class Services:
             return proc.wait()
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        # Scheduler first, so it never sees its executor vanish mid-step.
+        # Front to back: the scheduler never sees its executor vanish mid-step.
+        self._stop(self.gateway, timeout_s)
         self._stop(self.scheduler, timeout_s)
         self._stop(self.executor, timeout_s)
 
@@ -127,10 +168,14 @@ class Services:
 
 
 def launch(executor_env: Mapping[str, str] | None = None, scheduler_env: Mapping[str, str] | None = None,
-           scheduler_port: int | None = None, executor_port: int | None = None) -> Services:
+           scheduler_port: int | None = None, executor_port: int | None = None,
+           gateway_env: Mapping[str, str] | None = None, with_gateway: bool = False) -> Services:
     """Services on free loopback ports (metrics endpoints included), so
-    several pairs can run side by side."""
+    several sets can run side by side; the gateway on loopback only when
+    with_gateway."""
     return Services(
+        gateway_port=free_port() if with_gateway else 0,
+        gateway_env={"GATEWAY_HOST": "127.0.0.1", **(gateway_env or {})},
         scheduler_port=scheduler_port or free_port(),
         executor_port=executor_port or free_port(),
         scheduler_metrics_port=free_port(),
@@ -195,17 +240,21 @@ def main() -> int:
         executor_metrics_port=int(os.environ.get("EXECUTOR_METRICS_PORT", 8001)),
         scheduler_credentials=probe_credentials(os.environ, "SCHEDULER"),
         executor_credentials=probe_credentials(os.environ, "EXECUTOR"),
+        gateway_port=int(os.environ.get("GATEWAY_PORT", 8080)),
     )
     try:
         services.start()
-        print(f"serving llmsched.v1.Scheduler on {services.scheduler_address} "
+        openai = f" and the OpenAI API on {services.gateway_url}/v1" if services.gateway is not None else ""
+        print(f"serving llmsched.v1.Scheduler on {services.scheduler_address}{openai} "
               f"(executor on {services.executor_address}; Ctrl-C stops)", flush=True)
-        while services.scheduler.poll() is None and services.executor.poll() is None:
+        children = {"scheduler": services.scheduler, "executor": services.executor, "gateway": services.gateway}
+        children = {name: proc for name, proc in children.items() if proc is not None}
+        while all(proc.poll() is None for proc in children.values()):
             try:
                 services.scheduler.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
                 pass
-        for name, proc in (("scheduler", services.scheduler), ("executor", services.executor)):
+        for name, proc in children.items():
             if proc.poll() is not None:
                 print(f"launch: the {name} exited with code {proc.returncode}", file=sys.stderr, flush=True)
         return 1

@@ -3,6 +3,8 @@ the step result coming back, and the public stream responses."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from llmsched.v1 import executor_pb2 as epb
 from llmsched.v1 import scheduler_pb2 as spb
 from scheduler_svc.output_processor import RequestDelta
@@ -61,11 +63,16 @@ def sampled_from_proto(result: epb.StepResult) -> list[tuple[int, int, tuple | N
     return list(zip(result.sampled_handles, result.sampled_token_ids, lps))
 
 
-def delta_to_response(request_id: str, d: RequestDelta, want_logprobs: bool) -> spb.GenerateResponse:
+def delta_to_response(request_id: str, d: RequestDelta, want_logprobs: bool,
+                      decode: Callable[[int], str] | None = None) -> spb.GenerateResponse:
+    """decode gives the text of one token id, for TokenLogprobs.token(s)."""
     resp = spb.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text)
     if want_logprobs:
         for token_id, lp, top_ids, top_lps in d.logprobs:
-            resp.logprobs.add(token_id=token_id, logprob=lp, top_token_ids=top_ids, top_logprobs=top_lps)
+            resp.logprobs.add(
+                token_id=token_id, logprob=lp, top_token_ids=top_ids, top_logprobs=top_lps,
+                token=decode(token_id) if decode else "", top_tokens=[decode(t) for t in top_ids] if decode else [],
+            )
     if d.finish_status is not None:
         resp.finish_reason = FINISH_REASONS[d.finish_status]
     if d.usage is not None:

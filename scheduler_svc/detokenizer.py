@@ -77,3 +77,20 @@ class StopStringMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+def token_text_decoder(tokenizer: Tokenizer):
+    """Returns a function giving one token's text as it reads mid-sequence,
+    for logprob entries. SentencePiece drops the leading space of a text's
+    first token, so each token is decoded after an anchor token whose text
+    is then cut off."""
+    anchor = tokenizer.encode("a", add_special_tokens=False).ids[:1]
+    anchor_text = tokenizer.decode(anchor, skip_special_tokens=False)
+
+    def decode(token_id: int) -> str:
+        text = tokenizer.decode([*anchor, token_id], skip_special_tokens=False)
+        if anchor and text.startswith(anchor_text):
+            return text[len(anchor_text):]
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return decode

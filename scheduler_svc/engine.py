@@ -552,6 +552,9 @@ class Engine:
             "num_waiting": len(sched.waiting) + len(self._pending_adds),
             "executor_instance_id": info.instance_id,
             "num_preemptions": sched.num_preemptions,
+            "chat_template": info.chat_template,
+            "bos_token": info.bos_token,
+            "eos_token": info.eos_token,
         }
 
 

@@ -17,6 +17,7 @@ from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 from scheduler_svc import convert
 from scheduler_svc.telemetry import record_rejected
 from scheduler_svc.backpressure import Overloaded
+from scheduler_svc.detokenizer import token_text_decoder
 from scheduler_svc.engine import Engine, Unavailable
 from scheduler_svc.output_processor import RequestDelta
 from scheduler_svc.request import Request
@@ -65,12 +66,15 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             if len(msg.prompt) > max_chars:
                 raise InvalidRequest("prompt", f"{len(msg.prompt)} characters cannot fit max_model_len "
                                                f"{limits.max_model_len} (at most {max_chars} characters)")
+            # Unset = true; a rendered chat prompt already holds its BOS.
+            add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
             if len(msg.prompt) > INLINE_TOKENIZE_CHARS:
                 # The Rust tokenizer releases the GIL: long texts are encoded
                 # off the event loop, so running streams do not stall.
-                prompt_ids = (await asyncio.to_thread(engine.tokenizer.encode, msg.prompt)).ids
+                encoding = await asyncio.to_thread(engine.tokenizer.encode, msg.prompt, add_special_tokens=add_special)
+                prompt_ids = encoding.ids
             else:
-                prompt_ids = engine.tokenizer.encode(msg.prompt).ids
+                prompt_ids = engine.tokenizer.encode(msg.prompt, add_special_tokens=add_special).ids
         else:
             prompt_ids = list(msg.prompt_token_ids)
         if not prompt_ids:
@@ -128,6 +132,8 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             await self._reject(context, span, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
 
         want_logprobs = req.sampling.logprobs > 0
+        # Logprob entries carry token text, for HTTP front ends without a tokenizer.
+        decode = token_text_decoder(self.engine.tokenizer) if want_logprobs else None
         finished = False
         try:
             while not finished:
@@ -138,11 +144,11 @@ class SchedulerService(spb_grpc.SchedulerServicer):
                 finished = delta.finish_status is not None
                 if delta.error is not None:
                     if delta.token_ids or delta.text:
-                        yield convert.delta_to_response(req.request_id, _without_finish(delta), want_logprobs)
+                        yield convert.delta_to_response(req.request_id, _without_finish(delta), want_logprobs, decode)
                     code, message = delta.error
                     span.set_status(trace.Status(trace.StatusCode.ERROR, message))
                     await context.abort(getattr(grpc.StatusCode, code), message)
-                yield convert.delta_to_response(req.request_id, delta, want_logprobs)
+                yield convert.delta_to_response(req.request_id, delta, want_logprobs, decode)
         finally:
             # Client cancel, disconnect or deadline: free the request at the
             # next step boundary. A no-op when it already finished.

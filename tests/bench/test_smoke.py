@@ -53,3 +53,28 @@ def test_launch_run_writes_a_complete_report_with_a_baseline(tmp_path):
     assert b["agreement"]["compared"] == 5
     assert report["correctness"]["per_baseline"]["hf-static"]["checked"] == 2
     assert (tmp_path / "report.services.log").exists()
+
+
+@pytest.mark.slow
+def test_openai_endpoint_run_through_a_launched_gateway(tmp_path):
+    out = tmp_path / "openai.json"
+    cmd = [sys.executable, "-m", "bench", "--launch", "--endpoint", "openai", "--model", "tiny-random",
+           "--num-requests", "4", "--prompt-median", "8", "--prompt-min", "4", "--prompt-max", "24",
+           "--output-median", "4", "--output-min", "2", "--output-max", "8", "--text-prompts",
+           "--out", str(out), "--no-plots", "--no-progress"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert s["completed"] == 4 and s["failed"] == 0 and report["config"]["endpoint"] == "openai"
+    for r in report["requests"]:
+        # ignore_eos: exactly max_tokens each, counted from usage.
+        assert r["output_tokens"] == r["completion_tokens"] == r["max_tokens"] == sum(r["chunk_tokens"])
+        assert r["prompt_tokens"] > 0 and r["ttft_s"] is not None
+    assert report["server"]["kv_blocks_held_after"] == 0
+
+
+def test_openai_endpoint_refuses_baselines_it_cannot_check():
+    proc = subprocess.run([sys.executable, "-m", "bench", "--endpoint", "openai", "http://127.0.0.1:1",
+                           "--baseline", "hf-static"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--baseline needs --endpoint grpc" in proc.stderr

@@ -23,6 +23,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from executor_svc.config import ExecutorSettings
+from gateway_svc.config import GatewaySettings
 from scheduler_svc.config import SchedulerSettings
 from tests.deploy.deployfiles import (
     REPO,
@@ -60,8 +61,13 @@ def _load(files: tuple[Path, ...]) -> dict | Exception:
 
 MODELS = {name: _load(files) for name, files in VARIANTS.items()}
 PARSED = [v for v, m in MODELS.items() if isinstance(m, dict)]
-SETTINGS = {"scheduler": SchedulerSettings, "executor": ExecutorSettings}
-PROJECT_PACKAGES = {"llmsched", "scheduler_svc", "executor_svc", "kernels", "bench"}
+SETTINGS = {"scheduler": SchedulerSettings, "executor": ExecutorSettings, "gateway": GatewaySettings}
+PROJECT_PACKAGES = {"llmsched", "scheduler_svc", "executor_svc", "gateway_svc", "kernels", "bench"}
+
+
+def role(svc_name: str) -> str:
+    """`replica-a-scheduler` plays the scheduler's part."""
+    return svc_name.rsplit("-", 1)[-1]
 DOCKERIGNORE = DockerIgnore.read(REPO / ".dockerignore")
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 TORCH_PIN = next(
@@ -144,16 +150,17 @@ def _settings_env_vars():
     for variant in PARSED:
         for svc_name, svc in MODELS[variant]["services"].items():
             for var in environment(svc):
-                if var.startswith(("SCHEDULER_", "EXECUTOR_")):
+                if var.startswith(("SCHEDULER_", "EXECUTOR_", "GATEWAY_")):
                     yield pytest.param(variant, svc_name, var, id=f"{variant}:{svc_name}:{var}")
 
 
 @pytest.mark.parametrize("variant,svc_name,var", list(_settings_env_vars()))
 def test_compose_env_var_is_a_settings_field(variant, svc_name, var):
-    cls = SchedulerSettings if var.startswith("SCHEDULER_") else ExecutorSettings
+    owner = var.split("_", 1)[0].lower()
+    cls = SETTINGS[owner]
     fields = {env_name(cls, f) for f in cls.model_fields}
     assert var in fields, f"{svc_name} sets {var}, which {cls.__name__} does not read (fields: {sorted(fields)})"
-    assert svc_name == ("scheduler" if cls is SchedulerSettings else "executor"), f"{var} is set on {svc_name}"
+    assert role(svc_name) == owner, f"{var} is set on {svc_name}"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -321,7 +328,8 @@ def _python_calls_of(variant: str, svc_name: str) -> list[PythonCall]:
 
 def _service_commands():
     for variant in PARSED:
-        for svc_name in ("executor", "scheduler"):
+        for svc_name in ("executor", "scheduler", "gateway", "replica-a-executor", "replica-a-scheduler",
+                         "replica-a-gateway"):
             try:
                 calls = _python_calls_of(variant, svc_name)
             except (Exception, pytest.fail.Exception) as exc:  # reported by the test, not at collection
@@ -345,8 +353,8 @@ def _image_modules(variant: str, svc_name: str) -> set[str]:
     stages, _ = dockerfile.chain(args, target)
     copied = {Path(src).parts[0] for s in stages for c in copies(s) for src in c.sources}
     reqs = list(PYPROJECT["dependencies"])
-    if svc_name == "executor":
-        reqs += PYPROJECT["optional-dependencies"]["executor"]
+    if role(svc_name) in ("executor", "gateway"):
+        reqs += PYPROJECT["optional-dependencies"][role(svc_name)]
     dists = {re.match(r"[A-Za-z0-9._-]+", r).group(0).lower().replace("_", "-") for r in reqs}
     modules = {m for m, ds in _distribution_modules().items() if {d.lower().replace("_", "-") for d in ds} & dists}
     # pip comes with every Python base image; build steps use it.

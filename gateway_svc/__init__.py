@@ -1,0 +1,2 @@
+"""OpenAI-compatible HTTP front end: a thin, torch-free client of the
+scheduler's public gRPC API."""

@@ -1,0 +1,39 @@
+"""python -m gateway_svc: serve the OpenAI-compatible API until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import uvicorn
+
+from gateway_svc.app import create_app
+from gateway_svc.config import GatewaySettings
+from llmsched import server as srv
+from llmsched.tracing import setup_tracing
+
+
+def main() -> None:
+    settings = GatewaySettings()
+    srv.setup_logging(settings.log_level)
+    tracing = setup_tracing("gateway")
+    interceptors = None
+    if tracing.enabled:
+        # The instrumentation packages make the HTTP span the parent of the
+        # client's Generate call and put its traceparent in the gRPC
+        # metadata, where the scheduler picks it up.
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+        from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+        interceptors = aio_client_interceptors(tracer_provider=tracing.provider)
+    app = create_app(settings, interceptors)
+    if tracing.enabled:
+        FastAPIInstrumentor.instrument_app(app, tracer_provider=tracing.provider, excluded_urls="health,metrics")
+    try:
+        # uvicorn handles SIGTERM and SIGINT itself: it stops accepting,
+        # lets live responses finish, then runs the app's shutdown.
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                    access_log=False)
+    finally:
+        tracing.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,424 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions,
+/v1/models, /health and /metrics, as a client of the scheduler's public gRPC
+API. Each of `n` samples of each prompt is one Generate call; a client that
+goes away cancels its calls, and the scheduler aborts them at the next step
+boundary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from gateway_svc import chat_template, metrics
+from gateway_svc.config import GatewaySettings
+from gateway_svc.errors import error_body, error_response, from_rpc_error
+from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError, param_of
+from gateway_svc.scheduler_client import ModelInfo, SchedulerClient
+from llmsched.v1 import scheduler_pb2 as spb
+
+log = logging.getLogger("gateway_svc")
+FINISH_REASONS = {
+    spb.FINISH_REASON_STOP: "stop",
+    spb.FINISH_REASON_LENGTH: "length",
+    # Aborted by the server (shutdown, a lost executor); vLLM's name for it.
+    spb.FINISH_REASON_ABORT: "abort",
+}
+# OpenAI's chat default is "until the context ends", which needs the prompt
+# length the gateway does not know before the scheduler tokenizes; this is
+# the budget when a chat request sets neither max_tokens field.
+DEFAULT_CHAT_MAX_TOKENS = 256
+SEED_MODULUS = 2**64
+
+
+@dataclass(slots=True)
+class Sample:
+    """One Generate call: choice `index`, sample `sub` of its prompt."""
+
+    index: int
+    sub: int
+    call: object
+    text: str = ""
+    logprobs: list = field(default_factory=list)  # of spb.TokenLogprobs
+    finish_reason: str | None = None
+    usage: spb.Usage | None = None
+
+    def add(self, resp: spb.GenerateResponse) -> None:
+        self.text += resp.text
+        self.logprobs.extend(resp.logprobs)
+        if resp.finish_reason:
+            self.finish_reason = FINISH_REASONS[resp.finish_reason]
+        if resp.HasField("usage"):
+            self.usage = resp.usage
+
+
+@dataclass(slots=True)
+class Job:
+    """One HTTP request fanned out into Generate calls."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+    samples: list[Sample]
+    num_logprobs: int | None  # top alternatives shown; None = no logprobs
+    include_usage: bool
+
+    def cancel(self) -> None:
+        for s in self.samples:
+            s.call.cancel()
+
+
+def _auth_metadata(request: Request) -> tuple:
+    # The client's bearer token is the scheduler's API key.
+    header = request.headers.get("authorization")
+    return (("authorization", header),) if header else ()
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(None, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError(None, "the body must be a JSON object")
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = param_of(first["loc"])
+        raise RequestError(param, f"{param}: {first['msg']}") from None
+    parsed.check_inert_fields()
+    return parsed
+
+
+def _check_model(requested: str | None, info: ModelInfo) -> None:
+    if requested is not None and requested != info.model:
+        raise RequestError("model", f"the model {requested!r} does not exist; this server serves {info.model!r}",
+                           status=404, code="model_not_found", type_="not_found_error")
+
+
+def _sampling(body, max_tokens: int, num_logprobs: int | None, sub: int) -> spb.SamplingParams:
+    s = spb.SamplingParams(max_tokens=max_tokens, stop=body.stop_list(), stop_token_ids=body.stop_token_ids or [],
+                           ignore_eos=body.ignore_eos, top_k=max(body.top_k or 0, 0))
+    if body.temperature is not None:
+        s.temperature = body.temperature
+    if body.top_p is not None:
+        s.top_p = body.top_p
+    if body.seed is not None:
+        # Sample i of n gets seed + i, as vLLM does: reproducible, yet the n
+        # samples differ.
+        s.seed = (body.seed + sub) % SEED_MODULUS
+    if num_logprobs is not None:
+        # The scheduler returns the sampled token's logprob only alongside
+        # at least one alternative.
+        s.logprobs = max(num_logprobs, 1)
+    return s
+
+
+def _completion_logprobs(entries, k: int, offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for e in entries:
+        tokens.append(e.token)
+        token_lps.append(e.logprob)
+        tops.append(dict(zip(e.top_tokens[:k], e.top_logprobs[:k])))
+        offsets.append(offset)
+        offset += len(e.token)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(entries, k: int) -> dict:
+    return {"content": [
+        {"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
+         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                          for t, lp in zip(e.top_tokens[:k], e.top_logprobs[:k])]}
+        for e in entries
+    ]}
+
+
+def _usage(samples: list[Sample]) -> dict:
+    # A prompt counts once however many samples it had, as vLLM counts it.
+    firsts = [s.usage for s in samples if s.sub == 0 and s.usage is not None]
+    prompt = sum(u.prompt_tokens for u in firsts)
+    completion = sum(s.usage.completion_tokens for s in samples if s.usage is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens for u in firsts)}}
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings, client: SchedulerClient):
+        self.settings = settings
+        self.client = client
+
+    async def _info(self, metadata) -> ModelInfo:
+        try:
+            return await self.client.model_info(metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def _check_n(self, body) -> None:
+        if body.n > self.settings.max_n:
+            raise RequestError("n", f"n={body.n} exceeds the most this server allows ({self.settings.max_n})")
+
+    async def _start(self, job: Job, requests: list[tuple[int, spb.GenerateRequest]], metadata) -> list:
+        """Starts every call and waits for each one's first response, so that
+        a refusal (400, 429, 503) is still an HTTP status, not a stream."""
+        job.samples = [Sample(i, sub, self.client.generate(r, metadata)) for i, (sub, r) in enumerate(requests)]
+        try:
+            return await asyncio.gather(*(s.call.read() for s in job.samples))
+        except grpc.aio.AioRpcError as exc:
+            job.cancel()
+            raise from_rpc_error(exc, job.chat) from None
+        except BaseException:
+            job.cancel()
+            raise
+
+    async def completions(self, request: Request) -> Response:
+        body: CompletionRequest = await _parse(request, CompletionRequest)
+        self._check_n(body)
+        metadata = _auth_metadata(request)
+        info = await self._info(metadata)
+        _check_model(body.model, info)
+        requests = []
+        for prompt in body.prompts():
+            for sub in range(body.n):
+                r = spb.GenerateRequest(sampling=_sampling(body, body.max_tokens, body.logprobs, sub),
+                                        priority=body.priority)
+                if isinstance(prompt, str):
+                    r.prompt = prompt
+                else:
+                    r.prompt_token_ids.extend(prompt)
+                requests.append((sub, r))
+        job = Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), info.model, False, [], body.logprobs,
+                  bool(body.stream_options and body.stream_options.include_usage))
+        return await self._respond(request, job, requests, body.stream, metadata)
+
+    async def chat(self, request: Request) -> Response:
+        body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        self._check_n(body)
+        if body.top_logprobs and not body.logprobs:
+            raise RequestError("top_logprobs", "top_logprobs needs logprobs=true")
+        metadata = _auth_metadata(request)
+        info = await self._info(metadata)
+        _check_model(body.model, info)
+        if not info.chat_template:
+            raise RequestError("messages", f"the model {info.model!r} has no chat template; use /v1/completions")
+        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        try:
+            prompt = chat_template.render(info.chat_template, messages, bos_token=info.bos_token,
+                                          eos_token=info.eos_token)
+        except chat_template.TemplateError as exc:
+            raise RequestError("messages", str(exc)) from None
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.resolved_max_tokens() or DEFAULT_CHAT_MAX_TOKENS
+        # The rendered template already spells out BOS and friends.
+        requests = [(sub, spb.GenerateRequest(prompt=prompt, add_special_tokens=False, priority=body.priority,
+                                              sampling=_sampling(body, max_tokens, num_logprobs, sub)))
+                    for sub in range(body.n)]
+        job = Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), info.model, True, [], num_logprobs,
+                  bool(body.stream_options and body.stream_options.include_usage))
+        return await self._respond(request, job, requests, body.stream, metadata)
+
+    async def _respond(self, request: Request, job: Job, requests, stream: bool, metadata) -> Response:
+        firsts = await _until_disconnect(request, self._start(job, requests, metadata), job)
+        if firsts is None:
+            return Response(status_code=499)
+        if stream:
+            return StreamingResponse(self._stream(job, firsts), media_type="text/event-stream")
+        body = await _until_disconnect(request, self._collect(job, firsts), job)
+        if body is None:
+            return Response(status_code=499)
+        return JSONResponse(body)
+
+    async def _collect(self, job: Job, firsts: list) -> dict:
+        async def read_all(sample: Sample, resp) -> None:
+            while resp is not grpc.aio.EOF:
+                sample.add(resp)
+                resp = await sample.call.read()
+
+        try:
+            await asyncio.gather(*(read_all(s, f) for s, f in zip(job.samples, firsts)))
+        except grpc.aio.AioRpcError as exc:
+            job.cancel()
+            raise from_rpc_error(exc, job.chat) from None
+        choices = []
+        for s in job.samples:
+            k = job.num_logprobs
+            if job.chat:
+                choices.append({"index": s.index, "message": {"role": "assistant", "content": s.text},
+                                "logprobs": _chat_logprobs(s.logprobs, k) if k is not None else None,
+                                "finish_reason": s.finish_reason})
+            else:
+                choices.append({"index": s.index, "text": s.text,
+                                "logprobs": _completion_logprobs(s.logprobs, k, 0) if k is not None else None,
+                                "finish_reason": s.finish_reason})
+        return {"id": job.id, "object": "chat.completion" if job.chat else "text_completion",
+                "created": job.created, "model": job.model, "choices": choices, "usage": _usage(job.samples)}
+
+    def _chunk(self, job: Job, choice: dict) -> str:
+        obj = {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
+               "created": job.created, "model": job.model, "choices": [choice]}
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def _delta_chunk(self, job: Job, sample: Sample, resp: spb.GenerateResponse) -> str | None:
+        finish = FINISH_REASONS.get(resp.finish_reason) if resp.finish_reason else None
+        if not (resp.text or resp.logprobs or finish):
+            return None  # bytes of an incomplete character, held back
+        k = job.num_logprobs
+        if job.chat:
+            logprobs = _chat_logprobs(resp.logprobs, k) if k is not None else None
+            delta = {"content": resp.text} if resp.text else {}
+            return self._chunk(job, {"index": sample.index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish})
+        offset = len(sample.text) - len(resp.text)
+        logprobs = _completion_logprobs(resp.logprobs, k, offset) if k is not None else None
+        return self._chunk(job, {"index": sample.index, "text": resp.text, "logprobs": logprobs,
+                                 "finish_reason": finish})
+
+    async def _stream(self, job: Job, firsts: list) -> AsyncIterator[str]:
+        try:
+            if job.chat:
+                for s in job.samples:
+                    yield self._chunk(job, {"index": s.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None})
+            failed = False
+            async with aclosing(_responses(job, firsts)) as responses:
+                async for sample, item in responses:
+                    if isinstance(item, grpc.aio.AioRpcError):
+                        err = from_rpc_error(item, job.chat)
+                        yield f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
+                        failed = True
+                        break
+                    sample.add(item)
+                    chunk = self._delta_chunk(job, sample, item)
+                    if chunk:
+                        yield chunk
+            if job.include_usage and not failed:
+                obj = {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
+                       "created": job.created, "model": job.model, "choices": [], "usage": _usage(job.samples)}
+                yield f"data: {json.dumps(obj)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            # Normal end, an error, or the client went away: the calls still
+            # running are cancelled and the scheduler frees their blocks.
+            job.cancel()
+
+
+async def _responses(job: Job, firsts: list) -> AsyncIterator[tuple[Sample, object]]:
+    """Every call's responses as they arrive, as (sample, response), or
+    (sample, AioRpcError) once for a call that fails. One call is read
+    directly; several are merged through a queue, one reader task each."""
+    if len(job.samples) == 1:
+        sample, resp = job.samples[0], firsts[0]
+        try:
+            while resp is not grpc.aio.EOF:
+                yield sample, resp
+                resp = await sample.call.read()
+        except grpc.aio.AioRpcError as exc:
+            yield sample, exc
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(sample: Sample, resp) -> None:
+        try:
+            while resp is not grpc.aio.EOF:
+                await queue.put((sample, resp))
+                resp = await sample.call.read()
+            await queue.put((sample, None))
+        except grpc.aio.AioRpcError as exc:
+            await queue.put((sample, exc))
+
+    pumps = [asyncio.create_task(pump(s, f)) for s, f in zip(job.samples, firsts)]
+    try:
+        live = len(pumps)
+        while live:
+            sample, item = await queue.get()
+            if item is None:
+                live -= 1
+            else:
+                yield sample, item
+    finally:
+        for p in pumps:
+            p.cancel()
+
+
+async def _until_disconnect(request: Request, coro, job: Job):
+    """Runs coro unless the client disconnects first; then cancels the
+    calls and returns None."""
+    work = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    job.cancel()
+    return None
+
+
+def create_app(settings: GatewaySettings, client_interceptors: list | None = None) -> FastAPI:
+    state: dict[str, Gateway] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = SchedulerClient(settings, client_interceptors)
+        state["gw"] = Gateway(settings, client)
+        yield
+        await client.close()
+
+    app = FastAPI(title="llmsched OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(metrics.MetricsMiddleware)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(request: Request, exc: RequestError):
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        ok = await state["gw"].client.serving()
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        try:
+            info = await state["gw"].client.server_info(_auth_metadata(request))
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        return {"object": "list", "data": [{"id": info.model, "object": "model", "created": 0,
+                                             "owned_by": "llmsched", "max_model_len": info.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await state["gw"].completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await state["gw"].chat(request)
+
+    return app

@@ -1,0 +1,62 @@
+"""Errors in OpenAI's shape, and the one map from scheduler gRPC statuses to
+HTTP statuses."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+from fastapi.responses import JSONResponse
+
+from gateway_svc.protocol import RequestError
+
+# The scheduler names the GenerateRequest field; clients know the OpenAI one.
+_FIELD_NAMES = {"prompt_token_ids": "prompt", "request_id": None}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(err: RequestError) -> JSONResponse:
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(err.retry_after_s)
+    return JSONResponse(error_body(err.message, err.type, err.param, err.code), status_code=err.status,
+                        headers=headers)
+
+
+def _param_of(message: str, chat: bool) -> str | None:
+    """`sampling.stop[0]: empty stop string` -> `stop`."""
+    field, sep, _ = message.partition(": ")
+    if not sep or " " in field:
+        return None
+    field = field.removeprefix("sampling.").split("[", 1)[0]
+    if field == "logprobs" and chat:
+        return "top_logprobs"
+    if field == "prompt" and chat:
+        return "messages"
+    return _FIELD_NAMES.get(field, field)
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError, chat: bool = False) -> RequestError:
+    code, message = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return RequestError(_param_of(message, chat), message)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        trailers = dict(exc.trailing_metadata() or ())
+        retry_ms = trailers.get("retry-after-ms")
+        if retry_ms is None:
+            # gRPC's own message-size limit: the request itself is too big.
+            return RequestError("prompt" if not chat else "messages", message, status=413)
+        # Retry-After is in whole seconds; round up so a client never comes back early.
+        return RequestError(None, message, status=429, code="overloaded", type_="rate_limit_error",
+                            retry_after_s=max(1, math.ceil(int(retry_ms) / 1000)))
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return RequestError(None, message or "the scheduler is unavailable", status=503,
+                            type_="service_unavailable_error")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return RequestError(None, message, status=401, code="invalid_api_key", type_="authentication_error")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RequestError(None, message, status=504, type_="timeout_error")
+    return RequestError(None, f"{code.name}: {message}", status=500, type_="internal_error")

@@ -1,0 +1,176 @@
+"""OpenAI request bodies: what we implement, what we accept only at its
+default value, and everything else refused by name.
+
+Routers rebuild requests rather than pass them through: the SGLang Model
+Gateway (sglang-router) adds SGLang's own fields at their defaults
+(`continue_final_message`, `skip_special_tokens`, ...). Those are accepted
+while they hold a value that matches what we do anyway, and refused by name
+otherwise, like every field we do not implement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+UINT32 = 2**32  # token ids, counts and top_k travel as uint32
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+class RequestError(ValueError):
+    """A 400 in OpenAI's shape, naming the offending field (`param`)."""
+
+    def __init__(self, param: str | None, message: str, status: int = 400, code: str | None = None,
+                 type_: str = "invalid_request_error", retry_after_s: int | None = None):
+        super().__init__(message)
+        self.param, self.message, self.status, self.code, self.type = param, message, status, code, type_
+        self.retry_after_s = retry_after_s  # 429 only: the Retry-After header
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def param_of(loc: tuple) -> str | None:
+    """A pydantic error location as the field path a client wrote:
+    ('messages', 0, 'content') -> messages[0].content. Union member tags
+    (`str`, `list[int]`, ...) are not fields and are left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.lower() in _TYPE_TAGS or not part.isidentifier():
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or None
+
+
+# Fields we do not implement, with the values that mean "off" (OpenAI's
+# defaults, or what a router fills in), accepted because they change nothing.
+_INERT_VALUES: dict[str, tuple] = {
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    # Added by sglang-router 0.3.2 at SGLang's defaults (seen on the wire).
+    # skip_special_tokens=true is what our detokenizer does; the others are off.
+    "continue_final_message": (None, False),
+    "skip_special_tokens": (None, True),
+    "separate_reasoning": (None, True),
+    "stream_reasoning": (None, True),
+    "no_stop_trim": (None, False),
+    "return_hidden_states": (None, False),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    # Unknown fields are kept so that they can be refused by name.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1, lt=UINT32)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # End-user id, for the caller's own abuse tracking; changes no output.
+    user: str | None = None
+    # vLLM's extras, as it accepts them in the body.
+    top_k: int | None = Field(default=None, ge=-1, lt=UINT32)  # -1 or 0: off
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
+
+    def check_inert_fields(self) -> None:
+        """Unknown fields and non-default values of unimplemented ones are
+        refused by name."""
+        for name, value in (self.model_extra or {}).items():
+            allowed = _INERT_VALUES.get(name)
+            if allowed is None:
+                raise RequestError(name, f"unsupported field {name!r}")
+            if value not in allowed:
+                shown = ", ".join("null" if v is None else repr(v) for v in allowed)
+                raise RequestError(name, f"{name}={value!r} is not supported (only {shown})")
+        if self.stop_token_ids and any(not 0 <= t < UINT32 for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids", "token ids must be in [0, 2^32)")
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    # OpenAI's default for completions.
+    max_tokens: int | None = Field(default=16, ge=1, lt=UINT32)
+    # Top alternatives per token; 0 = only the sampled token's logprob.
+    logprobs: int | None = Field(default=None, ge=0, lt=UINT32)
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids used as they are."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise RequestError("prompt", "empty prompt list")
+        if all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        elif all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+            prompts = list(p)
+        else:
+            raise RequestError("prompt", "a string, a list of strings, a list of token ids, or a list of such lists")
+        for prompt in prompts:
+            if isinstance(prompt, list) and any(not 0 <= t < UINT32 for t in prompt):
+                raise RequestError("prompt", "token ids must be in [0, 2^32)")
+        return prompts
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def for_template(self, index: int) -> dict:
+        if self.model_extra:
+            name = next(iter(self.model_extra))
+            raise RequestError(f"messages[{index}].{name}", f"unsupported message field {name!r}")
+        content = self.content
+        if isinstance(content, list):
+            # Text parts are joined, as vLLM does for templates that expect a
+            # string; anything else (images, audio) is refused.
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise RequestError(f"messages[{index}].content[{j}].type",
+                                       f"unsupported content part type {part.get('type')!r} (only 'text')")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        return {"role": self.role, "content": content, "name": self.name}
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, lt=UINT32)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, lt=UINT32)
+
+    def resolved_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

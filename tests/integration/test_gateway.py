@@ -1,0 +1,338 @@
+"""The OpenAI-compatible gateway through the official `openai` client, in
+front of real executor and scheduler processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from llmsched.launch import launch
+from llmsched.v1 import scheduler_pb2 as spb
+from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
+from tests.chat_templates import LLAMA3_STYLE
+from tests.integration.conftest import Client
+from tests.oracle import hf_greedy
+
+pytestmark = pytest.mark.slow
+PROMPT = "Once upon a time, there was a little dog named Max. He liked to"
+
+
+def continuation(tok: Tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """Text of new_ids as it reads after the prompt (SentencePiece decodes a
+    leading space only mid-text)."""
+    before = tok.decode(prompt_ids, skip_special_tokens=True)
+    return tok.decode(prompt_ids + new_ids, skip_special_tokens=True)[len(before):]
+
+
+def _deploy(model: str, executor_env=None, scheduler_env=None):
+    services = launch(
+        executor_env={"EXECUTOR_MODEL": model, "EXECUTOR_NUM_THREADS": "1", **(executor_env or {})},
+        scheduler_env=scheduler_env, with_gateway=True,
+    ).start()
+    channel = grpc.insecure_channel(services.scheduler_address)
+    return services, Client(services.scheduler_address, model, channel, spb_grpc.SchedulerStub(channel))
+
+
+@pytest.fixture(scope="module")
+def chat_model(stories_path, tmp_path_factory):
+    """stories260K with a Llama-3-style chat template (which writes its own
+    BOS), laid out as a checkpoint of links to the shared files."""
+    d = tmp_path_factory.mktemp("stories-chat")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        os.symlink(stories_path / name, d / name)
+    config = json.loads((stories_path / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LLAMA3_STYLE}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def gw(chat_model):
+    services, grpc_client = _deploy(str(chat_model))
+    client = openai.OpenAI(base_url=services.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    yield services, grpc_client, client, model
+    client.close()
+    grpc_client.channel.close()
+    services.stop()
+
+
+def test_models_lists_the_served_model(gw, chat_model):
+    _, _, client, model = gw
+    assert model == chat_model.name
+
+
+def test_greedy_completion_equals_the_hf_oracle(gw, chat_model):
+    _, _, client, model = gw
+    tok = Tokenizer.from_file(str(chat_model / "tokenizer.json"))
+    prompt_ids = tok.encode(PROMPT).ids  # with BOS, as a text prompt is sent
+    expected = hf_greedy(str(chat_model), prompt_ids, 30)
+    for prompt in (PROMPT, prompt_ids):
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=30, temperature=0)
+        assert out.usage.prompt_tokens == len(prompt_ids)
+        assert out.usage.completion_tokens == len(expected)
+        assert out.choices[0].text == continuation(tok, prompt_ids, expected), f"prompt as {type(prompt)}"
+
+
+def test_streamed_text_concatenates_to_the_non_streamed_text(gw):
+    _, _, client, model = gw
+    kwargs = {"model": model, "max_tokens": 40, "temperature": 0}
+    full = client.completions.create(prompt=PROMPT, **kwargs)
+    chunks = list(client.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True},
+                                            **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 40
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    chat = client.chat.completions.create(messages=messages, **kwargs)
+    stream = list(client.chat.completions.create(messages=messages, stream=True, **kwargs))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason == "length"
+
+
+def test_chat_prompt_tokens_equal_transformers_apply_chat_template(gw, chat_model):
+    from transformers import AutoTokenizer
+
+    _, _, client, model = gw
+    messages = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "A cat."}]
+    hf_ids = AutoTokenizer.from_pretrained(chat_model).apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert hf_ids.count(1) == 1, "the template writes the only BOS"
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=20, temperature=0)
+    # Same count, and the same greedy continuation as HF fed exactly those ids.
+    assert out.usage.prompt_tokens == len(hf_ids), "a second BOS or a different tokenization"
+    expected = hf_greedy(str(chat_model), hf_ids, 20)
+    tok = Tokenizer.from_file(str(chat_model / "tokenizer.json"))
+    assert out.choices[0].message.content == continuation(tok, hf_ids, expected)
+
+
+def test_scheduler_add_special_tokens_false_adds_no_bos(gw, chat_model):
+    _, grpc_client, _, _ = gw
+    tok = Tokenizer.from_file(str(chat_model / "tokenizer.json"))
+    greedy = {"max_tokens": 8, "temperature": 0}
+    with_bos = grpc_client.generate(prompt=PROMPT, sampling=greedy)[2].usage.prompt_tokens
+    tokens, _, last, _ = grpc_client.generate(prompt=PROMPT, add_special_tokens=False, sampling=greedy)
+    assert with_bos == len(tok.encode(PROMPT).ids) and last.usage.prompt_tokens == with_bos - 1
+    assert tokens == hf_greedy(str(chat_model), tok.encode(PROMPT, add_special_tokens=False).ids, 8)
+
+
+def test_usage_reports_cached_prompt_tokens(gw):
+    _, _, client, model = gw
+    prompt = PROMPT + " play in the park with his friends every single day after school."
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens >= 32, "the prompt must fill two 16-token blocks"
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    assert second.usage.total_tokens == second.usage.prompt_tokens + second.usage.completion_tokens
+
+
+def test_stop_string_ends_the_text_before_it(gw):
+    _, _, client, model = gw
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
+    stop = full[10:14]
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    assert out.choices[0].text == full[:full.index(stop)] and out.choices[0].finish_reason == "stop"
+
+
+def test_n_with_seed_is_reproducible_and_sample_i_uses_seed_plus_i(gw):
+    _, _, client, model = gw
+    kwargs = {"model": model, "prompt": PROMPT, "max_tokens": 20, "temperature": 1.0}
+    a = client.completions.create(n=3, seed=7, **kwargs)
+    b = client.completions.create(n=3, seed=7, **kwargs)
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(a.choices, key=lambda c: c.index)] == [0, 1, 2]
+    assert texts == [c.text for c in sorted(b.choices, key=lambda c: c.index)], "same seed, same samples"
+    assert len(set(texts)) > 1, "the n samples must differ"
+    # As vLLM: sample i is sampled with seed + i.
+    assert client.completions.create(n=1, seed=9, **kwargs).choices[0].text == texts[2]
+    assert a.usage.completion_tokens == 60 and a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
+def test_logprobs_for_completions_and_chat(gw):
+    _, _, client, model = gw
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == out.choices[0].text, "token texts spell the completion"
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and value <= 0
+        assert max(top.values()) == pytest.approx(value) and top[token] == pytest.approx(value), "greedy = top-1"
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+
+
+def test_max_tokens_bounds_the_completion(gw):
+    _, _, client, model = gw
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                         max_completion_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 7 and out.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"extra_body": {"guided_json": {}}}, "guided_json"),
+    ({"best_of": 3}, "best_of"),
+    ({"suffix": "end"}, "suffix"),
+    ({"echo": True}, "echo"),
+    ({"n": 1000}, "n"),
+    ({"temperature": -1}, "temperature"),
+    ({"stop": [""]}, "stop"),
+    ({"logprobs": 10_000}, "logprobs"),
+    ({"model": "gpt-4"}, "model"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_unsupported_or_bad_fields_are_refused_by_name(gw, kwargs, param):
+    _, grpc_client, client, model = gw
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.completions.create(**{"model": model, "prompt": "Hi", "max_tokens": 2, **kwargs})
+    assert exc.value.status_code == (404 if param == "model" else 400), exc.value.body
+    assert exc.value.body["param"] == param and exc.value.body["message"], exc.value.body
+    grpc_client.assert_no_leaked_blocks()
+
+
+def test_chat_refuses_tools_and_images_by_name(gw):
+    _, _, client, model = gw
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], tools=[tool])
+    assert exc.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert exc.value.body["param"] == "messages[0].content[1].type"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                       response_format={"type": "json_object"})
+    assert exc.value.body["param"] == "response_format"
+
+
+def test_router_style_defaults_are_accepted(gw):
+    """sglang-router rebuilds requests with SGLang's fields at their
+    defaults; those values change nothing and pass."""
+    _, _, client, model = gw
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                         extra_body={"continue_final_message": False, "skip_special_tokens": True,
+                                                     "separate_reasoning": True, "stream_reasoning": True,
+                                                     "no_stop_trim": False, "return_hidden_states": False})
+    assert out.usage.completion_tokens >= 1
+
+
+def test_mid_stream_disconnect_frees_every_kv_block(gw):
+    services, grpc_client, client, model = gw
+    for kind in ("completions", "chat"):
+        if kind == "chat":
+            stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+        else:
+            stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=400, stream=True, n=2,
+                                               extra_body={"ignore_eos": True})
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        assert grpc_client.info().num_running >= 1, "the request must still be running when the client leaves"
+        stream.close()
+        grpc_client.assert_no_leaked_blocks()
+
+
+def test_non_streamed_request_is_cancelled_when_the_client_times_out(gw):
+    services, grpc_client, client, model = gw
+    impatient = client.with_options(timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=model, prompt=PROMPT, max_tokens=480, extra_body={"ignore_eos": True})
+    grpc_client.assert_no_leaked_blocks()
+
+
+def test_gateway_metrics_count_requests(gw):
+    services, _, client, model = gw
+    client.completions.create(model=model, prompt="Hi", max_tokens=2)
+    with urllib.request.urlopen(services.gateway_url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert 'llmsched_gateway_requests_total{code="200",endpoint="/v1/completions"}' in text
+    assert 'llmsched_gateway_request_duration_seconds_count{endpoint="/v1/completions"}' in text
+
+
+# ----- overload, API keys, no executor: a small deployment of its own -------
+
+@pytest.fixture(scope="module")
+def strict():
+    # One running request and one queued at most: a third is shed.
+    services, grpc_client = _deploy("tiny-random", scheduler_env={
+        "SCHEDULER_MAX_NUM_SEQS": "1", "SCHEDULER_MAX_QUEUED_REQUESTS": "1", "SCHEDULER_API_KEYS": "sesame",
+        "SCHEDULER_EXECUTOR_RECONNECT_TIMEOUT_S": "2"})
+    yield services, grpc_client
+    grpc_client.channel.close()
+    services.stop()
+
+
+def test_api_key_is_forwarded_and_a_wrong_one_gets_401(strict):
+    services, _ = strict
+    good = openai.OpenAI(base_url=services.gateway_url + "/v1", api_key="sesame", max_retries=0)
+    assert good.completions.create(model="tiny-random", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+    bad = openai.OpenAI(base_url=services.gateway_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as exc:
+        bad.completions.create(model="tiny-random", prompt="Hi", max_tokens=2)
+    assert exc.value.status_code == 401 and exc.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_overload_gives_429_with_retry_after(strict):
+    services, grpc_client = strict
+    client = openai.OpenAI(base_url=services.gateway_url + "/v1", api_key="sesame", max_retries=0)
+    long = {"model": "tiny-random", "prompt": "Hi", "max_tokens": 1500, "stream": True,
+            "extra_body": {"ignore_eos": True}}
+    running = client.completions.create(**long)
+    next(iter(running))
+    # The queued one answers only once it starts, so it is sent from a thread.
+    queued = threading.Thread(target=lambda: client.completions.create(**long).close(), daemon=True)
+    queued.start()
+    key = (("authorization", "Bearer sesame"),)
+    deadline = time.monotonic() + 10
+    while grpc_client.stub.GetServerInfo(spb.GetServerInfoRequest(), metadata=key).num_waiting < 1:
+        assert time.monotonic() < deadline, "the second request never queued"
+        time.sleep(0.05)
+    try:
+        with pytest.raises(openai.RateLimitError) as exc:
+            client.completions.create(model="tiny-random", prompt="Hi", max_tokens=2)
+    finally:
+        running.close()
+    assert exc.value.status_code == 429 and int(exc.value.response.headers["retry-after"]) >= 1
+    assert exc.value.body["type"] == "rate_limit_error"
+
+
+def test_without_an_executor_requests_and_health_answer_503(strict):
+    services, _ = strict
+    client = openai.OpenAI(base_url=services.gateway_url + "/v1", api_key="sesame", max_retries=0)
+    services.executor.send_signal(signal.SIGKILL)
+    services.executor.wait()
+    # An idle scheduler learns of the loss at its next step: this request's.
+    with pytest.raises(openai.InternalServerError) as exc:
+        client.completions.create(model="tiny-random", prompt="Hi", max_tokens=2)
+    assert exc.value.status_code == 503 and exc.value.body["type"] == "service_unavailable_error"
+    deadline = time.monotonic() + 20
+    status = 200
+    while status == 200 and time.monotonic() < deadline:
+        try:
+            status = urllib.request.urlopen(services.gateway_url + "/health", timeout=5).status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        time.sleep(0.1)
+    assert status == 503, "health must follow the scheduler's"
+    with pytest.raises(openai.InternalServerError) as exc:
+        client.completions.create(model="tiny-random", prompt="Hi", max_tokens=2)
+    assert exc.value.status_code == 503

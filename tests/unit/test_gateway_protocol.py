@@ -1,0 +1,117 @@
+"""The gateway stays torch-free; requests are refused by field name; gRPC
+statuses map to OpenAI's HTTP errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gateway_svc.errors import from_rpc_error
+from pydantic import ValidationError
+
+from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError, param_of
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_gateway_modules_never_import_torch():
+    modules = sorted("gateway_svc." + p.stem for p in (REPO / "gateway_svc").glob("*.py") if p.stem != "__init__")
+    code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + (
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.') or m == 'transformers']\n"
+        "assert not bad, f'torch imported: {bad[:5]}'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "gateway_svc.app" in modules and "gateway_svc.__main__" in modules
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"frequency_penalty": 0.1}, "frequency_penalty"),
+    ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"best_of": 2}, "best_of"),
+    ({"suffix": "x"}, "suffix"),
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"continue_final_message": True}, "continue_final_message"),
+])
+def test_unimplemented_values_are_refused_by_name(extra, param):
+    body = CompletionRequest.model_validate({"prompt": "hi", **extra})
+    with pytest.raises(RequestError) as exc:
+        body.check_inert_fields()
+    assert exc.value.param == param and param in exc.value.message
+
+
+def test_default_values_a_router_adds_pass():
+    body = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "logprobs": False, "continue_final_message": False,
+        "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True, "ignore_eos": False,
+        "no_stop_trim": False, "return_hidden_states": False, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+        "tools": None, "response_format": {"type": "text"}, "user": "someone"})
+    body.check_inert_fields()
+
+
+def test_message_fields_and_parts():
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "x", "tool_calls": []}]})
+    assert body.messages[0].for_template(0)["content"] == "a\nb"
+    with pytest.raises(RequestError) as exc:
+        body.messages[1].for_template(1)
+    assert exc.value.param == "messages[1].tool_calls"
+
+
+class FakeRpcError(grpc.aio.AioRpcError):
+    def __init__(self, code, details, trailers=()):
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details)
+
+
+@pytest.mark.parametrize("code, details, trailers, status, param, retry_after", [
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop[0]: empty stop string", (), 400, "stop", None),
+    (grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[3]: token id 9 is outside", (), 400, "prompt", None),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded: queue full", (("retry-after-ms", "1200"),), 429, None, 2),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", (("retry-after-ms", "10"),), 429, None, 1),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "message larger than max", (), 413, "prompt", None),
+    (grpc.StatusCode.UNAVAILABLE, "no executor is connected", (), 503, None, None),
+    (grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key", (), 401, None, None),
+])
+def test_grpc_status_maps_to_http(code, details, trailers, status, param, retry_after):
+    err = from_rpc_error(FakeRpcError(code, details, trailers))
+    assert (err.status, err.param, err.retry_after_s) == (status, param, retry_after)
+
+
+def test_chat_names_its_own_fields():
+    err = from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "sampling.logprobs: at most 20, got 50"),
+                         chat=True)
+    assert err.param == "top_logprobs"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [-1, 5]}, "prompt"),
+    ({"prompt": [[1, 2], [2**32]]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids"),
+])
+def test_token_ids_out_of_range_are_refused_before_any_call(body, param):
+    with pytest.raises(RequestError) as exc:
+        parsed = CompletionRequest.model_validate(body)
+        parsed.check_inert_fields()
+        parsed.prompts()
+    assert exc.value.param == param
+
+
+@pytest.mark.parametrize("model, body, param", [
+    (CompletionRequest, {"prompt": [1, "a"]}, "prompt"),
+    (CompletionRequest, {"prompt": "x", "temperature": "hot"}, "temperature"),
+    (CompletionRequest, {"prompt": "x", "priority": 2**40}, "priority"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (ChatCompletionRequest, {"messages": [{"content": "x"}]}, "messages[0].role"),
+    (ChatCompletionRequest, {"messages": []}, "messages"),
+])
+def test_validation_errors_name_the_field_as_the_client_wrote_it(model, body, param):
+    with pytest.raises(ValidationError) as exc:
+        model.model_validate(body)
+    assert param_of(exc.value.errors()[0]["loc"]) == param

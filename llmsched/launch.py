@@ -198,6 +198,21 @@ def probe_credentials(env: Mapping[str, str], prefix: str) -> grpc.ChannelCreden
                                         env.get("SCHEDULER_EXECUTOR_TLS_KEY", "")) if mutual else ()))
 
 
+def gateway_tls_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The gateway's TLS to a scheduler that has TLS on, by the same rule as
+    probe_credentials: trust the scheduler's own certificate and, where it
+    asks for client certificates, present SCHEDULER_EXECUTOR_TLS_CERT/KEY.
+    GATEWAY_SCHEDULER_TLS_* set in the environment win."""
+    cert = env.get("SCHEDULER_TLS_CERT", "")
+    if not cert:
+        return {}
+    tls = {"GATEWAY_SCHEDULER_TLS_CA": cert}
+    if env.get("SCHEDULER_TLS_CLIENT_CA"):
+        tls["GATEWAY_SCHEDULER_TLS_CERT"] = env.get("SCHEDULER_EXECUTOR_TLS_CERT", "")
+        tls["GATEWAY_SCHEDULER_TLS_KEY"] = env.get("SCHEDULER_EXECUTOR_TLS_KEY", "")
+    return {k: v for k, v in tls.items() if not env.get(k)}
+
+
 def port_from_env(name: str, default: int) -> int:
     """A service port for main(). 0 means any free port, as it does for the
     services themselves; the launcher picks one here because it must know
@@ -240,7 +255,8 @@ def main() -> int:
         executor_metrics_port=int(os.environ.get("EXECUTOR_METRICS_PORT", 8001)),
         scheduler_credentials=probe_credentials(os.environ, "SCHEDULER"),
         executor_credentials=probe_credentials(os.environ, "EXECUTOR"),
-        gateway_port=int(os.environ.get("GATEWAY_PORT", 8080)),
+        gateway_port=port_from_env("GATEWAY_PORT", 8080),
+        gateway_env=gateway_tls_env(os.environ),
     )
     try:
         services.start()

@@ -25,9 +25,10 @@ from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 from tests.integration.test_security import creds, pki  # noqa: F401 (pki is a fixture)
 
-SERVING_LINE = re.compile(r"serving llmsched\.v1\.Scheduler on (\S+) \(executor on (\S+);")
-# No clash with the defaults (8000, 8001) or with other runs on this machine.
-NO_METRICS = {"SCHEDULER_METRICS_PORT": "0", "EXECUTOR_METRICS_PORT": "0"}
+SERVING_LINE = re.compile(r"serving llmsched\.v1\.Scheduler on (\S+) and the OpenAI API on \S+ \(executor on (\S+);")
+# No clash with the defaults (8000, 8001, 8080) or with other runs on this
+# machine: metrics off, the gateway on a free port.
+NO_METRICS = {"SCHEDULER_METRICS_PORT": "0", "EXECUTOR_METRICS_PORT": "0", "GATEWAY_PORT": "0"}
 
 
 def test_make_serve_entry_point_answers_a_reflection_only_client():
@@ -124,7 +125,7 @@ def test_sigint_stops_a_launcher_started_with_sigint_ignored():
     try:
         launcher.wait_serving()
         children = child_pids(launcher.proc.pid)
-        assert len(children) == 2, f"expected the executor and the scheduler as children, got {children}"
+        assert len(children) == 3, f"expected the executor, the scheduler and the gateway as children, got {children}"
     finally:
         code = launcher.stop(signal.SIGINT)
     assert code == 0

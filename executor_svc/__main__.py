@@ -8,6 +8,7 @@ import logging
 from prometheus_client import start_http_server
 
 from executor_svc.config import ExecutorSettings
+from executor_svc.model_config import UnsupportedConfig
 from executor_svc.service import ExecutorService
 from llmsched import server as srv
 from llmsched.security import server_credentials
@@ -48,7 +49,12 @@ async def serve(settings: ExecutorSettings) -> None:
 def main() -> None:
     settings = ExecutorSettings()
     srv.setup_logging(settings.log_level)
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except UnsupportedConfig as exc:
+        # Refusing to start beats serving a checkpoint with wrong tokens.
+        log.error("cannot serve %s: %s", settings.model, exc)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

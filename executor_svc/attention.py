@@ -46,8 +46,12 @@ class AttentionBackend(Protocol):
     ) -> None: ...
 
     def attend(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor: ...
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        sliding_window: int | None = None, softcap: float | None = None,
+    ) -> torch.Tensor:
+        """sliding_window W: a query at position i sees keys i-W < j <= i.
+        softcap c: scaled scores become c * tanh(scores / c) before masking."""
+        ...
 
 
 # Decode requests attended per SDPA call by the torch backend.
@@ -67,9 +71,10 @@ class TorchAttentionBackend:
         k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = key
         v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = value
 
-    def attend(self, query, k_cache, v_cache, meta, scale):
+    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
         # query: [num_tokens, num_heads, head_dim]
         out = torch.empty_like(query)
+        window = (sliding_window, softcap)
         block_size = k_cache.shape[1]
         decode_reqs: list[int] = []
         decode_tokens: list[int] = []
@@ -80,7 +85,8 @@ class TorchAttentionBackend:
                 decode_tokens.append(start)
             else:
                 out[start : start + q_len] = self._prefill_one(
-                    query[start : start + q_len], k_cache, v_cache, meta.block_tables[r], seq_len, block_size, scale
+                    query[start : start + q_len], k_cache, v_cache, meta.block_tables[r], seq_len, block_size, scale,
+                    *window,
                 )
             start += q_len
         # Decodes sorted by context length and batched in groups, so each
@@ -92,7 +98,7 @@ class TorchAttentionBackend:
             tokens = torch.tensor([decode_tokens[i] for i in group], dtype=torch.long, device=query.device)
             reqs = torch.tensor([decode_reqs[i] for i in group], dtype=torch.long, device=query.device)
             max_seq = meta.seq_lens_host[decode_reqs[group[-1]]]
-            out[tokens] = self._decode_batch(query[tokens], k_cache, v_cache, meta, reqs, max_seq, scale)
+            out[tokens] = self._decode_batch(query[tokens], k_cache, v_cache, meta, reqs, max_seq, scale, *window)
         return out
 
     @staticmethod
@@ -103,26 +109,27 @@ class TorchAttentionBackend:
         blocks = cache.index_select(0, block_ids.reshape(-1))  # [n * nb, block_size, num_kv_heads, head_dim]
         return blocks.view(*block_ids.shape[:-1], -1, *cache.shape[2:])  # [..., nb * block_size, kvh, d]
 
-    def _prefill_one(self, q, k_cache, v_cache, block_table, seq_len, block_size, scale):
+    def _prefill_one(self, q, k_cache, v_cache, block_table, seq_len, block_size, scale, sliding_window, softcap):
         # q: [q_len, num_heads, head_dim]
         q_len = q.shape[0]
         num_blocks = -(-seq_len // block_size)
         k = self._gather(k_cache, block_table[:num_blocks])[:seq_len]  # [seq_len, kvh, d]
         v = self._gather(v_cache, block_table[:num_blocks])[:seq_len]
-        if seq_len == q_len:
+        if seq_len == q_len and sliding_window is None and softcap is None:
             mask, causal = None, True
         else:
-            # Query i sits at position seq_len - q_len + i and sees keys <= it.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+            # Query i sits at position seq_len - q_len + i and sees keys <= it
+            # (and, with a window W, keys > it - W).
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos  # [q_len, seq_len]
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
             causal = False
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
-        )  # [num_heads, q_len, head_dim]
-        return o.transpose(0, 1)
+        o = _sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, causal, scale, softcap)
+        return o.transpose(0, 1)  # [q_len, num_heads, head_dim]
 
-    def _decode_batch(self, q, k_cache, v_cache, meta, reqs, max_seq, scale):
+    def _decode_batch(self, q, k_cache, v_cache, meta, reqs, max_seq, scale, sliding_window, softcap):
         # q: [num_decodes, num_heads, head_dim]
         block_size = k_cache.shape[1]
         num_blocks = -(-max_seq // block_size)
@@ -130,12 +137,25 @@ class TorchAttentionBackend:
         k = self._gather(k_cache, tables)[:, :max_seq]  # [num_decodes, max_seq, kvh, d]
         v = self._gather(v_cache, tables)[:, :max_seq]
         seq_lens = meta.seq_lens[reqs].to(torch.long)  # [num_decodes]
-        mask = torch.arange(max_seq, device=q.device)[None, :] < seq_lens[:, None]  # [num_decodes, max_seq]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
-        )  # [num_decodes, num_heads, 1, head_dim]
-        return o.squeeze(2)
+        k_pos = torch.arange(max_seq, device=q.device)[None, :]
+        mask = k_pos < seq_lens[:, None]  # [num_decodes, max_seq]
+        if sliding_window is not None:  # the query sits at seq_len - 1
+            mask &= k_pos >= seq_lens[:, None] - sliding_window
+        o = _sdpa(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], False, scale, softcap)
+        return o.squeeze(2)  # [num_decodes, num_heads, head_dim]
+
+
+def _sdpa(q, k, v, mask, causal, scale, softcap):
+    """SDPA over [..., heads, q_len, d] x [..., kv_heads, kv_len, d]; SDPA
+    cannot soft-cap scores, so a capped layer takes the explicit path (as
+    HF's eager attention does: cap, mask, fp32 softmax)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap  # [..., heads, q_len, kv_len]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 class TritonAttentionBackend:
@@ -170,8 +190,12 @@ class TritonAttentionBackend:
             _index_tensor(meta.slot_mapping, torch.int64),
         )
 
-    def attend(self, query, k_cache, v_cache, meta, scale):
+    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
         # query: [num_tokens, num_heads, head_dim] -> same shape
+        if sliding_window is not None or softcap is not None:
+            # kernelwin's branch adds both to kernels/paged_attention.py and
+            # passes them through here.
+            raise NotImplementedError("the Triton paged-attention kernel has no sliding window or soft-cap yet")
         return self._paged_attention(
             _unit_last_stride(query), k_cache, v_cache,
             _index_tensor(meta.cu_query_lens, torch.int32),

@@ -421,6 +421,8 @@ class Engine:
             "num_waiting": len(sched.waiting) + len(self._pending_adds),
             "executor_instance_id": info.instance_id,
             "num_preemptions": sched.num_preemptions,
+            "architecture": info.architecture,
+            "rope_type": info.rope_type,
         }
 
 

@@ -66,11 +66,10 @@ def qwen_window(r: ConfigReader, n: int) -> tuple[tuple[str, ...], int | None]:
     use_window, window = r.get("use_sliding_window", False), r.get("sliding_window")
     window = window if use_window else None
     max_window_layers = r.get("max_window_layers", 28)
-    types = r.get("layer_types") or [SLIDING if window is not None and i >= max_window_layers else FULL
-                                     for i in range(n)]
+    types = layer_types(r, n, lambda i: SLIDING if window is not None and i >= max_window_layers else FULL)
     if window is None:  # HF: sliding layers without a window attend to everything
-        types = [FULL] * n
-    return tuple(types), window
+        types = (FULL,) * n
+    return types, window
 
 
 def layer_types(r: ConfigReader, n: int, default: Callable[[int], str]) -> tuple[str, ...]:

@@ -232,7 +232,9 @@ def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]] | 
             if tuple(t.shape) != tuple(getattr(module, leaf).shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)}, config implies "
                                  f"{tuple(getattr(module, leaf).shape)}")
-            setattr(module, leaf, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
+            # Always a copy: safetensors hands out views of the mmapped file,
+            # which would keep the served weights tied to files on disk.
+            setattr(module, leaf, nn.Parameter(t.to(device=device, dtype=dtype, copy=True), requires_grad=False))
             loaded.add(name)
     missing = sorted(expected - loaded)
     if missing or unexpected:

@@ -36,6 +36,8 @@ class Family:
     ignored: dict[str, str] = field(default_factory=dict)
     # One checkpoint tensor -> the decoder's parameters it fills.
     rename: Callable[[str, Tensor, ModelConfig], Iterator[tuple[str, Tensor]]] | None = None
+    # Multimodal architectures whose text model is this family: served text-only.
+    multimodal: tuple[str, ...] = ()
 
 
 # --- pieces several families share -----------------------------------------
@@ -186,7 +188,50 @@ def split_phi3(name: str, t: Tensor, cfg: ModelConfig) -> Iterator[tuple[str, Te
         yield name, t
 
 
-QWEN_WINDOW_KEYS = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
+def text_model_config(cfg: dict[str, Any], arch: str, model_type: str) -> dict[str, Any]:
+    """A multimodal config.json -> its text model's, as a text-only config.
+    Keys of the outer config are vision-only (ignored: text prompts never
+    reach the vision tower), merged in, or refused."""
+    outer = set(cfg) - set(COMMON_IGNORED) - set(VISION_IGNORED) - {"text_config", "eos_token_id", "bos_token_id"}
+    if outer:
+        raise UnsupportedConfig(f"{arch} config.json has keys the executor does not implement: {sorted(outer)}")
+    text = dict(cfg.get("text_config") or {})
+    text.update(architectures=[arch], model_type=text.get("model_type", model_type))
+    if "tie_word_embeddings" in cfg:  # HF ties the head by the outer config's flag
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    text["eos_token_id"] = list(eos_ids(text.get("eos_token_id"), cfg.get("eos_token_id")))
+    if cfg.get("bos_token_id") is not None:
+        text["bos_token_id"] = cfg["bos_token_id"]
+    return text
+
+
+def text_weights_only(name: str, t: Tensor, cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
+    """Multimodal checkpoints keep the text model under language_model
+    (transformers 5: model.language_model.*, 4: language_model.model.*);
+    the vision tower and projector are not loaded."""
+    if cfg.architecture not in family_of(cfg).multimodal:
+        yield name, t
+        return
+    for prefix, to in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            yield to + name.removeprefix(prefix), t
+            return
+    if name.startswith("lm_head."):
+        yield name, t
+        return
+    if not name.startswith(VISION_PREFIXES):
+        yield name, t  # unknown: build_model reports it as unexpected
+
+
+VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+VISION_IGNORED = {
+    "vision_config": "vision tower: served text-only",
+    "mm_tokens_per_image": "vision tower: served text-only",
+    "boi_token_index": "vision tower: served text-only",
+    "eoi_token_index": "vision tower: served text-only",
+    "image_token_index": "vision tower: served text-only",
+}
 GEMMA_IGNORED = {
     "hidden_act": "Gemma's modeling reads hidden_activation; hidden_act is a legacy duplicate",
     "final_logit_softcapping": "read by the executor",
@@ -205,10 +250,11 @@ FAMILIES = (
            defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 8192, "head_dim": 256,
                      "tie_word_embeddings": True},
            ignored=GEMMA_IGNORED),
-    Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), read_gemma3,
+    Family("gemma3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), ("gemma3_text",), read_gemma3,
            defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "head_dim": 256,
                      "tie_word_embeddings": True},
-           ignored=GEMMA_IGNORED | {"_sliding_window_pattern": "transformers 5's copy of sliding_window_pattern"}),
+           ignored=GEMMA_IGNORED | {"_sliding_window_pattern": "transformers 5's copy of sliding_window_pattern"},
+           rename=text_weights_only, multimodal=("Gemma3ForConditionalGeneration",)),
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), read_phi3,
            defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
            ignored={"resid_pdrop": DROPOUT, "embd_pdrop": DROPOUT,
@@ -217,8 +263,6 @@ FAMILIES = (
 )
 
 REFUSED_ARCHITECTURES = {
-    "Gemma3ForConditionalGeneration": "multimodal Gemma 3 is not served; serve a text-only Gemma3ForCausalLM "
-                                      "checkpoint (e.g. gemma-3-1b) instead",
     "Phi3SmallForCausalLM": "Phi-3-small uses block-sparse attention, which is not implemented",
     "MixtralForCausalLM": "mixture-of-experts MLPs are not implemented",
 }
@@ -251,6 +295,8 @@ def family_for(cfg: dict[str, Any]) -> tuple[Family, str]:
 
 def read_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
     fam, arch = family_for(cfg)
+    if arch in fam.multimodal:
+        cfg = text_model_config(cfg, arch, fam.model_types[0])
     r = ConfigReader(cfg, fam.name)
     d = fam.defaults
     if cfg.get("is_encoder_decoder"):

@@ -41,6 +41,9 @@ class FamilyCase:
     # rope_scaling instead of rope_parameters, as Hub checkpoints have it.
     t4_rope: dict[str, Any] | None = None
     zero_centred_norms: bool = False  # Gemma stores RMSNorm weights as w in (1 + w)
+    # Multimodal: `config` is the text model's, nested under text_config
+    # next to this tiny vision tower.
+    vision_config: dict[str, Any] | None = None
     seed: int = 0
     # What this case exercises, for test ids and docs.
     features: tuple[str, ...] = field(default=())
@@ -85,6 +88,12 @@ CASES = {
                               "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
         zero_centred_norms=True,
         features=("(1+w) q/k norms", "5:1 layer_types", "RoPE per layer type")),
+    "gemma3-mm": FamilyCase(
+        "gemma3-mm", "Gemma3Config", "Gemma3ForConditionalGeneration",
+        dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=24, sliding_window=8),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        zero_centred_norms=True, seed=1, features=("multimodal checkpoint served text-only",)),
     "phi3": FamilyCase(
         "phi3", "Phi3Config", "Phi3ForCausalLM",
         dict(num_hidden_layers=2, sliding_window=10, partial_rotary_factor=0.5), seed=3,
@@ -104,6 +113,8 @@ def _redraw(model: torch.nn.Module, case: FamilyCase) -> None:
                 # much smaller, so the residual stream starts at unit scale.
                 std = p.shape[1] ** -0.5 if case.zero_centred_norms else 1.0
                 p.copy_(std * torch.randn(p.shape, generator=g))
+            elif p.dim() != 2 or "vision_tower" in name or "multi_modal_projector" in name:
+                continue  # the vision side, never reached by text prompts
             elif name.endswith(".bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             else:  # linear weights [out, in]
@@ -115,7 +126,12 @@ def make_checkpoint(case: FamilyCase, directory: Path, max_shard_size: str | Non
     """Saves `case` with save_pretrained (+ stories260K's tokenizer.json) into directory."""
     import transformers
 
-    config = getattr(transformers, case.config_cls)(**COMMON | case.config)
+    if case.vision_config is None:
+        config = getattr(transformers, case.config_cls)(**COMMON | case.config)
+    else:
+        config = getattr(transformers, case.config_cls)(
+            text_config=COMMON | case.config, vision_config=case.vision_config, mm_tokens_per_image=4,
+            tie_word_embeddings=False, image_token_index=511, boi_token_index=509, eoi_token_index=510)
     config.architectures = [case.model_cls]
     torch.manual_seed(case.seed)
     model = getattr(transformers, case.model_cls)(config)
@@ -134,10 +150,11 @@ def make_checkpoint(case: FamilyCase, directory: Path, max_shard_size: str | Non
 
 @functools.lru_cache(maxsize=4)
 def hf_model(directory: str):
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    arch = json.loads((Path(directory) / "config.json").read_text())["architectures"][0]
     # Eager attention: the reference implementation of windows and soft-caps.
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    model = getattr(transformers, arch).from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 

@@ -32,7 +32,7 @@ from tests.conftest import HAS_CUDA, REPO_ROOT
 from tests.families import CASES, hf_greedy, make_checkpoint, prompts
 from tests.integration.conftest import start_services
 
-SERVED = ["llama3", "llama3-t4", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"]
+SERVED = ["llama3", "llama3-t4", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-mm", "phi3"]
 MIN_MARGIN = 1e-3  # fp32 differences from HF are ~1e-5 in these logits
 MAX_NEW = 32
 ALONE = prompts(2, min_len=5, max_len=30, seed=3)
@@ -102,7 +102,7 @@ def _kernel_has(*params: str) -> bool:
 
 def _needs_window_or_softcap(name: str) -> bool:
     cfg = CASES[name].config
-    return bool(cfg.get("sliding_window") or cfg.get("attn_logit_softcapping")) or name.startswith("gemma")
+    return bool(cfg.get("sliding_window") or cfg.get("attn_logit_softcapping"))
 
 
 TRITON_ENV = {"EXECUTOR_ATTENTION_BACKEND": "triton", **({} if HAS_CUDA else {"TRITON_INTERPRET": "1"})}
@@ -143,7 +143,7 @@ REFUSALS = {
     "yarn RoPE": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
                   "RoPE type 'yarn' is not supported"),
     "unread forward-changing key": ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
-    "multimodal gemma3": ({"architectures": ["Gemma3ForConditionalGeneration"]}, "multimodal Gemma 3 is not served"),
+    "llama with biases": ({"attention_bias": True}, "attention_bias=True is not supported"),
 }
 
 

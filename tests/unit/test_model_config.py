@@ -52,10 +52,15 @@ def test_unknown_architecture_is_refused_with_the_supported_list():
         ModelConfig.from_hf(llama(architectures=["FalconForCausalLM"]))
 
 
-def test_multimodal_gemma3_is_refused_by_name():
-    d = transformers.Gemma3Config().to_dict() | {"architectures": ["Gemma3ForConditionalGeneration"]}
-    with pytest.raises(UnsupportedConfig, match="Gemma3ForConditionalGeneration.*multimodal"):
-        ModelConfig.from_hf(d)
+def test_multimodal_gemma3_serves_its_text_model_and_ignores_only_vision_keys():
+    d = transformers.Gemma3Config(text_config=TINY).to_dict() | {"architectures": ["Gemma3ForConditionalGeneration"],
+                                                                  "eos_token_id": [1, 106]}
+    cfg = ModelConfig.from_hf(d)
+    assert (cfg.architecture, cfg.family, cfg.hidden_size, cfg.qk_norm) == ("Gemma3ForConditionalGeneration",
+                                                                            "gemma3", 64, True)
+    assert cfg.eos_token_ids == (1, 106) and cfg.tie_word_embeddings
+    with pytest.raises(UnsupportedConfig, match=r"\['audio_config'\]"):
+        ModelConfig.from_hf(d | {"audio_config": {}})
 
 
 @pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])

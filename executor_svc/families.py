@@ -93,6 +93,7 @@ def read_llama(r: ConfigReader, c: dict[str, Any]) -> dict[str, Any]:
 
 def read_mistral(r: ConfigReader, c: dict[str, Any]) -> dict[str, Any]:
     silu_only(r)
+    no_bias(r)
     window = r.get("sliding_window")
     kind = FULL if window is None else SLIDING
     return dict(layer_types=(kind,) * c["num_layers"], sliding_window=window, rope={kind: single_rope(r, c)})
@@ -167,6 +168,7 @@ def read_gemma3(r: ConfigReader, c: dict[str, Any]) -> dict[str, Any]:
 
 def read_phi3(r: ConfigReader, c: dict[str, Any]) -> dict[str, Any]:
     silu_only(r)
+    no_bias(r)
     rope = single_rope(r, c, allow_partial=True)
     window = r.get("sliding_window")
     kind = FULL if window is None else SLIDING
@@ -192,7 +194,8 @@ def text_model_config(cfg: dict[str, Any], arch: str, model_type: str) -> dict[s
     """A multimodal config.json -> its text model's, as a text-only config.
     Keys of the outer config are vision-only (ignored: text prompts never
     reach the vision tower), merged in, or refused."""
-    outer = set(cfg) - set(COMMON_IGNORED) - set(VISION_IGNORED) - {"text_config", "eos_token_id", "bos_token_id"}
+    merged = {"text_config", "eos_token_id", "bos_token_id", "tie_word_embeddings", "is_encoder_decoder"}
+    outer = set(cfg) - set(COMMON_IGNORED) - set(VISION_IGNORED) - merged
     if outer:
         raise UnsupportedConfig(f"{arch} config.json has keys the executor does not implement: {sorted(outer)}")
     text = dict(cfg.get("text_config") or {})
@@ -200,8 +203,9 @@ def text_model_config(cfg: dict[str, Any], arch: str, model_type: str) -> dict[s
     if "tie_word_embeddings" in cfg:  # HF ties the head by the outer config's flag
         text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     text["eos_token_id"] = list(eos_ids(text.get("eos_token_id"), cfg.get("eos_token_id")))
-    if cfg.get("bos_token_id") is not None:
-        text["bos_token_id"] = cfg["bos_token_id"]
+    for key in ("bos_token_id", "is_encoder_decoder"):
+        if cfg.get(key) is not None:
+            text[key] = cfg[key]
     return text
 
 
@@ -232,10 +236,7 @@ VISION_IGNORED = {
     "eoi_token_index": "vision tower: served text-only",
     "image_token_index": "vision tower: served text-only",
 }
-GEMMA_IGNORED = {
-    "hidden_act": "Gemma's modeling reads hidden_activation; hidden_act is a legacy duplicate",
-    "final_logit_softcapping": "read by the executor",
-}
+GEMMA_IGNORED = {"hidden_act": "Gemma's modeling reads hidden_activation; hidden_act is a legacy duplicate"}
 DROPOUT = "training only: dropout is off at inference"
 
 FAMILIES = (
@@ -299,8 +300,7 @@ def read_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None = 
         cfg = text_model_config(cfg, arch, fam.model_types[0])
     r = ConfigReader(cfg, fam.name)
     d = fam.defaults
-    if cfg.get("is_encoder_decoder"):
-        raise UnsupportedConfig(f"{fam.name}: is_encoder_decoder=true is not supported")
+    r.refuse_unless("is_encoder_decoder", False, "the served families are decoder-only")
     hidden, heads = r.require("hidden_size"), r.require("num_attention_heads")
     common: dict[str, Any] = dict(
         vocab_size=r.require("vocab_size"),

@@ -38,7 +38,6 @@ COMMON_IGNORED: dict[str, str] = {
     "output_attentions": "HF forward() output option",
     "return_dict": "HF forward() output option",
     "chunk_size_feed_forward": "HF memory option; same result",
-    "is_encoder_decoder": "checked: must be false (decoder-only families)",
     "id2label": "sequence-classification heads only",
     "label2id": "sequence-classification heads only",
     "problem_type": "sequence-classification heads only",
@@ -46,7 +45,6 @@ COMMON_IGNORED: dict[str, str] = {
     "auto_map": "remote-code class names; the executor never runs remote code",
     "pretraining_tp": "a training-time matmul split; HF >= 4.x computes the same product without it",
     "cache_implementation": "HF generate() cache choice; the executor uses its paged cache",
-    "tie_word_embeddings": "read by the executor",
 }
 
 

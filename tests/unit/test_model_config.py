@@ -183,3 +183,62 @@ def test_phi3_partial_rotary_factor_sets_the_rotary_dims():
     d = hf_dict("Phi3Config", **TINY, partial_rotary_factor=0.5)
     cfg = ModelConfig.from_hf(d)
     assert cfg.rope[FULL].rotary_dim == 8 and cfg.head_dim == 16
+
+
+COMMON_HUB = {"attention_dropout": 0.0, "initializer_range": 0.02, "torch_dtype": "bfloat16",
+              "transformers_version": "4.45.0", "use_cache": True}
+# Key sets of well-known Hub config.json files (sizes shrunk), as saved by transformers 4.
+HUB_CONFIGS = {
+    "Llama-3.2-1B": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+                     "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 16, "hidden_act": "silu",
+                     "max_position_embeddings": 131072, "mlp_bias": False, "pretraining_tp": 1, "rms_norm_eps": 1e-5,
+                     "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                     "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "Qwen2.5-0.5B": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "bos_token_id": 151643,
+                     "eos_token_id": 151643, "hidden_act": "silu", "max_position_embeddings": 32768,
+                     "max_window_layers": 24, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 32768,
+                     "tie_word_embeddings": True, "use_sliding_window": False, "use_mrope": False},
+    "Qwen3-0.6B": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+                   "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+                   "max_position_embeddings": 40960, "max_window_layers": 28, "rms_norm_eps": 1e-6,
+                   "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+                   "use_sliding_window": False},
+    "Mistral-7B-v0.1": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "bos_token_id": 1,
+                        "eos_token_id": 2, "hidden_act": "silu", "max_position_embeddings": 32768,
+                        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 4096,
+                        "tie_word_embeddings": False},
+    "gemma-2-2b": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
+                   "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+                   "eos_token_id": [1, 107], "final_logit_softcapping": 30.0, "head_dim": 16,
+                   "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                   "max_position_embeddings": 8192, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+                   "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "sliding_window": 4096},
+    "gemma-3-1b-it": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                      "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid",
+                      "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 16,
+                      "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768, "pad_token_id": 0,
+                      "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "rope_local_base_freq": 10000,
+                      "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+                      "sliding_window_pattern": 6},
+    "Phi-3-mini-4k-instruct": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                               "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config"}, "attention_bias": False,
+                               "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu",
+                               "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+                               "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-5, "rope_scaling": None,
+                               "rope_theta": 10000.0, "sliding_window": 2047, "tie_word_embeddings": False},
+}
+
+
+@pytest.mark.parametrize("name", HUB_CONFIGS)
+def test_hub_shaped_configs_are_served(name):
+    cfg = ModelConfig.from_hf(COMMON_HUB | TINY | HUB_CONFIGS[name])
+    assert cfg.architecture == HUB_CONFIGS[name]["architectures"][0]
+
+
+def test_hub_phi35_mini_is_refused_for_its_longrope():
+    d = COMMON_HUB | TINY | HUB_CONFIGS["Phi-3-mini-4k-instruct"] | {
+        "rope_scaling": {"type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8},
+        "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}
+    with pytest.raises(UnsupportedConfig, match="'longrope'"):
+        ModelConfig.from_hf(d)

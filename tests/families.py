@@ -113,7 +113,7 @@ def _redraw(model: torch.nn.Module, case: FamilyCase) -> None:
                 # much smaller, so the residual stream starts at unit scale.
                 std = p.shape[1] ** -0.5 if case.zero_centred_norms else 1.0
                 p.copy_(std * torch.randn(p.shape, generator=g))
-            elif p.dim() != 2 or "vision_tower" in name or "multi_modal_projector" in name:
+            elif "vision_tower" in name or "multi_modal_projector" in name:
                 continue  # the vision side, never reached by text prompts
             elif name.endswith(".bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))

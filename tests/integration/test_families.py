@@ -59,9 +59,10 @@ def served(request, tmp_path_factory):
     services.stop()
 
 
-def check_against_hf(path: str, client, cases: list[list[int]]) -> None:
+def check_against_hf(path: str, client, cases: list[list[int]], timeout_s: float = 60) -> None:
     with ThreadPoolExecutor(max_workers=len(cases)) as pool:
-        results = list(pool.map(lambda p: client.generate(prompt_token_ids=p, sampling=GREEDY)[0], cases))
+        results = list(pool.map(
+            lambda p: client.generate(prompt_token_ids=p, sampling=GREEDY, timeout=timeout_s)[0], cases))
     for prompt, got in zip(cases, results):
         want = hf_greedy(path, prompt, MAX_NEW)
         assert want.min_margin > MIN_MARGIN, f"HF's top-2 logits come within {want.min_margin:.2g}: a near tie"
@@ -127,8 +128,8 @@ def served_triton(request, tmp_path_factory):
 def test_triton_backend_alone_and_concurrent_greedy_matches_hf(served_triton):
     """Slow under the interpreter: one request alone, then 8 at once."""
     _, path, client = served_triton
-    check_against_hf(path, client, ALONE[:1])
-    check_against_hf(path, client, CONCURRENT)
+    check_against_hf(path, client, ALONE[:1], timeout_s=600)
+    check_against_hf(path, client, CONCURRENT, timeout_s=600)
 
 
 # --- refusals ---------------------------------------------------------------

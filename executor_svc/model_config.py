@@ -185,7 +185,8 @@ def rope_spec(params: dict[str, Any], family: str, *, theta: float, head_dim: in
     `partial_rotary_factor` are the fallbacks from the top level of config.json."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_KEYS:
-        extra = f" ({', '.join(REFUSED_ROPE_TYPES)} are known but not implemented)" if rope_type in REFUSED_ROPE_TYPES else ""
+        known = rope_type in REFUSED_ROPE_TYPES
+        extra = f" ({', '.join(REFUSED_ROPE_TYPES)} are known but not implemented)" if known else ""
         raise UnsupportedConfig(
             f"{family}: RoPE type {rope_type!r} is not supported{extra}; supported: {', '.join(ROPE_KEYS)}"
         )

@@ -140,7 +140,8 @@ def llama3_dir(tmp_path_factory) -> Path:
 
 
 REFUSALS = {
-    "unknown architecture": ({"architectures": ["FalconForCausalLM"]}, "architecture FalconForCausalLM is not supported"),
+    "unknown architecture": ({"architectures": ["FalconForCausalLM"]},
+                             "architecture FalconForCausalLM is not supported"),
     "yarn RoPE": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
                   "RoPE type 'yarn' is not supported"),
     "unread forward-changing key": ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),

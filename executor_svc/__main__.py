@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 from executor_svc.config import ExecutorSettings
+from executor_svc.model_config import UnsupportedConfig
 from executor_svc.service import ExecutorService
 from llmsched import server as srv
 from llmsched.errors import StartupError, exit_with, load_settings
@@ -71,6 +72,10 @@ def main() -> None:
         asyncio.run(serve(settings))
     except StartupError as exc:
         exit_with("executor", exc)
+    except UnsupportedConfig as exc:
+        # Refusing to start beats serving a checkpoint with wrong tokens.
+        log.error("cannot serve %s: %s", settings.model, exc)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

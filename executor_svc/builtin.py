@@ -129,6 +129,6 @@ def load_builtin(name: str) -> Checkpoint:
     return Checkpoint(
         name=name,
         hf_config=hf_config(name, spec),
-        state_dict=random_state_dict(spec),
         tokenizer_json=byte_level_tokenizer_json(spec.vocab_size),
+        in_memory=random_state_dict(spec),
     )

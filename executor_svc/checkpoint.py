@@ -1,14 +1,19 @@
-"""Reading a Llama-family checkpoint: HF directory or built-in name."""
+"""Reading a checkpoint: an HF directory or a built-in name.
+
+Weights are not read here: `Checkpoint.tensors()` yields them one at a time
+(safetensors files are opened lazily, shard by shard), so the model can be
+filled without ever holding a second copy of them in host memory.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from llmsched.errors import StartupError
@@ -18,13 +23,47 @@ from llmsched.errors import StartupError
 class Checkpoint:
     name: str
     hf_config: dict
-    state_dict: dict[str, torch.Tensor]  # HF parameter names
     tokenizer_json: str
+    generation_config: dict | None = None  # generation_config.json, when present
+    shards: tuple[Path, ...] = ()  # safetensors files, read lazily
+    in_memory: dict[str, torch.Tensor] | None = None  # built-ins: HF-named tensors
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) pairs; each shard is closed (unmapped) before
+        the next opens."""
+        if self.in_memory is not None:
+            yield from self.in_memory.items()
+            return
+        for shard in self.shards:
+            try:
+                f = safe_open(str(shard), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise StartupError(f"{shard}: unreadable safetensors file ({exc})") from None
+            with f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    @property
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor at once: for tests and tools, not for serving."""
+        return dict(self.tensors())
+
+
+def _shards(path: Path) -> tuple[Path, ...]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(_read_config(index)["weight_map"].values()))
+        return tuple(path / f for f in files)
+    shards = tuple(sorted(path.glob("*.safetensors")))
+    if not shards:
+        raise StartupError(f"EXECUTOR_MODEL={str(path)!r}: no *.safetensors in {path}")
+    return shards
 
 
 def load_checkpoint(model: str) -> Checkpoint:
     """`model` is a built-in name or a directory with config.json,
-    *.safetensors (one file or shards) and tokenizer.json."""
+    *.safetensors (one file or shards), tokenizer.json and optionally
+    generation_config.json."""
     from executor_svc.builtin import BUILTIN_MODELS, load_builtin
 
     if model in BUILTIN_MODELS:
@@ -37,16 +76,14 @@ def load_checkpoint(model: str) -> Checkpoint:
     # not after gigabytes of weights have loaded.
     hf_config = _read_config(path / "config.json")
     tokenizer_json = _read_tokenizer(path / "tokenizer.json")
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        raise StartupError(f"EXECUTOR_MODEL={model!r}: no *.safetensors in {path}")
-    state_dict: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        try:
-            state_dict.update(load_file(str(shard)))
-        except (SafetensorError, OSError) as exc:
-            raise StartupError(f"{shard}: unreadable safetensors file ({exc})") from None
-    return Checkpoint(name=path.name, hf_config=hf_config, state_dict=state_dict, tokenizer_json=tokenizer_json)
+    gen = path / "generation_config.json"
+    return Checkpoint(
+        name=path.name,
+        hf_config=hf_config,
+        tokenizer_json=tokenizer_json,
+        generation_config=_read_config(gen) if gen.exists() else None,
+        shards=_shards(path),
+    )
 
 
 def _read_config(file: Path) -> dict:

@@ -1,13 +1,93 @@
-"""The Llama hyper-parameters the executor needs, read from an HF config."""
+"""The hyper-parameters the shared decoder needs, read from an HF config.json.
+
+Reading is strict: every key of config.json is either read, listed as
+deliberately ignored (with the reason), or refused by name. A key the
+executor does not know may change the forward pass, so serving the
+checkpoint anyway could produce wrong tokens without any sign of it.
+What differs per family (which keys exist, their defaults, which values are
+allowed) lives in executor_svc/families.py.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+class UnsupportedConfig(ValueError):
+    """config.json asks for something the executor does not implement."""
+
+
+# Keys every transformers config may carry that do not change inference.
+COMMON_IGNORED: dict[str, str] = {
+    "_name_or_path": "informational",
+    "architectures": "read to pick the family",
+    "model_type": "read to pick the family",
+    "transformers_version": "informational",
+    "dtype": "the executor's dtype is EXECUTOR_DTYPE; weights are cast on load",
+    "torch_dtype": "the executor's dtype is EXECUTOR_DTYPE; weights are cast on load",
+    "use_cache": "the executor always uses its paged KV cache",
+    "initializer_range": "training only: weight initialisation",
+    "attention_dropout": "training only: dropout is off at inference",
+    "output_hidden_states": "HF forward() output option",
+    "output_attentions": "HF forward() output option",
+    "return_dict": "HF forward() output option",
+    "chunk_size_feed_forward": "HF memory option; same result",
+    "id2label": "sequence-classification heads only",
+    "label2id": "sequence-classification heads only",
+    "problem_type": "sequence-classification heads only",
+    "pad_token_id": "padding is never attended: batches are unpadded",
+    "auto_map": "remote-code class names; the executor never runs remote code",
+    "pretraining_tp": "a training-time matmul split; HF >= 4.x computes the same product without it",
+    "cache_implementation": "HF generate() cache choice; the executor uses its paged cache",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """One RoPE variant: the base, how frequencies are rescaled, and how many
+    leading dims of each head it rotates."""
+
+    rope_type: str  # default | linear | llama3
+    theta: float
+    rotary_dim: int
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+
+    def inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
+        """[rotary_dim / 2] fp32 inverse frequencies, computed as HF does."""
+        d = self.rotary_dim
+        inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+        if self.rope_type == "linear":
+            return inv / self.factor
+        if self.rope_type == "llama3":
+            # Llama 3.1: long wavelengths are slowed by `factor`, short ones
+            # kept, and the band between interpolated smoothly.
+            old_len = self.original_max_position_embeddings
+            low_wavelen, high_wavelen = old_len / self.low_freq_factor, old_len / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (old_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+            return torch.where(medium, smoothed, scaled)
+        return inv
+
+    def describe(self) -> str:
+        return self.rope_type if self.rope_type == "default" else f"{self.rope_type}(factor={self.factor:g})"
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
+    architecture: str
+    family: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -17,36 +97,132 @@ class ModelConfig:
     head_dim: int
     max_position_embeddings: int
     rms_norm_eps: float
-    rope_theta: float
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Per layer: FULL or SLIDING; SLIDING layers attend to the last
+    # `sliding_window` positions only (a query at i sees keys i-W < j <= i).
+    layer_types: tuple[str, ...]
+    rope: dict[str, RopeSpec]  # by layer type
+    sliding_window: int | None = None
+    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
+    norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + w)
+    sandwich_norms: bool = False  # Gemma 2/3: norms before and after attention and MLP
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power, not head_dim's
+    attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c)
+    final_softcap: float | None = None  # Gemma 2: logits = c * tanh(logits / c)
+    # What reading config.json did with each key, for the log and the tests.
+    read_keys: frozenset[str] = field(default=frozenset(), compare=False)
+    ignored: dict[str, str] = field(default_factory=dict, compare=False)  # key -> why
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    def rope_description(self) -> str:
+        kinds = {t: self.rope[t].describe() for t in sorted(set(self.layer_types))}
+        if len(set(kinds.values())) == 1 and len(set(self.rope[t].theta for t in kinds)) == 1:
+            return next(iter(kinds.values()))
+        return ",".join(f"{t}={k}(theta={self.rope[t].theta:g})" for t, k in kinds.items())
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Reads a Hugging Face LlamaConfig-style dict (config.json)."""
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"unsupported rope_scaling {rope_scaling!r}: only default RoPE is implemented")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ValueError("attention_bias / mlp_bias checkpoints are not supported")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r}: Llama uses silu")
-        num_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+    def from_hf(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
+        """Reads config.json (and generation_config.json for EOS ids);
+        raises UnsupportedConfig naming what it cannot serve."""
+        from executor_svc.families import read_config
+
+        return read_config(cfg, generation_config)
+
+
+class ConfigReader:
+    """config.json as a dict that remembers which keys were read, so that
+    whatever is left can be refused by name."""
+
+    def __init__(self, cfg: dict[str, Any], family: str):
+        self.cfg, self.family = cfg, family
+        self.used: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.used.add(key)
+        value = self.cfg.get(key)
+        return default if value is None else value
+
+    def require(self, key: str) -> Any:
+        self.used.add(key)
+        if self.cfg.get(key) is None:
+            raise UnsupportedConfig(f"{self.family} config.json lacks {key!r}")
+        return self.cfg[key]
+
+    def refuse_unless(self, key: str, allowed: Any, why: str) -> None:
+        """Reads `key` and refuses any value but `allowed` (absent or null counts as allowed)."""
+        value = self.get(key)
+        if value is not None and value != allowed:
+            raise UnsupportedConfig(f"{self.family} config.json: {key}={value!r} is not supported; {why}")
+
+    def leftover(self, ignored: dict[str, str]) -> list[str]:
+        return sorted(k for k in self.cfg if k not in self.used and k not in ignored)
+
+
+# RoPE parameters each implemented type reads; anything else in the dict is refused.
+ROPE_KEYS = {
+    "default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"},
+    "linear": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor"},
+    "llama3": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "low_freq_factor",
+               "high_freq_factor", "original_max_position_embeddings"},
+}
+REFUSED_ROPE_TYPES = ("dynamic", "yarn", "longrope")
+
+
+def rope_spec(params: dict[str, Any], family: str, *, theta: float, head_dim: int, max_position_embeddings: int,
+              partial_rotary_factor: float = 1.0, allow_partial: bool = False) -> RopeSpec:
+    """One RoPE dict (either layout) -> RopeSpec. `theta` and
+    `partial_rotary_factor` are the fallbacks from the top level of config.json."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_KEYS:
+        known = rope_type in REFUSED_ROPE_TYPES
+        extra = f" ({', '.join(REFUSED_ROPE_TYPES)} are known but not implemented)" if known else ""
+        raise UnsupportedConfig(
+            f"{family}: RoPE type {rope_type!r} is not supported{extra}; supported: {', '.join(ROPE_KEYS)}"
         )
+    unknown = sorted(set(params) - ROPE_KEYS[rope_type])
+    if unknown:
+        raise UnsupportedConfig(
+            f"{family}: RoPE parameters {unknown} are not read for rope_type {rope_type!r}; "
+            f"supported: {sorted(ROPE_KEYS[rope_type])}"
+        )
+    partial = params.get("partial_rotary_factor", partial_rotary_factor)
+    if partial != 1.0 and not allow_partial:
+        raise UnsupportedConfig(f"{family}: partial_rotary_factor={partial} is not supported for this family "
+                                "(only Phi-3 rotates part of each head)")
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise UnsupportedConfig(f"{family}: partial_rotary_factor={partial} gives an odd rotary dim {rotary_dim}")
+    spec = RopeSpec(rope_type=rope_type, theta=float(params.get("rope_theta", theta)), rotary_dim=rotary_dim)
+    if rope_type == "linear":
+        return RopeSpec(rope_type, spec.theta, rotary_dim, factor=float(params["factor"]))
+    if rope_type == "llama3":
+        return RopeSpec(
+            rope_type, spec.theta, rotary_dim,
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings",
+                                                            max_position_embeddings)),
+        )
+    return spec
+
+
+def eos_ids(*values: Any) -> tuple[int, ...]:
+    """Union of eos_token_id values (int, list or None), first-seen order."""
+    out: list[int] = []
+    for v in values:
+        for i in (v if isinstance(v, list) else [] if v is None else [v]):
+            if i not in out:
+                out.append(int(i))
+    return tuple(out)

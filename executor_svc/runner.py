@@ -16,7 +16,7 @@ import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
 from executor_svc.kv_cache import KVCachePool
-from executor_svc.model import LlamaForCausalLM
+from executor_svc.model import CausalLM
 from executor_svc.sampler import SamplingSettings, sample
 
 
@@ -67,7 +67,7 @@ class PlanError(ValueError):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
+    def __init__(self, model: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
                  fail_on_token: int = -1):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
         self.fail_on_token = fail_on_token  # fault injection for tests; -1 = off

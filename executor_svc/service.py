@@ -18,7 +18,7 @@ from executor_svc.config import ExecutorSettings
 from executor_svc.convert import result_to_proto, step_from_proto
 from executor_svc.kv_cache import KVCachePool, pool_num_blocks
 from executor_svc.model import build_model
-from executor_svc.model_config import ModelConfig
+from executor_svc.model_config import SLIDING, ModelConfig
 from executor_svc.runner import ModelRunner
 from executor_svc.telemetry import StepTelemetry
 from llmsched.tracing import Tracing
@@ -50,12 +50,12 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         ckpt = load_checkpoint(settings.model)
-        self.cfg = ModelConfig.from_hf(ckpt.hf_config)
+        self.cfg = ModelConfig.from_hf(ckpt.hf_config, ckpt.generation_config)
         self.model_name = ckpt.name
         self.tokenizer_json = ckpt.tokenizer_json
         self.chat_template = load_chat_template(settings.model)
         self.max_model_len = settings.max_model_len or self.cfg.max_position_embeddings
-        model = build_model(self.cfg, ckpt.state_dict, self.max_model_len, self.device, self.dtype)
+        model = build_model(self.cfg, ckpt.tensors(), self.max_model_len, self.device, self.dtype)
         num_blocks = pool_num_blocks(self.cfg, settings.block_size, self.dtype, self.device,
                                      settings.num_kv_blocks, settings.kv_cache_memory_mb)
         self.pool = KVCachePool(self.cfg, num_blocks, settings.block_size, self.device, self.dtype)
@@ -81,10 +81,13 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         # sent, then the stream ends so the scheduler reconnects elsewhere.
         self.stopping = False
         log.info(
-            "executor %s: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
-            self.instance_id, self.model_name, self.device, self.dtype, num_blocks, settings.block_size,
-            self.max_model_len,
+            "executor %s: model=%s architecture=%s rope=%s sliding_window=%s device=%s dtype=%s kv_blocks=%d "
+            "block_size=%d max_model_len=%d",
+            self.instance_id, self.model_name, self.cfg.architecture, self.cfg.rope_description(),
+            self.cfg.sliding_window if SLIDING in self.cfg.layer_types else None, self.device, self.dtype,
+            num_blocks, settings.block_size, self.max_model_len,
         )
+        log.info("config.json keys ignored: %s", "; ".join(f"{k} ({why})" for k, why in self.cfg.ignored.items()))
 
     async def Handshake(self, request, context):
         eos = list(self.cfg.eos_token_ids)
@@ -104,6 +107,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             chat_template=self.chat_template.template,
             bos_token=self.chat_template.bos_token,
             eos_token=self.chat_template.eos_token,
+            architecture=self.cfg.architecture,
+            rope_type=self.cfg.rope_description(),
         )
 
     def _reset(self) -> None:

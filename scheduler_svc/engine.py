@@ -555,6 +555,8 @@ class Engine:
             "chat_template": info.chat_template,
             "bos_token": info.bos_token,
             "eos_token": info.eos_token,
+            "architecture": info.architecture,
+            "rope_type": info.rope_type,
         }
 
 

@@ -1,0 +1,246 @@
+"""Reading config.json: every key is read, deliberately ignored, or refused
+by name; both transformers layouts of RoPE give the same model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from executor_svc.families import FAMILIES
+from executor_svc.model_config import FULL, SLIDING, ModelConfig, UnsupportedConfig
+
+# Each served family's transformers config class, as the Hub's config.json files come from it.
+CONFIG_CLASSES = {
+    "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+    "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config",
+}
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+
+
+def hf_dict(cls_name: str, **kwargs) -> dict:
+    return getattr(transformers, cls_name)(**kwargs).to_dict()
+
+
+def llama(**overrides) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **TINY, "rope_theta": 10000.0,
+            "hidden_act": "silu", **overrides}
+
+
+def test_every_family_has_a_config_class_in_this_walk():
+    assert set(CONFIG_CLASSES) == {f.name for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", CONFIG_CLASSES)
+def test_every_key_of_the_transformers_config_class_is_read_or_ignored_with_a_reason(family):
+    """A key a future transformers adds lands in neither set and fails here
+    (and the executor refuses such checkpoints at start until someone
+    decides what the key means for the forward pass)."""
+    d = hf_dict(CONFIG_CLASSES[family], **TINY)
+    cfg = ModelConfig.from_hf(d)
+    assert cfg.family == family
+    unaccounted = sorted(k for k in d if k not in cfg.read_keys and k not in cfg.ignored)
+    assert not unaccounted, f"{family}: keys neither read nor ignored: {unaccounted}"
+    assert all(cfg.ignored.values()), f"{family}: an ignored key without a reason: {cfg.ignored}"
+
+
+def test_unknown_architecture_is_refused_with_the_supported_list():
+    with pytest.raises(UnsupportedConfig, match=r"FalconForCausalLM is not supported; supported: LlamaForCausalLM"):
+        ModelConfig.from_hf(llama(architectures=["FalconForCausalLM"]))
+
+
+def test_multimodal_gemma3_serves_its_text_model_and_ignores_only_vision_keys():
+    d = transformers.Gemma3Config(text_config=TINY).to_dict() | {"architectures": ["Gemma3ForConditionalGeneration"],
+                                                                  "eos_token_id": [1, 106]}
+    cfg = ModelConfig.from_hf(d)
+    assert (cfg.architecture, cfg.family, cfg.hidden_size, cfg.qk_norm) == ("Gemma3ForConditionalGeneration",
+                                                                            "gemma3", 64, True)
+    assert cfg.eos_token_ids == (1, 106) and cfg.tie_word_embeddings
+    with pytest.raises(UnsupportedConfig, match=r"\['audio_config'\]"):
+        ModelConfig.from_hf(d | {"audio_config": {}})
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
+def test_unimplemented_rope_types_are_refused_by_name(rope_type):
+    scaling = {"rope_type": rope_type, "factor": 2.0}
+    message = f"RoPE type '{rope_type}' is not supported.*supported: default, linear, llama3"
+    with pytest.raises(UnsupportedConfig, match=message):
+        ModelConfig.from_hf(llama(rope_scaling=scaling))
+    with pytest.raises(UnsupportedConfig, match=f"RoPE type '{rope_type}'"):
+        ModelConfig.from_hf(llama(rope_parameters={"rope_theta": 1e4, **scaling}))
+
+
+def test_phi35_longrope_is_refused_and_plain_phi3_is_served():
+    d = hf_dict("Phi3Config", **TINY)
+    d.pop("rope_parameters")
+    assert ModelConfig.from_hf(d | {"rope_theta": 10000.0, "rope_scaling": None}).rope[FULL].rope_type == "default"
+    longrope = {"type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}
+    with pytest.raises(UnsupportedConfig, match="RoPE type 'longrope'"):
+        ModelConfig.from_hf(d | {"rope_theta": 10000.0, "rope_scaling": longrope})
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("some_future_key", 1, r"does not implement.*\['some_future_key'\]"),
+    ("sliding_window", 16, r"\['sliding_window'\]"),  # Llama has no window: an unread key
+    ("attn_logit_softcapping", 50.0, r"\['attn_logit_softcapping'\]"),
+    ("quantization_config", {"quant_method": "awq"}, r"\['quantization_config'\]"),
+    ("attention_bias", True, "attention_bias=True is not supported"),
+    ("mlp_bias", True, "mlp_bias=True is not supported"),
+    ("hidden_act", "gelu", "hidden_act='gelu' is not supported"),
+    ("partial_rotary_factor", 0.5, "partial_rotary_factor=0.5 is not supported"),
+])
+def test_forward_changing_keys_the_llama_reader_does_not_implement_are_refused_by_name(key, value, message):
+    with pytest.raises(UnsupportedConfig, match=message):
+        ModelConfig.from_hf(llama(**{key: value}))
+
+
+def test_unknown_rope_parameter_is_refused():
+    with pytest.raises(UnsupportedConfig, match=r"RoPE parameters \['beta_fast'\]"):
+        ModelConfig.from_hf(llama(rope_scaling={"rope_type": "linear", "factor": 2.0, "beta_fast": 32}))
+
+
+def test_gemma_refusals():
+    base = hf_dict("Gemma3TextConfig", **TINY)
+    with pytest.raises(UnsupportedConfig, match="use_bidirectional_attention=True"):
+        ModelConfig.from_hf(base | {"use_bidirectional_attention": True})
+    with pytest.raises(UnsupportedConfig, match="hidden_activation='gelu'"):
+        ModelConfig.from_hf(base | {"hidden_activation": "gelu"})
+    with pytest.raises(UnsupportedConfig, match="attention_bias=True"):
+        ModelConfig.from_hf(hf_dict("Gemma2Config", **TINY) | {"attention_bias": True})
+
+
+def test_llama3_rope_reads_the_same_from_both_layouts_and_matches_hf_frequencies():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    t4 = ModelConfig.from_hf(llama(rope_theta=500000.0, rope_scaling=scaling))
+    d5 = hf_dict("LlamaConfig", **TINY, rope_parameters={"rope_theta": 500000.0, **scaling})
+    t5 = ModelConfig.from_hf(d5 | {"architectures": ["LlamaForCausalLM"]})
+    assert t4.rope == t5.rope and t4.rope[FULL].theta == 500000.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](transformers.LlamaConfig(**TINY, rope_parameters={"rope_theta": 500000.0,
+                                                                                              **scaling}))
+    assert torch.equal(t5.rope[FULL].inv_freq(), want)
+    unscaled = ModelConfig.from_hf(llama(rope_theta=500000.0)).rope[FULL]
+    assert not torch.equal(t5.rope[FULL].inv_freq(), unscaled.inv_freq())
+    assert t5.rope_description() == "llama3(factor=8)"
+
+
+def test_linear_rope_matches_hf_frequencies():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    cfg = ModelConfig.from_hf(llama(rope_scaling=params))
+    want, _ = ROPE_INIT_FUNCTIONS["linear"](transformers.LlamaConfig(**TINY, rope_parameters=params))
+    assert torch.equal(cfg.rope[FULL].inv_freq(), want)
+
+
+def test_gemma3_two_rope_bases_read_the_same_from_both_layouts():
+    t5 = ModelConfig.from_hf(hf_dict("Gemma3TextConfig", **TINY | {"num_hidden_layers": 6}, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}))
+    hub = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **TINY, "num_hidden_layers": 6,
+           "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6,
+           "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "hidden_activation": "gelu_pytorch_tanh",
+           "query_pre_attn_scalar": 256, "sliding_window": 512}
+    t4 = ModelConfig.from_hf(hub)
+    assert t4.rope == t5.rope
+    assert t4.rope[FULL].factor == 8.0 and t4.rope[FULL].theta == 1e6 and t4.rope[SLIDING].theta == 1e4
+    assert t4.layer_types == (SLIDING,) * 5 + (FULL,)
+    assert t4.attn_softcap is None and t4.final_softcap is None and t4.qk_norm
+
+
+def test_gemma2_defaults_are_hfs_when_keys_are_absent():
+    hub = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", **TINY, "num_hidden_layers": 4,
+           "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
+    cfg = ModelConfig.from_hf(hub)
+    assert (cfg.attn_softcap, cfg.final_softcap, cfg.sliding_window) == (50.0, 30.0, 4096)
+    assert cfg.layer_types == (SLIDING, FULL, SLIDING, FULL)
+    assert math.isclose(cfg.attn_scale, 256**-0.5) and cfg.tie_word_embeddings and cfg.embed_scale
+
+
+@pytest.mark.parametrize("use_sliding_window, want", [
+    (False, (FULL, FULL, FULL, FULL)),
+    (True, (FULL, FULL, SLIDING, SLIDING)),
+])
+def test_qwen2_window_only_with_use_sliding_window_and_from_max_window_layers(use_sliding_window, want):
+    hub = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **TINY, "num_hidden_layers": 4,
+           "use_sliding_window": use_sliding_window, "sliding_window": 8, "max_window_layers": 2,
+           "rope_theta": 1e6, "hidden_act": "silu"}
+    cfg = ModelConfig.from_hf(hub)
+    assert cfg.layer_types == want and cfg.qkv_bias
+    assert cfg.sliding_window == (8 if use_sliding_window else None)
+
+
+def test_generation_config_eos_ids_are_merged_with_the_configs():
+    cfg = ModelConfig.from_hf(llama(eos_token_id=2), {"eos_token_id": [7, 2, 9]})
+    assert cfg.eos_token_ids == (2, 7, 9)
+    assert ModelConfig.from_hf(llama(eos_token_id=None), None).eos_token_ids == ()
+
+
+def test_phi3_partial_rotary_factor_sets_the_rotary_dims():
+    d = hf_dict("Phi3Config", **TINY, partial_rotary_factor=0.5)
+    cfg = ModelConfig.from_hf(d)
+    assert cfg.rope[FULL].rotary_dim == 8 and cfg.head_dim == 16
+
+
+COMMON_HUB = {"attention_dropout": 0.0, "initializer_range": 0.02, "torch_dtype": "bfloat16",
+              "transformers_version": "4.45.0", "use_cache": True}
+# Key sets of well-known Hub config.json files (sizes shrunk), as saved by transformers 4.
+HUB_CONFIGS = {
+    "Llama-3.2-1B": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+                     "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 16, "hidden_act": "silu",
+                     "max_position_embeddings": 131072, "mlp_bias": False, "pretraining_tp": 1, "rms_norm_eps": 1e-5,
+                     "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                     "rope_theta": 500000.0, "tie_word_embeddings": True},
+    "Qwen2.5-0.5B": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "bos_token_id": 151643,
+                     "eos_token_id": 151643, "hidden_act": "silu", "max_position_embeddings": 32768,
+                     "max_window_layers": 24, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 32768,
+                     "tie_word_embeddings": True, "use_sliding_window": False, "use_mrope": False},
+    "Qwen3-0.6B": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+                   "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+                   "max_position_embeddings": 40960, "max_window_layers": 28, "rms_norm_eps": 1e-6,
+                   "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
+                   "use_sliding_window": False},
+    "Mistral-7B-v0.1": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "bos_token_id": 1,
+                        "eos_token_id": 2, "hidden_act": "silu", "max_position_embeddings": 32768,
+                        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": 4096,
+                        "tie_word_embeddings": False},
+    "gemma-2-2b": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
+                   "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+                   "eos_token_id": [1, 107], "final_logit_softcapping": 30.0, "head_dim": 16,
+                   "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                   "max_position_embeddings": 8192, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+                   "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "sliding_window": 4096},
+    "gemma-3-1b-it": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                      "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid",
+                      "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 16,
+                      "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 32768, "pad_token_id": 0,
+                      "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "rope_local_base_freq": 10000,
+                      "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+                      "sliding_window_pattern": 6},
+    "Phi-3-mini-4k-instruct": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                               "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config"}, "attention_bias": False,
+                               "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu",
+                               "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+                               "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-5, "rope_scaling": None,
+                               "rope_theta": 10000.0, "sliding_window": 2047, "tie_word_embeddings": False},
+}
+
+
+@pytest.mark.parametrize("name", HUB_CONFIGS)
+def test_hub_shaped_configs_are_served(name):
+    cfg = ModelConfig.from_hf(COMMON_HUB | TINY | HUB_CONFIGS[name])
+    assert cfg.architecture == HUB_CONFIGS[name]["architectures"][0]
+
+
+def test_hub_phi35_mini_is_refused_for_its_longrope():
+    d = COMMON_HUB | TINY | HUB_CONFIGS["Phi-3-mini-4k-instruct"] | {
+        "rope_scaling": {"type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8},
+        "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}
+    with pytest.raises(UnsupportedConfig, match="'longrope'"):
+        ModelConfig.from_hf(d)

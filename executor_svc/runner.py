@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.host_memory import retain_freed_memory
 from executor_svc.kv_cache import KVCachePool
 from executor_svc.model import LlamaForCausalLM
@@ -58,7 +59,7 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
-                 fail_on_token: int = -1, max_model_len: int | None = None):
+                 fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
         self.fail_on_token = fail_on_token  # fault injection for tests; -1 = off
         self.kv_caches = pool.layer_caches()
@@ -66,6 +67,9 @@ class ModelRunner:
         # Positions past the RoPE table cannot be computed.
         self.max_model_len = max_model_len or model.rope_cos.shape[0]
         self.rows = RequestRows(self.max_model_len, pool.block_size, device)
+        # Decode steps replay captured graphs (cuda_graphs.py); the caller
+        # decides whether the device and backend allow it.
+        self.graphs = DecodeGraphs(model, self.kv_caches, backend, device, self.rows.max_blocks) if cuda_graphs else None
         if device.type == "cpu":
             retain_freed_memory()
 
@@ -165,12 +169,15 @@ class ModelRunner:
         positions_t = to_device(positions, dev)
         t1 = time.perf_counter_ns()
 
-        hidden = self.model(ids_t, positions_t, self.kv_caches, meta, self.backend)  # [num_tokens, hidden]
         logits = None
-        if len(sample_rows):
-            if len(sample_rows) < num_tokens:
-                hidden = hidden[to_device(sample_tokens, dev)]
-            logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
+        if self.graphs is not None and num_tokens == len(sample_rows) == len(rows) <= self.graphs.max_batch:
+            logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
+        else:
+            hidden = self.model(ids_t, positions_t, self.kv_caches, meta, self.backend)  # [num_tokens, hidden]
+            if len(sample_rows):
+                if len(sample_rows) < num_tokens:
+                    hidden = hidden[to_device(sample_tokens, dev)]
+                logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)  # so forward_ns is the forward's time, not its launch
         t2 = time.perf_counter_ns()

@@ -1,4 +1,5 @@
-"""Keeps freed host memory in the process instead of handing it back.
+"""Host memory for the executor's step: copies to the device, and freed
+memory kept in the process instead of handed back.
 
 With glibc's defaults, every large temporary a CPU step allocates (logits,
 probabilities, activations: hundreds of KiB each) is mmap'd or trimmed back
@@ -12,6 +13,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+
+import numpy as np
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -39,3 +43,13 @@ def retain_freed_memory() -> None:
         return
     if not (mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)):
         log.warning("mallopt refused the trim/mmap thresholds; CPU steps may page-fault on temporaries")
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on device: shared memory on CPU; on CUDA a pinned copy
+    sent without blocking the host (the caching host allocator keeps the
+    pinned block alive until the copy has run)."""
+    t = torch.from_numpy(a)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t

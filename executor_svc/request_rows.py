@@ -23,6 +23,7 @@ import heapq
 import numpy as np
 import torch
 
+from executor_svc.host_memory import to_device
 from executor_svc.sampler import SamplingSettings, signed_seed
 
 INITIAL_ROWS = 16
@@ -30,16 +31,6 @@ INITIAL_ROWS = 16
 
 class PlanError(ValueError):
     """The plan contradicts the executor's mirror of request state."""
-
-
-def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on device: shared memory on CPU; on CUDA a pinned copy
-    sent without blocking the host (the caching host allocator keeps the
-    pinned block alive until the copy has run)."""
-    t = torch.from_numpy(a)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 class RequestRows:

@@ -17,10 +17,10 @@ import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
 from executor_svc.cuda_graphs import DecodeGraphs
-from executor_svc.host_memory import retain_freed_memory
+from executor_svc.host_memory import retain_freed_memory, to_device
 from executor_svc.kv_cache import KVCachePool
 from executor_svc.model import LlamaForCausalLM
-from executor_svc.request_rows import PlanError, RequestRows, to_device
+from executor_svc.request_rows import PlanError, RequestRows
 from executor_svc.sampler import SamplingBatch, SamplingSettings, sample
 
 

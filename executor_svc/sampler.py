@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from executor_svc.host_memory import to_device
+
 # Temperatures below this are greedy: dividing logits by a tinier positive
 # number overflows to inf and softmax to NaN.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -82,7 +84,7 @@ class SamplingBatch:
         random = temperature >= GREEDY_BELOW_TEMPERATURE
         filtering_k = random & (top_k > 0) & (top_k < vocab_size)
         return cls(
-            temperature=_to(temperature, device), top_p=_to(top_p, device), top_k=_to(top_k, device),
+            temperature=to_device(temperature, device), top_p=to_device(top_p, device), top_k=to_device(top_k, device),
             seed=seed, seeded=seeded, output_pos=output_pos,
             num_logprobs=num_logprobs.tolist(),
             all_greedy=not random.any(),
@@ -105,13 +107,6 @@ class SamplingBatch:
             np.array([s.logprobs for s in settings], dtype=np.int64),
             torch.device(device), vocab_size,
         )
-
-
-def _to(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(a)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -143,7 +138,7 @@ def _uniform(b: SamplingBatch, rows: np.ndarray | None, rnd: int, device: torch.
     if b.any_unseeded:
         free = torch.rand(len(u)).mul_(1.0 - 2.0**-23).numpy()
         u = np.where(seeded, u, free)
-    return _to(u, device)
+    return to_device(u, device)
 
 
 def _above(probs: torch.Tensor, bar: torch.Tensor) -> torch.Tensor:
@@ -189,7 +184,7 @@ def _draw(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     # Each rejected round raises the row's pivot to a token outside the
     # nucleus, so a row needs at most vocab rounds and usually one or two.
     while len(pending):
-        rows = _to(pending, probs.device)
+        rows = to_device(pending, probs.device)
         u = _uniform(b, pending, rnd, probs.device)
         drawn, ok, p_drawn = _draw_round(probs[rows], pivot[rows], b.top_p[rows], u)
         ids[rows[ok]] = drawn[ok]

@@ -109,9 +109,6 @@ class SamplingBatch:
         )
 
 
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
 def _mix64(z: np.ndarray) -> np.ndarray:
     # splitmix64's finalizer; numpy's uint64 arithmetic wraps modulo 2^64.
     z = z + np.uint64(0x9E3779B97F4A7C15)
@@ -120,25 +117,44 @@ def _mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def seeded_uniform(seed: np.ndarray, output_pos: np.ndarray, rnd: int) -> np.ndarray:
-    """[n] float32 in [0, 1 - 2^-23]: a hash of (seed, output position, round).
+def seeded_uniform(seed: np.ndarray, output_pos: np.ndarray, rnd: int | np.ndarray) -> np.ndarray:
+    """float32 in [0, 1 - 2^-23]: a hash of (seed, output position, round),
+    broadcast over the three.
 
     seed holds the uint64 bits as int64. 23 bits, so u * total < total for
     any float32 total: a draw never lands past the last likely token."""
-    z = _mix64(_mix64(_mix64(seed.view(np.uint64)) ^ output_pos.astype(np.uint64)) ^ np.uint64(rnd))
+    z = _mix64(_mix64(_mix64(seed.view(np.uint64)) ^ output_pos.astype(np.uint64)) ^ np.asarray(rnd, np.uint64))
     return (z >> np.uint64(41)).astype(np.float32) * np.float32(2.0**-23)
 
 
-def _uniform(b: SamplingBatch, rows: np.ndarray | None, rnd: int, device: torch.device) -> torch.Tensor:
-    """[m] uniforms of round rnd for the given rows (all when None)."""
-    seed, seeded, pos = b.seed, b.seeded, b.output_pos
-    if rows is not None:
-        seed, seeded, pos = seed[rows], seeded[rows], pos[rows]
-    u = seeded_uniform(seed, pos, rnd)
-    if b.any_unseeded:
-        free = torch.rand(len(u)).mul_(1.0 - 2.0**-23).numpy()
-        u = np.where(seeded, u, free)
-    return to_device(u, device)
+# Rounds whose uniforms are hashed up front, in one go.
+PRECOMPUTED_ROUNDS = max(SYNC_FREE_ROUNDS, 4)
+
+
+class _Uniforms:
+    """Each row's uniform for each round: seeded rows hashed, the others
+    from torch's global generator."""
+
+    def __init__(self, b: SamplingBatch, device: torch.device):
+        self.b, self.device = b, device
+        self.first = self._make(None, np.arange(PRECOMPUTED_ROUNDS)[:, None])  # [rounds, n]
+
+    def _make(self, rows: np.ndarray | None, rnd: int | np.ndarray) -> np.ndarray:
+        seed, seeded, pos = self.b.seed, self.b.seeded, self.b.output_pos
+        if rows is not None:
+            seed, seeded, pos = seed[rows], seeded[rows], pos[rows]
+        u = seeded_uniform(seed, pos, rnd)
+        if self.b.any_unseeded:
+            u = np.where(seeded, u, torch.rand(u.shape).mul_(1.0 - 2.0**-23).numpy())
+        return u
+
+    def get(self, rnd: int, rows: np.ndarray | None = None) -> torch.Tensor:
+        """[m] on the device: round rnd's uniforms for rows (all when None)."""
+        if rnd < PRECOMPUTED_ROUNDS:
+            u = self.first[rnd] if rows is None else self.first[rnd, rows]
+        else:
+            u = self._make(rows, rnd)
+        return to_device(np.ascontiguousarray(u), self.device)
 
 
 def _above(probs: torch.Tensor, bar: torch.Tensor) -> torch.Tensor:
@@ -162,31 +178,40 @@ def _draw_round(probs: torch.Tensor, pivot: torch.Tensor | None, top_p: torch.Te
     return ids, in_nucleus, p_drawn.squeeze(1)
 
 
-def _draw(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """Token ids [n] drawn from probs [n, vocab] within each row's nucleus."""
+def _draw(probs: torch.Tensor, b: SamplingBatch):
+    """Token ids [n] drawn from probs [n, vocab] within each row's nucleus.
+
+    Returns (ids, done, pivot, uniforms). On CPU every row is finished and
+    done is None. On CUDA the first rounds run without a sync; done [n]
+    bool says which rows finished, and the caller, which copies it to the
+    host with the tokens anyway, finishes the rest with _finish_draws."""
     n, vocab = probs.shape
-    u0 = _uniform(b, None, 0, probs.device)
+    uniforms = _Uniforms(b, probs.device)
     if not b.any_top_p:
         cdf = probs.cumsum(-1)
-        return torch.searchsorted(cdf, (u0 * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
-    ids, done, pivot = _draw_round(probs, None, b.top_p, u0)
-    rnd = 1
+        u = uniforms.get(0)
+        ids = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+        return ids, None, None, uniforms
+    ids, done, pivot = _draw_round(probs, None, b.top_p, uniforms.get(0))
     if probs.is_cuda:
         for rnd in range(1, SYNC_FREE_ROUNDS):
-            drawn, ok, p_drawn = _draw_round(probs, pivot, b.top_p, _uniform(b, None, rnd, probs.device))
+            drawn, ok, p_drawn = _draw_round(probs, pivot, b.top_p, uniforms.get(rnd))
             ids = torch.where(done, ids, drawn)
             pivot = torch.where(done | ok, pivot, p_drawn)
-            done |= ok
-        rnd = SYNC_FREE_ROUNDS
-        if bool(done.all()):
-            return ids
-    pending = (~done).nonzero().squeeze(1).cpu().numpy()
-    # Each rejected round raises the row's pivot to a token outside the
-    # nucleus, so a row needs at most vocab rounds and usually one or two.
+            done = done | ok
+        return ids, done, pivot, uniforms
+    pending = (~done).nonzero().squeeze(1).numpy()
+    return _finish_draws(probs, b, ids, pivot, pending, 1, uniforms), None, None, uniforms
+
+
+def _finish_draws(probs: torch.Tensor, b: SamplingBatch, ids: torch.Tensor, pivot: torch.Tensor,
+                  pending: np.ndarray, rnd: int, uniforms: _Uniforms) -> torch.Tensor:
+    """Draws again for the pending rows, from round rnd on, until each lands
+    in its nucleus. Each rejection raises the row's pivot to a token outside
+    the nucleus, so a row needs at most vocab rounds and usually one."""
     while len(pending):
         rows = to_device(pending, probs.device)
-        u = _uniform(b, pending, rnd, probs.device)
-        drawn, ok, p_drawn = _draw_round(probs[rows], pivot[rows], b.top_p[rows], u)
+        drawn, ok, p_drawn = _draw_round(probs[rows], pivot[rows], b.top_p[rows], uniforms.get(rnd, pending))
         ids[rows[ok]] = drawn[ok]
         pivot[rows[~ok]] = p_drawn[~ok]
         pending = pending[~ok.cpu().numpy()]
@@ -212,7 +237,10 @@ def _apply_top_k(scaled: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> t
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
-    """logits: [n, vocab] float32, one row per sampled request."""
+    """logits: [n, vocab] float32, one row per sampled request. Copies to
+    the host once (twice in the rare step where a CUDA row is still drawing
+    after the sync-free rounds)."""
+    done = None
     if b.all_greedy:
         tokens = _argmax(logits)  # [n]
     else:
@@ -220,24 +248,41 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
         scaled = logits / torch.where(is_greedy, 1.0, b.temperature)[:, None]
         if b.max_top_k:
             scaled = _apply_top_k(scaled, b.top_k, b.max_top_k)
-        tokens = _draw(scaled.softmax(-1), b)
+        probs = scaled.softmax(-1)  # [n, vocab]
+        tokens, done, pivot, uniforms = _draw(probs, b)
         if b.any_greedy:
             tokens = torch.where(is_greedy, _argmax(logits), tokens)
-
+            if done is not None:
+                done = done | is_greedy
     max_lp = min(max(b.num_logprobs, default=0), logits.shape[-1])
-    if max_lp <= 0:
+    if done is None and max_lp <= 0:
         return SampleOutput(token_ids=tokens.tolist(), logprobs=None)
-    # Logprobs of the model's own distribution, before temperature and
-    # filtering, as OpenAI-style APIs report them.
-    all_lp = logits.log_softmax(-1)  # [n, vocab]
-    top_lp, top_ids = all_lp.topk(max_lp, dim=-1)  # [n, max_lp]
-    chosen = all_lp.gather(1, tokens[:, None])  # [n, 1]
-    # One host copy for everything the result needs (ids are exact in
-    # float32 below 2^24).
-    packed = torch.cat([tokens[:, None].to(all_lp.dtype), chosen, top_ids.to(all_lp.dtype), top_lp], 1).tolist()
-    token_ids = [int(row[0]) for row in packed]
+    while True:
+        host = _to_host(logits, tokens, done, max_lp)
+        if done is None or all(row[1] for row in host):
+            break
+        pending = np.array([i for i, row in enumerate(host) if not row[1]], dtype=np.int64)
+        tokens = _finish_draws(probs, b, tokens.clone(), pivot.clone(), pending, SYNC_FREE_ROUNDS, uniforms)
+        done = None
+    token_ids = [int(row[0]) for row in host]
+    if max_lp <= 0:
+        return SampleOutput(token_ids=token_ids, logprobs=None)
     logprobs = [
-        (row[1], [int(i) for i in row[2 : 2 + k]], row[2 + max_lp : 2 + max_lp + k])
-        for row, k in zip(packed, b.num_logprobs)
+        (row[2], [int(i) for i in row[3 : 3 + k]], row[3 + max_lp : 3 + max_lp + k])
+        for row, k in zip(host, b.num_logprobs)
     ]
     return SampleOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def _to_host(logits: torch.Tensor, tokens: torch.Tensor, done: torch.Tensor | None, max_lp: int) -> list[list[float]]:
+    """One host copy of what the result needs, a row per request: token id,
+    done flag, and with logprobs the chosen token's logprob, the top ids and
+    the top logprobs (ids are exact in float32 below 2^24)."""
+    cols = [tokens[:, None].to(torch.float32), (done if done is not None else tokens >= 0)[:, None].to(torch.float32)]
+    if max_lp > 0:
+        # Logprobs of the model's own distribution, before temperature and
+        # filtering, as OpenAI-style APIs report them.
+        all_lp = logits.log_softmax(-1)  # [n, vocab]
+        top_lp, top_ids = all_lp.topk(max_lp, dim=-1)  # [n, max_lp]
+        cols += [all_lp.gather(1, tokens[:, None]), top_ids.to(torch.float32), top_lp]
+    return torch.cat(cols, 1).tolist()

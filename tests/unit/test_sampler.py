@@ -163,22 +163,25 @@ def test_mixed_rows_each_follow_their_own_settings():
         assert_matches(freq, reference_probs(logits, c), n, f"row with {c}")
 
 
-def test_sync_free_rounds_draw_the_same_tokens(monkeypatch):
-    """The GPU path's fixed rejection rounds, run here on CPU tensors that
-    claim to be on CUDA, pick exactly the CPU loop's tokens."""
+@pytest.mark.parametrize("sync_free_rounds", [1, 3])
+def test_sync_free_rounds_draw_the_same_tokens(monkeypatch, sync_free_rounds):
+    """The GPU path (fixed rejection rounds, then one host copy, then the
+    loop for rows still drawing), run here on CPU tensors that claim to be
+    on CUDA, picks exactly the CPU path's tokens and logprobs."""
+    monkeypatch.setattr(sampler_mod, "SYNC_FREE_ROUNDS", sync_free_rounds)
     logits = torch.randn(500, 64, generator=torch.Generator().manual_seed(2)) * 3
-    rows = [settings(seed=i, top_p=0.3 + 0.6 * (i % 3) / 2) for i in range(500)]
+    rows = [settings(seed=i, top_p=0.3 + 0.6 * (i % 3) / 2, temperature=0.0 if i % 7 == 0 else 1.0,
+                     logprobs=i % 3) for i in range(500)]
     batch = SamplingBatch.from_settings(rows, list(range(500)), vocab_size=64)
-    probs = (logits / batch.temperature[:, None]).softmax(-1)
-    want = sampler_mod._draw(probs, batch)
+    want = sample(logits, batch)
 
     class CudaLike(torch.Tensor):
         @property
         def is_cuda(self):
             return True
 
-    got = sampler_mod._draw(probs.as_subclass(CudaLike), batch)
-    assert torch.equal(got.as_subclass(torch.Tensor), want)
+    got = sample(logits.as_subclass(CudaLike), batch)
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
 
 
 def test_sampling_follows_the_distribution():

@@ -14,8 +14,8 @@ class FakeScheduler:
     prefill in chunks, get blocks one at a time as they grow, and finish
     after their own number of tokens."""
 
-    def __init__(self, runner, next_block=0):
-        self.runner, self.next_block, self.step = runner, next_block, 0
+    def __init__(self, runner):
+        self.runner, self.next_block, self.step = runner, 0, 0
         self.waiting: list[tuple[int, int, list[int], int]] = []  # (join step, handle, prompt, max_new)
         self.live: dict[int, dict] = {}
         self.outputs: dict[int, list[int]] = {}

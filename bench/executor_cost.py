@@ -91,7 +91,9 @@ class StandInModel(nn.Module):
         super().__init__()
         self.logits = logits  # [rows, vocab]
         self.cfg = type("Cfg", (), {"vocab_size": logits.shape[1]})()
-        # The runner reads the RoPE table's length as max_model_len.
+        # Where runners read max_model_len from: max_len (multi-family
+        # models) or the RoPE table's length (the Llama-only model before).
+        self.max_len = max_len
         self.register_buffer("rope_cos", torch.empty(max_len, 0), persistent=False)
 
     def forward(self, input_ids, positions, kv_caches, meta, backend):

@@ -64,8 +64,9 @@ class ModelRunner:
         self.fail_on_token = fail_on_token  # fault injection for tests; -1 = off
         self.kv_caches = pool.layer_caches()
         self.vocab_size = model.cfg.vocab_size
-        # Positions past the RoPE table cannot be computed.
-        self.max_model_len = max_model_len or model.rope_cos.shape[0]
+        # Positions past the model's RoPE tables cannot be computed: max_len
+        # on main's multi-family CausalLM, the table length on this Llama.
+        self.max_model_len = max_model_len or getattr(model, "max_len", None) or model.rope_cos.shape[0]
         self.rows = RequestRows(self.max_model_len, pool.block_size, device)
         # Decode steps replay captured graphs (cuda_graphs.py); the caller
         # decides whether the device and backend allow it.

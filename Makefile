@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # takes it from there instead of a multi-GB CUDA build from the index.
 PIP_FIND := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-.PHONY: install serve test protos bench-kernels clean
+.PHONY: install serve test protos bench-kernels gpu-check clean
 
 install: $(STAMP)
 
@@ -32,6 +32,11 @@ protos: $(STAMP)
 
 bench-kernels: $(STAMP)
 	$(BIN)/python -m bench.kernels
+
+# GPU tests, P8 and an end-to-end bench (Triton, CUDA graphs on and off),
+# JSON under bench_results/gpu/; fails at once without a CUDA device.
+gpu-check: $(STAMP)
+	$(BIN)/python -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -37,6 +37,10 @@ class ExecutorSettings(BaseSettings):
     # (the Triton kernels in kernels/; CUDA, or CPU only under
     # TRITON_INTERPRET=1, for tests) or auto = triton on CUDA, else torch.
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # CUDA graphs for decode steps: auto = on when the device is CUDA and
+    # the attention backend is triton (the torch backend splits batches on
+    # the host, which a graph cannot replay), else off.
+    cuda_graphs: Literal["auto", "off"] = "auto"
     # Intra-op CPU threads for torch; 0 = torch's default.
     num_threads: int = Field(default=0, ge=0)
     # Largest number of top logprobs a request may ask for.

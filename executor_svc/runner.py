@@ -1,10 +1,10 @@
-"""Runs one step plan: mirrors request state, builds the flattened batch,
-runs the model and samples.
+"""Runs one step plan: applies its diffs to the request rows, builds the
+flattened batch with vectorized ops over the scheduled rows, runs the model
+and samples every row at once.
 
-The executor mirrors just enough of each request to turn a diff-only plan
-into tensors: its token ids (the scheduler sends them once; the executor
-appends the tokens it samples itself), its block table (append-only) and
-how many of its tokens have KV in the cache.
+No step does work proportional to a request's context or to the blocks it
+holds: the executor's mirror of each request (request_rows.py) is updated
+from the plan's diffs, and the step's inputs are gathered from it.
 """
 
 from __future__ import annotations
@@ -12,12 +12,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.host_memory import retain_freed_memory, to_device
 from executor_svc.kv_cache import KVCachePool
 from executor_svc.model import CausalLM
-from executor_svc.sampler import SamplingSettings, sample
+from executor_svc.request_rows import PlanError, RequestRows
+from executor_svc.sampler import SamplingBatch, SamplingSettings, sample
 
 
 @dataclass(slots=True)
@@ -53,132 +57,146 @@ class StepOutput:
     sample_ns: int
 
 
-@dataclass(slots=True)
-class RequestState:
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling: SamplingSettings
-    num_output_tokens: int
-
-
-class PlanError(ValueError):
-    """The plan contradicts the executor's mirror of request state."""
-
-
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
-                 fail_on_token: int = -1):
+                 fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
         self.fail_on_token = fail_on_token  # fault injection for tests; -1 = off
         self.kv_caches = pool.layer_caches()
-        self.requests: dict[int, RequestState] = {}
+        self.vocab_size = model.cfg.vocab_size
+        # Positions past the model's RoPE tables cannot be computed.
+        self.max_model_len = max_model_len or model.max_len
+        self.rows = RequestRows(self.max_model_len, pool.block_size, device)
+        # Decode steps replay captured graphs (cuda_graphs.py); the caller
+        # decides whether the device and backend allow it.
+        self.graphs = DecodeGraphs(model, self.kv_caches, backend, device, self.rows.max_blocks) if cuda_graphs else None
+        if device.type == "cpu":
+            retain_freed_memory()
 
     def reset(self) -> None:
         """Forgets every request, e.g. when a new scheduler connects."""
-        self.requests.clear()
+        self.rows.reset()
 
-    def _apply_diffs(self, step: StepInput) -> list[tuple[int, int]]:
+    def _apply_diffs(self, step: StepInput) -> tuple[np.ndarray, np.ndarray]:
+        """Updates the rows; returns the scheduled rows and their token counts."""
+        rows = self.rows
         for h in step.finished_handles:
-            self.requests.pop(h, None)
-        scheduled: list[tuple[int, int]] = []
+            rows.finish(h)
+        scheduled: list[int] = []
+        counts: list[int] = []
+        written: list[np.ndarray] = []
         for new in step.new_requests:
-            self.requests[new.handle] = RequestState(
-                token_ids=list(new.token_ids),
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                sampling=new.sampling,
-                num_output_tokens=new.num_output_tokens,
-            )
-            scheduled.append((new.handle, new.num_scheduled_tokens))
-        for h, b in zip(step.new_block_handles, step.new_block_ids):
-            self._get(h).block_ids.append(b)
-        scheduled.extend(zip(step.cached_handles, step.cached_num_scheduled_tokens))
-        return scheduled
+            row, flat = rows.add(new.handle, new.token_ids, new.block_ids, new.num_computed_tokens, new.sampling,
+                                 new.num_output_tokens)
+            scheduled.append(row)
+            counts.append(new.num_scheduled_tokens)
+            written.append(flat)
+        if step.new_block_handles:
+            written.append(np.array([rows.append_block(h, b) for h, b in zip(step.new_block_handles, step.new_block_ids)],
+                                    dtype=np.int64))
+        if written:
+            rows.sync_block_table(np.concatenate(written))
+        scheduled.extend(rows.row_of(h) for h in step.cached_handles)
+        counts.extend(step.cached_num_scheduled_tokens)
+        return np.array(scheduled, dtype=np.int64), np.array(counts, dtype=np.int64)
 
-    def _get(self, handle: int) -> RequestState:
-        try:
-            return self.requests[handle]
-        except KeyError:
-            raise PlanError(f"plan names request handle {handle}, which the executor does not hold") from None
+    def _check(self, rows: np.ndarray, q: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
+        r = self.rows
+        bad = (q <= 0) | (end > r.num_tokens[rows])
+        if bad.any():
+            i = int(bad.argmax())
+            raise PlanError(f"handle {r.handle[rows[i]]}: {q[i]} tokens scheduled after {start[i]} computed, "
+                            f"but it has {r.num_tokens[rows[i]]}")
+        bad = -(-end // r.block_size) > r.num_blocks[rows]
+        if bad.any():
+            i = int(bad.argmax())
+            raise PlanError(f"handle {r.handle[rows[i]]}: block table of {r.num_blocks[rows[i]]} blocks "
+                            f"cannot hold {end[i]} tokens")
+        if end.max() > r.max_model_len:
+            i = int(end.argmax())
+            raise PlanError(f"handle {r.handle[rows[i]]}: position {end[i] - 1} is past max_model_len {r.max_model_len}")
+        if len(rows) > 1 and (rows[1:] == rows[:-1]).any():  # rows are sorted
+            raise PlanError("plan schedules a request twice in one step")
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         t0 = time.perf_counter_ns()
-        scheduled = self._apply_diffs(step)
-        if not scheduled:
+        rows, q = self._apply_diffs(step)  # [n] each
+        if not len(rows):
             return StepOutput(step.step_id, [], [], None, time.perf_counter_ns() - t0, 0, 0)
+        # The batch runs in row order: when its rows are contiguous, as in a
+        # steady decode, the block table is a view of the persistent one.
+        order = np.argsort(rows, kind="stable")
+        rows, q = rows[order], q[order]
+        r, dev, block_size = self.rows, self.device, self.pool.block_size
+        start = r.num_computed[rows]
+        end = start + q
+        self._check(rows, q, start, end)
 
-        block_size = self.pool.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        req_index: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sample_reqs: list[tuple[int, RequestState]] = []
-        for r, (handle, n) in enumerate(scheduled):
-            st = self._get(handle)
-            start, end = st.num_computed_tokens, st.num_computed_tokens + n
-            if n <= 0 or end > len(st.token_ids):
-                raise PlanError(
-                    f"handle {handle}: {n} tokens scheduled after {start} computed, but it has {len(st.token_ids)}"
-                )
-            if -(-end // block_size) > len(st.block_ids):
-                raise PlanError(f"handle {handle}: block table of {len(st.block_ids)} blocks cannot hold {end} tokens")
-            input_ids.extend(st.token_ids[start:end])
-            positions.extend(range(start, end))
-            req_index.extend([r] * n)
-            query_lens.append(n)
-            seq_lens.append(end)
-            tables.append(st.block_ids)
-            if end == len(st.token_ids):  # prompt fully computed: this row samples
-                sample_rows.append(len(input_ids) - 1)
-                sample_reqs.append((handle, st))
-
-        if self.fail_on_token >= 0 and self.fail_on_token in input_ids:
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        num_tokens = int(cu[-1])
+        if num_tokens == len(rows):  # decode only
+            positions, tok_rows = start, rows  # [num_tokens]
+        else:
+            positions = np.arange(num_tokens) - np.repeat(cu[:-1] - start, q)  # [num_tokens]
+            tok_rows = np.repeat(rows, q)
+        input_ids = r.token_ids.reshape(-1)[tok_rows * r.width + positions]  # [num_tokens] int32
+        if self.fail_on_token >= 0 and (input_ids == self.fail_on_token).any():
             raise RuntimeError(f"injected fault: batch holds token {self.fail_on_token}")
-        dev = self.device
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-        positions_t = torch.tensor(positions, dtype=torch.long)
-        req_index_t = torch.tensor(req_index, dtype=torch.long)
-        # slot = block_table[req, pos // block_size] * block_size + pos % block_size
-        slot_mapping = block_tables[req_index_t, positions_t // block_size].long() * block_size + positions_t % block_size
-        cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        # slot = block_table[row, pos // block_size] * block_size + pos % block_size
+        slots = r.block_table_host.reshape(-1)[tok_rows * r.max_blocks + positions // block_size]
+        slot_mapping = slots.astype(np.int64) * block_size + positions % block_size  # [num_tokens]
+        samples = end == r.num_tokens[rows]  # prompt fully computed: this row samples
+        sample_rows = rows[samples]
+        sample_tokens = cu[1:][samples] - 1  # index of each sampling row's last token
+
+        max_blocks = int(-(-end.max() // block_size))
+        first = int(rows[0])
+        if int(rows[-1]) - first + 1 == len(rows):
+            block_tables = r.block_table[first : first + len(rows), :max_blocks]  # [n, max_blocks] view
+        else:
+            block_tables = r.block_table[to_device(rows, dev), :max_blocks]  # [n, max_blocks]
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
-            cu_query_lens=cu.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
+            slot_mapping=to_device(slot_mapping, dev),
+            cu_query_lens=to_device(cu.astype(np.int32), dev),
+            seq_lens=to_device(end.astype(np.int32), dev),
+            block_tables=block_tables,
+            query_lens_host=q.tolist(),
+            seq_lens_host=end.tolist(),
         )
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        ids_t = to_device(input_ids.astype(np.int64), dev)
+        positions_t = to_device(positions, dev)
         t1 = time.perf_counter_ns()
 
-        hidden = self.model(ids_t, positions_t.to(dev), self.kv_caches, meta, self.backend)  # [num_tokens, hidden]
         logits = None
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])  # [num_sampled, vocab]
+        if self.graphs is not None and num_tokens == len(sample_rows) == len(rows) <= self.graphs.max_batch:
+            logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
+        else:
+            hidden = self.model(ids_t, positions_t, self.kv_caches, meta, self.backend)  # [num_tokens, hidden]
+            if len(sample_rows):
+                if len(sample_rows) < num_tokens:
+                    hidden = hidden[to_device(sample_tokens, dev)]
+                logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
         if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+            torch.cuda.synchronize(dev)  # so forward_ns is the forward's time, not its launch
         t2 = time.perf_counter_ns()
 
-        for st, (_, n) in zip((self.requests[h] for h, _ in scheduled), scheduled):
-            st.num_computed_tokens += n
+        r.num_computed[rows] = end
         handles: list[int] = []
         tokens: list[int] = []
         logprobs = None
         if logits is not None:
-            out = sample(logits, [st.sampling for _, st in sample_reqs], [st.num_output_tokens for _, st in sample_reqs])
-            for (handle, st), tok in zip(sample_reqs, out.token_ids):
-                st.token_ids.append(tok)
-                st.num_output_tokens += 1
-                handles.append(handle)
-                tokens.append(tok)
-            logprobs = out.logprobs
+            batch = SamplingBatch.from_arrays(
+                r.temperature[sample_rows], r.top_p[sample_rows], r.top_k[sample_rows], r.seed[sample_rows],
+                r.seeded[sample_rows], r.num_output[sample_rows], r.num_logprobs[sample_rows], dev, self.vocab_size,
+            )
+            out = sample(logits, batch)
+            tokens, logprobs = out.token_ids, out.logprobs
+            n_known = r.num_tokens[sample_rows]
+            r.token_ids[sample_rows, n_known] = tokens
+            r.num_tokens[sample_rows] = n_known + 1
+            r.num_output[sample_rows] += 1
+            handles = r.handle[sample_rows].tolist()
         t3 = time.perf_counter_ns()
         return StepOutput(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2)

@@ -42,6 +42,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def use_cuda_graphs(setting: str, device: torch.device, backend_name: str) -> bool:
+    """EXECUTOR_CUDA_GRAPHS=auto: on for CUDA with the triton backend."""
+    return setting == "auto" and device.type == "cuda" and backend_name == "triton"
+
+
 class ExecutorService(pb_grpc.ExecutorServicer):
     def __init__(self, settings: ExecutorSettings, tracing: Tracing):
         if settings.num_threads:
@@ -59,10 +64,22 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         num_blocks = pool_num_blocks(self.cfg, settings.block_size, self.dtype, self.device,
                                      settings.num_kv_blocks, settings.kv_cache_memory_mb)
         self.pool = KVCachePool(self.cfg, num_blocks, settings.block_size, self.device, self.dtype)
-        self.runner = ModelRunner(
-            model, self.pool, make_backend(settings.attention_backend, self.device), self.device,
-            fail_on_token=settings.debug_fail_on_token,
-        )
+        backend = make_backend(settings.attention_backend, self.device)
+        self.cuda_graphs = use_cuda_graphs(settings.cuda_graphs, self.device, backend.name)
+        try:
+            self.runner = ModelRunner(model, self.pool, backend, self.device,
+                                      fail_on_token=settings.debug_fail_on_token, cuda_graphs=self.cuda_graphs)
+        except Exception:
+            if not self.cuda_graphs:
+                raise
+            # auto may pick graphs where capture then fails (an op that
+            # cannot be captured): serve eagerly, slower but correct.
+            log.exception("CUDA graph capture failed; running decode steps eagerly")
+            self.cuda_graphs = False
+            self.runner = ModelRunner(model, self.pool, backend, self.device,
+                                      fail_on_token=settings.debug_fail_on_token)
+        log.info("CUDA graphs for decode steps: %s (EXECUTOR_CUDA_GRAPHS=%s)", "on" if self.cuda_graphs else "off",
+                 settings.cuda_graphs)
         self.instance_id = uuid.uuid4().hex
         self.telemetry = StepTelemetry(tracing)
         # One thread runs every step, in plan order, so the event loop stays

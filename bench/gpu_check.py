@@ -1,0 +1,90 @@
+"""make gpu-check: everything that needs a GPU, in one run of under 8 minutes.
+
+    python -m bench.gpu_check [--out-dir bench_results/gpu] [--num-requests 64]
+
+1. the CUDA-marked tests (pytest -m gpu), junit XML in the output folder;
+2. P8, the paged-attention kernel benchmark (python -m bench.kernels);
+3. end to end: python -m bench --launch on bench-small with the Triton
+   backend, CUDA graphs on (auto) and off, one JSON report each.
+
+Each part has its own time limit, so one that hangs cannot eat the others'
+time; summary.json records what each part did. Exits 2 at once, saying so,
+when torch sees no CUDA device, and 1 when any part fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Seconds per part; the sum stays under 8 minutes.
+LIMITS = {"pytest_gpu": 150, "kernels_p8": 120, "e2e_graphs_auto": 90, "e2e_graphs_off": 90}
+
+
+def cuda_device() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(0)
+
+
+def parts(out: Path, num_requests: int) -> dict[str, list[str]]:
+    e2e = [sys.executable, "-m", "bench", "--launch", "--model", "bench-small", "--num-requests", str(num_requests),
+           "--executor-env", "EXECUTOR_ATTENTION_BACKEND=triton", "--no-plots", "--no-progress"]
+    return {
+        "pytest_gpu": [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests",
+                       f"--junitxml={out / 'pytest_gpu.xml'}"],
+        "kernels_p8": [sys.executable, "-m", "bench.kernels", "--out", str(out / "kernels_p8.json")],
+        "e2e_graphs_auto": e2e + ["--executor-env", "EXECUTOR_CUDA_GRAPHS=auto", "--out", str(out / "e2e_graphs_auto.json")],
+        "e2e_graphs_off": e2e + ["--executor-env", "EXECUTOR_CUDA_GRAPHS=off", "--out", str(out / "e2e_graphs_off.json")],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out-dir", type=Path, default=REPO / "bench_results" / "gpu")
+    ap.add_argument("--num-requests", type=int, default=64, help="requests in each end-to-end run")
+    args = ap.parse_args(argv)
+
+    device = cuda_device()
+    if device is None:
+        print("gpu-check: torch sees no CUDA device (torch.cuda.is_available() is False); "
+              "run it on a machine with an NVIDIA GPU and a CUDA build of torch", file=sys.stderr)
+        return 2
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"device": device, "parts": {}}
+    failed = []
+    for name, cmd in parts(args.out_dir, args.num_requests).items():
+        print(f"gpu-check: {name}: {' '.join(cmd)}", flush=True)
+        t0 = time.monotonic()
+        log = args.out_dir / f"{name}.log"
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=LIMITS[name]).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        took = time.monotonic() - t0
+        summary["parts"][name] = {"command": cmd, "returncode": rc, "seconds": round(took, 1), "log": str(log)}
+        print(f"gpu-check: {name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {took:.0f} s, log {log}", flush=True)
+        if rc != 0:
+            failed.append(name)
+    for name in ("e2e_graphs_auto", "e2e_graphs_off"):
+        report = args.out_dir / f"{name}.json"
+        if report.exists():
+            s = json.loads(report.read_text())["summary"]
+            summary["parts"][name]["output_throughput"] = s["output_throughput"]
+            summary["parts"][name]["tpot_ms_p50"] = s["tpot_ms"]["p50"]
+            print(f"gpu-check: {name}: {s['output_throughput']:.0f} output tok/s, TPOT p50 {s['tpot_ms']['p50']:.2f} ms")
+    (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"gpu-check: wrote {args.out_dir / 'summary.json'}; {'FAILED: ' + ', '.join(failed) if failed else 'all passed'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

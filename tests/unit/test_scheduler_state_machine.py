@@ -4,7 +4,7 @@ budgets, and checks the block invariants after every step."""
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
@@ -16,21 +16,29 @@ from tests.factories import EOS, make_request, make_scheduler
 PREFIXES = [[], [101, 102, 103, 104, 105, 106], [101, 102, 103, 104, 201, 202, 203]]
 
 
-class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(
-        num_blocks=st.integers(4, 24),
-        block_size=st.sampled_from([1, 2, 4]),
-        max_num_seqs=st.integers(1, 6),
-        budget=st.integers(1, 24),
-        chunk=st.integers(1, 16),
-        policy=st.sampled_from(["fcfs", "priority"]),
-        caching=st.booleans(),
+# Tiny pools, block sizes and budgets, both policies, caching on and off.
+SCHEDULER_SHAPES = dict(
+    num_blocks=st.integers(4, 24),
+    block_size=st.sampled_from([1, 2, 4]),
+    max_num_seqs=st.integers(1, 6),
+    budget=st.integers(1, 24),
+    chunk=st.integers(1, 16),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    caching=st.booleans(),
+)
+
+
+def shaped_scheduler(num_blocks, block_size, max_num_seqs, budget, chunk, policy, caching):
+    return make_scheduler(
+        num_kv_blocks=num_blocks, block_size=block_size, max_model_len=64, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget, max_prefill_chunk=chunk, policy=policy, enable_prefix_caching=caching,
     )
-    def setup(self, num_blocks, block_size, max_num_seqs, budget, chunk, policy, caching):
-        self.sched = make_scheduler(
-            num_kv_blocks=num_blocks, block_size=block_size, max_model_len=64, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=budget, max_prefill_chunk=chunk, policy=policy, enable_prefix_caching=caching,
-        )
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(**SCHEDULER_SHAPES)
+    def setup(self, **shape):
+        self.sched = shaped_scheduler(**shape)
         self.admitted = []
 
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(300, 310), max_size=8),
@@ -168,35 +176,15 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
 
     MAX_IN_FLIGHT = 2
 
-    @initialize(
-        num_blocks=st.integers(4, 24),
-        block_size=st.sampled_from([1, 2, 4]),
-        max_num_seqs=st.integers(1, 6),
-        budget=st.integers(1, 24),
-        chunk=st.integers(1, 16),
-        policy=st.sampled_from(["fcfs", "priority"]),
-        caching=st.booleans(),
-    )
-    def setup(self, num_blocks, block_size, max_num_seqs, budget, chunk, policy, caching):
-        self.sched = make_scheduler(
-            num_kv_blocks=num_blocks, block_size=block_size, max_model_len=64, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=budget, max_prefill_chunk=chunk, policy=policy, enable_prefix_caching=caching,
-        )
+    @initialize(**SCHEDULER_SHAPES)
+    def setup(self, **shape):
+        self.sched = shaped_scheduler(**shape)
         self.admitted = []
         self.in_flight = []
         self.executor = ExecutorMirror()
-        self.streamed: dict[str, list[int]] = {}
+        self.streamed: dict[str, list[int]] = defaultdict(list)
 
-    @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(300, 310), max_size=8),
-          max_tokens=st.integers(1, 10), priority=st.integers(0, 3))
-    def arrive(self, prefix, suffix, max_tokens, priority):
-        prompt = prefix + suffix or [999]
-        if self.sched.fits(len(prompt), max_tokens) is not None:
-            return
-        req = make_request(prompt=prompt, max_tokens=max_tokens, priority=priority)
-        self.sched.add_request(req)
-        self.admitted.append(req)
-        self.streamed[req.request_id] = []
+    arrive = SchedulerMachine.arrive
 
     @precondition(lambda self: self.sched.requests)
     @rule(data=st.data())

@@ -312,8 +312,12 @@ class Engine:
         preempted or must forget then waits for the next plan)."""
         pool = sched.kv.pool
         allocated, released = pool.num_allocated, pool.num_released
+        queried, hits = sched.kv.num_queried_blocks, sched.kv.num_hit_blocks
         span = self.tracing.tracer.start_span("scheduler.step")
         out = sched.schedule()
+        # Admissions look up the prefix cache while planning.
+        telemetry.PREFIX_QUERIES.inc((sched.kv.num_queried_blocks - queried) * sched.config.block_size)
+        telemetry.PREFIX_HITS.inc((sched.kv.num_hit_blocks - hits) * sched.config.block_size)
         for req in out.preempted:
             self._streams[req.request_id].telemetry.on_preempted()
         if out.is_empty:
@@ -369,7 +373,6 @@ class Engine:
         out, step_span = step.out, step.span
         self._last_progress = time.monotonic()
         telemetry.STEP_DURATION.observe(elapsed)
-        queried, hits = sched.kv.num_queried_blocks, sched.kv.num_hit_blocks
         live_before = len(sched.requests)
         dropped = sched.num_dropped_tokens
         tokens = sched.update_from_output(out, convert.sampled_from_proto(result))
@@ -377,8 +380,6 @@ class Engine:
         self._emit(tokens)
         self.step_time.observe(elapsed, num_finished=live_before - len(sched.requests))
         block_size = sched.config.block_size
-        telemetry.PREFIX_QUERIES.inc((sched.kv.num_queried_blocks - queried) * block_size)
-        telemetry.PREFIX_HITS.inc((sched.kv.num_hit_blocks - hits) * block_size)
         tables = sched.kv.block_tables
         telemetry.record_load(
             len(sched.running), len(sched.waiting), sched.num_free_blocks, sched.config.num_kv_blocks,

@@ -313,8 +313,9 @@ class Engine:
         pool = sched.kv.pool
         allocated, released = pool.num_allocated, pool.num_released
         queried, hits = sched.kv.num_queried_blocks, sched.kv.num_hit_blocks
-        span = self.tracing.tracer.start_span("scheduler.step")
+        started_ns = time.time_ns()
         out = sched.schedule()
+        span = self._step_span(out, started_ns)
         # Admissions look up the prefix cache while planning.
         telemetry.PREFIX_QUERIES.inc((sched.kv.num_queried_blocks - queried) * sched.config.block_size)
         telemetry.PREFIX_HITS.inc((sched.kv.num_hit_blocks - hits) * sched.config.block_size)
@@ -328,6 +329,19 @@ class Engine:
         self._in_flight.append(InFlightStep(out, span, 0.0, pool.num_allocated - allocated,
                                             pool.num_released - released))
         return out
+
+    def _step_span(self, out: SchedulerOutput, started_ns: int) -> trace.Span:
+        """A step serves many requests, so every request's Generate span
+        links to the steps that ran it. A step that admits requests is also
+        the child of the first one's Generate span, so that request's trace
+        holds the step (and the executor's step under it) that prefilled
+        it; other steps are traces of their own."""
+        parent = None
+        if self.tracing.enabled and out.new_requests:
+            stream = self._streams.get(out.new_requests[0].request.request_id)
+            if stream is not None:
+                parent = trace.set_span_in_context(stream.telemetry.span)
+        return self.tracing.tracer.start_span("scheduler.step", context=parent, start_time=started_ns)
 
     async def _send(self, out: SchedulerOutput) -> None:
         step = self._in_flight[-1]

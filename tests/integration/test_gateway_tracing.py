@@ -1,7 +1,7 @@
 """The gateway's HTTP span is the parent of the scheduler's Generate span
-in one trace, and Generate links to the step spans (scheduler and executor)
-that ran it; all exported by the real processes to the in-test OTLP
-receiver."""
+in one trace, which also holds the scheduler step that admitted the request
+and the executor's step under it; Generate links to every step span that
+ran it. All exported by the real processes to the in-test OTLP receiver."""
 
 from __future__ import annotations
 
@@ -68,3 +68,10 @@ def test_http_span_is_the_parent_of_generate_which_links_to_scheduler_and_execut
                       and s.parent_span_id in step_ids]
     assert executor_steps, "the linked scheduler steps must have executor.step children"
     assert all(s.trace_id == steps[s.parent_span_id].trace_id for s in executor_steps)
+    # The step that admitted the request is Generate's child, so the
+    # request's own trace holds a scheduler step and the executor's under it.
+    admitting = [s for svc, s in in_trace.values() if svc == "scheduler" and s.name == "scheduler.step"
+                 and s.parent_span_id == generate[0].span_id]
+    assert len(admitting) == 1, "the admitting scheduler.step must be a child of Generate, in the HTTP trace"
+    assert [s for svc, s in in_trace.values() if svc == "executor" and s.name == "executor.step"
+            and s.parent_span_id == admitting[0].span_id], "the executor's step must be in the HTTP trace too"

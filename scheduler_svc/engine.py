@@ -285,12 +285,14 @@ class Engine:
             return
         if len(self._in_flight) < self.settings.max_plans_in_flight and sched.has_work:
             out = self._plan(sched)
-            if out is not None:
+            if not out.is_empty:
                 await self._send(out)
                 return
             if self._in_flight:
                 await self._receive(sched)
                 return
+            if out.num_preempted:
+                return  # what it freed lets the next plan run
             # Nothing runnable and nothing in flight: cannot happen while
             # every admitted request fits the pool alone; waiting here
             # instead of spinning keeps it visible.
@@ -307,9 +309,9 @@ class Engine:
         self._wakeup.clear()
         await self._wakeup.wait()
 
-    def _plan(self, sched: Scheduler) -> SchedulerOutput | None:
-        """Schedules the next step; None when it has nothing to run (what it
-        preempted or must forget then waits for the next plan)."""
+    def _plan(self, sched: Scheduler) -> SchedulerOutput:
+        """Schedules the next step. An empty one is not sent: what it must
+        tell the executor to forget waits for the next plan."""
         pool = sched.kv.pool
         allocated, released = pool.num_allocated, pool.num_released
         queried, hits = sched.kv.num_queried_blocks, sched.kv.num_hit_blocks
@@ -323,7 +325,7 @@ class Engine:
             self._streams[req.request_id].telemetry.on_preempted()
         if out.is_empty:
             span.end()
-            return None
+            return out
         for req, _ in out.scheduled():
             self._streams[req.request_id].telemetry.on_scheduled(span)
         self._in_flight.append(InFlightStep(out, span, 0.0, pool.num_allocated - allocated,

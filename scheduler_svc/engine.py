@@ -516,7 +516,6 @@ class Engine:
         Results of plans in flight will never come; their requests are
         requeued with everything else."""
         log.warning("executor lost: %s", reason)
-        self._lost_reason = None
         self.connected = False
         self._update_health()
         if self._health_watch is not None:

@@ -35,6 +35,14 @@ def shaped_scheduler(num_blocks, block_size, max_num_seqs, budget, chunk, policy
     )
 
 
+def assert_drained(sched, admitted) -> None:
+    """After teardown ran the scheduler dry: everyone finished, nothing leaked."""
+    assert not sched.has_work, "every admitted request finishes"
+    assert all(r.status.is_finished for r in admitted)
+    assert sched.num_free_blocks == sched.config.num_kv_blocks, "nothing leaks"
+    assert not sched.kv.block_tables
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(**SCHEDULER_SHAPES)
     def setup(self, **shape):
@@ -125,10 +133,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             out = sched.schedule()
             sampled = [(h, 7, None) for h in out.sampling_handles()]
             sched.update_from_output(out, sampled)
-        assert not sched.has_work, "every admitted request finishes"
-        assert all(r.status.is_finished for r in self.admitted)
-        assert sched.num_free_blocks == sched.config.num_kv_blocks, "nothing leaks"
-        assert not sched.kv.block_tables
+        assert_drained(sched, self.admitted)
 
 
 SchedulerMachine.TestCase.settings = settings(
@@ -272,10 +277,7 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
             if self.in_flight:
                 out = self.in_flight.pop(0)
                 sched.update_from_output(out, [(h, 7, None) for h in self.executor.run(out)])
-        assert not sched.has_work, "every admitted request finishes"
-        assert all(r.status.is_finished for r in self.admitted)
-        assert sched.num_free_blocks == sched.config.num_kv_blocks, "nothing leaks"
-        assert not sched.kv.block_tables
+        assert_drained(sched, self.admitted)
 
 
 PipelinedSchedulerMachine.TestCase.settings = settings(

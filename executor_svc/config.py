@@ -41,6 +41,17 @@ class ExecutorSettings(BaseSettings):
     # the attention backend is triton (the torch backend splits batches on
     # the host, which a graph cannot replay), else off.
     cuda_graphs: Literal["auto", "off"] = "auto"
+    # Tensor parallelism: one executor spread over this many ranks (one
+    # device each) with torch.distributed, NCCL on CUDA and gloo on CPU.
+    # Without torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
+    # MASTER_ADDR, MASTER_PORT) rank 0 starts the other ranks itself on this
+    # node; with them, every process joins that group and WORLD_SIZE must
+    # equal this. Rank 0 alone serves gRPC. See executor_svc/tensor_parallel.py.
+    tensor_parallel_size: int = Field(default=1, ge=1, le=512)
+    # A rank that does not answer a collective within this many seconds (it
+    # died or hangs) stops the whole group, which exits non-zero: the
+    # scheduler then recomputes its requests on the restarted executor.
+    tensor_parallel_timeout_s: float = Field(default=120.0, gt=0)
     # Intra-op CPU threads for torch; 0 = torch's default.
     num_threads: int = Field(default=0, ge=0)
     # Largest number of top logprobs a request may ask for.

@@ -6,8 +6,11 @@ import asyncio
 import logging
 
 from executor_svc.config import ExecutorSettings
+from executor_svc.loading import load
 from executor_svc.model_config import UnsupportedConfig
 from executor_svc.service import ExecutorService
+from executor_svc.tensor_parallel import is_worker_rank
+from executor_svc.tp_worker import run_worker
 from llmsched import server as srv
 from llmsched.errors import StartupError, exit_with, load_settings
 from llmsched.security import server_credentials
@@ -39,7 +42,7 @@ async def serve(settings: ExecutorSettings) -> None:
     # The metrics port first: a clash then shows before the model loads.
     srv.start_metrics_server(settings.metrics_port, settings.host, "EXECUTOR_METRICS_PORT")
     tracing = setup_tracing("executor")
-    service = ExecutorService(settings, tracing)
+    service = ExecutorService(settings, tracing, load(settings))
     server, port, health = srv.create_server(
         f"{settings.host}:{settings.port}",
         "EXECUTOR_PORT",
@@ -55,7 +58,10 @@ async def serve(settings: ExecutorSettings) -> None:
     await server.start()
     await srv.set_serving(health, [SERVICE_NAME], True)
     log.info("executor listening on %s:%d", settings.host, port)
+    heartbeats = asyncio.create_task(service.heartbeats()) if service.tp else None
     await stop.wait()
+    if heartbeats:
+        heartbeats.cancel()
     log.info("shutting down")
     service.stopping = True
     await srv.set_serving(health, [SERVICE_NAME], False)
@@ -69,7 +75,10 @@ def main() -> None:
     try:
         settings = load_settings(ExecutorSettings)
         srv.setup_logging(settings.log_level)
-        asyncio.run(serve(settings))
+        if is_worker_rank(settings):
+            run_worker(load(settings))  # tensor-parallel rank > 0: no gRPC, no metrics
+        else:
+            asyncio.run(serve(settings))
     except StartupError as exc:
         exit_with("executor", exc)
     except UnsupportedConfig as exc:

@@ -3,12 +3,14 @@
 Weights are not read here: `Checkpoint.tensors()` yields them one at a time
 (safetensors files are opened lazily, shard by shard), so the model can be
 filled without ever holding a second copy of them in host memory.
+`Checkpoint.lazy_tensors()` goes further and reads nothing until asked, and
+then only the part asked for: a tensor-parallel rank reads its own slices.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,40 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from llmsched.errors import StartupError
+
+
+@dataclass(frozen=True, slots=True)
+class LazyTensor:
+    """A checkpoint tensor not read yet. `rows()` narrows it without reading
+    (families split fused tensors with it); `read()` reads it, or one
+    [start, stop) range of one dim, and nothing else."""
+
+    shape: tuple[int, ...]
+    _read: Callable[[tuple[slice, ...] | None], torch.Tensor]  # None = the whole stored tensor
+    row_offset: int = 0  # where this tensor's rows start in the stored one
+    narrowed: bool = False  # made by rows(): a part of the stored tensor
+
+    @staticmethod
+    def of(t: torch.Tensor) -> LazyTensor:
+        return LazyTensor(tuple(t.shape), lambda index: t if index is None else t[index])
+
+    def rows(self, start: int, length: int) -> LazyTensor:
+        return LazyTensor((length, *self.shape[1:]), self._read, self.row_offset + start, narrowed=True)
+
+    def read(self, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        if dim is None and not self.narrowed:
+            return self._read(None)
+        index = [slice(0, n) for n in self.shape]
+        index[0] = slice(self.row_offset, self.row_offset + self.shape[0])
+        if dim is not None:
+            base = self.row_offset if dim == 0 else 0
+            index[dim] = slice(base + start, base + stop)
+        return self._read(tuple(index))
+
+
+def _stored(f, name: str) -> LazyTensor:
+    part = f.get_slice(name)
+    return LazyTensor(tuple(part.get_shape()), lambda index: f.get_tensor(name) if index is None else part[index])
 
 
 @dataclass(slots=True)
@@ -29,10 +65,16 @@ class Checkpoint:
     in_memory: dict[str, torch.Tensor] | None = None  # built-ins: HF-named tensors
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) pairs; each shard is closed (unmapped) before
-        the next opens."""
+        """(HF name, tensor) pairs, read one at a time."""
+        for name, lazy in self.lazy_tensors():
+            yield name, lazy.read()
+
+    def lazy_tensors(self) -> Iterator[tuple[str, LazyTensor]]:
+        """(HF name, unread tensor) pairs. Each must be read before the next
+        is taken: a shard is closed (unmapped) before the next opens."""
         if self.in_memory is not None:
-            yield from self.in_memory.items()
+            for name, t in self.in_memory.items():
+                yield name, LazyTensor.of(t)
             return
         for shard in self.shards:
             try:
@@ -41,7 +83,7 @@ class Checkpoint:
                 raise StartupError(f"{shard}: unreadable safetensors file ({exc})") from None
             with f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, _stored(f, name)
 
     @property
     def state_dict(self) -> dict[str, torch.Tensor]:

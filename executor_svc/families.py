@@ -13,13 +13,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from executor_svc.checkpoint import LazyTensor
 from executor_svc.model_config import (
     COMMON_IGNORED, FULL, SLIDING, ConfigReader, ModelConfig, RopeSpec, UnsupportedConfig, eos_ids, rope_spec,
 )
-
-Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -35,7 +32,7 @@ class Family:
     # Family keys that do not change inference, and why.
     ignored: dict[str, str] = field(default_factory=dict)
     # One checkpoint tensor -> the decoder's parameters it fills.
-    rename: Callable[[str, Tensor, ModelConfig], Iterator[tuple[str, Tensor]]] | None = None
+    rename: Callable[[str, LazyTensor, ModelConfig], Iterator[tuple[str, LazyTensor]]] | None = None
     # Multimodal architectures whose text model is this family: served text-only.
     multimodal: tuple[str, ...] = ()
 
@@ -175,17 +172,21 @@ def read_phi3(r: ConfigReader, c: dict[str, Any]) -> dict[str, Any]:
     return dict(layer_types=(kind,) * c["num_layers"], sliding_window=window, rope={kind: rope})
 
 
-def split_phi3(name: str, t: Tensor, cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
-    """Phi-3 stores q/k/v and gate/up fused; the decoder keeps them apart."""
+def split_phi3(name: str, t: LazyTensor, cfg: ModelConfig) -> Iterator[tuple[str, LazyTensor]]:
+    """Phi-3 stores q/k/v and gate/up fused; the decoder keeps them apart.
+    Split without reading, so a tensor-parallel rank still reads only its
+    own rows of each part."""
     if name.endswith("self_attn.qkv_proj.weight"):
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         prefix = name.removesuffix("qkv_proj.weight")
-        yield from zip((prefix + f"{p}_proj.weight" for p in "qkv"), t.split([q, kv, kv], dim=0))
+        yield prefix + "q_proj.weight", t.rows(0, q)
+        yield prefix + "k_proj.weight", t.rows(q, kv)
+        yield prefix + "v_proj.weight", t.rows(q + kv, kv)
     elif name.endswith("mlp.gate_up_proj.weight"):
         prefix = name.removesuffix("gate_up_proj.weight")
-        gate, up = t.chunk(2, dim=0)
-        yield prefix + "gate_proj.weight", gate
-        yield prefix + "up_proj.weight", up
+        half = t.shape[0] // 2
+        yield prefix + "gate_proj.weight", t.rows(0, half)
+        yield prefix + "up_proj.weight", t.rows(half, half)
     else:
         yield name, t
 
@@ -209,7 +210,7 @@ def text_model_config(cfg: dict[str, Any], arch: str, model_type: str) -> dict[s
     return text
 
 
-def text_weights_only(name: str, t: Tensor, cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
+def text_weights_only(name: str, t: LazyTensor, cfg: ModelConfig) -> Iterator[tuple[str, LazyTensor]]:
     """Multimodal checkpoints keep the text model under language_model
     (transformers 5: model.language_model.*, 4: language_model.model.*);
     the vision tower and projector are not loaded."""

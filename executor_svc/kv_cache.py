@@ -10,18 +10,21 @@ from pathlib import Path
 import torch
 
 from executor_svc.model_config import ModelConfig
+from executor_svc.sharding import Shard
 from llmsched.errors import StartupError
 
 MIB = 1024 * 1024
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, shard: Shard = Shard()) -> int:
+    """On one rank: its KV heads only."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return cfg.num_layers * 2 * block_size * shard.num_kv_heads(cfg) * cfg.head_dim * elem
 
 
-def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_mb: int) -> int:
-    return max(1, budget_mb * MIB // bytes_per_block(cfg, block_size, dtype))
+def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_mb: int,
+                          shard: Shard = Shard()) -> int:
+    return max(1, budget_mb * MIB // bytes_per_block(cfg, block_size, dtype, shard))
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
@@ -40,12 +43,12 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 def pool_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                    num_kv_blocks: int, kv_cache_memory_mb: int) -> int:
+                    num_kv_blocks: int, kv_cache_memory_mb: int, shard: Shard = Shard()) -> int:
     """The pool size the settings ask for (num_kv_blocks, else the memory
-    budget), refused by setting name when the device cannot hold it: on
-    CPU an oversized pool would otherwise be OOM-killed while zeroing."""
-    per_block = bytes_per_block(cfg, block_size, dtype)
-    num_blocks = num_kv_blocks or num_blocks_for_budget(cfg, block_size, dtype, kv_cache_memory_mb)
+    budget, per rank), refused by setting name when the device cannot hold
+    it: on CPU an oversized pool would otherwise be OOM-killed while zeroing."""
+    per_block = bytes_per_block(cfg, block_size, dtype, shard)
+    num_blocks = num_kv_blocks or num_blocks_for_budget(cfg, block_size, dtype, kv_cache_memory_mb, shard)
     free = free_memory_bytes(device)
     if free is not None and num_blocks * per_block > free:
         setting = (f"EXECUTOR_NUM_KV_BLOCKS={num_kv_blocks}" if num_kv_blocks
@@ -56,11 +59,12 @@ def pool_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, devic
 
 
 class KVCachePool:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                 shard: Shard = Shard()):
         self.num_blocks, self.block_size = num_blocks, block_size
-        # [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
+        # [num_layers, 2 (k, v), num_blocks, block_size, this rank's kv heads, head_dim]
         self.storage = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype
+            cfg.num_layers, 2, num_blocks, block_size, shard.num_kv_heads(cfg), cfg.head_dim, device=device, dtype=dtype
         )
 
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

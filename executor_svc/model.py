@@ -13,6 +13,11 @@ pieces from their ModelConfig (see executor_svc/families.py):
   Phi-3     partial rotary dims (its fused weights are split at load)
 
 Parameter names match Hugging Face's, so a checkpoint's tensors load by name.
+
+Under tensor parallelism each rank builds the same modules at its shard's
+sizes (executor_svc/sharding.py) and `comm` (a tensor_parallel.TPGroup)
+sums the row-split outputs and gathers the logits; with comm None the
+model is whole and runs no collective.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.checkpoint import LazyTensor
 from executor_svc.model_config import ModelConfig
+from executor_svc.sharding import Shard
 
 
 class RMSNorm(nn.Module):
@@ -75,13 +82,14 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads(cfg), shard.num_kv_heads(cfg), cfg.head_dim
         self.scale = cfg.attn_scale
         self.sliding_window = cfg.layer_window(layer)
         self.softcap = cfg.attn_softcap
-        h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.comm = comm
+        h, q, kv = cfg.hidden_size, self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.q_proj = nn.Linear(h, q, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(h, kv, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, kv, bias=cfg.qkv_bias)
@@ -102,26 +110,30 @@ class Attention(nn.Module):
         backend.write_kv(k, v, k_cache, v_cache, meta)
         o = backend.attend(q, k_cache, v_cache, meta, self.scale,
                            sliding_window=self.sliding_window, softcap=self.softcap)  # [num_tokens, heads, head_dim]
-        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+        out = self.o_proj(o.reshape(n, self.num_heads * self.head_dim))  # this rank's heads' share
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard, comm):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = shard.intermediate_size(cfg)
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.act = ACTIVATIONS[cfg.hidden_act]
+        self.comm = comm
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # this rank's units' share
+        return out if self.comm is None else self.comm.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer, shard, comm)
+        self.mlp = MLP(cfg, shard, comm)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
 
@@ -135,8 +147,8 @@ class SandwichDecoderLayer(DecoderLayer):
     add, so post_attention_layernorm normalises the attention output rather
     than the MLP input, and the MLP gets its own pre/post pair."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__(cfg, layer)
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm):
+        super().__init__(cfg, layer, shard, comm)
         self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
 
@@ -147,20 +159,20 @@ class SandwichDecoderLayer(DecoderLayer):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard, comm):
         super().__init__()
         layer_cls = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(shard.padded_vocab(cfg) // shard.size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(cfg, i, shard, comm) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg, cfg.hidden_size)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_len: int):
+    def __init__(self, cfg: ModelConfig, max_len: int, shard: Shard = Shard(), comm=None):
         super().__init__()
-        self.cfg, self.max_len = cfg, max_len
-        self.model = DecoderBody(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cfg, self.max_len, self.shard, self.comm = cfg, max_len, shard, comm
+        self.model = DecoderBody(cfg, shard, comm)
+        self.lm_head = nn.Linear(cfg.hidden_size, shard.padded_vocab(cfg) // shard.size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer type -> cos, sin; set by init_rope
@@ -186,7 +198,7 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Returns the final normed hidden states, [num_tokens, hidden]."""
-        x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        x = self._embed(input_ids)  # [num_tokens, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         # per layer type: [num_tokens, 1, rotary_dim] each
@@ -195,26 +207,47 @@ class CausalLM(nn.Module):
             x = layer(x, *rope[layer_type], k_cache, v_cache, meta, backend)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_sampled, hidden] -> [num_sampled, vocab] in fp32
-        logits = self.lm_head(hidden)
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return self.model.embed_tokens(input_ids)
+        # This rank holds rows [first, end) of the vocabulary: the others'
+        # ids embed to zero here, and the sum over ranks fills them in.
+        first, end = self.shard.vocab_range(self.cfg)
+        local = input_ids - first
+        outside = (local < 0) | (local >= end - first)
+        x = self.model.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(1), 0)
+        return self.comm.all_reduce(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [num_sampled, hidden] -> [num_sampled, vocab] in fp32. Under
+        tensor parallelism only rank 0 gets them (it samples): None elsewhere."""
+        logits = self.lm_head(hidden)  # [num_sampled, padded vocab / size]
+        if self.comm is not None:
+            logits = self.comm.gather_logits(logits)
+            if logits is None:
+                return None
+            logits = logits[:, : self.cfg.vocab_size]  # padding rows are never sampled
         if self.cfg.final_softcap is not None:
             c = self.cfg.final_softcap
             logits = torch.tanh(logits / c) * c
         return logits.float()
 
 
-def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
-                max_len: int, device: torch.device, dtype: torch.dtype) -> CausalLM:
+def build_model(cfg: ModelConfig,
+                tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]] | dict[str, torch.Tensor],
+                max_len: int, device: torch.device, dtype: torch.dtype, shard: Shard = Shard(), comm=None) -> CausalLM:
     """Fills a meta-device model one checkpoint tensor at a time, each moved
     to device and dtype as it arrives, so the host never holds more than one
-    copy of the weights. Every parameter must come from the checkpoint, and
+    copy of the weights; given LazyTensors, a tensor-parallel rank reads only
+    its shard of each. Every parameter must come from the checkpoint, and
     every checkpoint tensor must land somewhere."""
     from executor_svc.families import family_of
 
     with torch.device("meta"):
-        model = CausalLM(cfg, max_len)
-    expected = {name for name, _ in model.named_parameters()}
+        model = CausalLM(cfg, max_len, shard, comm)
+        whole_model = model if shard.size == 1 else CausalLM(cfg, max_len)
+    # Checkpoint tensors are whole: check them against the unsharded shapes.
+    expected = {name: tuple(p.shape) for name, p in whole_model.named_parameters()}
     rename = family_of(cfg).rename
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -223,20 +256,21 @@ def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]] | 
             continue  # recomputed from the config
         if cfg.tie_word_embeddings and ckpt_name == "lm_head.weight":
             continue  # HF ignores it too: the head is the embedding matrix
-        for name, t in (rename(ckpt_name, tensor, cfg) if rename else [(ckpt_name, tensor)]):
+        lazy = tensor if isinstance(tensor, LazyTensor) else LazyTensor.of(tensor)
+        for name, whole in (rename(ckpt_name, lazy, cfg) if rename else [(ckpt_name, lazy)]):
             if name not in expected:
                 unexpected.append(name)
                 continue
+            if whole.shape != expected[name]:
+                raise ValueError(f"{name}: checkpoint shape {whole.shape}, config implies {expected[name]}")
             module_name, _, leaf = name.rpartition(".")
             module = model.get_submodule(module_name)
-            if tuple(t.shape) != tuple(getattr(module, leaf).shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)}, config implies "
-                                 f"{tuple(getattr(module, leaf).shape)}")
+            t = shard.read(name, whole, cfg)
             # Always a copy: safetensors hands out views of the mmapped file,
             # which would keep the served weights tied to files on disk.
             setattr(module, leaf, nn.Parameter(t.to(device=device, dtype=dtype, copy=True), requires_grad=False))
             loaded.add(name)
-    missing = sorted(expected - loaded)
+    missing = sorted(expected.keys() - loaded)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the {cfg.architecture} layout: "
                          f"missing={missing} unexpected={sorted(unexpected)}")
@@ -244,3 +278,4 @@ def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]] | 
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_rope(device, dtype)
     return model.eval()
+

@@ -59,8 +59,11 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
-                 fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False):
+                 fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False, tp=None):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
+        # tensor_parallel.TPGroup or None. Every rank runs execute() on the
+        # same plans; rank 0 alone samples and shares the ids.
+        self.tp = tp
         self.fail_on_token = fail_on_token  # fault injection for tests; -1 = off
         self.kv_caches = pool.layer_caches()
         self.vocab_size = model.cfg.vocab_size
@@ -169,7 +172,7 @@ class ModelRunner:
         positions_t = to_device(positions, dev)
         t1 = time.perf_counter_ns()
 
-        logits = None
+        logits = None  # rank 0's only, under tensor parallelism
         if self.graphs is not None and num_tokens == len(sample_rows) == len(rows) <= self.graphs.max_batch:
             logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
         else:
@@ -186,13 +189,11 @@ class ModelRunner:
         handles: list[int] = []
         tokens: list[int] = []
         logprobs = None
-        if logits is not None:
-            batch = SamplingBatch.from_arrays(
-                r.temperature[sample_rows], r.top_p[sample_rows], r.top_k[sample_rows], r.seed[sample_rows],
-                r.seeded[sample_rows], r.num_output[sample_rows], r.num_logprobs[sample_rows], dev, self.vocab_size,
-            )
-            out = sample(logits, batch)
-            tokens, logprobs = out.token_ids, out.logprobs
+        if len(sample_rows):
+            if self.tp is not None and self.tp.rank != 0:
+                tokens = self.tp.share_tokens(None, len(sample_rows))
+            else:
+                tokens, logprobs = self._sample(logits, sample_rows)
             n_known = r.num_tokens[sample_rows]
             r.token_ids[sample_rows, n_known] = tokens
             r.num_tokens[sample_rows] = n_known + 1
@@ -200,3 +201,19 @@ class ModelRunner:
             handles = r.handle[sample_rows].tolist()
         t3 = time.perf_counter_ns()
         return StepOutput(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2)
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[list[int], list | None]:
+        r = self.rows
+        try:
+            batch = SamplingBatch.from_arrays(
+                r.temperature[rows], r.top_p[rows], r.top_k[rows], r.seed[rows], r.seeded[rows], r.num_output[rows],
+                r.num_logprobs[rows], self.device, self.vocab_size,
+            )
+            out = sample(logits, batch)
+        except Exception:
+            if self.tp is not None:
+                self.tp.share_tokens(None, len(rows))  # the other ranks fail this step too
+            raise
+        if self.tp is not None:
+            self.tp.share_tokens(out.token_ids, len(rows))
+        return out.token_ids, out.logprobs

@@ -9,75 +9,34 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import torch
 
-from executor_svc.attention import make_backend
 from executor_svc.chat_template import load_chat_template
-from executor_svc.checkpoint import load_checkpoint
 from executor_svc.config import ExecutorSettings
 from executor_svc.convert import result_to_proto, step_from_proto
-from executor_svc.kv_cache import KVCachePool, pool_num_blocks
-from executor_svc.model import build_model
-from executor_svc.model_config import SLIDING, ModelConfig
-from executor_svc.runner import ModelRunner
+from executor_svc.loading import LoadedModel
+from executor_svc.model_config import SLIDING
 from executor_svc.telemetry import StepTelemetry
+from executor_svc.tensor_parallel import HEARTBEAT, RESET, STEP
 from llmsched.tracing import Tracing
 from llmsched.v1 import executor_pb2 as pb
 from llmsched.v1 import executor_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
-
-def use_cuda_graphs(setting: str, device: torch.device, backend_name: str) -> bool:
-    """EXECUTOR_CUDA_GRAPHS=auto: on for CUDA with the triton backend."""
-    return setting == "auto" and device.type == "cuda" and backend_name == "triton"
-
 
 class ExecutorService(pb_grpc.ExecutorServicer):
-    def __init__(self, settings: ExecutorSettings, tracing: Tracing):
-        if settings.num_threads:
-            torch.set_num_threads(settings.num_threads)
+    def __init__(self, settings: ExecutorSettings, tracing: Tracing, loaded: LoadedModel):
         self.settings = settings
-        self.device = resolve_device(settings.device)
-        self.dtype = resolve_dtype(settings.dtype, self.device)
-        ckpt = load_checkpoint(settings.model)
-        self.cfg = ModelConfig.from_hf(ckpt.hf_config, ckpt.generation_config)
-        self.model_name = ckpt.name
-        self.tokenizer_json = ckpt.tokenizer_json
+        self.device, self.dtype, self.cfg = loaded.device, loaded.dtype, loaded.cfg
+        self.model_name = loaded.ckpt.name
+        self.tokenizer_json = loaded.ckpt.tokenizer_json
         self.chat_template = load_chat_template(settings.model)
-        self.max_model_len = settings.max_model_len or self.cfg.max_position_embeddings
-        model = build_model(self.cfg, ckpt.tensors(), self.max_model_len, self.device, self.dtype)
-        num_blocks = pool_num_blocks(self.cfg, settings.block_size, self.dtype, self.device,
-                                     settings.num_kv_blocks, settings.kv_cache_memory_mb)
-        self.pool = KVCachePool(self.cfg, num_blocks, settings.block_size, self.device, self.dtype)
-        backend = make_backend(settings.attention_backend, self.device)
-        self.cuda_graphs = use_cuda_graphs(settings.cuda_graphs, self.device, backend.name)
-        try:
-            self.runner = ModelRunner(model, self.pool, backend, self.device,
-                                      fail_on_token=settings.debug_fail_on_token, cuda_graphs=self.cuda_graphs)
-        except Exception:
-            if not self.cuda_graphs:
-                raise
-            # auto may pick graphs where capture then fails (an op that
-            # cannot be captured): serve eagerly, slower but correct.
-            log.exception("CUDA graph capture failed; running decode steps eagerly")
-            self.cuda_graphs = False
-            self.runner = ModelRunner(model, self.pool, backend, self.device,
-                                      fail_on_token=settings.debug_fail_on_token)
+        self.max_model_len = loaded.max_model_len
+        self.pool, self.runner, self.cuda_graphs = loaded.pool, loaded.runner, loaded.cuda_graphs
+        # Rank 0 of a tensor-parallel group forwards plans and resets to the
+        # other ranks (tensor_parallel.py); None on one device.
+        self.tp = loaded.tp
+        self.tp_size = self.tp.size if self.tp else 1
         log.info("CUDA graphs for decode steps: %s (EXECUTOR_CUDA_GRAPHS=%s)", "on" if self.cuda_graphs else "off",
                  settings.cuda_graphs)
         self.instance_id = uuid.uuid4().hex
@@ -99,10 +58,10 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.stopping = False
         log.info(
             "executor %s: model=%s architecture=%s rope=%s sliding_window=%s device=%s dtype=%s kv_blocks=%d "
-            "block_size=%d max_model_len=%d",
+            "block_size=%d max_model_len=%d tensor_parallel_size=%d",
             self.instance_id, self.model_name, self.cfg.architecture, self.cfg.rope_description(),
             self.cfg.sliding_window if SLIDING in self.cfg.layer_types else None, self.device, self.dtype,
-            num_blocks, settings.block_size, self.max_model_len,
+            self.pool.num_blocks, settings.block_size, self.max_model_len, self.tp_size,
         )
         log.info("config.json keys ignored: %s", "; ".join(f"{k} ({why})" for k, why in self.cfg.ignored.items()))
 
@@ -126,11 +85,26 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             eos_token=self.chat_template.eos_token,
             architecture=self.cfg.architecture,
             rope_type=self.cfg.rope_description(),
+            tensor_parallel_size=self.tp_size,
         )
 
     def _reset(self) -> None:
-        self.runner.reset()
+        self._reset_ranks()
         self._failed_epoch = None
+
+    def _reset_ranks(self) -> None:
+        self.runner.reset()
+        if self.tp:
+            self.tp.send(RESET)
+
+    async def heartbeats(self) -> None:
+        """Rank 0 of a tensor-parallel group: keeps the idle group checked
+        (and the other ranks' waits under the timeout). Queued on the step
+        thread, so it never runs between a plan and its collectives."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.tp.timeout_s / 4)
+            await loop.run_in_executor(self._compute, self.tp.send, HEARTBEAT)
 
     def _run_step(self, plan: pb.StepPlan, step) -> pb.StepResult:
         """Runs on the step thread. `step` is the decoded plan, or the
@@ -141,14 +115,17 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             return pb.StepResult(step_id=plan.step_id, discarded=True)
         started_wall, started = time.time_ns(), time.perf_counter()
         try:
+            if self.tp:
+                # The other ranks decode and run the same plan (tp_worker.py).
+                self.tp.send(STEP, plan.SerializeToString())
             if isinstance(step, Exception):
                 raise step
             result = result_to_proto(self.runner.execute(step))
         except Exception as exc:  # the executor must survive a bad step
             log.exception("step %d failed", plan.step_id)
-            # Request state may be half-applied: forget it all, so the
-            # scheduler recomputes from a clean slate.
-            self.runner.reset()
+            # Request state may be half-applied: forget it all, on every
+            # rank, so the scheduler recomputes from a clean slate.
+            self._reset_ranks()
             self._failed_epoch = plan.epoch
             result = pb.StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
         num_tokens = sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(plan.cached_num_scheduled_tokens)
@@ -199,3 +176,5 @@ class ExecutorService(pb_grpc.ExecutorServicer):
 
     def close(self) -> None:
         self._compute.shutdown(wait=True)
+        if self.tp:
+            self.tp.shutdown()

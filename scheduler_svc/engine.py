@@ -573,6 +573,7 @@ class Engine:
             "eos_token": info.eos_token,
             "architecture": info.architecture,
             "rope_type": info.rope_type,
+            "tensor_parallel_size": info.tensor_parallel_size or 1,  # 0: an executor older than the field
         }
 
 

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from executor_svc.config import ExecutorSettings
 from executor_svc.cuda_graphs import graph_buckets
-from executor_svc.service import use_cuda_graphs
+from executor_svc.loading import use_cuda_graphs
 
 
 def test_cuda_graphs_setting_refuses_values_it_does_not_support(monkeypatch):
@@ -24,7 +24,11 @@ def test_cuda_graphs_setting_refuses_values_it_does_not_support(monkeypatch):
      ("auto", "cpu", "triton", False), ("off", "cuda", "triton", False)],
 )
 def test_auto_turns_graphs_on_only_for_cuda_with_triton(setting, device, backend, want):
-    assert use_cuda_graphs(setting, torch.device(device), backend) is want
+    assert use_cuda_graphs(setting, torch.device(device), backend, 1) is want
+
+
+def test_auto_leaves_graphs_off_under_tensor_parallelism():
+    assert use_cuda_graphs("auto", torch.device("cuda"), "triton", 2) is False
 
 
 def test_buckets_are_powers_of_two_up_to_the_largest():

@@ -1,0 +1,92 @@
+"""Start-up shared by every rank: the checkpoint's config, the device, the
+tensor-parallel group, then this rank's shard of the weights, its KV pool
+and its model runner."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from executor_svc.attention import make_backend
+from executor_svc.checkpoint import Checkpoint, load_checkpoint
+from executor_svc.config import ExecutorSettings
+from executor_svc.kv_cache import KVCachePool, pool_num_blocks
+from executor_svc.model import build_model
+from executor_svc.model_config import ModelConfig
+from executor_svc.runner import ModelRunner
+from executor_svc.sharding import Shard
+from executor_svc.tensor_parallel import TPGroup, join, rank_device
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def use_cuda_graphs(setting: str, device: torch.device, backend_name: str, tp_size: int) -> bool:
+    """EXECUTOR_CUDA_GRAPHS=auto: on for CUDA with the triton backend, on one
+    device. Under tensor parallelism decode steps run eagerly: capturing
+    the NCCL all-reduces has not been tested on a multi-GPU machine yet."""
+    return setting == "auto" and device.type == "cuda" and backend_name == "triton" and tp_size == 1
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    ckpt: Checkpoint
+    cfg: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    pool: KVCachePool
+    runner: ModelRunner
+    cuda_graphs: bool
+    tp: TPGroup | None
+
+
+def _set_threads(settings: ExecutorSettings, device: torch.device) -> None:
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
+    elif device.type == "cpu" and (local := int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) > 1:
+        # Ranks sharing this node's cores would otherwise each take them all.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def load(settings: ExecutorSettings) -> LoadedModel:
+    ckpt = load_checkpoint(settings.model)
+    cfg = ModelConfig.from_hf(ckpt.hf_config, ckpt.generation_config)
+    size = settings.tensor_parallel_size
+    device = rank_device(settings.device, int(os.environ.get("LOCAL_RANK", "0")) if size > 1 else 0, size)
+    tp = join(settings, cfg, device)
+    _set_threads(settings, device)
+    shard = tp.shard if tp else Shard()
+    dtype = resolve_dtype(settings.dtype, device)
+    max_model_len = settings.max_model_len or cfg.max_position_embeddings
+    model = build_model(cfg, ckpt.lazy_tensors(), max_model_len, device, dtype, shard, tp)
+    num_blocks = pool_num_blocks(cfg, settings.block_size, dtype, device, settings.num_kv_blocks,
+                                 settings.kv_cache_memory_mb, shard)
+    if tp:
+        # One pool for the scheduler: the size every rank can hold.
+        num_blocks = tp.min_over_ranks(num_blocks)
+    pool = KVCachePool(cfg, num_blocks, settings.block_size, device, dtype, shard)
+    backend = make_backend(settings.attention_backend, device)
+    cuda_graphs = use_cuda_graphs(settings.cuda_graphs, device, backend.name, size)
+    runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp)
+    try:
+        runner = ModelRunner(model, pool, backend, device, cuda_graphs=cuda_graphs, **runner_args)
+    except Exception:
+        if not cuda_graphs:
+            raise
+        # auto may pick graphs where capture then fails (an op that cannot
+        # be captured): serve eagerly, slower but correct.
+        log.exception("CUDA graph capture failed; running decode steps eagerly")
+        cuda_graphs = False
+        runner = ModelRunner(model, pool, backend, device, **runner_args)
+    return LoadedModel(ckpt, cfg, device, dtype, max_model_len, pool, runner, cuda_graphs, tp)

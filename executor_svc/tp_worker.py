@@ -1,0 +1,37 @@
+"""A tensor-parallel rank other than 0: it serves nothing, and runs what
+rank 0 sends over the group until told to stop (tensor_parallel.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+from executor_svc.convert import step_from_proto
+from executor_svc.loading import LoadedModel
+from executor_svc.tensor_parallel import RESET, SHUTDOWN, STEP
+from llmsched.v1 import executor_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(loaded: LoadedModel) -> None:
+    tp, runner = loaded.tp, loaded.runner
+    log.info("rank %d of %d ready on %s", tp.rank, tp.size, loaded.device)
+    while True:
+        kind, payload = tp.receive()
+        if kind == STEP:
+            plan = pb.StepPlan.FromString(payload)
+            try:
+                runner.execute(step_from_proto(plan))
+            except Exception:
+                # Rank 0 meets the same error at the same point (same plan,
+                # same state) and resets too; its RESET follows.
+                log.exception("rank %d: step %d failed", tp.rank, plan.step_id)
+                runner.reset()
+        elif kind == RESET:
+            runner.reset()
+        elif kind == SHUTDOWN:
+            log.info("rank %d stopping", tp.rank)
+            dist.destroy_process_group()
+            return

@@ -11,7 +11,15 @@ import re
 import pytest
 
 from executor_svc.config import ExecutorSettings
-from tests.deploy.deployfiles import REPO, commands, environment, exposed_ports, load_yaml, port_mappings
+from tests.deploy.deployfiles import (
+    REPO,
+    commands,
+    environment,
+    exposed_ports,
+    load_yaml,
+    port_mappings,
+    uneven_tp_splits,
+)
 from tests.deploy.test_compose import VARIANTS, model, service
 
 TP = "tp"
@@ -108,15 +116,9 @@ def test_tp_apis_are_published_on_loopback_only_and_the_executor_not_at_all():
 
 
 def test_the_default_model_splits_evenly_over_the_tp_ranks():
-    from executor_svc.builtin import BUILTIN_MODELS
-
     settings = executor_settings("nvidia")
-    spec = BUILTIN_MODELS.get(settings.model)
-    if spec is None:
-        pytest.fail(f"EXECUTOR_MODEL defaults to {settings.model!r}, not a built-in model this test can read")
-    n = settings.tensor_parallel_size
-    for field in ("num_heads", "num_kv_heads", "intermediate_size"):
-        assert getattr(spec, field) % n == 0, f"{settings.model}: {field}={getattr(spec, field)} does not split over {n} ranks"
+    uneven = uneven_tp_splits(settings.model, settings.tensor_parallel_size)
+    assert not uneven, f"{settings.model}: {uneven} do not split over {settings.tensor_parallel_size} ranks"
 
 
 def test_prometheus_scrapes_the_tp_services():

@@ -276,7 +276,7 @@ def test_each_rank_gets_torchrun_variables_for_its_place_in_the_group(worker_ind
     assert env["RANK"] == str(worker_index) and env["WORLD_SIZE"] == str(size) and env["LOCAL_RANK"] == "0", env
     leader = _pod_containers(_templates()["leader"])["executor"]
     rendezvous = {p["containerPort"] for p in leader.get("ports", []) if p["name"] == "rendezvous"}
-    assert env["MASTER_ADDR"] == _rank_env(0)["MASTER_ADDR"], "the ranks disagree on where rank 0 is"
+    assert env["MASTER_ADDR"] == env["LWS_LEADER_ADDRESS"], f"MASTER_ADDR {env['MASTER_ADDR']} is not the leader Pod"
     assert {int(env["MASTER_PORT"])} == rendezvous, f"MASTER_PORT {env['MASTER_PORT']}, rank 0 declares {rendezvous}"
     settings = {k[len("EXECUTOR_"):].lower(): v for k, v in env.items() if k.startswith("EXECUTOR_")}
     unknown = set(env) - TORCHRUN_VARS - {"LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"} - {

@@ -416,3 +416,18 @@ def imported_modules(code: str) -> list[tuple[str, list[str]]]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.module, [alias.name for alias in node.names]))
     return out
+
+
+# ------------------------------------------------------ tensor parallelism
+
+
+def uneven_tp_splits(model: str, ranks: int) -> dict[str, int]:
+    """The sizes of a built-in model that do not split over `ranks`
+    tensor-parallel ranks (heads, KV heads, MLP width); fails for a model
+    that is not built in, whose sizes these static checks cannot read."""
+    from executor_svc.builtin import BUILTIN_MODELS  # torch: only for the tests that need it
+
+    spec = BUILTIN_MODELS.get(model)
+    assert spec is not None, f"{model!r} is not a built-in model ({sorted(BUILTIN_MODELS)}): its sizes are unknown here"
+    sizes = {f: getattr(spec, f) for f in ("num_heads", "num_kv_heads", "intermediate_size")}
+    return {f: v for f, v in sizes.items() if v % ranks}

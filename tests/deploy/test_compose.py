@@ -329,7 +329,7 @@ def _python_calls_of(variant: str, svc_name: str) -> list[PythonCall]:
 def _service_commands():
     for variant in PARSED:
         for svc_name in ("executor", "scheduler", "gateway", "replica-a-executor", "replica-a-scheduler",
-                         "replica-a-gateway"):
+                         "replica-a-gateway", "tp-executor", "tp-scheduler", "tp-gateway"):
             try:
                 calls = _python_calls_of(variant, svc_name)
             except (Exception, pytest.fail.Exception) as exc:  # reported by the test, not at collection

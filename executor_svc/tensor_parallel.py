@@ -141,7 +141,7 @@ class TPGroup:
         if payload:
             self._broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), "control")
         if kind == HEARTBEAT:
-            self._all_alive()
+            self.barrier()
 
     def receive(self) -> tuple[int, bytes]:
         """Other ranks: the next control message. Rank 0 sends heartbeats
@@ -155,10 +155,10 @@ class TPGroup:
             self._broadcast(data, "control")
             payload = data.numpy().tobytes()
         if kind == HEARTBEAT:
-            self._all_alive()
+            self.barrier()
         return kind, payload
 
-    def _all_alive(self) -> None:
+    def barrier(self) -> None:
         # An all-reduce needs every rank, so a hung one times it out.
         try:
             dist.all_reduce(torch.ones(1), group=self.control)
@@ -189,15 +189,25 @@ class TPGroup:
     # -- lifetime ---------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Rank 0: stops every rank, then leaves the group."""
+        """Rank 0: stops every rank (see leave()), then leaves the group."""
         self.stopping.set()
         self.send(SHUTDOWN)
+        self.barrier()
         for p in self.workers:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
         dist.destroy_process_group()
+
+    def leave(self) -> NoReturn:
+        """Other ranks, on SHUTDOWN: exit once every rank has it. They skip
+        destroy_process_group: gloo aborts a rank (SIGABRT) whose peers
+        close their connections while it tears down its own."""
+        self.barrier()
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(0)
 
 
 def _watch(workers: list[subprocess.Popen], stopping: threading.Event) -> None:

@@ -4,8 +4,7 @@ rank 0 sends over the group until told to stop (tensor_parallel.py)."""
 from __future__ import annotations
 
 import logging
-
-import torch.distributed as dist
+from typing import NoReturn
 
 from executor_svc.convert import step_from_proto
 from executor_svc.loading import LoadedModel
@@ -15,7 +14,7 @@ from llmsched.v1 import executor_pb2 as pb
 log = logging.getLogger(__name__)
 
 
-def run_worker(loaded: LoadedModel) -> None:
+def run_worker(loaded: LoadedModel) -> NoReturn:
     tp, runner = loaded.tp, loaded.runner
     log.info("rank %d of %d ready on %s", tp.rank, tp.size, loaded.device)
     while True:
@@ -33,5 +32,4 @@ def run_worker(loaded: LoadedModel) -> None:
             runner.reset()
         elif kind == SHUTDOWN:
             log.info("rank %d stopping", tp.rank)
-            dist.destroy_process_group()
-            return
+            tp.leave()

@@ -1,0 +1,80 @@
+"""Runs one tensor-parallel rank in a fresh process for the unit tests:
+every rank drives its own model runner with the same plans (as the other
+ranks do with rank 0's), over a real gloo group, and rank 0 reports its
+greedy tokens and the logits it sampled from."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+
+import numpy as np
+
+from executor_svc.config import ExecutorSettings
+
+BLOCK = 4
+
+
+def settings_for(model: str, size: int) -> ExecutorSettings:
+    return ExecutorSettings(model=model, tensor_parallel_size=size, tensor_parallel_timeout_s=60, device="cpu",
+                            dtype="float32", attention_backend="torch", block_size=BLOCK, num_kv_blocks=512,
+                            num_threads=1)
+
+
+def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_new: int, chunk: int, results) -> None:
+    from executor_svc.loading import load
+    from tests.unit.test_runner_vs_hf import generate
+
+    if size > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    loaded = load(settings_for(model, size))
+    logits: list[np.ndarray] = []
+    compute = loaded.runner.model.compute_logits
+
+    def recording(hidden):
+        out = compute(hidden)
+        if out is not None:
+            logits.append(out.numpy().copy())
+        return out
+
+    loaded.runner.model.compute_logits = recording
+    tokens = generate(loaded.runner, prompts, max_new, chunk)
+    if rank == 0:
+        results.put((tokens, logits))
+        results.close()
+        results.join_thread()  # flushed before os._exit below
+    if loaded.tp is not None:
+        # As the service's ranks stop (TPGroup.leave): all at once, without
+        # destroy_process_group, which gloo aborts on when peers go first.
+        loaded.tp.barrier()
+        os._exit(0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_s: float = 240.0):
+    """(tokens per prompt, logits per step) from rank 0 of a group of `size`."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=generate_on_rank, args=(model, size, r, port, prompts, max_new, chunk, results))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        got = results.get(timeout=timeout_s)
+        for p in procs:
+            p.join(timeout=60)
+        codes = [p.exitcode for p in procs]
+        assert codes == [0] * size, f"rank exit codes {codes}"
+        return got
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()

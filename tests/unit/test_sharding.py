@@ -1,0 +1,100 @@
+"""The tensor-parallel split rules (executor_svc/sharding.py), without
+processes: which sizes a model allows, which rows and columns each rank
+holds, KV-head replication, vocabulary padding, and slices read from disk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from executor_svc.checkpoint import LazyTensor, load_checkpoint
+from executor_svc.model_config import ModelConfig
+from executor_svc.sharding import Shard, check_size, valid_sizes
+from llmsched.errors import StartupError
+
+
+def config(**overrides) -> ModelConfig:
+    hf = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64,
+              intermediate_size=172, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+              max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu")
+    return ModelConfig.from_hf(hf | overrides)
+
+
+def test_stories260k_shapes_allow_sizes_1_2_4():
+    assert valid_sizes(config()) == [1, 2, 4]
+
+
+def test_size_3_on_stories260k_is_refused_with_the_sizes_that_work(stories_path):
+    ckpt = load_checkpoint(str(stories_path))
+    with pytest.raises(StartupError, match=r"EXECUTOR_TENSOR_PARALLEL_SIZE=3 .*8 attention heads.*sizes that work: 1, 2, 4"):
+        check_size(ModelConfig.from_hf(ckpt.hf_config), 3)
+
+
+@pytest.mark.parametrize("size", [3, 6])
+def test_40_heads_on_3_or_6_devices_is_refused_by_name(size):
+    cfg = config(num_attention_heads=40, num_key_value_heads=8, head_dim=128, hidden_size=5120,
+                 intermediate_size=13824)
+    with pytest.raises(StartupError, match=f"SIZE={size} .*40 attention heads.*sizes that work: 1, 2, 4, 8$"):
+        check_size(cfg, size)
+
+
+def test_fewer_kv_heads_than_ranks_needs_a_multiple_of_them():
+    cfg = config(num_attention_heads=12, num_key_value_heads=3, intermediate_size=192)
+    assert valid_sizes(cfg) == [1, 3, 6, 12]  # 2 and 4 split 3 KV heads unevenly
+
+
+def test_kv_heads_are_replicated_on_the_ranks_whose_queries_use_them():
+    cfg = config()  # 8 query heads, 4 KV heads: 2 queries per KV head
+    for size in (1, 2, 4):
+        for rank in range(size):
+            shard = Shard(rank, size)
+            queries = range(rank * shard.num_heads(cfg), (rank + 1) * shard.num_heads(cfg))
+            kv = range(shard.first_kv_head(cfg), shard.first_kv_head(cfg) + shard.num_kv_heads(cfg))
+            assert {q // 2 for q in queries} == set(kv), f"size {size} rank {rank}"
+    eight = config(num_attention_heads=8, num_key_value_heads=2)
+    assert [Shard(r, 8).first_kv_head(eight) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_split_rows_columns_and_replicated_parameters():
+    cfg, shard = config(), Shard(1, 2)
+    assert shard.split("model.layers.0.self_attn.q_proj.weight", cfg) == (0, 32, 64)
+    assert shard.split("model.layers.0.self_attn.k_proj.weight", cfg) == (0, 16, 32)
+    assert shard.split("model.layers.0.self_attn.o_proj.weight", cfg) == (1, 32, 64)
+    assert shard.split("model.layers.0.mlp.up_proj.weight", cfg) == (0, 86, 172)
+    assert shard.split("model.layers.0.mlp.down_proj.weight", cfg) == (1, 86, 172)
+    assert shard.split("model.embed_tokens.weight", cfg) == (0, 256, 512)
+    for replicated in ("model.layers.0.input_layernorm.weight", "model.norm.weight",
+                       "model.layers.0.self_attn.q_norm.weight"):
+        assert shard.split(replicated, cfg) is None
+
+
+def test_vocabulary_is_padded_to_a_multiple_of_the_size_with_zero_rows():
+    cfg = config(vocab_size=510)
+    assert Shard(0, 4).padded_vocab(cfg) == 512
+    assert [Shard(r, 4).vocab_range(cfg) for r in range(4)] == [(0, 128), (128, 256), (256, 384), (384, 512)]
+    embed = torch.randn(510, 64)
+    part = Shard(3, 4).read("model.embed_tokens.weight", LazyTensor.of(embed), cfg)
+    assert part.shape == (128, 64)
+    assert torch.equal(part[:126], embed[384:]) and not part[126:].any()
+
+
+def test_a_rank_reads_only_its_slice_from_the_safetensors_file(tmp_path):
+    """get_slice, not get_tensor: a rank's read of a column split returns
+    exactly those columns of the file's tensor, and a narrowed tensor (as
+    Phi-3's fused split makes) reads only its rows."""
+    from executor_svc.checkpoint import Checkpoint
+
+    down, fused = torch.randn(64, 172), torch.randn(48, 64)
+    save_file({"model.layers.0.mlp.down_proj.weight": down, "fused": fused}, tmp_path / "m.safetensors")
+    ckpt = Checkpoint("m", {}, "", shards=(tmp_path / "m.safetensors",))
+    read = {}
+    for name, lazy in ckpt.lazy_tensors():  # each read before the next is taken, as build_model does
+        if name == "fused":
+            part = lazy.rows(16, 16)
+            assert part.shape == (16, 64)
+            read[name] = (part.read(), part.read(1, 4, 8))
+        else:
+            read[name] = Shard(1, 2).read(name, lazy, config())
+    assert torch.equal(read["model.layers.0.mlp.down_proj.weight"], down[:, 86:])
+    assert torch.equal(read["fused"][0], fused[16:32]) and torch.equal(read["fused"][1], fused[16:32, 4:8])

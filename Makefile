@@ -33,7 +33,8 @@ protos: $(STAMP)
 bench-kernels: $(STAMP)
 	$(BIN)/python -m bench.kernels
 
-# GPU tests, P8 and an end-to-end bench (Triton, CUDA graphs on and off),
+# GPU tests, P8, an end-to-end bench (Triton, CUDA graphs on and off) and
+# P13 (tensor parallelism over NCCL) where torch sees two or more GPUs,
 # JSON under bench_results/gpu/; fails at once without a CUDA device.
 gpu-check: $(STAMP)
 	$(BIN)/python -m bench.gpu_check

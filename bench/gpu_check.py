@@ -1,11 +1,14 @@
-"""make gpu-check: everything that needs a GPU, in one run of under 8 minutes.
+"""make gpu-check: everything that needs a GPU, in one run of under 9 minutes.
 
     python -m bench.gpu_check [--out-dir bench_results/gpu] [--num-requests 64]
 
 1. the CUDA-marked tests (pytest -m gpu), junit XML in the output folder;
 2. P8, the paged-attention kernel benchmark (python -m bench.kernels);
 3. end to end: python -m bench --launch on bench-small with the Triton
-   backend, CUDA graphs on (auto) and off, one JSON report each.
+   backend, CUDA graphs on (auto) and off, one JSON report each;
+4. P13, tensor parallelism over NCCL: python -m bench.tensor_parallel,
+   TP=2 against TP=1 on bench-small, only where torch sees at least two
+   CUDA devices; elsewhere summary.json records it as skipped, and why.
 
 Each part has its own time limit, so one that hangs cannot eat the others'
 time; summary.json records what each part did. Exits 2 at once, saying so,
@@ -22,8 +25,20 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Seconds per part; the sum stays under 8 minutes.
-LIMITS = {"pytest_gpu": 150, "kernels_p8": 120, "e2e_graphs_auto": 90, "e2e_graphs_off": 90}
+# Seconds per part; the sum stays under 9 minutes. pytest_gpu includes the
+# two-GPU tensor-parallel tests (two service launches) where they run.
+LIMITS = {"pytest_gpu": 170, "kernels_p8": 120, "e2e_graphs_auto": 80, "e2e_graphs_off": 80,
+          "tensor_parallel_p13": 90}
+# P13 needs this many devices (one per rank).
+P13_DEVICES = 2
+
+
+def skipped_parts(device_count: int) -> dict[str, str]:
+    """Parts this machine cannot run, with why."""
+    if device_count < P13_DEVICES:
+        return {"tensor_parallel_p13": f"needs at least {P13_DEVICES} CUDA devices for TP=2 over NCCL; "
+                                       f"torch sees {device_count}"}
+    return {}
 
 
 def cuda_device() -> str | None:
@@ -43,6 +58,10 @@ def parts(out: Path, num_requests: int) -> dict[str, list[str]]:
         "kernels_p8": [sys.executable, "-m", "bench.kernels", "--out", str(out / "kernels_p8.json")],
         "e2e_graphs_auto": e2e + ["--executor-env", "EXECUTOR_CUDA_GRAPHS=auto", "--out", str(out / "e2e_graphs_auto.json")],
         "e2e_graphs_off": e2e + ["--executor-env", "EXECUTOR_CUDA_GRAPHS=off", "--out", str(out / "e2e_graphs_off.json")],
+        # Graphs off for both sizes: a group runs decode steps eagerly.
+        "tensor_parallel_p13": [sys.executable, "-m", "bench.tensor_parallel", "--size", str(P13_DEVICES),
+                                "--num-requests", str(num_requests), "--rounds", "1", "--executor-env",
+                                "EXECUTOR_CUDA_GRAPHS=off", "--out", str(out / "tensor_parallel_p13.json")],
     }
 
 
@@ -58,9 +77,17 @@ def main(argv: list[str] | None = None) -> int:
               "run it on a machine with an NVIDIA GPU and a CUDA build of torch", file=sys.stderr)
         return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"device": device, "parts": {}}
+    import torch
+
+    device_count = torch.cuda.device_count()
+    summary: dict = {"device": device, "device_count": device_count, "parts": {}}
     failed = []
+    skipped = skipped_parts(device_count)
     for name, cmd in parts(args.out_dir, args.num_requests).items():
+        if name in skipped:
+            summary["parts"][name] = {"command": cmd, "skipped": skipped[name]}
+            print(f"gpu-check: {name}: skipped: {skipped[name]}", flush=True)
+            continue
         print(f"gpu-check: {name}: {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()
         log = args.out_dir / f"{name}.log"
@@ -81,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
             summary["parts"][name]["output_throughput"] = s["output_throughput"]
             summary["parts"][name]["tpot_ms_p50"] = s["tpot_ms"]["p50"]
             print(f"gpu-check: {name}: {s['output_throughput']:.0f} output tok/s, TPOT p50 {s['tpot_ms']['p50']:.2f} ms")
+    if summary["parts"]["tensor_parallel_p13"].get("returncode") == 0:
+        r = json.loads((args.out_dir / "tensor_parallel_p13.json").read_text())
+        summary["parts"]["tensor_parallel_p13"].update(
+            median_output_throughput=r["median_output_throughput"], ratio=r["ratio"],
+            greedy_agreement=r["greedy_agreement"])
+        print(f"gpu-check: tensor_parallel_p13: TP{P13_DEVICES}/TP1 output throughput {r['ratio']:.2f}x")
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"gpu-check: wrote {args.out_dir / 'summary.json'}; {'FAILED: ' + ', '.join(failed) if failed else 'all passed'}")
     return 1 if failed else 0

@@ -34,6 +34,8 @@ def request_record(r: RequestResult) -> dict:
         "ttft_s": _round(ttft(r.send_s, r.chunk_times)), "tpot_s": _round(tpot(r.send_s, r.chunk_times, n)),
         "e2e_s": _round(r.end_s - r.send_s),
         "chunk_times_s": [_round(t) for t in r.chunk_times], "chunk_tokens": list(r.chunk_tokens),
+        # Greedy token ids (gRPC only), so that two runs' outputs can be compared.
+        "output_ids": list(r.output_ids),
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 
 from llmsched import server as srv
@@ -63,6 +64,10 @@ async def serve(settings: SchedulerSettings) -> int:
         log.error("could not start: %s", start.exception())
         code = 1
     log.info("shutting down: draining for up to %.0fs", settings.drain_timeout_s)
+    # Shutdown is bounded (drain, then 5 s of aborts, 5 s of gRPC grace, 2 s
+    # of trace flush): should it still hang, every thread's stack goes to
+    # stderr, so the log says where.
+    faulthandler.dump_traceback_later(settings.drain_timeout_s + 20, exit=False)
     await srv.set_serving(health, [SERVICE_NAME], False)
     if start in done and start.exception() is None:
         # New calls get UNAVAILABLE; live ones finish or end with ABORT.
@@ -72,6 +77,7 @@ async def serve(settings: SchedulerSettings) -> int:
     stop_wait.cancel()
     await engine.stop()
     tracing.shutdown()
+    faulthandler.cancel_dump_traceback_later()
     return code
 
 

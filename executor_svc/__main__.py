@@ -60,13 +60,13 @@ async def serve(settings: ExecutorSettings) -> None:
     log.info("executor listening on %s:%d", settings.host, port)
     heartbeats = asyncio.create_task(service.heartbeats()) if service.tp else None
     await stop.wait()
-    if heartbeats:
-        heartbeats.cancel()
     log.info("shutting down")
     service.stopping = True
     await srv.set_serving(health, [SERVICE_NAME], False)
     # The grace period lets the step in flight finish and reach the scheduler.
     await server.stop(grace=5.0)
+    if heartbeats:
+        heartbeats.cancel()  # only now: the other ranks wait on them until the shutdown message
     service.close()
     tracing.shutdown()
 

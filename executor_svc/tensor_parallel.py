@@ -163,7 +163,7 @@ class TPGroup:
         try:
             dist.all_reduce(torch.ones(1), group=self.control)
         except Exception as exc:
-            fail_stop(f"heartbeat failed on rank {self.rank}: {exc}")
+            fail_stop(f"barrier failed on rank {self.rank}: {exc}")
 
     def share_tokens(self, tokens: list[int] | None, n: int) -> list[int]:
         """Rank 0 passes the n sampled ids (None when its sampling failed);
@@ -175,6 +175,8 @@ class TPGroup:
             t[1:] = torch.tensor(tokens, dtype=torch.int64)
         self._broadcast(t, "sampled ids")
         if not t[0]:
+            if self.rank == 0:
+                return []  # the caller re-raises its own error
             raise RuntimeError("rank 0 failed to sample this step")
         return t[1:].tolist()
 

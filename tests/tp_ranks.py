@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import socket
+import time
 
 import numpy as np
 
@@ -68,7 +70,15 @@ def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_
     for p in procs:
         p.start()
     try:
-        got = results.get(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:  # fail at once, naming the rank, when one dies first
+            try:
+                got = results.get(timeout=0.5)
+                break
+            except queue.Empty:
+                dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+                assert not dead, f"ranks exited before rank 0 reported: {dead}"
+                assert time.monotonic() < deadline, f"no result from rank 0 within {timeout_s}s"
         for p in procs:
             p.join(timeout=60)
         codes = [p.exitcode for p in procs]

@@ -265,6 +265,8 @@ def join(settings, cfg, device: torch.device) -> TPGroup | None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     log.info("rank %d of %d joining the tensor-parallel group (%s, master %s:%s)", rank, size, backend,
              env["MASTER_ADDR"], env["MASTER_PORT"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicators and the model's tensors on this rank's device
     try:
         dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout,
                                 **({"device_id": device} if device.type == "cuda" else {}))

@@ -65,8 +65,9 @@ async def serve(settings: SchedulerSettings) -> int:
         code = 1
     log.info("shutting down: draining for up to %.0fs", settings.drain_timeout_s)
     # Shutdown is bounded (drain, then 5 s of aborts, 5 s of gRPC grace, 2 s
-    # of trace flush): should it still hang, every thread's stack goes to
-    # stderr, so the log says where.
+    # of trace flush): should it still hang, here or in the interpreter's
+    # teardown, every thread's stack goes to stderr, so the log says where.
+    # Left armed until the process exits.
     faulthandler.dump_traceback_later(settings.drain_timeout_s + 20, exit=False)
     await srv.set_serving(health, [SERVICE_NAME], False)
     if start in done and start.exception() is None:
@@ -77,7 +78,6 @@ async def serve(settings: SchedulerSettings) -> int:
     stop_wait.cancel()
     await engine.stop()
     tracing.shutdown()
-    faulthandler.cancel_dump_traceback_later()
     return code
 
 

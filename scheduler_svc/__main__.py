@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import faulthandler
+import io
 import logging
+import os
 
 from llmsched import server as srv
 from llmsched.errors import StartupError, exit_with, load_settings
@@ -17,6 +18,8 @@ from scheduler_svc.service import SchedulerService
 
 log = logging.getLogger("scheduler_svc")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+# gRPC grace (5 s) plus closing the executor connection.
+CLOSE_TIMEOUT_S = 10.0
 
 
 async def serve(settings: SchedulerSettings) -> int:
@@ -64,21 +67,43 @@ async def serve(settings: SchedulerSettings) -> int:
         log.error("could not start: %s", start.exception())
         code = 1
     log.info("shutting down: draining for up to %.0fs", settings.drain_timeout_s)
-    # Shutdown is bounded (drain, then 5 s of aborts, 5 s of gRPC grace, 2 s
-    # of trace flush): should it still hang, here or in the interpreter's
-    # teardown, every thread's stack goes to stderr, so the log says where.
-    # Left armed until the process exits.
-    faulthandler.dump_traceback_later(settings.drain_timeout_s + 20, exit=False)
     await srv.set_serving(health, [SERVICE_NAME], False)
     if start in done and start.exception() is None:
         # New calls get UNAVAILABLE; live ones finish or end with ABORT.
         await engine.drain(settings.drain_timeout_s)
-    await server.stop(grace=5.0)
     start.cancel()
     stop_wait.cancel()
-    await engine.stop()
+    # Every request has finished or been aborted by now; what is left closes
+    # connections. Bounded: gRPC aio has been seen (about 1 stop in 20 under
+    # load) never to finish cancelling a call, and asyncio.run would then
+    # wait for it forever; the process exits anyway, saying where it hung.
+    closing = asyncio.ensure_future(_close(server, engine))
+    finished, _ = await asyncio.wait({closing}, timeout=CLOSE_TIMEOUT_S)
     tracing.shutdown()
+    if not finished:
+        try:
+            log.error("connections did not close within %.0fs; exiting without them. Pending tasks:\n%s",
+                      CLOSE_TIMEOUT_S, _task_stacks())
+        finally:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(code)
     return code
+
+
+async def _close(server, engine: Engine) -> None:
+    await server.stop(grace=5.0)
+    await engine.stop()
+
+
+def _task_stacks() -> str:
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        try:
+            task.print_stack(file=out)
+        except Exception:  # gRPC's tasks run Cython coroutines, which have no frames
+            out.write(f"{task!r}\n")
+    return out.getvalue()
 
 
 def main() -> None:

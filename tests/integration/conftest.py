@@ -4,6 +4,7 @@ ports, talking real gRPC."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -12,6 +13,7 @@ import pytest
 from llmsched.launch import launch
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
+from tests.oracle import hf_greedy
 
 
 @dataclass
@@ -48,6 +50,23 @@ class Client:
                     f"still held, running={info.num_running}, waiting={info.num_waiting}"
                 )
             time.sleep(0.05)
+
+
+def assert_32_concurrent_mixed_requests_match_hf(client: Client, base: list[int]) -> None:
+    """32 greedy requests at once, prompts of 3..62 leading tokens of
+    `base` and max_tokens 8..40, each equal to HF's solo greedy output;
+    then no KV block is still held."""
+    cases = []
+    for i in range(32):
+        n = 3 + (i * 7) % min(60, len(base) - 1)  # prompt lengths 3..62
+        cases.append((list(base[: n]), 8 + (i * 5) % 33))  # max_tokens 8..40
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        results = list(pool.map(
+            lambda c: client.generate(prompt_token_ids=c[0], sampling={"max_tokens": c[1], "temperature": 0})[0], cases
+        ))
+    for (prompt_ids, max_tokens), got in zip(cases, results):
+        assert got == hf_greedy(client.model, prompt_ids, max_tokens), f"prompt of {len(prompt_ids)} tokens"
+    client.assert_no_leaked_blocks()
 
 
 def start_services(model: str, executor_env=None, scheduler_env=None):

@@ -3,12 +3,11 @@ output on the same weights, token for token, alone and under load."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 from tokenizers import Tokenizer
 
 from executor_svc.checkpoint import load_checkpoint
+from tests.integration.conftest import assert_32_concurrent_mixed_requests_match_hf
 from tests.oracle import hf_greedy
 
 PROMPTS = [
@@ -52,15 +51,4 @@ def test_prompt_matches_hf_greedy(client, prompt):
 
 
 def test_32_concurrent_mixed_requests_each_match_their_solo_hf_output(client):
-    base = encode(client, " ".join(PROMPTS))
-    cases = []
-    for i in range(32):
-        n = 3 + (i * 7) % min(60, len(base) - 1)  # prompt lengths 3..62
-        cases.append((list(base[: n]), 8 + (i * 5) % 33))  # max_tokens 8..40
-    with ThreadPoolExecutor(max_workers=32) as pool:
-        results = list(pool.map(
-            lambda c: client.generate(prompt_token_ids=c[0], sampling={"max_tokens": c[1], "temperature": 0})[0], cases
-        ))
-    for (prompt_ids, max_tokens), got in zip(cases, results):
-        assert got == hf_greedy(client.model, prompt_ids, max_tokens), f"prompt of {len(prompt_ids)} tokens"
-    client.assert_no_leaked_blocks()
+    assert_32_concurrent_mixed_requests_match_hf(client, encode(client, " ".join(PROMPTS)))

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -22,7 +21,7 @@ from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 from tests.families import CASES, make_checkpoint
 from tests.families import hf_greedy as family_hf_greedy
-from tests.integration.conftest import start_services
+from tests.integration.conftest import assert_32_concurrent_mixed_requests_match_hf, start_services
 from tests.integration.test_reliability import Streams, wait_until
 from tests.oracle import hf_greedy
 
@@ -52,14 +51,7 @@ def test_server_info_reports_the_tensor_parallel_size(tp2):
 def test_32_concurrent_mixed_requests_match_hf_greedy_at_tp2(tp2):
     _, client = tp2
     base = [1, 403, 407, 261, 378, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309] * 5
-    cases = [(base[: 3 + (i * 7) % 60], 8 + (i * 5) % 33) for i in range(32)]  # prompts 3..62, max_tokens 8..40
-    with ThreadPoolExecutor(max_workers=32) as pool:
-        results = list(pool.map(
-            lambda c: client.generate(prompt_token_ids=c[0], sampling={"max_tokens": c[1], "temperature": 0})[0], cases
-        ))
-    for (prompt_ids, max_tokens), got in zip(cases, results):
-        assert got == hf_greedy(client.model, prompt_ids, max_tokens), f"prompt of {len(prompt_ids)} tokens"
-    client.assert_no_leaked_blocks()
+    assert_32_concurrent_mixed_requests_match_hf(client, base)
 
 
 def test_sampling_with_logprobs_and_a_seed_repeats_at_tp2(tp2):

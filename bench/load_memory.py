@@ -104,16 +104,14 @@ def _child(directory: str, dtype: str) -> None:
     model = build_model(cfg, ckpt.lazy_tensors(), 64, torch.device("cpu"), getattr(torch, dtype), shard, tp)
     peak_kb = _status_kb("VmHWM")
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if tp:
-        # Every rank has measured before any leaves the group.
-        tp.min_over_ranks(0)
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
     print(json.dumps({"rank": shard.rank, "size": shard.size, "rss_imports_mb": imports_kb / 1024,
                       "rss_before_mb": before_kb / 1024, "peak_mb": peak_kb / 1024, "weights_mb": whole_bytes / 2**20,
                       "shard_mb": shard_bytes / 2**20, "shards": len(ckpt.shards),
-                      "ratio": (peak_kb - before_kb) * 1024 / whole_bytes}))
+                      "ratio": (peak_kb - before_kb) * 1024 / whole_bytes}), flush=True)
+    if tp:
+        # As the service's ranks stop: together, without destroy_process_group
+        # (gloo aborts a rank whose peers tear down first).
+        tp.leave()
 
 
 def measure_ranks(directory: Path, dtype: str, size: int = 1, timeout_s: float = 600) -> list[dict]:

@@ -23,7 +23,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 from executor_svc.sharding import Shard, check_size
 from llmsched.errors import StartupError
+from llmsched.launch import free_port
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,13 @@ def fail_stop(what: str) -> NoReturn:
     in a collective or with a half-run step must not run cleanup that waits
     on its peers."""
     log.critical("tensor-parallel group stops: %s", what)
+    _flush_logs()
+    os._exit(FAIL_STOP_EXIT)
+
+
+def _flush_logs() -> None:
     for handler in logging.getLogger().handlers:
         handler.flush()
-    os._exit(FAIL_STOP_EXIT)
 
 
 def is_worker_rank(settings) -> bool:
@@ -79,12 +83,6 @@ def rank_device(setting: str, local_rank: int, size: int) -> torch.device:
         raise StartupError(f"EXECUTOR_TENSOR_PARALLEL_SIZE={size}: rank with LOCAL_RANK={local_rank} needs CUDA device "
                            f"{local_rank}, but this node has {torch.cuda.device_count()}")
     return torch.device("cuda", local_rank)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -203,12 +201,12 @@ class TPGroup:
         dist.destroy_process_group()
 
     def leave(self) -> NoReturn:
-        """Other ranks, on SHUTDOWN: exit once every rank has it. They skip
+        """Other ranks, on SHUTDOWN (or any rank that only ever leaves, as
+        the tests' and benchmarks' ranks do): exit once every rank is here. It skips
         destroy_process_group: gloo aborts a rank (SIGABRT) whose peers
         close their connections while it tears down its own."""
         self.barrier()
-        for handler in logging.getLogger().handlers:
-            handler.flush()
+        _flush_logs()
         os._exit(0)
 
 
@@ -249,7 +247,7 @@ def join(settings, cfg, device: torch.device) -> TPGroup | None:
         rank, local_rank = int(env["RANK"]), int(env["LOCAL_RANK"])
     else:
         rank = local_rank = 0
-        env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+        env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(free_port())
         for r in range(1, size):
             child = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(size), **{SPAWNED_VAR: "1"})
             workers.append(subprocess.Popen([sys.executable, "-m", "executor_svc"], env=child,

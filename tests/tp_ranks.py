@@ -8,12 +8,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
-import socket
 import time
 
 import numpy as np
 
 from executor_svc.config import ExecutorSettings
+from llmsched.launch import free_port
 
 BLOCK = 4
 
@@ -48,16 +48,7 @@ def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_n
         results.close()
         results.join_thread()  # flushed before os._exit below
     if loaded.tp is not None:
-        # As the service's ranks stop (TPGroup.leave): all at once, without
-        # destroy_process_group, which gloo aborts on when peers go first.
-        loaded.tp.barrier()
-        os._exit(0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        loaded.tp.leave()  # as the service's ranks stop: without destroy_process_group
 
 
 def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_s: float = 240.0):

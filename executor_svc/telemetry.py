@@ -17,11 +17,13 @@ _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 PREPARE = Histogram("llmsched_executor_prepare_seconds", "Building the step's input tensors", buckets=_BUCKETS)
 FORWARD = Histogram("llmsched_executor_forward_seconds", "Model forward pass and logits", buckets=_BUCKETS)
 SAMPLE = Histogram("llmsched_executor_sample_seconds", "Sampling", buckets=_BUCKETS)
-IDLE = Histogram("llmsched_executor_idle_seconds", "Gap between one step's end and the next step's start",
+IDLE = Histogram("llmsched_executor_idle_seconds",
+                 "Gap between one step's end and the next step's start, while the scheduler had work",
                  buckets=_BUCKETS)
 BUSY_TOTAL = Counter("llmsched_executor_busy_seconds", "Time spent computing steps")
 IDLE_TOTAL = Counter("llmsched_executor_idle_between_steps_seconds",
-                     "Time between consecutive steps of one stream (P7: idle / (idle + busy))")
+                     "Time between consecutive steps of one stream while the scheduler had work "
+                     "(P7: idle / (idle + busy))")
 STEPS = Counter("llmsched_executor_steps", "Steps executed, by outcome", ["outcome"])
 
 
@@ -35,9 +37,12 @@ class StepTelemetry:
     def stream_started(self) -> None:
         self._last_end = None
 
-    def record(self, traceparent: str, step_id: int, started_wall_ns: int, started: float, ended: float,
-               prepare_ns: int, forward_ns: int, sample_ns: int, num_tokens: int, error: str | None) -> None:
-        if self._last_end is not None:
+    def record(self, traceparent: str, step_id: int, after_idle: bool, started_wall_ns: int, started: float,
+               ended: float, prepare_ns: int, forward_ns: int, sample_ns: int, num_tokens: int,
+               error: str | None) -> None:
+        # After a wait with no work (StepPlan.after_idle) the gap is not a
+        # bubble between steps: the server simply had nothing to do.
+        if self._last_end is not None and not after_idle:
             gap = max(0.0, started - self._last_end)
             IDLE.observe(gap)
             IDLE_TOTAL.inc(gap)

@@ -93,6 +93,9 @@ class Engine:
         # When the executor last answered a step, to time each step from
         # when the executor could start it.
         self._last_result_at = 0.0
+        # True from a wait with no work until the next plan is sent, which
+        # then carries StepPlan.after_idle (see executor.proto).
+        self._waited_idle = True
         # Set (with the reason) when the executor is found gone; the loop
         # then recovers at its next turn.
         self._lost_reason: str | None = None
@@ -306,6 +309,8 @@ class Engine:
         self._last_progress = time.monotonic()
 
     async def _wait_for_input(self) -> None:
+        if not self._in_flight:
+            self._waited_idle = True
         self._wakeup.clear()
         await self._wakeup.wait()
 
@@ -348,6 +353,7 @@ class Engine:
     async def _send(self, out: SchedulerOutput) -> None:
         step = self._in_flight[-1]
         plan = convert.plan_to_proto(out)
+        plan.after_idle, self._waited_idle = self._waited_idle, False
         if self.tracing.enabled:
             plan.traceparent = traceparent_of(step.span)
         try:

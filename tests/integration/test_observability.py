@@ -149,3 +149,18 @@ def test_metrics_move_during_a_run(traced):
     for name in ("llmsched_executor_forward_seconds_count", "llmsched_executor_sample_seconds_count",
                  "llmsched_executor_busy_seconds_total", "llmsched_executor_idle_between_steps_seconds_total"):
         assert metric(after_e, name) > metric(before_e, name), name
+
+
+def test_executor_idle_leaves_out_time_with_no_requests(traced):
+    """P7 counts bubbles while the scheduler has work: a second of no
+    requests between two generations is not executor idle time."""
+    _, services, client = traced
+    client.generate(prompt_token_ids=[1, 300, 301], sampling={"max_tokens": 4, "temperature": 0})
+    before = scrape(services.executor_metrics_port)
+    time.sleep(1.0)
+    client.generate(prompt_token_ids=[1, 302, 303], sampling={"max_tokens": 4, "temperature": 0})
+    after = scrape(services.executor_metrics_port)
+    idle = (metric(after, "llmsched_executor_idle_between_steps_seconds_total")
+            - metric(before, "llmsched_executor_idle_between_steps_seconds_total"))
+    assert metric(after, "llmsched_executor_busy_seconds_total") > metric(before, "llmsched_executor_busy_seconds_total")
+    assert idle < 0.5, f"{idle:.3f} s counted as idle between steps; the 1 s without requests must not be"

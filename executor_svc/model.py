@@ -46,6 +46,9 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op instead of six; in fp32 it is bitwise the same.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * self._normed(x).to(x.dtype)
 
 
@@ -78,6 +81,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
+def _fused_linear(parts: tuple[nn.Linear, ...]) -> nn.Linear:
+    """One Linear whose output is the parts' outputs side by side."""
+    weight = torch.cat([p.weight for p in parts])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
+                      device="meta", dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if parts[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    return fused
+
+
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -98,15 +112,25 @@ class Attention(nn.Module):
             self.q_norm = make_norm(cfg, cfg.head_dim)
             self.k_norm = make_norm(cfg, cfg.head_dim)
 
+    def fuse(self) -> None:
+        """After loading: q, k and v become one projection, so a step runs one
+        matmul where it ran three (each small matmul costs its own dispatch,
+        which is most of a decode step on a small model)."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_proj = _fused_linear(parts)
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         # x: [num_tokens, hidden]
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        n, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(n, h + 2 * kvh, self.head_dim)
+        v = qkv[:, h + kvh:]
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = apply_rope(self.q_norm(qkv[:, :h]), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, h : h + kvh]), cos, sin)
+        else:
+            qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # q's and k's heads in one pass
+            q, k = qk[:, :h], qk[:, h:]
         backend.write_kv(k, v, k_cache, v_cache, meta)
         o = backend.attend(q, k_cache, v_cache, meta, self.scale,
                            sliding_window=self.sliding_window, softcap=self.softcap)  # [num_tokens, heads, head_dim]
@@ -124,8 +148,14 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.comm = comm
 
+    def fuse(self) -> None:
+        """After loading: gate and up become one projection (see Attention.fuse)."""
+        self.gate_up_proj = _fused_linear((self.gate_proj, self.up_proj))
+        del self.gate_proj, self.up_proj
+
     def forward(self, x):
-        out = self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # this rank's units' share
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        out = self.down_proj(self.act(gate) * up)  # this rank's units' share
         return out if self.comm is None else self.comm.all_reduce(out)
 
 
@@ -276,6 +306,9 @@ def build_model(cfg: ModelConfig,
                          f"missing={missing} unexpected={sorted(unexpected)}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for layer in model.model.layers:
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
     model.init_rope(device, dtype)
     return model.eval()
 

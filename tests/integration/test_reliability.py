@@ -37,6 +37,8 @@ class Streams:
         self.errors: list[grpc.RpcError | None] = [None] * len(requests)
         self.finish = [None] * len(requests)
         self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(len(requests))]
+        self._lock = threading.Lock()
+        self._triggers: list[list] = []  # [total, callback, fired]
 
     def _run(self, i):
         try:
@@ -44,8 +46,25 @@ class Streams:
                 self.tokens[i].extend(resp.token_ids)
                 if resp.finish_reason:
                     self.finish[i] = resp.finish_reason
+                self._fire_triggers()
         except grpc.RpcError as exc:
             self.errors[i] = exc
+
+    def when_total_exceeds(self, total: int, callback) -> None:
+        """Runs callback, once, on the receiving thread that first sees more
+        than `total` tokens in all: at once, however late the test's own
+        thread would notice (32 receiving threads can starve it for seconds)."""
+        with self._lock:
+            self._triggers.append([total, callback, False])
+        self._fire_triggers()
+
+    def _fire_triggers(self) -> None:
+        with self._lock:
+            due = [t for t in self._triggers if not t[2] and self.total_tokens > t[0]]
+            for t in due:
+                t[2] = True
+        for _, callback, _ in due:
+            callback()
 
     def start(self):
         for t in self.threads:
@@ -59,6 +78,11 @@ class Streams:
     @property
     def total_tokens(self):
         return sum(len(t) for t in self.tokens)
+
+    def describe(self) -> str:
+        """Per stream: tokens so far, finish reason, error; for failure messages."""
+        return "; ".join(f"#{i}: {len(t)} tokens, finish={f}, error={e.code().name + ' ' + e.details() if e else None}"
+                         for i, (t, f, e) in enumerate(zip(self.tokens, self.finish, self.errors)))
 
 
 @pytest.fixture
@@ -81,7 +105,7 @@ def restart_executor(services):
 def test_streams_survive_two_executor_kills_with_oracle_tokens(fresh):
     services, client = fresh
     # 8 distinct prompts: fewer oracle runs. Long outputs, so that both kills
-    # land mid-generation however fast the streams run before the first.
+    # land mid-generation.
     prompts = [[1, 403, 407, 261, 378 + (i % 8)] for i in range(32)]
     greedy = [spb.GenerateRequest(prompt_token_ids=p, sampling=spb.SamplingParams(max_tokens=300, temperature=0))
               for p in prompts[:28]]
@@ -92,20 +116,39 @@ def test_streams_survive_two_executor_kills_with_oracle_tokens(fresh):
     baseline.join()
     expected_seeded = baseline.tokens
     first_id = client.info().executor_instance_id
-    streams = Streams(client, greedy + seeded).start()
-    wait_until(lambda: streams.total_tokens > 32 * 10, what="first tokens")
-    restart_executor(services)
-    wait_until(lambda: client.info().executor_instance_id != first_id, what="reconnect")
-    second_id = client.info().executor_instance_id
+
+    # Each kill is sent by the receiving thread that sees the total pass its
+    # mark, so it lands mid-generation even when this thread is starved.
+    killed = [threading.Event(), threading.Event()]
+    unfinished_at_kill = [0, 0]
+
+    def kill(n: int, executor) -> None:
+        unfinished_at_kill[n] = sum(f is None for f in streams.finish)
+        executor.send_signal(signal.SIGKILL)
+        killed[n].set()
+
+    streams = Streams(client, greedy + seeded)
+    first = services.executor
+    streams.when_total_exceeds(32 * 10, lambda: kill(0, first))
+    streams.start()
+    assert killed[0].wait(60), f"no first tokens: {streams.describe()}"
+    first.wait(10)
+    # Nothing is generated while no executor runs: 320 tokens past this
+    # mark are progress on the restarted executor.
     mark = streams.total_tokens
-    wait_until(lambda: streams.total_tokens > mark + 32 * 10, what="progress after the first restart")
-    restart_executor(services)
-    wait_until(lambda: client.info().executor_instance_id not in (first_id, second_id), what="second reconnect")
+    services.start_executor()
+    second = services.executor
+    streams.when_total_exceeds(mark + 32 * 10, lambda: kill(1, second))
+    assert killed[1].wait(60), f"no progress after the first restart from {mark} tokens: {streams.describe()}"
+    second.wait(10)
+    services.start_executor()
     streams.join()
-    assert streams.errors == [None] * 32
+    assert min(unfinished_at_kill) > 0, f"a kill landed after every stream had finished: {unfinished_at_kill}"
+    assert streams.errors == [None] * 32, streams.describe()
     for req, tokens in zip(greedy, streams.tokens[:28]):
         assert tokens == hf_greedy(client.model, list(req.prompt_token_ids), 300)
     assert streams.tokens[28:] == expected_seeded, "seeded sampling must not change across recomputes"
+    assert client.info().executor_instance_id != first_id
     client.assert_no_leaked_blocks()
     assert health(client) == health_pb2.HealthCheckResponse.SERVING
 

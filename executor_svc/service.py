@@ -130,7 +130,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             result = pb.StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
         num_tokens = sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(plan.cached_num_scheduled_tokens)
         self.telemetry.record(plan.traceparent, plan.step_id, plan.after_idle, started_wall, started,
-                              time.perf_counter(), result.prepare_ns, result.forward_ns, result.sample_ns, num_tokens, result.error or None)
+                              time.perf_counter(), result.prepare_ns, result.forward_ns, result.sample_ns,
+                              num_tokens, result.error or None)
         return result
 
     async def Step(self, request_iterator, context):

@@ -160,7 +160,10 @@ def test_executor_idle_leaves_out_time_with_no_requests(traced):
     time.sleep(1.0)
     client.generate(prompt_token_ids=[1, 302, 303], sampling={"max_tokens": 4, "temperature": 0})
     after = scrape(services.executor_metrics_port)
-    idle = (metric(after, "llmsched_executor_idle_between_steps_seconds_total")
-            - metric(before, "llmsched_executor_idle_between_steps_seconds_total"))
-    assert metric(after, "llmsched_executor_busy_seconds_total") > metric(before, "llmsched_executor_busy_seconds_total")
+
+    def moved(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    idle = moved("llmsched_executor_idle_between_steps_seconds_total")
+    assert moved("llmsched_executor_busy_seconds_total") > 0
     assert idle < 0.5, f"{idle:.3f} s counted as idle between steps; the 1 s without requests must not be"

@@ -101,7 +101,8 @@ class Services:
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
 
-    def start_executor(self, timeout_s: float = 120.0) -> None:
+    def start_executor(self, timeout_s: float = 120.0, wait: bool = True) -> None:
+        """Starts the executor; with wait, returns once it serves."""
         env = {
             **os.environ,
             "EXECUTOR_PORT": str(self.executor_port),
@@ -109,7 +110,8 @@ class Services:
             **self.executor_env,
         }
         self.executor = subprocess.Popen([sys.executable, "-m", "executor_svc"], env=env, stdout=self.stdout, stderr=self.stdout)
-        wait_serving(self.executor_address, timeout_s, self.executor, self.executor_credentials)
+        if wait:
+            wait_serving(self.executor_address, timeout_s, self.executor, self.executor_credentials)
 
     def start_scheduler(self, timeout_s: float = 120.0) -> None:
         env = {

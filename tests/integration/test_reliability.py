@@ -134,13 +134,14 @@ def test_streams_survive_two_executor_kills_with_oracle_tokens(fresh):
     assert killed[0].wait(60), f"no first tokens: {streams.describe()}"
     first.wait(10)
     # Nothing is generated while no executor runs: 320 tokens past this
-    # mark are progress on the restarted executor.
+    # mark are progress on the restarted executor. The trigger is set
+    # before that executor starts, so no wait of this thread can let the
+    # streams finish first; it kills whichever executor then runs.
     mark = streams.total_tokens
-    services.start_executor()
-    second = services.executor
-    streams.when_total_exceeds(mark + 32 * 10, lambda: kill(1, second))
-    assert killed[1].wait(60), f"no progress after the first restart from {mark} tokens: {streams.describe()}"
-    second.wait(10)
+    streams.when_total_exceeds(mark + 32 * 10, lambda: kill(1, services.executor))
+    services.start_executor(wait=False)
+    assert killed[1].wait(120), f"no progress after the first restart from {mark} tokens: {streams.describe()}"
+    services.executor.wait(10)
     services.start_executor()
     streams.join()
     assert min(unfinished_at_kill) > 0, f"a kill landed after every stream had finished: {unfinished_at_kill}"

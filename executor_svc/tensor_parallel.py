@@ -37,6 +37,7 @@ import torch.distributed as dist
 from executor_svc.sharding import Shard, check_size
 from llmsched.errors import StartupError
 from llmsched.launch import free_port
+from llmsched.server import exit_now
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +56,7 @@ def fail_stop(what: str) -> NoReturn:
     in a collective or with a half-run step must not run cleanup that waits
     on its peers."""
     log.critical("tensor-parallel group stops: %s", what)
-    _flush_logs()
-    os._exit(FAIL_STOP_EXIT)
-
-
-def _flush_logs() -> None:
-    for handler in logging.getLogger().handlers:
-        handler.flush()
+    exit_now(FAIL_STOP_EXIT)
 
 
 def is_worker_rank(settings) -> bool:
@@ -202,12 +197,11 @@ class TPGroup:
 
     def leave(self) -> NoReturn:
         """Other ranks, on SHUTDOWN (or any rank that only ever leaves, as
-        the tests' and benchmarks' ranks do): exit once every rank is here. It skips
-        destroy_process_group: gloo aborts a rank (SIGABRT) whose peers
-        close their connections while it tears down its own."""
+        the tests' and benchmarks' ranks do): exit once every rank is here.
+        It skips destroy_process_group: gloo aborts a rank (SIGABRT) whose
+        peers close their connections while it tears down its own."""
         self.barrier()
-        _flush_logs()
-        os._exit(0)
+        exit_now(0)
 
 
 def _watch(workers: list[subprocess.Popen], stopping: threading.Event) -> None:

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 from collections.abc import Callable, Iterable
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -121,3 +122,12 @@ def setup_logging(level: str) -> None:
         level=level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+def exit_now(code: int) -> NoReturn:
+    """os._exit(code) once the log handlers are flushed: for a process that
+    must not run interpreter teardown (it would wait on a peer or a task
+    that never ends), without losing the lines that say why."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(code)

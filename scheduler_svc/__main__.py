@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import os
 
 from llmsched import server as srv
 from llmsched.errors import StartupError, exit_with, load_settings
@@ -85,9 +84,7 @@ async def serve(settings: SchedulerSettings) -> int:
             log.error("connections did not close within %.0fs; exiting without them. Pending tasks:\n%s",
                       CLOSE_TIMEOUT_S, _task_stacks())
         finally:
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os._exit(code)
+            srv.exit_now(code)
     return code
 
 

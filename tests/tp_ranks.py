@@ -46,7 +46,7 @@ def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_n
     if rank == 0:
         results.put((tokens, logits))
         results.close()
-        results.join_thread()  # flushed before os._exit below
+        results.join_thread()  # flushed before leave()'s os._exit below
     if loaded.tp is not None:
         loaded.tp.leave()  # as the service's ranks stop: without destroy_process_group
 

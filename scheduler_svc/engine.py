@@ -309,8 +309,8 @@ class Engine:
         self._last_progress = time.monotonic()
 
     async def _wait_for_input(self) -> None:
-        if not self._in_flight:
-            self._waited_idle = True
+        # Only ever reached with nothing in flight (see _turn).
+        self._waited_idle = True
         self._wakeup.clear()
         await self._wakeup.wait()
 

@@ -81,21 +81,53 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
-def _fused_linear(parts: tuple[nn.Linear, ...]) -> nn.Linear:
-    """One Linear whose output is the parts' outputs side by side."""
-    weight = torch.cat([p.weight for p in parts])
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=parts[0].bias is not None,
-                      device="meta", dtype=weight.dtype)
-    fused.weight = nn.Parameter(weight, requires_grad=False)
-    if parts[0].bias is not None:
-        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
-    return fused
+class FusedProjections(nn.Module):
+    """A module whose checkpoint keeps projections apart that run as one
+    matmul (each small matmul costs its own dispatch, which is most of a
+    decode step on a small model). Each part is copied into its rows of the
+    fused weight as it loads, so fusing never holds a second copy."""
+
+    FUSED: dict[str, tuple[str, ...]] = {}  # fused Linear -> its parts, in row order
+
+    def part_rows(self, part: str) -> tuple[str, int, int] | None:
+        """(fused name, first row, rows) of a part, or None if `part` is not fused."""
+        for fused, parts in self.FUSED.items():
+            if part in parts:
+                sizes = [getattr(self, p).out_features for p in parts]
+                i = parts.index(part)
+                return fused, sum(sizes[:i]), sizes[i]
+        return None
+
+    def load_part(self, part: str, leaf: str, value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+        fused_name, start, rows = self.part_rows(part)
+        meta_part = getattr(getattr(self, part), leaf)
+        if tuple(value.shape) != tuple(meta_part.shape):
+            raise ValueError(f"{part}.{leaf}: shard shape {tuple(value.shape)}, expected {tuple(meta_part.shape)}")
+        if not hasattr(self, fused_name):
+            first = getattr(self, self.FUSED[fused_name][0])
+            total = sum(getattr(self, p).out_features for p in self.FUSED[fused_name])
+            setattr(self, fused_name, nn.Linear(first.in_features, total, bias=first.bias is not None, device="meta"))
+        fused = getattr(self, fused_name)
+        target = getattr(fused, leaf)
+        if target.is_meta:
+            target = nn.Parameter(torch.empty(target.shape, device=device, dtype=dtype), requires_grad=False)
+            setattr(fused, leaf, target)
+        target.data[start : start + rows].copy_(value)
+
+    def drop_parts(self) -> None:
+        """After loading (every part is present: the loader checks): the
+        separate projections were only shapes, never filled."""
+        for parts in self.FUSED.values():
+            for part in parts:
+                delattr(self, part)
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-class Attention(nn.Module):
+class Attention(FusedProjections):
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads(cfg), shard.num_kv_heads(cfg), cfg.head_dim
@@ -111,14 +143,6 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = make_norm(cfg, cfg.head_dim)
             self.k_norm = make_norm(cfg, cfg.head_dim)
-
-    def fuse(self) -> None:
-        """After loading: q, k and v become one projection, so a step runs one
-        matmul where it ran three (each small matmul costs its own dispatch,
-        which is most of a decode step on a small model)."""
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_proj = _fused_linear(parts)
-        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         # x: [num_tokens, hidden]
@@ -138,7 +162,9 @@ class Attention(nn.Module):
         return out if self.comm is None else self.comm.all_reduce(out)
 
 
-class MLP(nn.Module):
+class MLP(FusedProjections):
+    FUSED = {"gate_up_proj": ("gate_proj", "up_proj")}
+
     def __init__(self, cfg: ModelConfig, shard: Shard, comm):
         super().__init__()
         inter = shard.intermediate_size(cfg)
@@ -147,11 +173,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.comm = comm
-
-    def fuse(self) -> None:
-        """After loading: gate and up become one projection (see Attention.fuse)."""
-        self.gate_up_proj = _fused_linear((self.gate_proj, self.up_proj))
-        del self.gate_proj, self.up_proj
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -269,8 +290,9 @@ def build_model(cfg: ModelConfig,
     """Fills a meta-device model one checkpoint tensor at a time, each moved
     to device and dtype as it arrives, so the host never holds more than one
     copy of the weights; given LazyTensors, a tensor-parallel rank reads only
-    its shard of each. Every parameter must come from the checkpoint, and
-    every checkpoint tensor must land somewhere."""
+    its shard of each. Parts of a fused projection (q/k/v, gate/up) are
+    copied into their rows of it. Every parameter must come from the
+    checkpoint, and every checkpoint tensor must land somewhere."""
     from executor_svc.families import family_of
 
     with torch.device("meta"):
@@ -294,11 +316,16 @@ def build_model(cfg: ModelConfig,
             if whole.shape != expected[name]:
                 raise ValueError(f"{name}: checkpoint shape {whole.shape}, config implies {expected[name]}")
             module_name, _, leaf = name.rpartition(".")
-            module = model.get_submodule(module_name)
+            parent_name, _, part = module_name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
             t = shard.read(name, whole, cfg)
-            # Always a copy: safetensors hands out views of the mmapped file,
-            # which would keep the served weights tied to files on disk.
-            setattr(module, leaf, nn.Parameter(t.to(device=device, dtype=dtype, copy=True), requires_grad=False))
+            if isinstance(parent, FusedProjections) and parent.part_rows(part):
+                parent.load_part(part, leaf, t, device, dtype)
+            else:
+                # Always a copy: safetensors hands out views of the mmapped
+                # file, which would keep the served weights tied to files on disk.
+                setattr(model.get_submodule(module_name), leaf,
+                        nn.Parameter(t.to(device=device, dtype=dtype, copy=True), requires_grad=False))
             loaded.add(name)
     missing = sorted(expected.keys() - loaded)
     if missing or unexpected:
@@ -306,9 +333,9 @@ def build_model(cfg: ModelConfig,
                          f"missing={missing} unexpected={sorted(unexpected)}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    for layer in model.model.layers:
-        layer.self_attn.fuse()
-        layer.mlp.fuse()
+    for module in list(model.modules()):
+        if isinstance(module, FusedProjections):
+            module.drop_parts()
     model.init_rope(device, dtype)
     return model.eval()
 

@@ -98,3 +98,24 @@ def test_a_rank_reads_only_its_slice_from_the_safetensors_file(tmp_path):
             read[name] = Shard(1, 2).read(name, lazy, config())
     assert torch.equal(read["model.layers.0.mlp.down_proj.weight"], down[:, 86:])
     assert torch.equal(read["fused"][0], fused[16:32]) and torch.equal(read["fused"][1], fused[16:32, 4:8])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_loads_its_q_k_v_and_gate_up_shards_into_the_rows_of_one_fused_weight(rank):
+    from executor_svc.model import CausalLM, build_model
+
+    cfg, shard = config(), Shard(rank, 2)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in CausalLM(cfg, 16).named_parameters()}
+    state = {n: torch.randn(s) for n, s in shapes.items()}
+    model = build_model(cfg, state, 16, torch.device("cpu"), torch.float32, shard)
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    p = "model.layers.1."
+    part = lambda name: shard.read(p + name, LazyTensor.of(state[p + name]), cfg)  # noqa: E731
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([part("self_attn.q_proj.weight"), part("self_attn.k_proj.weight"),
+                                                        part("self_attn.v_proj.weight")])), "qkv rows"
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([part("mlp.gate_proj.weight"), part("mlp.up_proj.weight")]))
+    # The separate projections were shapes only: nothing else holds them.
+    assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n, _ in model.named_parameters())
+    assert not any(p.is_meta for p in model.parameters())

@@ -41,6 +41,10 @@ class ExecutorSettings(BaseSettings):
     # the attention backend is triton (the torch backend splits batches on
     # the host, which a graph cannot replay), else off.
     cuda_graphs: Literal["auto", "off"] = "auto"
+    # on: decode steps of small batches on CPU run as one torch.compile'd
+    # graph (executor_svc/compiled_decode.py), compiled at start-up (about
+    # 10-20 s, less with inductor's cache warm). CPU and one rank only.
+    torch_compile: Literal["off", "on"] = "off"
     # Tensor parallelism: one executor spread over this many ranks (one
     # device each) with torch.distributed, NCCL on CUDA and gloo on CPU.
     # Without torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,

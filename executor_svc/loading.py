@@ -19,6 +19,7 @@ from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner
 from executor_svc.sharding import Shard
 from executor_svc.tensor_parallel import TPGroup, join, rank_device
+from llmsched.errors import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,17 @@ def use_cuda_graphs(setting: str, device: torch.device, backend_name: str, tp_si
     return setting == "auto" and device.type == "cuda" and backend_name == "triton" and tp_size == 1
 
 
+def check_torch_compile(setting: str, device: torch.device, tp_size: int) -> bool:
+    if setting == "off":
+        return False
+    if device.type != "cpu":
+        raise StartupError(f"EXECUTOR_TORCH_COMPILE=on compiles CPU decode steps; the device is {device} "
+                           "(on CUDA, EXECUTOR_CUDA_GRAPHS=auto serves that purpose)")
+    if tp_size > 1:
+        raise StartupError("EXECUTOR_TORCH_COMPILE=on is not implemented with EXECUTOR_TENSOR_PARALLEL_SIZE > 1")
+    return True
+
+
 @dataclass(slots=True)
 class LoadedModel:
     ckpt: Checkpoint
@@ -48,6 +60,7 @@ class LoadedModel:
     pool: KVCachePool
     runner: ModelRunner
     cuda_graphs: bool
+    torch_compile: bool
     tp: TPGroup | None
 
 
@@ -64,6 +77,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     cfg = ModelConfig.from_hf(ckpt.hf_config, ckpt.generation_config)
     size = settings.tensor_parallel_size
     device = rank_device(settings.device, int(os.environ.get("LOCAL_RANK", "0")) if size > 1 else 0, size)
+    torch_compile = check_torch_compile(settings.torch_compile, device, size)
     tp = join(settings, cfg, device)
     _set_threads(settings, device)
     shard = tp.shard if tp else Shard()
@@ -80,13 +94,16 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     cuda_graphs = use_cuda_graphs(settings.cuda_graphs, device, backend.name, size)
     runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp)
     try:
-        runner = ModelRunner(model, pool, backend, device, cuda_graphs=cuda_graphs, **runner_args)
+        runner = ModelRunner(model, pool, backend, device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
+                             **runner_args)
     except Exception:
-        if not cuda_graphs:
+        if not (cuda_graphs or torch_compile):
             raise
-        # auto may pick graphs where capture then fails (an op that cannot
-        # be captured): serve eagerly, slower but correct.
-        log.exception("CUDA graph capture failed; running decode steps eagerly")
-        cuda_graphs = False
+        # Capture or compilation can fail where the rest works (an op that
+        # cannot be captured, no C++ compiler for inductor): serve eagerly,
+        # slower but correct.
+        log.exception("%s failed; running decode steps eagerly",
+                      "CUDA graph capture" if cuda_graphs else "compiling the decode step")
+        cuda_graphs = torch_compile = False
         runner = ModelRunner(model, pool, backend, device, **runner_args)
-    return LoadedModel(ckpt, cfg, device, dtype, max_model_len, pool, runner, cuda_graphs, tp)
+    return LoadedModel(ckpt, cfg, device, dtype, max_model_len, pool, runner, cuda_graphs, torch_compile, tp)

@@ -9,6 +9,7 @@ from the plan's diffs, and the step's inputs are gathered from it.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -16,12 +17,16 @@ import numpy as np
 import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.compiled_decode import STEPS as COMPILED_STEPS
+from executor_svc.compiled_decode import CompiledDecode
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.host_memory import retain_freed_memory, to_device
 from executor_svc.kv_cache import KVCachePool
 from executor_svc.model import CausalLM
 from executor_svc.request_rows import PlanError, RequestRows
 from executor_svc.sampler import SamplingBatch, SamplingSettings, sample
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -59,7 +64,8 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
-                 fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False, tp=None):
+                 fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False,
+                 torch_compile: bool = False, tp=None):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
         # tensor_parallel.TPGroup or None. Every rank runs execute() on the
         # same plans; rank 0 alone samples and shares the ids.
@@ -73,6 +79,8 @@ class ModelRunner:
         # Decode steps replay captured graphs (cuda_graphs.py); the caller
         # decides whether the device and backend allow it.
         self.graphs = DecodeGraphs(model, self.kv_caches, backend, device, self.rows.max_blocks) if cuda_graphs else None
+        # Small decode steps on CPU run one compiled graph (compiled_decode.py).
+        self.compiled = CompiledDecode(model, pool) if torch_compile else None
         if device.type == "cpu":
             retain_freed_memory()
 
@@ -173,9 +181,12 @@ class ModelRunner:
         t1 = time.perf_counter_ns()
 
         logits = None  # rank 0's only, under tensor parallelism
-        if self.graphs is not None and num_tokens == len(sample_rows) == len(rows) <= self.graphs.max_batch:
+        decode_only = num_tokens == len(sample_rows) == len(rows)
+        if self.graphs is not None and decode_only and len(rows) <= self.graphs.max_batch:
             logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
-        else:
+        elif self.compiled is not None and decode_only and self.compiled.fits(len(rows), max_blocks):
+            logits = self._run_compiled(ids_t, positions_t, meta)  # [n, vocab], or None: run eagerly
+        if logits is None:
             hidden = self.model(ids_t, positions_t, self.kv_caches, meta, self.backend)  # [num_tokens, hidden]
             if len(sample_rows):
                 if len(sample_rows) < num_tokens:
@@ -201,6 +212,18 @@ class ModelRunner:
             handles = r.handle[sample_rows].tolist()
         t3 = time.perf_counter_ns()
         return StepOutput(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2)
+
+    def _run_compiled(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Logits from the compiled decode graph; None (and eager from now on)
+        if it would have to compile again."""
+        try:
+            logits = self.compiled.run(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        except Exception:
+            log.exception("the compiled decode step failed; decode steps run eagerly from now on")
+            self.compiled = None
+            return None
+        COMPILED_STEPS.inc()
+        return logits
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[list[int], list | None]:
         r = self.rows

@@ -39,6 +39,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.tp_size = self.tp.size if self.tp else 1
         log.info("CUDA graphs for decode steps: %s (EXECUTOR_CUDA_GRAPHS=%s)", "on" if self.cuda_graphs else "off",
                  settings.cuda_graphs)
+        if settings.torch_compile == "on":
+            log.info("compiled CPU decode steps: %s (EXECUTOR_TORCH_COMPILE=on)", "on" if loaded.torch_compile else
+                     "off, compiling failed")
         self.instance_id = uuid.uuid4().hex
         self.telemetry = StepTelemetry(tracing)
         # One thread runs every step, in plan order, so the event loop stays

@@ -7,7 +7,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from executor_svc.checkpoint import load_checkpoint
-from tests.integration.conftest import assert_32_concurrent_mixed_requests_match_hf
+from tests.integration.conftest import assert_32_concurrent_mixed_requests_match_hf, start_services
+from tests.integration.test_observability import metric, scrape
 from tests.oracle import hf_greedy
 
 PROMPTS = [
@@ -52,3 +53,17 @@ def test_prompt_matches_hf_greedy(client, prompt):
 
 def test_32_concurrent_mixed_requests_each_match_their_solo_hf_output(client):
     assert_32_concurrent_mixed_requests_match_hf(client, encode(client, " ".join(PROMPTS)))
+
+
+@pytest.mark.slow  # the executor compiles its decode step at start-up
+def test_compiled_cpu_decode_steps_match_hf_greedy_alone_and_32_concurrent(stories_path):
+    services, client = start_services(str(stories_path), executor_env={"EXECUTOR_TORCH_COMPILE": "on"})
+    try:
+        tokens, _, _, _ = client.generate(prompt="Once upon a time", sampling={"max_tokens": 40, "temperature": 0})
+        assert tokens == hf_greedy(client.model, [1, 403, 407, 261, 378], 40)
+        assert_32_concurrent_mixed_requests_match_hf(client, encode(client, " ".join(PROMPTS)))
+        compiled = metric(scrape(services.executor_metrics_port), "llmsched_executor_compiled_decode_steps_total")
+        assert compiled >= 39, f"only {compiled} decode steps ran compiled"
+    finally:
+        client.channel.close()
+        services.stop()

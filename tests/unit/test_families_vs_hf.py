@@ -45,13 +45,14 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def runner_for(path: str, cfg: ModelConfig | None = None, drop: tuple[str, ...] = ()) -> ModelRunner:
+def runner_for(path: str, cfg: ModelConfig | None = None, drop: tuple[str, ...] = (),
+               torch_compile: bool = False) -> ModelRunner:
     ckpt = load_checkpoint(path)
     cfg = cfg or ModelConfig.from_hf(ckpt.hf_config, ckpt.generation_config)
     tensors = ((n, t) for n, t in ckpt.tensors() if not any(d in n for d in drop))
     model = build_model(cfg, tensors, 256, torch.device("cpu"), torch.float32)
     pool = KVCachePool(cfg, 128, BLOCK, torch.device("cpu"), torch.float32)
-    return ModelRunner(model, pool, make_backend("torch"), torch.device("cpu"))
+    return ModelRunner(model, pool, make_backend("torch"), torch.device("cpu"), torch_compile=torch_compile)
 
 
 def next_token_logprobs(runner: ModelRunner, prompt: list[int], k: int = 5) -> tuple[list[int], list[float]]:

@@ -1,0 +1,78 @@
+"""EXECUTOR_TORCH_COMPILE=on (executor_svc/compiled_decode.py): decode
+steps run as one compiled graph, in process, against HF greedy output on
+stories260K and on the families whose attention differs (windows, soft-caps,
+q/k norms, biases, partial rotary). Prefill and chunk steps stay eager, so
+each generation mixes both paths over one KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.compiled_decode import STEPS
+from executor_svc.loading import check_torch_compile
+from llmsched.errors import StartupError
+from tests.unit.test_families_vs_hf import assert_matches_hf, checkpoints, runner_for  # noqa: F401 (a fixture)
+from tests.unit.test_runner_vs_hf import generate, make_runner
+from tests.oracle import hf_greedy
+
+pytestmark = pytest.mark.slow  # each runner compiles for ~10 s
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    # Every runner adds an entry to dynamo's cache for the one compiled
+    # function; past its limit dynamo would stop compiling.
+    yield
+    torch._dynamo.reset()
+
+
+def compiled_runner(path: str):
+    runner = runner_for(path, torch_compile=True)
+    assert runner.compiled is not None
+    return runner
+
+
+@pytest.mark.parametrize("case", ["qwen2", "gemma2", "gemma3", "phi3"])
+def test_compiled_decode_matches_hf_greedy_per_family(case, checkpoints):
+    path = checkpoints(case)
+    runner = compiled_runner(path)
+    before = STEPS._value.get()
+    assert_matches_hf(runner, path)
+    assert runner.compiled is not None, "the compiled step failed and the runner fell back to eager"
+    assert STEPS._value.get() - before > 0, "no decode step ran compiled"
+
+
+def test_compiled_decode_matches_hf_greedy_on_stories_one_and_five_rows(stories_path):
+    runner = make_runner(str(stories_path), torch_compile=True)
+    prompts = [[1, 403, 407, 261, 378], [1, 403], [1, 263, 403, 418, 395, 261, 378, 310, 412, 280], [1, 500], [1, 42]]
+    before = STEPS._value.get()
+    assert generate(runner, prompts[:1], 60, 16) == [hf_greedy(str(stories_path), prompts[0], 60)]
+    got = generate(runner, prompts, 40, 3)
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy(str(stories_path), p, 40), f"prompt {p}"
+    assert runner.compiled is not None, "the compiled step failed and the runner fell back to eager"
+    # Every decode step after the first prefill ran compiled.
+    assert STEPS._value.get() - before >= 59 + 30
+
+
+def test_a_failing_compiled_step_falls_back_to_eager_with_the_same_tokens(stories_path, monkeypatch):
+    runner = make_runner(str(stories_path), torch_compile=True)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("Detected recompile when torch.compile stance is 'fail_on_recompile'")
+
+    monkeypatch.setattr(runner.compiled, "run", fail)
+    prompt = [1, 403, 407, 261, 378]
+    assert generate(runner, [prompt], 20, 16) == [hf_greedy(str(stories_path), prompt, 20)]
+    assert runner.compiled is None
+
+
+def test_torch_compile_is_refused_by_name_off_cpu_and_under_tensor_parallelism():
+    assert check_torch_compile("off", torch.device("cuda", 0), 4) is False
+    assert check_torch_compile("on", torch.device("cpu"), 1) is True
+    with pytest.raises(StartupError, match=r"EXECUTOR_TORCH_COMPILE=on compiles CPU decode steps; the device is cuda:0"):
+        check_torch_compile("on", torch.device("cuda", 0), 1)
+    with pytest.raises(StartupError, match=r"EXECUTOR_TORCH_COMPILE=on is not implemented with "
+                                           r"EXECUTOR_TENSOR_PARALLEL_SIZE > 1"):
+        check_torch_compile("on", torch.device("cpu"), 2)

@@ -78,3 +78,19 @@ def test_openai_endpoint_refuses_baselines_it_cannot_check():
     proc = subprocess.run([sys.executable, "-m", "bench", "--endpoint", "openai", "http://127.0.0.1:1",
                            "--baseline", "hf-static"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "--baseline needs --endpoint grpc" in proc.stderr
+
+
+@pytest.mark.slow
+def test_single_stream_reports_each_configuration_against_hf_with_equal_tokens(tmp_path, stories_path):
+    out = tmp_path / "single.json"
+    cmd = [sys.executable, "-m", "bench.single_stream", "--model", str(stories_path), "--tokens", "12",
+           "--repeats", "1", "--plans-in-flight", "2", "--torch-compile", "off", "--torch-compile", "on",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["hf_generate_ms_per_token"] > 0
+    assert set(report["ours"]) == {"2-in-flight-compile-off", "2-in-flight-compile-on"}
+    for name, run in report["ours"].items():
+        assert run["tokens_equal_hf"], name
+        assert run["ms_per_token"] > 0 and len(run["runs_ms"]) == 1, name

@@ -3,24 +3,25 @@ one torch.compile'd graph, the CPU counterpart of cuda_graphs.py.
 
 On a small model a decode step is mostly per-op overhead: some twenty ops
 a layer, each paying Python and the dispatcher. Inductor fuses the
-elementwise ops into C++ loops and calls the rest from one generated
-function, so a step pays that overhead about once. stories260K, one
-thread: 0.86 ms of eager forward per token against 0.35 ms compiled.
+elementwise ops into C++ loops and calls the rest from one generated C++
+function, so a step pays that overhead about once. stories260K, one thread,
+one stream through the ModelRunner: 1.40 ms a token eager, 0.62 compiled.
 
 The graph takes tensors only: token ids, positions, each row's block ids
 (padded to the longest row) and lengths, from which it builds one additive
-mask per sliding window the model uses. Attention gathers each row's blocks and runs SDPA with the GQA
-group as the query axis, as the torch backend does for an undivided decode
-chunk. The new tokens' K/V come out of the graph and are written into the
-pool after it (see DenseDecodeAttention). A batch whose gathered K would pass
-MAX_GATHER_BYTES runs eagerly instead: there the gather is the cost, not
-the dispatch, and the torch backend cuts it into cache-sized pieces.
+mask per sliding window the model uses. Attention gathers each row's blocks
+and runs SDPA with the GQA group as the query axis, as the torch backend
+does for an undivided decode chunk. The new tokens' K/V come out of the
+graph and are written into the pool after it (see DenseDecodeAttention). A
+batch whose gathered K would pass MAX_GATHER_BYTES runs eagerly instead:
+there the gather is the cost, not the dispatch, and the torch backend cuts
+it into cache-sized pieces.
 
 Shapes are dynamic (rows, blocks), but dynamo specialises sizes 0 and 1. So
 a one-row batch runs as two rows (row 0 twice; the copy's K/V and logits
-are dropped), and tables are at least two
-blocks wide (extra blocks are masked). One graph then serves every step; it
-is compiled at start-up, not on a user's first request.
+are dropped), and tables are at least two blocks wide (extra blocks are
+masked). One graph then serves every step; it is compiled at start-up, not
+on a user's first request.
 
 Inductor reorders floating-point sums (the RMSNorm reduction, for one), so
 logits can differ from eager ones in the last bits; greedy tokens are

@@ -112,7 +112,7 @@ class FusedProjections(nn.Module):
         if target.is_meta:
             target = nn.Parameter(torch.empty(target.shape, device=device, dtype=dtype), requires_grad=False)
             setattr(fused, leaf, target)
-        target.data[start : start + rows].copy_(value)
+        target[start : start + rows].copy_(value)  # a parameter without grad: copied in place
 
     def drop_parts(self) -> None:
         """After loading (every part is present: the loader checks): the

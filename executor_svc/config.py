@@ -43,7 +43,8 @@ class ExecutorSettings(BaseSettings):
     cuda_graphs: Literal["auto", "off"] = "auto"
     # on: decode steps of small batches on CPU run as one torch.compile'd
     # graph (executor_svc/compiled_decode.py), compiled at start-up (about
-    # 10-20 s, less with inductor's cache warm). CPU and one rank only.
+    # 22 s cold on the development machine, 5 s with inductor's cache
+    # warm). CPU and one rank only.
     torch_compile: Literal["off", "on"] = "off"
     # Tensor parallelism: one executor spread over this many ranks (one
     # device each) with torch.distributed, NCCL on CUDA and gloo on CPU.

@@ -8,9 +8,9 @@ Ours: both services are launched (one torch thread for the executor), one
 greedy request streams `--tokens` tokens with ignore_eos; time per output
 token is (last token's arrival - first token's arrival) / (tokens - 1), so
 the prefill is left out. It runs once per SCHEDULER_MAX_PLANS_IN_FLIGHT
-value and EXECUTOR_TORCH_COMPILE value given. HF: `generate` with max_new_tokens = tokens and = 1 on the same
-prompt (one thread, KV cache on); time per token = (T(tokens) - T(1)) /
-(tokens - 1). The greedy tokens of both sides are compared. Medians over
+and EXECUTOR_TORCH_COMPILE value given. HF: `generate` with max_new_tokens
+= tokens and = 1 on the same prompt (one thread, KV cache on); time per
+token = (T(tokens) - T(1)) / (tokens - 1). The greedy tokens of both sides are compared. Medians over
 --repeats runs; the JSON report goes to bench_results/.
 """
 

@@ -44,17 +44,29 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                      "off, compiling failed")
         self.instance_id = uuid.uuid4().hex
         self.telemetry = StepTelemetry(tracing)
-        # One thread runs every step, in plan order, so the event loop stays
-        # free to receive and decode the next plan, and to answer health
-        # checks, while the model computes.
+        # One thread runs steps, in plan order, so the event loop stays free
+        # to receive and decode the next plan, and to answer health checks,
+        # while the model computes.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        # Except decode steps on CPU, which run on the event loop itself. A
+        # CPU forward keeps the CPU busy, so the thread would overlap only
+        # the next plan's decoding (microseconds), while the hand-off costs
+        # hundreds: the two threads pass the GIL back and forth, often
+        # across cores. A decode step is one token a request, so it stays
+        # short; prefill and chunks, which on CPU can take seconds, keep the
+        # thread so that health checks are answered meanwhile. On CUDA the
+        # host waits on the device with the GIL released, and under tensor
+        # parallelism heartbeats share the thread: both keep it for every
+        # step. (Measured in README, "Executor: the step".)
+        self._inline_decode = self.device.type == "cpu" and self.tp is None
         # One scheduler drives the executor at a time: a second step stream
         # is refused while the first is open. A scheduler that dies or stops
         # answering keepalive pings loses its stream, and the next one in
         # starts from empty request state.
         self._stream_open = False
         # Epoch of the last plan that failed (StepPlan.epoch); plans of that
-        # epoch still arriving are discarded. Touched by the step thread only.
+        # epoch still arriving are discarded. Touched only by whichever runs
+        # the steps, one at a time.
         self._failed_epoch: int | None = None
         # Set on SIGTERM: the step in flight finishes and its result is
         # sent, then the stream ends so the scheduler reconnects elsewhere.
@@ -109,9 +121,15 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             await asyncio.sleep(self.tp.timeout_s / 4)
             await loop.run_in_executor(self._compute, self.tp.send, HEARTBEAT)
 
+    def _runs_inline(self, plan: pb.StepPlan, step) -> bool:
+        """Whether this step runs on the event loop (see __init__): a CPU
+        step that schedules one token for each request it already holds."""
+        return (self._inline_decode and not isinstance(step, Exception) and not step.new_requests
+                and all(n == 1 for n in step.cached_num_scheduled_tokens))
+
     def _run_step(self, plan: pb.StepPlan, step) -> pb.StepResult:
-        """Runs on the step thread. `step` is the decoded plan, or the
-        exception decoding it raised."""
+        """Runs on the step thread, or inline (see _runs_inline). `step` is
+        the decoded plan, or the exception decoding it raised."""
         if plan.epoch == self._failed_epoch:
             # Sent before the scheduler learnt of the failure: it names
             # requests forgotten since. The scheduler ignores this result.
@@ -150,13 +168,38 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         steps: asyncio.Queue = asyncio.Queue()
 
         async def receive_plans() -> None:
-            async for plan in request_iterator:
-                try:
-                    step = step_from_proto(plan)
-                except Exception as exc:  # reported as that step's failure
-                    step = exc
-                steps.put_nowait((plan.step_id, loop.run_in_executor(self._compute, self._run_step, plan, step)))
-            steps.put_nowait(None)
+            plans = aiter(request_iterator)
+            threaded = None  # the last step handed to the step thread
+            reading = None  # the next plan's read, started before an inline step
+            try:
+                while True:
+                    try:
+                        plan = await (reading or anext(plans))
+                    except StopAsyncIteration:
+                        break
+                    reading = None
+                    try:
+                        step = step_from_proto(plan)
+                    except Exception as exc:  # reported as that step's failure
+                        step = exc
+                    if self._runs_inline(plan, step):
+                        if threaded is not None:
+                            await threaded  # steps run in plan order
+                            threaded = None
+                        # gRPC receives the next plan while this step holds
+                        # the loop, so it is ready the moment the step ends.
+                        reading = asyncio.ensure_future(anext(plans))
+                        await asyncio.sleep(0)  # the read starts
+                        result = loop.create_future()
+                        result.set_result(self._run_step(plan, step))
+                    else:
+                        result = threaded = loop.run_in_executor(self._compute, self._run_step, plan, step)
+                    # The sender sends this result before the next step runs.
+                    steps.put_nowait((plan.step_id, result))
+                steps.put_nowait(None)
+            finally:
+                if reading is not None:
+                    reading.cancel()
 
         receiver = None
         try:

@@ -1,0 +1,123 @@
+"""The executor's Step stream in process (executor_svc/service.py), driven
+with raw plans as a scheduler with plans in flight sends them: which steps run
+on the event loop and which on the step thread, and that either way the
+results come back in plan order with HF's greedy tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from executor_svc.config import ExecutorSettings
+from executor_svc.loading import load
+from executor_svc.service import ExecutorService
+from llmsched.tracing import setup_tracing
+from llmsched.v1 import executor_pb2 as pb
+from tests.oracle import hf_greedy
+
+PROMPTS = {1: [1, 403, 407, 261, 378], 2: [1, 263, 403, 418, 395, 261, 378, 310, 412, 280, 33, 71, 99, 12]}
+BLOCK = 16
+
+
+class FakeContext:
+    async def send_initial_metadata(self, metadata):
+        pass
+
+    async def abort(self, code, details):
+        raise AssertionError(f"stream aborted: {code} {details}")
+
+
+def plans() -> list[pb.StepPlan]:
+    """Request 1 prefills at step 0 and decodes; request 2 joins at step 4;
+    both decode to step 24. Request 1 crosses into a second block."""
+    greedy = pb.StepSampling(temperature=0, top_p=1)
+    out, blocks = [], {1: 1, 2: 1}
+    for step_id in range(25):
+        plan = pb.StepPlan(step_id=step_id, epoch=1)
+        if step_id == 0:
+            plan.new_requests.add(handle=1, token_ids=PROMPTS[1], block_ids=[0], num_scheduled_tokens=len(PROMPTS[1]),
+                                  sampling=greedy)
+        else:
+            plan.cached_handles.append(1)
+            plan.cached_num_scheduled_tokens.append(1)
+        if step_id == 4:
+            plan.new_requests.add(handle=2, token_ids=PROMPTS[2], block_ids=[5], num_scheduled_tokens=len(PROMPTS[2]),
+                                  sampling=greedy)
+        elif step_id > 4:
+            plan.cached_handles.append(2)
+            plan.cached_num_scheduled_tokens.append(1)
+        for handle, first_step, first_block in ((1, 1, 1), (2, 5, 6)):
+            # The token this step computes sits at position len(prompt) + steps since the prefill - 1.
+            position = len(PROMPTS[handle]) + step_id - first_step
+            if step_id >= first_step and position // BLOCK >= blocks[handle]:
+                plan.new_block_handles.append(handle)
+                plan.new_block_ids.append(first_block + blocks[handle])
+                blocks[handle] += 1
+        out.append(plan)
+    return out
+
+
+@pytest.fixture(scope="module")
+def service(stories_path):
+    settings = ExecutorSettings(model=str(stories_path), num_kv_blocks=64, num_threads=1)
+    service = ExecutorService(settings, setup_tracing("executor-test"), load(settings))
+    yield service
+    service.close()
+
+
+def run_stream(service: ExecutorService) -> tuple[list[pb.StepResult], dict[int, str]]:
+    """Sends every plan at once and collects the results; returns them and
+    the thread each step ran on."""
+    threads: dict[int, str] = {}
+    run_step = service._run_step
+
+    def recording(plan, step):
+        threads[plan.step_id] = threading.current_thread().name
+        return run_step(plan, step)
+
+    async def requests():
+        for plan in plans():
+            yield plan
+
+    async def collect():
+        return [r async for r in service.Step(requests(), FakeContext())]
+
+    service._run_step = recording
+    try:
+        return asyncio.run(collect()), threads
+    finally:
+        del service._run_step
+
+
+def tokens_by_request(results: list[pb.StepResult]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {1: [], 2: []}
+    for r in results:
+        assert not r.error, f"step {r.step_id} failed: {r.error}"
+        for h, t in zip(r.sampled_handles, r.sampled_token_ids):
+            out[h].append(t)
+    return out
+
+
+def test_cpu_decode_steps_run_on_the_event_loop_and_steps_with_prefill_on_the_step_thread(service, stories_path):
+    results, threads = run_stream(service)
+    assert [r.step_id for r in results] == list(range(25)), "results out of plan order"
+    loop_thread = threading.main_thread().name  # asyncio.run's loop runs here
+    on_thread = sorted(s for s, name in threads.items() if name != loop_thread)
+    assert on_thread == [0, 4], f"steps run on the step thread: {on_thread}; expected only the prefills, 0 and 4"
+    assert all(threads[s].startswith("step") for s in on_thread), threads
+    got = tokens_by_request(results)
+    assert got[1] == hf_greedy(str(stories_path), PROMPTS[1], 25, ignore_eos=True)
+    assert got[2] == hf_greedy(str(stories_path), PROMPTS[2], 21, ignore_eos=True)
+
+
+def test_with_every_step_on_the_step_thread_the_tokens_are_the_same(service):
+    inline, _ = run_stream(service)
+    service._inline_decode = False  # as on CUDA and under tensor parallelism
+    try:
+        threaded, threads = run_stream(service)
+    finally:
+        service._inline_decode = True
+    assert all(name.startswith("step") for name in threads.values()), threads
+    assert tokens_by_request(threaded) == tokens_by_request(inline)

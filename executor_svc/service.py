@@ -163,43 +163,29 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             )
         self._stream_open = True
         loop = asyncio.get_running_loop()
-        # Plans are received and decoded here, on the event loop, while the
-        # step thread computes earlier ones; results go back in plan order.
+        # One task receives and decodes plans. It always has the next read
+        # outstanding, so a plan arrives while earlier steps run, and it
+        # hands steps for the step thread over on arrival. This generator
+        # runs inline steps itself, so a result goes out as soon as its
+        # step ends, and yields every result in plan order.
         steps: asyncio.Queue = asyncio.Queue()
+        # Queued plans this generator starts itself. While any is queued,
+        # later plans queue behind it instead of reaching the thread first.
+        held = 0
 
         async def receive_plans() -> None:
-            plans = aiter(request_iterator)
-            threaded = None  # the last step handed to the step thread
-            reading = None  # the next plan's read, started before an inline step
-            try:
-                while True:
-                    try:
-                        plan = await (reading or anext(plans))
-                    except StopAsyncIteration:
-                        break
-                    reading = None
-                    try:
-                        step = step_from_proto(plan)
-                    except Exception as exc:  # reported as that step's failure
-                        step = exc
-                    if self._runs_inline(plan, step):
-                        if threaded is not None:
-                            await threaded  # steps run in plan order
-                            threaded = None
-                        # gRPC receives the next plan while this step holds
-                        # the loop, so it is ready the moment the step ends.
-                        reading = asyncio.ensure_future(anext(plans))
-                        await asyncio.sleep(0)  # the read starts
-                        result = loop.create_future()
-                        result.set_result(self._run_step(plan, step))
-                    else:
-                        result = threaded = loop.run_in_executor(self._compute, self._run_step, plan, step)
-                    # The sender sends this result before the next step runs.
-                    steps.put_nowait((plan.step_id, result))
-                steps.put_nowait(None)
-            finally:
-                if reading is not None:
-                    reading.cancel()
+            nonlocal held
+            async for plan in request_iterator:
+                try:
+                    step = step_from_proto(plan)
+                except Exception as exc:  # reported as that step's failure
+                    step = exc
+                if held or self._runs_inline(plan, step):
+                    held += 1
+                    steps.put_nowait((plan, step, None))
+                else:
+                    steps.put_nowait((plan, step, loop.run_in_executor(self._compute, self._run_step, plan, step)))
+            steps.put_nowait(None)
 
         receiver = None
         try:
@@ -210,10 +196,18 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             await context.send_initial_metadata(())  # accepted: see ExecutorClient.connect
             receiver = asyncio.create_task(receive_plans())
             while (item := await steps.get()) is not None:
-                step_id, result = item
-                yield await result
+                plan, step, result = item
+                if result is None:
+                    held -= 1
+                    if self._runs_inline(plan, step):  # every earlier step has ended
+                        result = self._run_step(plan, step)
+                    else:
+                        result = await loop.run_in_executor(self._compute, self._run_step, plan, step)
+                else:
+                    result = await result
+                yield result
                 if self.stopping:
-                    log.info("stopping: step stream closed after step %d", step_id)
+                    log.info("stopping: step stream closed after step %d", plan.step_id)
                     return
             await receiver  # re-raises a broken request stream
         finally:

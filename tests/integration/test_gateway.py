@@ -251,7 +251,9 @@ def test_mid_stream_disconnect_frees_every_kv_block(gw):
 
 def test_non_streamed_request_is_cancelled_when_the_client_times_out(gw):
     services, grpc_client, client, model = gw
-    impatient = client.with_options(timeout=1.0)
+    # 480 decode steps cannot finish in 0.1 s: each costs more than 0.2 ms
+    # through the two gRPC hops alone.
+    impatient = client.with_options(timeout=0.1)
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(model=model, prompt=PROMPT, max_tokens=480, extra_body={"ignore_eos": True})
     grpc_client.assert_no_leaked_blocks()

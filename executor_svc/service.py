@@ -57,7 +57,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         # thread so that health checks are answered meanwhile. On CUDA the
         # host waits on the device with the GIL released, and under tensor
         # parallelism heartbeats share the thread: both keep it for every
-        # step. (Measured in README, "Executor: the step".)
+        # step. (Measured: README, "The executor's step".)
         self._inline_decode = self.device.type == "cpu" and self.tp is None
         # One scheduler drives the executor at a time: a second step stream
         # is refused while the first is open. A scheduler that dies or stops

@@ -31,7 +31,7 @@ class FakeContext:
 
 def plans() -> list[pb.StepPlan]:
     """Request 1 prefills at step 0 and decodes; request 2 joins at step 4;
-    both decode to step 24. Request 1 crosses into a second block."""
+    both decode to step 24, each crossing into a second block."""
     greedy = pb.StepSampling(temperature=0, top_p=1)
     out, blocks = [], {1: 1, 2: 1}
     for step_id in range(25):
@@ -49,7 +49,7 @@ def plans() -> list[pb.StepPlan]:
             plan.cached_handles.append(2)
             plan.cached_num_scheduled_tokens.append(1)
         for handle, first_step, first_block in ((1, 1, 1), (2, 5, 6)):
-            # The token this step computes sits at position len(prompt) + steps since the prefill - 1.
+            # This step computes the token sampled the step before, at len(prompt) + step_id - first_step.
             position = len(PROMPTS[handle]) + step_id - first_step
             if step_id >= first_step and position // BLOCK >= blocks[handle]:
                 plan.new_block_handles.append(handle)

@@ -23,6 +23,12 @@ from llmsched.v1 import executor_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+# A CPU decode step runs on the event loop only while the last decode step
+# took less than this. Against a longer step the thread's hand-off (a few
+# hundred microseconds) is small, and the loop must stay free to answer
+# health checks: a decode step of a large model on CPU can take seconds.
+INLINE_DECODE_MAX_S = 0.02
+
 
 class ExecutorService(pb_grpc.ExecutorServicer):
     def __init__(self, settings: ExecutorSettings, tracing: Tracing, loaded: LoadedModel):
@@ -52,13 +58,17 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         # CPU forward keeps the CPU busy, so the thread would overlap only
         # the next plan's decoding (microseconds), while the hand-off costs
         # hundreds: the two threads pass the GIL back and forth, often
-        # across cores. A decode step is one token a request, so it stays
-        # short; prefill and chunks, which on CPU can take seconds, keep the
-        # thread so that health checks are answered meanwhile. On CUDA the
+        # across cores. Prefill and chunks, which on CPU can take seconds,
+        # and decode steps once they take INLINE_DECODE_MAX_S or more, keep
+        # the thread so that health checks are answered meanwhile. On CUDA the
         # host waits on the device with the GIL released, and under tensor
         # parallelism heartbeats share the thread: both keep it for every
         # step. (Measured: README, "The executor's step".)
         self._inline_decode = self.device.type == "cpu" and self.tp is None
+        # Seconds the last decode step took, wherever it ran (see
+        # INLINE_DECODE_MAX_S). Written by whichever runs steps; a float, so
+        # the event loop may read it meanwhile.
+        self._last_decode_s = 0.0
         # One scheduler drives the executor at a time: a second step stream
         # is refused while the first is open. A scheduler that dies or stops
         # answering keepalive pings loses its stream, and the next one in
@@ -121,11 +131,16 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             await asyncio.sleep(self.tp.timeout_s / 4)
             await loop.run_in_executor(self._compute, self.tp.send, HEARTBEAT)
 
+    @staticmethod
+    def _decode_only(step) -> bool:
+        """One token for each request the executor already holds."""
+        return (not isinstance(step, Exception) and not step.new_requests
+                and all(n == 1 for n in step.cached_num_scheduled_tokens))
+
     def _runs_inline(self, plan: pb.StepPlan, step) -> bool:
         """Whether this step runs on the event loop (see __init__): a CPU
-        step that schedules one token for each request it already holds."""
-        return (self._inline_decode and not isinstance(step, Exception) and not step.new_requests
-                and all(n == 1 for n in step.cached_num_scheduled_tokens))
+        decode step, while decode steps are short."""
+        return self._inline_decode and self._last_decode_s < INLINE_DECODE_MAX_S and self._decode_only(step)
 
     def _run_step(self, plan: pb.StepPlan, step) -> pb.StepResult:
         """Runs on the step thread, or inline (see _runs_inline). `step` is
@@ -149,10 +164,12 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             self._reset_ranks()
             self._failed_epoch = plan.epoch
             result = pb.StepResult(step_id=plan.step_id, error=f"{type(exc).__name__}: {exc}")
+        ended = time.perf_counter()
+        if self._decode_only(step):
+            self._last_decode_s = ended - started
         num_tokens = sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(plan.cached_num_scheduled_tokens)
-        self.telemetry.record(plan.traceparent, plan.step_id, plan.after_idle, started_wall, started,
-                              time.perf_counter(), result.prepare_ns, result.forward_ns, result.sample_ns,
-                              num_tokens, result.error or None)
+        self.telemetry.record(plan.traceparent, plan.step_id, plan.after_idle, started_wall, started, ended,
+                              result.prepare_ns, result.forward_ns, result.sample_ns, num_tokens, result.error or None)
         return result
 
     async def Step(self, request_iterator, context):

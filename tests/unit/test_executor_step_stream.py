@@ -12,7 +12,7 @@ import pytest
 
 from executor_svc.config import ExecutorSettings
 from executor_svc.loading import load
-from executor_svc.service import ExecutorService
+from executor_svc.service import INLINE_DECODE_MAX_S, ExecutorService
 from llmsched.tracing import setup_tracing
 from llmsched.v1 import executor_pb2 as pb
 from tests.oracle import hf_greedy
@@ -67,9 +67,10 @@ def service(stories_path):
     service.close()
 
 
-def run_stream(service: ExecutorService) -> tuple[list[pb.StepResult], dict[int, str]]:
-    """Sends every plan at once and collects the results; returns them and
-    the thread each step ran on."""
+def run_stream(service: ExecutorService, lockstep: bool = False) -> tuple[list[pb.StepResult], dict[int, str]]:
+    """Sends every plan at once (or, in lockstep, each after the previous
+    result) and collects the results; returns them and the thread each step
+    ran on."""
     threads: dict[int, str] = {}
     run_step = service._run_step
 
@@ -77,12 +78,20 @@ def run_stream(service: ExecutorService) -> tuple[list[pb.StepResult], dict[int,
         threads[plan.step_id] = threading.current_thread().name
         return run_step(plan, step)
 
+    answered: asyncio.Queue = asyncio.Queue()
+
     async def requests():
         for plan in plans():
             yield plan
+            if lockstep:
+                await answered.get()
 
     async def collect():
-        return [r async for r in service.Step(requests(), FakeContext())]
+        results = []
+        async for r in service.Step(requests(), FakeContext()):
+            results.append(r)
+            answered.put_nowait(r.step_id)
+        return results
 
     service._run_step = recording
     try:
@@ -121,3 +130,17 @@ def test_with_every_step_on_the_step_thread_the_tokens_are_the_same(service):
         service._inline_decode = True
     assert all(name.startswith("step") for name in threads.values()), threads
     assert tokens_by_request(threaded) == tokens_by_request(inline)
+
+
+def test_after_a_long_decode_step_decode_steps_use_the_thread_until_one_is_short_again(service):
+    # As after a decode step of a large model on CPU: the loop must stay
+    # free for health checks while such steps run.
+    service._last_decode_s = 1.0
+    results, threads = run_stream(service, lockstep=True)
+    loop_thread = threading.main_thread().name
+    on_thread = sorted(s for s, name in threads.items() if name != loop_thread)
+    # Step 1, the first decode, goes to the thread and measures short
+    # (stories260K), so the decode steps after it run inline again.
+    assert on_thread == [0, 1, 4], f"steps run on the step thread: {on_thread}; expected 0, 1 and 4"
+    assert service._last_decode_s < INLINE_DECODE_MAX_S
+    assert [r.step_id for r in results] == list(range(25))

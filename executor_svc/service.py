@@ -137,7 +137,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         return (not isinstance(step, Exception) and not step.new_requests
                 and all(n == 1 for n in step.cached_num_scheduled_tokens))
 
-    def _runs_inline(self, plan: pb.StepPlan, step) -> bool:
+    def _runs_inline(self, step) -> bool:
         """Whether this step runs on the event loop (see __init__): a CPU
         decode step, while decode steps are short."""
         return self._inline_decode and self._last_decode_s < INLINE_DECODE_MAX_S and self._decode_only(step)
@@ -197,7 +197,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                     step = step_from_proto(plan)
                 except Exception as exc:  # reported as that step's failure
                     step = exc
-                if held or self._runs_inline(plan, step):
+                if held or self._runs_inline(step):
                     held += 1
                     steps.put_nowait((plan, step, None))
                 else:
@@ -216,7 +216,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                 plan, step, result = item
                 if result is None:
                     held -= 1
-                    if self._runs_inline(plan, step):  # every earlier step has ended
+                    if self._runs_inline(step):  # every earlier step has ended
                         result = self._run_step(plan, step)
                     else:
                         result = await loop.run_in_executor(self._compute, self._run_step, plan, step)

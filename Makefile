@@ -24,8 +24,13 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/python -m llmsched.launch
 
+# Parallel by default: the tests mostly wait on the processes they start,
+# so two workers gain even on two cores (PYTEST_ARGS='-n 0' runs serially;
+# a later -n wins). Tests that share a started stack run on one worker, and
+# `alone` tests run with nothing beside them (tests/xdist_scheduling.py).
+PYTEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
 
 protos: $(STAMP)
 	$(BIN)/python -m llmsched.genproto

@@ -1,5 +1,7 @@
-"""Suite-wide pytest set-up: the gpu marker skips without CUDA, and the
-Triton interpreter is used on machines without a GPU."""
+"""Suite-wide pytest set-up: the gpu marker skips without CUDA, the Triton
+interpreter is used on machines without a GPU, compiler caches live in the
+test session's temp directory, and under pytest-xdist tests are grouped,
+ordered and kept apart as tests/xdist_scheduling.py describes."""
 
 from __future__ import annotations
 
@@ -7,6 +9,13 @@ import os
 from pathlib import Path
 
 import pytest
+
+from tests.xdist_scheduling import (  # noqa: F401 (pytest hooks, registered by name)
+    pytest_runtest_protocol,
+    pytest_xdist_make_scheduler,
+    schedule_for_xdist,
+    session_root,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STORIES = REPO_ROOT.parent / "shared" / "models" / "stories260K"
@@ -28,12 +37,13 @@ if not HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
-    for item in items:
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(skip)
+    if not HAS_CUDA:
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if item.get_closest_marker("gpu") is not None:
+                item.add_marker(skip)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        schedule_for_xdist(config, items)
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +51,17 @@ def stories_path() -> Path:
     if not (STORIES / "model.safetensors").exists():
         pytest.fail(f"stories260K checkpoint missing at {STORIES}: it is read in place from ../shared")
     return STORIES
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """Inductor's and Triton's on-disk caches go under the session's temp
+    root, shared by every xdist worker and inherited by the services the
+    tests start: a graph compiled once (EXECUTOR_TORCH_COMPILE) is loaded
+    from the cache by the next test that compiles it, while each session,
+    like a clean clone in CI, starts cold."""
+    root = session_root(session.config)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor-cache")
+    os.environ["TRITON_CACHE_DIR"] = str(root / "triton-cache")
+
+

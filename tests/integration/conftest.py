@@ -78,7 +78,11 @@ def start_services(model: str, executor_env=None, scheduler_env=None):
     return services, Client(services.scheduler_address, model, channel, spb_grpc.SchedulerStub(channel))
 
 
-@pytest.fixture(scope="module")
+# The default stacks, shared by every module that only reads from them (one
+# per xdist worker): each test leaves them as it found them, with no
+# request running and no KV block held. Tests that kill, stall or
+# reconfigure a process start their own.
+@pytest.fixture(scope="session")
 def stories(stories_path):
     services, client = start_services(str(stories_path))
     yield client
@@ -86,7 +90,7 @@ def stories(stories_path):
     services.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny():
     services, client = start_services("tiny-random")
     yield client

@@ -164,8 +164,13 @@ class Greedy:
     min_margin: float  # smallest top-1 minus top-2 logit over the generated steps
 
 
-@functools.lru_cache(maxsize=256)
-def _hf_greedy(directory: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> Greedy:
+# directory, prompt -> (tokens, the top-1 minus top-2 logit at each step),
+# for the longest run so far: greedy decoding is prefix-stable (these runs
+# never stop at EOS), so a shorter request is a slice of a longer one.
+_GREEDY: dict[tuple[str, tuple[int, ...]], tuple[list[int], list[float]]] = {}
+
+
+def _hf_greedy(directory: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[list[int], list[float]]:
     model = hf_model(directory)
     with torch.no_grad():
         out = model.generate(
@@ -175,13 +180,17 @@ def _hf_greedy(directory: str, prompt_ids: tuple[int, ...], max_new_tokens: int)
         )
     logits = torch.cat(out.logits)  # [steps, vocab]
     top2 = logits.topk(2, dim=-1).values
-    return Greedy(out.sequences[0, len(prompt_ids):].tolist(), float((top2[:, 0] - top2[:, 1]).min()))
+    return out.sequences[0, len(prompt_ids):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()
 
 
 def hf_greedy(directory: str, prompt_ids: list[int], max_new_tokens: int) -> Greedy:
     """HF generate(do_sample=False) without stopping at EOS, and how close
     each of its choices came to a tie."""
-    return _hf_greedy(directory, tuple(prompt_ids), max_new_tokens)
+    key = (directory, tuple(prompt_ids))
+    if key not in _GREEDY or len(_GREEDY[key][0]) < max_new_tokens:
+        _GREEDY[key] = _hf_greedy(directory, key[1], max_new_tokens)
+    tokens, margins = _GREEDY[key]
+    return Greedy(tokens[:max_new_tokens], min(margins[:max_new_tokens]))
 
 
 def prompts(n: int, min_len: int = 5, max_len: int = 30, seed: int = 1) -> list[list[int]]:

@@ -24,9 +24,28 @@ def hf_model(model: str):
     return hf.eval()
 
 
+# model, prompt, ignore_eos -> (the longest continuation computed, the
+# max_new_tokens it was computed for). Greedy decoding is prefix-stable: the
+# first n tokens of a longer run are the n-token run, and a run that ended
+# early ended at EOS, so it answers every longer request too.
+_GREEDY: dict[tuple[str, tuple[int, ...], bool], tuple[list[int], int]] = {}
+
+
 def hf_greedy(model: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
     """Greedy continuation as HF generate(do_sample=False) produces it, EOS
-    included when it stops there."""
+    included when it stops there. Runs HF once per prompt and length: a
+    shorter request for the same prompt is served from the longer run."""
+    key = (model, tuple(prompt_ids), ignore_eos)
+    if key in _GREEDY:
+        tokens, computed_for = _GREEDY[key]
+        if max_new_tokens <= computed_for or len(tokens) < computed_for:
+            return tokens[:max_new_tokens]
+    tokens = _hf_generate(model, prompt_ids, max_new_tokens, ignore_eos)
+    _GREEDY[key] = (tokens, max_new_tokens)
+    return list(tokens)
+
+
+def _hf_generate(model: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool) -> list[int]:
     hf = hf_model(model)
     kwargs = {"eos_token_id": None} if ignore_eos else {}
     with torch.no_grad():

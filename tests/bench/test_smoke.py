@@ -83,7 +83,7 @@ def test_openai_endpoint_refuses_baselines_it_cannot_check():
 @pytest.mark.slow
 def test_single_stream_reports_each_configuration_against_hf_with_equal_tokens(tmp_path, stories_path):
     out = tmp_path / "single.json"
-    cmd = [sys.executable, "-m", "bench.single_stream", "--model", str(stories_path), "--tokens", "12",
+    cmd = [sys.executable, "-m", "bench.single_stream", "--model", str(stories_path), "--tokens", "6",
            "--repeats", "1", "--plans-in-flight", "2", "--torch-compile", "off", "--torch-compile", "on",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -642,6 +642,8 @@ def test_tiny_positive_temperature_behaves_like_greedy(env, temperature):
     assert tokens == greedy, f"temperature {temperature!r} sampled {tokens}, greedy is {greedy}"
 
 
+# Alone: it times the gaps between a stream's tokens.
+@pytest.mark.alone
 def test_a_huge_text_prompt_does_not_stall_other_clients(env):
     client = env.client
     huge = "Once upon a time there was a cat. " * 90_000  # 3.06 MB, ~900k tokens

@@ -121,6 +121,8 @@ def test_idle_scheduler_notices_a_frozen_executor():
         services.stop()
 
 
+# Alone: with 1 s keepalives, a starved first scheduler would lose its executor.
+@pytest.mark.alone
 def test_second_scheduler_is_refused_while_the_first_holds_the_executor():
     """One scheduler per executor: a second one stays NOT_SERVING while the
     first is alive. When the first freezes, the executor drops it after

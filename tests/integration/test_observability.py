@@ -151,6 +151,8 @@ def test_metrics_move_during_a_run(traced):
         assert metric(after_e, name) > metric(before_e, name), name
 
 
+# Alone: it bounds the executor's idle time between steps.
+@pytest.mark.alone
 def test_executor_idle_leaves_out_time_with_no_requests(traced):
     """P7 counts bubbles while the scheduler has work: a second of no
     requests between two generations is not executor idle time."""

@@ -126,6 +126,8 @@ def test_a_bad_setting_or_file_stops_the_start_with_one_line_naming_it(case, run
     assert len(generate(running.scheduler_address)) == 4
 
 
+# Alone: it times the scheduler's stop.
+@pytest.mark.alone
 def test_a_dead_trace_collector_does_not_hold_up_a_stop():
     """Spans queued for a collector that is down: SIGTERM still ends the
     scheduler in seconds (the SDK alone retries each batch for 10 s)."""

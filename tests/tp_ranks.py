@@ -53,7 +53,11 @@ def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_n
 
 def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_s: float = 240.0):
     """(tokens per prompt, logits per step) from rank 0 of a group of `size`."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    # Each rank is forked from a server that has already imported torch and
+    # the executor (about 2 s of CPU a rank, 30-odd ranks in the suite);
+    # nothing in that server has started a thread, so forking is safe.
+    ctx.set_forkserver_preload(["executor_svc.loading", "tests.unit.test_runner_vs_hf"])
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=generate_on_rank, args=(model, size, r, port, prompts, max_new, chunk, results))

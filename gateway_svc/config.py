@@ -16,7 +16,7 @@ class GatewaySettings(BaseSettings):
     # All interfaces, like the scheduler's public API: the gateway is a front
     # door that routers and clients in other containers or pods reach, and
     # inside a container loopback would be unreachable. Compose publishes it
-    # on 127.0.0.1 only.
+    # on the host's port 8080, like the scheduler's 50051.
     host: str = Field(
         default="0.0.0.0", description="Address the HTTP API binds to: all interfaces, because routers and clients "
         "in other containers or pods reach it. The test launcher binds `127.0.0.1`.")

@@ -8,8 +8,8 @@ it, through the server's reflection service alone (no stubs, no .proto).
 grpcurl itself is a Go binary: neither PyPI nor Debian's archive carries an
 official build, so the test suite cannot install it. The getting-started
 test puts this script on PATH as `grpcurl` only when there is no grpcurl
-there. Responses print as grpcurl prints them: one JSON object per message,
-field names in lowerCamelCase, default values left out.
+there. Responses print as grpcurl (1.8.6, checked) prints them: one JSON
+object per message, fields by their .proto names, default values left out.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
             else:
                 responses = [channel.unary_unary(path, **kwargs)(request, metadata=headers, timeout=60)]
             for response in responses:
-                print(json_format.MessageToJson(response, indent=2))
+                print(json_format.MessageToJson(response, indent=2, preserving_proto_field_name=True))
         except grpc.RpcError as exc:
             print(f"ERROR:\n  Code: {exc.code().name}\n  Message: {exc.details()}", file=sys.stderr)
             return 1

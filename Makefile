@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make serve   install what is missing, run executor + scheduler + OpenAI gateway (tiny-random)
 #   make test    install what is missing, run the whole suite
+#   make docs    build the documentation site and serve it on http://127.0.0.1:8800
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,14 +11,14 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # takes it from there instead of a multi-GB CUDA build from the index.
 PIP_FIND := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-.PHONY: install serve test protos bench-kernels gpu-check clean
+.PHONY: install serve test protos docs docs-gen bench-kernels gpu-check clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(PIP_FIND) -e '.[executor,gateway,router,test,bench]'
+	$(BIN)/python -m pip install -q $(PIP_FIND) -e '.[executor,gateway,router,test,bench,docs]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -35,6 +36,17 @@ test: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m llmsched.genproto
 
+# Port 8800: 8000 and 8001 are the services' metrics ports. The variable
+# turns off mkdocs-material's end-of-life banner, which is not a build warning.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve --dev-addr 127.0.0.1:8800
+
+# Rewrites the generated parts of docs/configuration.md (from the settings
+# classes) and docs/grpc-api.md (from scheduler.proto's comments); a test
+# fails when they are stale.
+docs-gen: $(STAMP)
+	$(BIN)/python -m llmsched.docgen
+
 bench-kernels: $(STAMP)
 	$(BIN)/python -m bench.kernels
 
@@ -45,4 +57,4 @@ gpu-check: $(STAMP)
 	$(BIN)/python -m bench.gpu_check
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site

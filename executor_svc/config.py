@@ -1,4 +1,8 @@
-"""Executor settings, read from EXECUTOR_* environment variables."""
+"""Executor settings, read from EXECUTOR_* environment variables.
+
+Each field's description is what docs/configuration.md shows for it: that
+page is rendered from these classes (python -m llmsched.docgen), and a test
+fails when it is stale. Importing this module must not import torch."""
 
 from __future__ import annotations
 
@@ -11,68 +15,84 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class ExecutorSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EXECUTOR_", extra="ignore")
 
-    # Address to bind. Loopback by default: the step channel carries no
-    # authentication, so binding it elsewhere must be a deliberate choice.
-    host: str = "127.0.0.1"
-    # Port of the llmsched.v1.Executor service; 0 picks a free port.
-    port: int = Field(default=50052, ge=0, le=65535)
-    # Port of the Prometheus /metrics endpoint; 0 turns it off.
-    metrics_port: int = Field(default=8001, ge=0, le=65535)
-    # A built-in model name (tiny-random, bench-small) or a Hugging Face
-    # checkpoint directory with config.json, *.safetensors, tokenizer.json.
-    model: str = "tiny-random"
-    # auto = cuda when available, else cpu.
-    device: str = "auto"
-    # auto = float32 on CPU, bfloat16 on CUDA.
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    # Tokens per KV-cache block.
-    block_size: int = Field(default=16, ge=1, le=1024)
-    # Number of KV blocks in the pool; 0 = size it from kv_cache_memory_mb.
-    num_kv_blocks: int = Field(default=0, ge=0)
-    # Memory budget for the KV pool when num_kv_blocks is 0, in MiB.
-    kv_cache_memory_mb: int = Field(default=512, ge=1)
-    # Longest prompt + generation; 0 = the model's max_position_embeddings.
-    max_model_len: int = Field(default=0, ge=0)
-    # Attention implementation: torch (plain PyTorch, any device), triton
-    # (the Triton kernels in kernels/; CUDA, or CPU only under
-    # TRITON_INTERPRET=1, for tests) or auto = triton on CUDA, else torch.
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    # CUDA graphs for decode steps: auto = on when the device is CUDA and
-    # the attention backend is triton (the torch backend splits batches on
-    # the host, which a graph cannot replay), else off.
-    cuda_graphs: Literal["auto", "off"] = "auto"
-    # on: decode steps of small batches on CPU run as one torch.compile'd
-    # graph (executor_svc/compiled_decode.py), compiled at start-up (about
-    # 22 s cold on the development machine, 5 s with inductor's cache
-    # warm). CPU and one rank only.
-    torch_compile: Literal["off", "on"] = "off"
-    # Tensor parallelism: one executor spread over this many ranks (one
-    # device each) with torch.distributed, NCCL on CUDA and gloo on CPU.
-    # Without torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK,
-    # MASTER_ADDR, MASTER_PORT) rank 0 starts the other ranks itself on this
-    # node; with them, every process joins that group and WORLD_SIZE must
-    # equal this. Rank 0 alone serves gRPC. See executor_svc/tensor_parallel.py.
-    tensor_parallel_size: int = Field(default=1, ge=1, le=512)
-    # A rank that does not answer a collective within this many seconds (it
-    # died or hangs) stops the whole group, which exits non-zero: the
-    # scheduler then recomputes its requests on the restarted executor.
-    tensor_parallel_timeout_s: float = Field(default=120.0, gt=0)
-    # Intra-op CPU threads for torch; 0 = torch's default.
-    num_threads: int = Field(default=0, ge=0)
-    # Largest number of top logprobs a request may ask for.
-    max_logprobs: int = Field(default=20, ge=0, le=1024)
-    # Largest gRPC message accepted or sent, in bytes.
-    max_message_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
-    # Keepalive ping interval to the connected scheduler, in seconds: a
-    # scheduler that stops answering for as long again loses its step
-    # stream, so a standby scheduler can take over.
-    scheduler_keepalive_s: float = Field(default=10.0, gt=0)
-    # Fault injection for tests: a step whose batch holds this token id
-    # fails with an exception, as a broken forward pass would. -1 = off.
-    debug_fail_on_token: int = -1
-    # TLS for the step channel: PEM certificate and key. With
-    # tls_client_ca, the scheduler must present a certificate signed by it.
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
-    log_level: str = "INFO"
+    # Loopback by default: the step channel carries no authentication, so
+    # binding it elsewhere must be a deliberate choice.
+    host: str = Field(
+        default="127.0.0.1", description="Address the step channel binds to. The step channel has no "
+        "authentication of its own: keep it on loopback or a private network, or turn on mutual TLS.")
+    port: int = Field(default=50052, ge=0, le=65535,
+                      description="Port of the `llmsched.v1.Executor` step channel; 0 picks a free port.")
+    metrics_port: int = Field(default=8001, ge=0, le=65535,
+                              description="Port of the Prometheus `/metrics` endpoint; 0 turns it off.")
+    model: str = Field(
+        default="tiny-random", description="A built-in model (`tiny-random`, `bench-small`) or a Hugging Face "
+        "checkpoint directory with `config.json`, `*.safetensors` and `tokenizer.json`.")
+    device: str = Field(
+        default="auto", description="`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`. Under "
+        "tensor parallelism `auto`, `cuda` (each rank on `cuda:LOCAL_RANK`) or `cpu`.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto", description="Weights and KV cache dtype; `auto` = float32 on CPU, bfloat16 on CUDA.")
+    block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV-cache block.")
+    num_kv_blocks: int = Field(
+        default=0, ge=0, description="Blocks in the KV pool; 0 sizes the pool from `EXECUTOR_KV_CACHE_MEMORY_MB`.")
+    # A pool the device cannot hold is refused at start-up: on CPU it would
+    # otherwise be OOM-killed while being zeroed.
+    kv_cache_memory_mb: int = Field(
+        default=512, ge=1, description="KV pool budget in MiB when `EXECUTOR_NUM_KV_BLOCKS` is 0 (per rank, over "
+        "its KV heads, under tensor parallelism). A pool larger than free memory (CUDA free memory, or "
+        "`MemAvailable` on CPU) is refused at start-up.")
+    max_model_len: int = Field(
+        default=0, ge=0, description="Longest prompt + generation, in tokens; 0 = the model's "
+        "`max_position_embeddings`.")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        default="auto", description="`torch` (plain PyTorch, any device), `triton` (the Triton kernels in "
+        "`kernels/`; CUDA, or CPU only under `TRITON_INTERPRET=1`, for tests) or `auto` = triton on CUDA, else "
+        "torch.")
+    # The torch backend splits batches on the host, which a graph cannot
+    # replay; capturing NCCL all-reduces has not been tested on GPUs.
+    cuda_graphs: Literal["auto", "off"] = Field(
+        default="auto", description="Decode steps replayed from CUDA graphs (batch sizes 1, 2, 4, ..., 512). "
+        "`auto` = on with a CUDA device and the `triton` backend on one device (off under tensor parallelism), "
+        "else off; `off`.")
+    torch_compile: Literal["off", "on"] = Field(
+        default="off", description="`on`: decode-only steps on CPU whose gathered K fits 4 MiB per layer (e.g. 64 "
+        "requests x 512 tokens on stories260K) run as one `torch.compile`d graph "
+        "(`executor_svc/compiled_decode.py`), compiled at start-up (about 22 s cold on the development machine, "
+        "5 s with inductor's on-disk cache warm); other steps run eagerly. Needs a C++ compiler: if compiling "
+        "fails the executor logs why and serves eagerly. Refused on CUDA (use `EXECUTOR_CUDA_GRAPHS`) and under "
+        "tensor parallelism.")
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=512, description="Ranks (one device each) one executor's model is split over, with "
+        "torch.distributed: NCCL on CUDA, gloo on CPU. Without torchrun's variables rank 0 starts the other ranks "
+        "on this node; with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` every process "
+        "joins that group, and `WORLD_SIZE` must equal this. Rank 0 alone serves gRPC. A size that does not "
+        "divide the model's heads, KV heads (or a multiple of them) and intermediate size is refused with the "
+        "sizes that work.")
+    # Fail-stop: the scheduler then recomputes its requests on the restarted
+    # executor, which beats a group that hangs on a dead rank.
+    tensor_parallel_timeout_s: float = Field(
+        default=120.0, gt=0, description="A rank that dies or does not answer a collective within this many "
+        "seconds stops the whole group, which exits non-zero; rank 0 checks an idle group every quarter of it. "
+        "Start-up waits (rendezvous, pool-size agreement) are bounded by it too.")
+    num_threads: int = Field(
+        default=0, ge=0, description="torch intra-op CPU threads; 0 = torch's default, divided among the ranks "
+        "sharing a node's cores under tensor parallelism.")
+    max_logprobs: int = Field(
+        default=20, ge=0, le=1024, description="Most top logprobs per token a request may ask for; capped at the "
+        "vocabulary size.")
+    max_message_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024, description="Largest gRPC message on the step channel, in bytes.")
+    scheduler_keepalive_s: float = Field(
+        default=10.0, gt=0, description="Keepalive ping interval to the connected scheduler, in seconds. A "
+        "scheduler that stops answering for as long again loses its step stream, so a standby scheduler can take "
+        "over.")
+    debug_fail_on_token: int = Field(
+        default=-1, description="Fault injection for tests: a step whose batch holds this token id fails with an "
+        "exception, as a broken forward pass would. -1 = off.")
+    tls_cert: str = Field(
+        default="", description="PEM certificate file: TLS on the step channel (with `EXECUTOR_TLS_KEY`).")
+    tls_key: str = Field(default="", description="PEM private key file of `EXECUTOR_TLS_CERT`.")
+    tls_client_ca: str = Field(
+        default="", description="With TLS: the scheduler must present a certificate signed by this CA (mutual "
+        "TLS).")
+    log_level: str = Field(default="INFO", description="Python log level.")

@@ -63,7 +63,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         # the thread so that health checks are answered meanwhile. On CUDA the
         # host waits on the device with the GIL released, and under tensor
         # parallelism heartbeats share the thread: both keep it for every
-        # step. (Measured: README, "The executor's step".)
+        # step. (Measured: docs/architecture.md, "The executor's step".)
         self._inline_decode = self.device.type == "cpu" and self.tp is None
         # Seconds the last decode step took, wherever it ran (see
         # INLINE_DECODE_MAX_S). Written by whichever runs steps; a float, so

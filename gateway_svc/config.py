@@ -1,4 +1,8 @@
-"""Gateway settings, read from GATEWAY_* environment variables."""
+"""Gateway settings, read from GATEWAY_* environment variables.
+
+Each field's description is what docs/configuration.md shows for it: that
+page is rendered from these classes (python -m llmsched.docgen), and a test
+fails when it is stale."""
 
 from __future__ import annotations
 
@@ -9,25 +13,27 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore")
 
-    # Address the HTTP API binds to. All interfaces, like the scheduler's
-    # public API: the gateway is a front door that routers and clients in
-    # other containers or pods reach, and inside a container loopback would
-    # be unreachable. Compose publishes it on 127.0.0.1 only.
-    host: str = "0.0.0.0"
-    # Port of the OpenAI-compatible HTTP API (and its /metrics).
-    port: int = Field(default=8080, ge=0, le=65535)
-    # host:port of the scheduler's public llmsched.v1.Scheduler API.
-    scheduler_address: str = "localhost:50051"
-    # TLS to the scheduler: the CA that signed its certificate; with
-    # scheduler_tls_cert/key the gateway presents a client certificate
-    # (mutual TLS). Empty = plaintext.
-    scheduler_tls_ca: str = ""
-    scheduler_tls_cert: str = ""
-    scheduler_tls_key: str = ""
-    # Most completions one request may ask for with `n`; each is one
-    # Generate call.
-    max_n: int = Field(default=16, ge=1)
-    # Largest gRPC message sent or accepted, in bytes; match the scheduler's
-    # SCHEDULER_MAX_MESSAGE_BYTES.
-    max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
-    log_level: str = "INFO"
+    # All interfaces, like the scheduler's public API: the gateway is a front
+    # door that routers and clients in other containers or pods reach, and
+    # inside a container loopback would be unreachable. Compose publishes it
+    # on the host's port 8080, like the scheduler's 50051.
+    host: str = Field(
+        default="0.0.0.0", description="Address the HTTP API binds to: all interfaces, because routers and clients "
+        "in other containers or pods reach it. The test launcher binds `127.0.0.1`.")
+    port: int = Field(
+        default=8080, ge=0, le=65535, description="Port of the OpenAI-compatible HTTP API, `/health` and "
+        "`/metrics`. Under `make serve`, 0 picks a free port, named in the serving line.")
+    scheduler_address: str = Field(
+        default="localhost:50051", description="`host:port` of the scheduler's public `llmsched.v1.Scheduler` API.")
+    scheduler_tls_ca: str = Field(
+        default="", description="TLS to the scheduler: the CA that signed its certificate. Empty = plaintext.")
+    scheduler_tls_cert: str = Field(
+        default="", description="Client certificate the gateway presents to a scheduler that requires mutual TLS.")
+    scheduler_tls_key: str = Field(default="", description="Private key of `GATEWAY_SCHEDULER_TLS_CERT`.")
+    max_n: int = Field(
+        default=16, ge=1, description="Most completions one request may ask for with `n` (each is one `Generate` "
+        "call); more is a 400 naming `n`.")
+    max_message_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024, description="Largest gRPC message sent to or accepted from the "
+        "scheduler, in bytes; match `SCHEDULER_MAX_MESSAGE_BYTES`.")
+    log_level: str = Field(default="INFO", description="Python log level.")

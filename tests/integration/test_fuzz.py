@@ -147,7 +147,7 @@ class Expected:
 
 
 def expected_outcome(req: spb.GenerateRequest, tokenizer: Tokenizer) -> Expected:
-    """The API contract (proto comments, the README's Public API section), written
+    """The API contract (proto comments, docs/grpc-api.md's Behaviour section), written
     down independently of scheduler_svc/validation.py."""
     exp = Expected()
     if req.ByteSize() > MAX_MESSAGE_BYTES:

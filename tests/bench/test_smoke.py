@@ -80,6 +80,7 @@ def test_openai_endpoint_refuses_baselines_it_cannot_check():
     assert proc.returncode != 0 and "--baseline needs --endpoint grpc" in proc.stderr
 
 
+@pytest.mark.xdist_group("compiles-stories260K")  # with test_oracle's compiled test: one compile, one cache hit
 @pytest.mark.slow
 def test_single_stream_reports_each_configuration_against_hf_with_equal_tokens(tmp_path, stories_path):
     out = tmp_path / "single.json"

@@ -58,6 +58,8 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             raise Unavailable("no executor is connected")
         limits = self._limits()
         validate_prompt(msg, limits)
+        if msg.HasField("structured"):
+            raise InvalidRequest("structured", "constrained decoding is not implemented by this scheduler yet")
         sampling = sampling_from_proto(msg.sampling, limits)
         if msg.prompt:
             # No token is longer than the tokenizer's longest vocabulary

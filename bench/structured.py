@@ -5,9 +5,9 @@ services, so both see the same machine at the same time.
     python -m bench.structured --model bench-small --num-requests 64 --fraction 0.5 --rounds 3
 
 Every request is greedy with ignore_eos, so it generates exactly its
-max_tokens in both runs: a constrained request's EOS is masked while its
-grammar allows anything else, and the schema (an array of records) never
-has to end. Each run checks its outputs: a constrained one must be a
+max_tokens in both runs (checked): a constrained request's EOS is masked
+while its grammar allows anything else, and the schema (an array of at
+least 100,000 records) cannot end sooner. Each run checks its outputs: a constrained one must be a
 valid prefix of the schema's language (an llguidance matcher accepts every
 token), and an unconstrained one must equal the same request's output in
 the unconstrained run. Reports the median output throughput of each, their
@@ -36,9 +36,12 @@ from llmsched.launch import launch
 from llmsched.llguidance_tokenizer import make_tokenizer
 from llmsched.v1 import scheduler_pb2 as spb
 
-# Records of a few kinds of field, as an agent's tool output might hold.
+# Records of a few kinds of field, as an agent's tool output might hold;
+# so many of them that no request reaches the end of the array (both runs
+# then generate every request's max_tokens: equal work).
 SCHEMA = {
     "type": "array",
+    "minItems": 100_000,
     "items": {
         "type": "object",
         "properties": {
@@ -71,6 +74,9 @@ def check(run, requests: list[wl.BenchRequest], tokenizer, grammar: str, plain_o
     for req, res in zip(requests, run.results):
         if not res.ok:
             raise SystemExit(f"request {req.index} failed: {res.error}")
+        if len(res.output_ids) != req.max_tokens:
+            raise SystemExit(f"request {req.index} generated {len(res.output_ids)} tokens, not {req.max_tokens}: "
+                             "the runs would not compare equal work")
         if req.structured is not None:
             m = LLMatcher(tokenizer, grammar)
             if not m.consume_tokens(res.output_ids):
@@ -122,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                 s = summarize(run)
                 delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in MASK_METRICS}
                 rounds.append({"round": r, "kind": kind, "output_throughput": s["output_throughput"],
-                               "completed": s["completed"], **delta, "_run": run, "_requests": requests})
+                               "completed": s["completed"], "output_tokens": s["total_output_tokens"],
+                               "duration_s": s["duration_s"], **delta, "_run": run, "_requests": requests})
                 print(f"round {r} {kind:11s}: {s['output_throughput']:8.1f} output tok/s, "
                       f"{s['completed']}/{len(requests)} completed", file=sys.stderr, flush=True)
         for x in rounds:  # every unconstrained output is checked against the plain run's

@@ -63,10 +63,10 @@ class MaskJob:
 
     handles: list[int]  # the sampling rows' handles, in logits order
     index: np.ndarray  # [k] positions in logits of the constrained rows
-    future: Future
-    # Filled by the job: [k, vocab words] int32 bitmask, and (handle, error).
-    bitmask: np.ndarray | None = None
-    errors: list[tuple[int, str]] = field(default_factory=list)
+    matchers: list[_Matcher]  # [k]
+    bitmask: np.ndarray  # [k, vocab words] int32, filled by the mask thread
+    future: Future | None = None
+    errors: list[tuple[int, str]] = field(default_factory=list)  # (handle, why), from replays
 
 
 class ConstraintMatchers:
@@ -75,7 +75,7 @@ class ConstraintMatchers:
         # Masks span the tokenizer's ids, which may outnumber the logits
         # (apply() cuts them to the logits' width).
         self.vocab_size = self.tokenizer.vocab_size
-        self.eos_ids = torch.tensor(sorted(eos_token_ids), dtype=torch.int64)
+        self.eos_ids = np.array(sorted(eos_token_ids), dtype=np.int64)
         # A mask row (as uint32 words) allowing exactly the EOS tokens.
         words = (self.vocab_size + 31) // 32
         self._eos_row = np.zeros(words, dtype=np.uint32)
@@ -85,8 +85,6 @@ class ConstraintMatchers:
         self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
         self._executor = llguidance.LLExecutor()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="constraint-masks")
-        # Which bit of its 32-bit word holds each token, for unpacking masks.
-        self._shifts = torch.arange(32, dtype=torch.int32)
 
     def __len__(self) -> int:
         return len(self._by_handle)
@@ -113,82 +111,71 @@ class ConstraintMatchers:
         index = [i for i, h in enumerate(handles) if h in self._by_handle]
         if not index:
             return None
-        job = MaskJob(handles, np.array(index, dtype=np.int64), Future())
+        matchers = [self._by_handle[handles[i]] for i in index]
+        bitmask = llg_numpy.allocate_token_bitmask(len(index), self.vocab_size)
+        job = MaskJob(handles, np.array(index, dtype=np.int64), matchers, bitmask)
         job.future = self._thread.submit(self._compute, job)
         return job
 
-    def apply(self, job: MaskJob, logits: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, str]]]:
+    def apply(self, job: MaskJob, logits: torch.Tensor, in_place: bool) -> tuple[torch.Tensor, list[tuple[int, str]]]:
         """logits [n, vocab] with every token a constrained row may not
-        sample at -inf (a new tensor: the caller keeps the model's own
-        logits for logprobs), and the rows whose constraint failed."""
+        sample at -inf, and the rows whose constraint failed. In place, or
+        on a copy when the caller still needs the model's own logits (for
+        logprobs)."""
         waited = time.perf_counter()
         job.future.result()
         MASK_WAIT_SECONDS.inc(time.perf_counter() - waited)
-        words = torch.from_numpy(job.bitmask).to(logits.device)  # [k, ceil(vocab / 32)] int32
-        shifts = self._shifts.to(logits.device)
-        allowed = ((words[:, :, None] >> shifts) & 1).reshape(len(job.index), -1)[:, : logits.shape[1]]  # [k, vocab]
-        errors = job.errors
-        empty = ~allowed.any(dim=1)  # [k]: only ids past the logits' width were allowed
-        if bool(empty.any()):
-            eos = self.eos_ids.to(logits.device)
-            allowed[empty.nonzero().squeeze(1)[:, None], eos[None, :]] = 1
-            errors = errors + [(job.handles[int(job.index[j])], "the constraint allows no token the model has")
-                               for j in empty.nonzero().squeeze(1).tolist()]
-        masked = logits.clone()
+        errors = list(job.errors)
+        words = job.bitmask.view(np.uint32)  # [k, vocab words]
+        failed = [j for j, m in enumerate(job.matchers) if m.matcher.is_error()]
+        for j in failed:
+            if not any(h == job.handles[job.index[j]] for h, _ in errors):
+                errors.append((job.handles[job.index[j]], job.matchers[j].matcher.get_error() or "matcher failed"))
+        words[failed] = self._eos_row  # sample EOS: the scheduler ends the request and drops the token
+        # Under ignore_eos, EOS only when it is all that is left.
+        holds = np.array([m.ignore_eos for m in job.matchers])
+        if holds.any():
+            without_eos = words & ~self._eos_row
+            holds &= without_eos[:, : (logits.shape[1] + 31) // 32].any(axis=1)
+            words[holds] = without_eos[holds]
+        # Bit b of word w is token 32w + b; ids past the logits' width (a
+        # tokenizer larger than the model) cannot be sampled.
+        allowed = np.unpackbits(job.bitmask.view(np.uint8), axis=1, count=logits.shape[1], bitorder="little")
+        for j in np.flatnonzero(~allowed.any(axis=1)):
+            errors.append((job.handles[job.index[j]], "the constraint allows no token the model has"))
+            allowed[j, self.eos_ids] = 1
         rows = torch.from_numpy(job.index).to(logits.device)
-        masked[rows] = masked[rows].masked_fill(allowed == 0, float("-inf"))
-        return masked, errors
+        disallowed = torch.from_numpy(allowed == 0).to(logits.device)  # [k, vocab]
+        constrained = logits.index_select(0, rows).masked_fill_(disallowed, float("-inf"))
+        masked = logits if in_place else logits.clone()
+        return masked.index_copy_(0, rows, constrained), errors
 
     def advance(self, handles: list[int], tokens: list[int]) -> list[tuple[int, str]]:
         """Feeds each constrained row the token it sampled; returns the rows
         whose matcher refused it."""
-        errors = []
-        for h, t in zip(handles, tokens):
-            m = self._by_handle.get(h)
-            if m is None or m.matcher is None:
-                continue
-            if not m.matcher.consume_token(t):
-                errors.append((h, f"token {t} refused: {m.matcher.get_error() or 'matcher in error state'}"))
-        return errors
+        fed = [(h, self._by_handle[h].matcher, t) for h, t in zip(handles, tokens)
+               if h in self._by_handle and self._by_handle[h].matcher is not None]
+        ok = self._executor.consume_token_par([(m, t) for _, m, t in fed]) if fed else []
+        return [(h, f"token {t} refused: {m.get_error() or 'matcher in error state'}")
+                for (h, m, t), good in zip(fed, ok) if not good]
 
     # ----- on the mask thread ----------------------------------------------
 
     def _compute(self, job: MaskJob) -> None:
+        """Only llguidance calls that release the GIL, so the step's thread
+        runs the forward meanwhile undisturbed."""
         started = time.perf_counter()
-        k = len(job.index)
-        bitmask = llg_numpy.allocate_token_bitmask(k, self.vocab_size)  # [k, words], all allowed
-        batch: list[tuple[LLMatcher, int]] = []
-        entries = []
-        for j, i in enumerate(job.index):
-            h = job.handles[i]
-            m = self._by_handle[h]
-            if m.matcher is None:
+        for j, m in enumerate(job.matchers):
+            if m.matcher is None:  # new, or re-sent: build it, replay its output
                 m.matcher = self._template(m.grammar).deep_copy()
                 if m.replay and not m.matcher.consume_tokens(m.replay):
-                    job.errors.append((h, f"replaying {len(m.replay)} output tokens failed: {m.matcher.get_error()}"))
+                    job.errors.append((job.handles[job.index[j]],
+                                       f"replaying {len(m.replay)} output tokens failed: {m.matcher.get_error()}"))
                 m.replay = []
-            entries.append((j, h, m))
-            if not m.matcher.is_error():
-                batch.append((m.matcher, j))
+        batch = [(m.matcher, j) for j, m in enumerate(job.matchers) if not m.matcher.is_error()]
         if batch:
-            llg_numpy.fill_next_token_bitmask_par(self._executor, batch, bitmask)
-        eos = self._eos_row
-        for j, h, m in entries:
-            row = bitmask[j].view(np.uint32)
-            if m.matcher.is_error():
-                if not any(e[0] == h for e in job.errors):
-                    job.errors.append((h, m.matcher.get_error() or "matcher in error state"))
-                row[:] = eos  # sample EOS: the scheduler ends the request and drops the token
-                continue
-            if m.ignore_eos:
-                without_eos = row & ~eos
-                if without_eos.any():
-                    row[:] = without_eos  # EOS only when it is all that is left
-            if not row.any():
-                job.errors.append((h, "the constraint allows no token"))
-                row[:] = eos
-        job.bitmask = bitmask
-        MASK_ROWS.inc(k)
+            llg_numpy.fill_next_token_bitmask_par(self._executor, batch, job.bitmask)
+        MASK_ROWS.inc(len(job.matchers))
         MASK_SECONDS.observe(time.perf_counter() - started)
 
     def _template(self, grammar: str) -> LLMatcher:

@@ -183,7 +183,9 @@ class ModelRunner:
         sample_tokens = cu[1:][samples] - 1  # index of each sampling row's last token
         # Constrained rows' masks are computed on a worker thread while the
         # forward runs (constraints.py).
-        masks = self.constraints.begin(r.handle[sample_rows].tolist()) if self.constraints is not None else None
+        masks = None
+        if self.constraints is not None and len(sample_rows):
+            masks = self.constraints.begin(r.handle[sample_rows].tolist())
 
         max_blocks = int(-(-end.max() // block_size))
         first = int(rows[0])
@@ -262,8 +264,9 @@ class ModelRunner:
                 out = sample(logits, batch)
             else:
                 # Sampled from the masked logits; logprobs stay the model's own.
-                masked, errors = self.constraints.apply(masks, logits)
-                out = sample(masked, batch, logprob_logits=logits)
+                wants_logprobs = bool(r.num_logprobs[rows].any())
+                masked, errors = self.constraints.apply(masks, logits, in_place=not wants_logprobs)
+                out = sample(masked, batch, logprob_logits=logits if wants_logprobs else None)
                 errors = errors + self.constraints.advance(handles, out.token_ids)
         except Exception:
             if self.tp is not None:

@@ -41,7 +41,7 @@ def allowed(masked: torch.Tensor, row: int = 0) -> set[int]:
 def step_masks(m: ConstraintMatchers, handles: list[int], logits: torch.Tensor):
     job = m.begin(handles)
     assert job is not None
-    return m.apply(job, logits)
+    return m.apply(job, logits, in_place=False)
 
 
 def test_the_mask_allows_exactly_the_tokens_that_continue_a_match_then_only_eos(tokenizer_json):
@@ -86,7 +86,8 @@ def test_a_resent_request_replays_its_output_into_a_fresh_matcher(tokenizer_json
     prefix = m.tokenizer.tokenize_str("[12,3")
     m.add(0, grammar, ignore_eos=False, output_tokens=[])
     step_masks(m, [0], torch.zeros(1, VOCAB))
-    m.advance([0] * len(prefix), prefix)  # one token per step, as sampled
+    for t in prefix:  # one token per step, as sampled
+        assert not m.advance([0], [t])
     m.add(1, grammar, ignore_eos=False, output_tokens=prefix)  # recomputed after a preemption
     masked, errors = step_masks(m, [0, 1], torch.zeros(2, VOCAB))
     assert not errors and allowed(masked, 0) == allowed(masked, 1)

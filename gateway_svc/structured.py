@@ -98,9 +98,10 @@ def _response_format(rf) -> Constraint | None:
         return _json_object(True, "response_format")
     if rf.type == "json_schema":
         if rf.json_schema is None:
-            raise RequestError("response_format.json_schema", "type json_schema needs a json_schema object")
+            raise RequestError("response_format.json_schema",
+                               "response_format.json_schema: type json_schema needs a json_schema object")
         if rf.json_schema.schema_ is None:
-            raise RequestError("response_format.json_schema.schema", "json_schema needs a schema")
+            raise RequestError("response_format.json_schema.schema", "response_format.json_schema.schema: missing")
         return _schema(rf.json_schema.schema_, "response_format.json_schema.schema")
     return None  # text
 

@@ -102,7 +102,9 @@ def plan(body: ChatCompletionRequest, parser_name: str) -> ToolPlan:
     parser = PARSERS[parser_name]
     if choice == "auto":
         return ToolPlan(tools, parser, parallel, None)
-    grammar = parser.forced_grammar(forced if choice is None else functions, parallel)
+    # A named function is called once, as vLLM and OpenAI do; `required`
+    # may call several tools unless parallel_tool_calls is false.
+    grammar = parser.forced_grammar(forced, False) if choice is None else parser.forced_grammar(functions, parallel)
     constraint = Constraint(spb.StructuredOutput(grammar=grammar.text), "tools", "tool_call", grammar.line_params)
     return ToolPlan(tools, parser, parallel, constraint)
 

@@ -77,7 +77,8 @@ def arguments_rule(name: str, function: Function) -> str:
     """`name: %json {...}`: the arguments object, laid out as the model saw
     calls written (a schema's own x-guidance wins)."""
     schema = {"type": "object", **function.parameters}
-    schema["x-guidance"] = {**ARGUMENT_LAYOUT, **function.parameters.get("x-guidance", {})}
+    own = function.parameters.get("x-guidance")
+    schema["x-guidance"] = {**ARGUMENT_LAYOUT, **(own if isinstance(own, dict) else {})}
     return f"{name}: %json {json.dumps(schema, ensure_ascii=False)}"
 
 

@@ -136,6 +136,7 @@ def test_named_function_always_calls_that_function(stack):
     choices = _many(stack, 5, 10, tool_choice={"type": "function", "function": {"name": "get_time"}})
     for choice in choices:
         _assert_valid_calls(choice, {"get_time"})
+        assert len(choice.message.tool_calls) == 1
 
 
 def test_streamed_tool_call_deltas_add_up_to_the_non_streamed_calls(stack):

@@ -135,6 +135,7 @@ def test_tool_choice_none_auto_required_and_named():
     # A function without parameters takes an empty object.
     assert '"additionalProperties": false' in named.constraint.structured.grammar
     assert named.constraint.line_params == {4: "tools[1].function.parameters"}
+    assert named.constraint.structured.grammar.startswith("start: call\n"), "a named function is called once"
     assert tools.plan(_chat(), "hermes") == tools.plan(_chat(tool_choice="auto"), "hermes") == tools.NO_TOOLS
 
 

@@ -72,6 +72,13 @@ class SchedulerSettings(BaseSettings):
     max_message_bytes: int = Field(
         default=4 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted or sent, in bytes; a bigger "
         "`GenerateRequest` is refused with RESOURCE_EXHAUSTED by gRPC itself.")
+    constraint_compile_timeout_s: float = Field(
+        default=10.0, gt=0, description="Longest a `structured` constraint may take to compile (on a worker "
+        "thread, off the event loop); one that takes longer is refused with INVALID_ARGUMENT naming the field, "
+        "before anything is queued.")
+    constraint_cache_size: int = Field(
+        default=1024, ge=1, description="Compiled constraints kept, by content (LRU): a schema sent again is not "
+        "compiled again.")
     tls_cert: str = Field(default="", description="PEM certificate file: TLS on the public API (with `SCHEDULER_TLS_KEY`).")
     tls_key: str = Field(default="", description="PEM private key file of `SCHEDULER_TLS_CERT`.")
     tls_client_ca: str = Field(

@@ -183,8 +183,19 @@ class Scheduler:
         self._record(out, req, n, new_blocks)
         return n
 
-    def _finish_plan(self, out: SchedulerOutput) -> SchedulerOutput:
-        if out.is_empty:
+    def flush_forgets(self) -> SchedulerOutput | None:
+        """A plan of forgets alone, for when nothing else will be scheduled:
+        the executor then drops finished requests' state (their rows and
+        constraint matchers) now, not whenever the next request arrives.
+        None when there is nothing to forget."""
+        if not self._to_forget:
+            return None
+        out = SchedulerOutput(step_id=self._step_id, executor_epoch=self.executor_epoch)
+        self._step_id += 1
+        return self._finish_plan(out, send_empty=True)
+
+    def _finish_plan(self, out: SchedulerOutput, send_empty: bool = False) -> SchedulerOutput:
+        if out.is_empty and not send_empty:
             return out  # not sent: its forgets wait for the next plan
         out.finished_handles, self._to_forget = self._to_forget, []
         if self._to_release:
@@ -284,7 +295,10 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         s = req.sampling
-        if (not s.ignore_eos and token in req.eos_token_ids) or token in s.stop_token_ids:
+        # A constrained request samples EOS only where its grammar may end
+        # (with ignore_eos, only where nothing else is left): it ends there.
+        stops_at_eos = not s.ignore_eos or req.constraint is not None
+        if (stops_at_eos and token in req.eos_token_ids) or token in s.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= s.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH

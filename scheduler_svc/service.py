@@ -21,6 +21,7 @@ from scheduler_svc.detokenizer import token_text_decoder
 from scheduler_svc.engine import Engine, Unavailable
 from scheduler_svc.output_processor import RequestDelta
 from scheduler_svc.request import Request
+from scheduler_svc.structured_output import spec_from_proto
 from scheduler_svc.validation import InvalidRequest, Limits, sampling_from_proto, validate_prompt
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,12 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             raise Unavailable("no executor is connected")
         limits = self._limits()
         validate_prompt(msg, limits)
+        constraint = None
         if msg.HasField("structured"):
-            raise InvalidRequest("structured", "constrained decoding is not implemented by this scheduler yet")
+            spec = spec_from_proto(msg.structured)
+            if not engine.info.supports_constraints:
+                raise Unavailable("the connected executor does not enforce constraints (structured)")
+            constraint = await engine.constraints.compile(spec)
         sampling = sampling_from_proto(msg.sampling, limits)
         if msg.prompt:
             # No token is longer than the tokenizer's longest vocabulary
@@ -90,6 +95,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             sampling=sampling,
             eos_token_ids=frozenset(engine.info.eos_token_ids),
             priority=msg.priority,
+            constraint=constraint,
         )
 
     async def Generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -120,6 +126,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
                     "gen_ai.request.top_k": req.sampling.top_k,
                     "llmsched.request_id": req.request_id,
                     "llmsched.priority": req.priority,
+                    "llmsched.constraint": req.constraint.kind if req.constraint else "",
                 })
             owner = self._owner(context)
             stream = self.engine.submit(req, span, owner)

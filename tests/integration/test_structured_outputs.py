@@ -1,9 +1,11 @@
 """Structured outputs through the gateway with the official `openai`
 client, against real processes on tiny-random and stories260K, whose free
 output is essentially never valid JSON: 100 of 100 constrained samples at
-temperature 1.0 are valid, the same requests without the constraint are
-not (so the checks can fail), and bad constraints are refused naming the
-client's field with nothing queued."""
+temperature 1.0 are valid (json_schema, regex, choice, grammar; json_object
+samples are valid whenever they end, but a random model rarely ends a
+free-form object: measured in its test), the same requests without the
+constraint are not (so the checks can fail), and bad constraints are
+refused naming the client's field with nothing queued."""
 
 from __future__ import annotations
 
@@ -106,7 +108,7 @@ def _hundred(stack, extras: Callable[[int], dict], max_tokens: int) -> list:
         return [c for choices in pool.map(one, range(10)) for c in choices]
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", sorted(set(KINDS) - {"json_object"}))
 def test_100_of_100_constrained_samples_are_valid_and_free_ones_are_not(stack, kind):
     spec = KINDS[kind]
     samples = _hundred(stack, lambda i: spec.spellings[i % len(spec.spellings)], spec.max_tokens)
@@ -115,6 +117,27 @@ def test_100_of_100_constrained_samples_are_valid_and_free_ones_are_not(stack, k
     assert not bad, f"{len(bad)} of 100 invalid or unfinished (finish reasons {dict(ends)}): {bad[:3]}"
     free = _hundred(stack, lambda i: {}, spec.max_tokens)
     assert sum(spec.valid(c.text) for c in free) == 0, "the free samples must fail the check, or it proves nothing"
+    stack.grpc.assert_no_leaked_blocks()
+
+
+def test_json_object_samples_that_end_are_objects(stack):
+    """Not 100 of 100: a random model at temperature 1.0 rarely closes a
+    free-form object, since nothing bounds its keys and strings. Measured
+    (these requests: 10 of n=10, seeds 0-9000): tiny-random ends 40 of 100
+    within 200 tokens, 48 within 500, 61 within 1,000 and 73 within 1,900;
+    stories260K 0 within 200 and 2 within 480 (its context is 512). Every
+    sample that ends is a valid object, and every one cut short opens one."""
+    spec = KINDS["json_object"]
+    samples = _hundred(stack, lambda i: spec.spellings[i % len(spec.spellings)], spec.max_tokens)
+    ended = [c.text for c in samples if c.finish_reason == "stop"]
+    assert all(spec.valid(text) for text in ended), [t for t in ended if not spec.valid(t)][:3]
+    # Cut short, an output is an unfinished object: it opens one.
+    assert all(c.text.startswith("{") for c in samples if c.finish_reason == "length")
+    if stack.model == "tiny-random":
+        assert len(ended) >= 30, f"only {len(ended)} of 100 ended (40 measured)"
+    assert len(ended) < 100, "json_object now always ends: make this the 100-of-100 check above"
+    free = _hundred(stack, lambda i: {}, spec.max_tokens)
+    assert sum(spec.valid(c.text) for c in free) == 0
     stack.grpc.assert_no_leaked_blocks()
 
 
@@ -136,7 +159,7 @@ def test_chat_response_format_json_schema(stack):
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
     ({"guided_choice": []}, "guided_choice"),
     ({"structured_outputs": {"grammar": "start: greeting NAME\n"}}, "structured_outputs.grammar"),
-    ({"guided_grammar": "start: \"a\" |"}, "guided_grammar"),
+    ({"guided_grammar": "start: \"a\" (\n"}, "guided_grammar"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),  # two constraints
     ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
 ], ids=lambda v: v if isinstance(v, str) else None)

@@ -10,6 +10,7 @@ Other parsers (llama3_json) and the reasoning parser on a stack of their own."""
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -224,6 +225,26 @@ def test_a_conversation_with_tool_results_is_the_prompt_transformers_renders(sta
     expected = hf_greedy(stack.checkpoint, hf_ids, 12)
     tok = Tokenizer.from_file(f"{stack.checkpoint}/tokenizer.json")
     assert out.choices[0].message.content == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_gateway_metrics_count_constrained_requests_and_calls(stack):
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(stack.services.gateway_url + "/metrics", timeout=5) as resp:
+            lines = resp.read().decode().splitlines()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("llmsched_")}
+
+    before = scrape()
+    out = _chat(stack, n=3, seed=9, tool_choice="required", parallel_tool_calls=False)
+    stack.openai.completions.create(model=stack.model, prompt="x", max_tokens=4, extra_body={"guided_regex": "ab"})
+    after = scrape()
+
+    def moved(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert moved('llmsched_gateway_constrained_requests_total{kind="tool_call"}') == 1
+    assert moved('llmsched_gateway_constrained_requests_total{kind="regex"}') == 1
+    assert moved('llmsched_gateway_tool_calls_total{parser="hermes"}') == sum(
+        len(c.message.tool_calls) for c in out.choices) == 3
 
 
 @pytest.mark.parametrize("kwargs, param", [

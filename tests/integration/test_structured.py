@@ -5,7 +5,7 @@ block; constrained outputs stay valid across a preempting pool and an
 executor SIGKILL (the executor replays each re-sent request's output into
 a fresh matcher); and a constraint over the compile time limit is refused
 before anything is queued. The OpenAI-level acceptance (response_format,
-tools) is in test_gateway_structured.py."""
+tools) is in test_structured_outputs.py and test_tool_calling.py."""
 
 from __future__ import annotations
 

@@ -40,6 +40,11 @@ def plan_to_proto(out: SchedulerOutput) -> epb.StepPlan:
         finished_handles=out.finished_handles,
         epoch=out.executor_epoch,
     )
+    if out.swaps is not None:
+        plan.swap_out_device_blocks.extend(out.swaps.out_device)
+        plan.swap_out_host_blocks.extend(out.swaps.out_host)
+        plan.swap_in_host_blocks.extend(out.swaps.in_host)
+        plan.swap_in_device_blocks.extend(out.swaps.in_device)
     for n in out.new_requests:
         plan.new_requests.append(
             epb.NewRequest(

@@ -194,8 +194,14 @@ class Engine:
                     max_prefill_chunk=self.settings.max_prefill_chunk,
                     policy=self.settings.policy,
                     enable_prefix_caching=self.settings.enable_prefix_caching,
-                )
+                    num_host_blocks=info.num_host_kv_blocks,
+                    preemption_mode=self.settings.preemption_mode,
+                ),
+                swap_cost=self.step_time,
             )
+            if self.settings.preemption_mode == "swap" and not info.num_host_kv_blocks:
+                log.warning("SCHEDULER_PREEMPTION_MODE=swap, but the executor has no host KV tier "
+                            "(EXECUTOR_HOST_KV_CACHE_MEMORY_MB=0): preempted requests recompute")
             self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
             # Bounds the characters a prompt of max_model_len tokens can have.
             self.max_token_chars = max(1, max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)))
@@ -213,9 +219,9 @@ class Engine:
         self._last_progress = time.monotonic()
         self._update_health()
         log.info(
-            "connected to executor %s (%s): model=%s kv_blocks=%d block_size=%d max_model_len=%d",
-            info.instance_id, self.settings.executor_address, info.model, info.num_kv_blocks, info.block_size,
-            info.max_model_len,
+            "connected to executor %s (%s): model=%s kv_blocks=%d host_kv_blocks=%d block_size=%d max_model_len=%d",
+            info.instance_id, self.settings.executor_address, info.model, info.num_kv_blocks, info.num_host_kv_blocks,
+            info.block_size, info.max_model_len,
         )
 
     # ----- called by gRPC handlers ----------------------------------------
@@ -335,23 +341,28 @@ class Engine:
     def _plan(self, sched: Scheduler) -> SchedulerOutput:
         """Schedules the next step. An empty one is not sent: what it must
         tell the executor to forget waits for the next plan."""
-        pool = sched.kv.pool
-        allocated, released = pool.num_allocated, pool.num_released
-        queried, hits = sched.kv.num_queried_blocks, sched.kv.num_hit_blocks
+        kv = sched.kv
+        allocated, released = kv.pool.num_allocated, kv.pool.num_released
+        queried, hits, host_hits = kv.num_queried_blocks, kv.num_hit_blocks, kv.num_host_hit_blocks
+        recomputed = dict(sched.num_recomputed_tokens)
         started_ns = time.time_ns()
         out = sched.schedule()
         span = self._step_span(out, started_ns)
         # Admissions look up the prefix cache while planning.
-        telemetry.PREFIX_QUERIES.inc((sched.kv.num_queried_blocks - queried) * sched.config.block_size)
-        telemetry.PREFIX_HITS.inc((sched.kv.num_hit_blocks - hits) * sched.config.block_size)
+        block_size = sched.config.block_size
+        telemetry.PREFIX_QUERIES.inc((kv.num_queried_blocks - queried) * block_size)
+        telemetry.PREFIX_HITS.labels("device").inc((kv.num_hit_blocks - hits) * block_size)
+        telemetry.PREFIX_HITS.labels("host").inc((kv.num_host_hit_blocks - host_hits) * block_size)
+        for cause, n in sched.num_recomputed_tokens.items():
+            telemetry.RECOMPUTED_TOKENS.labels(cause).inc(n - recomputed.get(cause, 0))
         for req in out.preempted:
-            self._streams[req.request_id].telemetry.on_preempted()
+            self._streams[req.request_id].telemetry.on_preempted(req.preempted_by)
         if out.is_empty:
             span.end()
             return out
         for req, _ in out.scheduled():
             self._streams[req.request_id].telemetry.on_scheduled(span)
-        self._track(out, span, pool.num_allocated - allocated, pool.num_released - released)
+        self._track(out, span, kv.pool.num_allocated - allocated, kv.pool.num_released - released)
         return out
 
     def _track(self, out: SchedulerOutput, span: trace.Span, blocks_allocated: int = 0, blocks_freed: int = 0) -> None:
@@ -429,13 +440,22 @@ class Engine:
         self._last_progress = time.monotonic()
         live_before = len(sched.requests)
         dropped = sched.num_dropped_tokens
-        tokens = sched.update_from_output(out, convert.sampled_from_proto(result))
+        recomputed = dict(sched.num_recomputed_tokens)
+        tokens = sched.update_from_output(out, convert.sampled_from_proto(result), result.failed_swap_outs,
+                                          result.failed_swap_ins)
         telemetry.DROPPED_TOKENS.inc(sched.num_dropped_tokens - dropped)
         self._emit(tokens)
+        swaps = out.swaps
+        if swaps is not None:
+            self.step_time.observe_swaps(result.swap_ns / 1e9, len(swaps.out_host) + len(swaps.in_host))
+            telemetry.record_swaps(swaps, len(result.failed_swap_outs) + len(result.failed_swap_ins))
+        if sched.kv.host is not None:
+            telemetry.HOST_KV_USAGE.set(1.0 - sched.num_free_host_blocks / sched.kv.host.num_blocks)
         if not out.entries:
-            return  # a plan of forgets alone (Scheduler.flush_forgets): no step to time
+            return  # a plan of forgets (Scheduler.flush_forgets) or of copies alone: no step to time
         telemetry.STEP_DURATION.observe(elapsed)
-        self.step_time.observe(elapsed, num_finished=live_before - len(sched.requests))
+        self.step_time.observe(elapsed, num_finished=live_before - len(sched.requests),
+                               num_tokens=out.total_num_scheduled_tokens, num_requests=len(out.entries))
         block_size = sched.config.block_size
         tables = sched.kv.block_tables
         telemetry.record_load(
@@ -456,6 +476,10 @@ class Engine:
                 "llmsched.num_preempted": out.num_preempted,
                 "llmsched.blocks_allocated": step.blocks_allocated,
                 "llmsched.blocks_freed": step.blocks_freed,
+                "llmsched.blocks_swapped_out": len(swaps.out_host) if swaps else 0,
+                "llmsched.blocks_swapped_in": len(swaps.in_host) if swaps else 0,
+                "llmsched.swap_failures": len(result.failed_swap_outs) + len(result.failed_swap_ins),
+                "llmsched.executor.swap_ms": result.swap_ns / 1e6,
                 "llmsched.executor.forward_ms": result.forward_ns / 1e6,
                 "llmsched.executor.sample_ms": result.sample_ns / 1e6,
             })
@@ -551,7 +575,8 @@ class Engine:
             req.num_failed_steps += 1
             if req.num_failed_steps >= 2 and sched.finish_request(req.request_id, RequestStatus.FINISHED_ERROR):
                 self._end_stream(req.request_id, _error_delta("INTERNAL", f"executor step failed twice: {error}"))
-        sched.reset_executor_state()
+        # The executor process lives on, and with it what its host tier holds.
+        sched.reset_executor_state(host_lost=False)
 
     async def _recover(self, reason: str) -> None:
         """The executor is gone: keep every request, reconnect, recompute.
@@ -570,7 +595,9 @@ class Engine:
         self._lost_reason = None  # the watch may have noted the same loss
         self._end_in_flight(reason)
         if self.scheduler is not None:
-            self.scheduler.reset_executor_state()
+            # Whether the same process answers again or not, what it holds
+            # cannot be trusted: its host tier counts as gone too.
+            self.scheduler.reset_executor_state(host_lost=True)
         try:
             await self._connect(self.settings.executor_reconnect_timeout_s)
         except ExecutorUnavailable as exc:
@@ -606,6 +633,8 @@ class Engine:
             "block_size": info.block_size,
             "num_kv_blocks": info.num_kv_blocks,
             "num_free_kv_blocks": sched.num_free_blocks,
+            "num_host_kv_blocks": info.num_host_kv_blocks,
+            "num_free_host_kv_blocks": sched.num_free_host_blocks,
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting) + len(self._pending_adds),
             "executor_instance_id": info.instance_id,
@@ -620,7 +649,8 @@ class Engine:
 
 
 def _geometry(info: epb.HandshakeResponse) -> tuple:
-    return (info.model, info.block_size, info.num_kv_blocks, info.max_model_len, info.vocab_size)
+    return (info.model, info.block_size, info.num_kv_blocks, info.max_model_len, info.vocab_size,
+            info.num_host_kv_blocks)
 
 
 def _error_delta(code: str, message: str) -> RequestDelta:

@@ -20,7 +20,7 @@ import grpc
 
 from bench import workloads as wl
 from bench.baselines import BASELINES, STATIC_BATCH_SIZE, cb_limits_from_env, compare_outputs, describe
-from bench.client import drained_server_info, run_requests, server_info
+from bench.client import drained_server_info, run_requests, run_sessions, server_info
 from bench.openai_client import run_openai_requests, served_model
 from bench.report import baseline_record, format_table, request_record, summarize, write_json
 
@@ -49,7 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--vocab-size", type=int, default=None, help="override the vocab the random prompts draw from")
 
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["mixed", "shared-prefix", "overload"], default="mixed")
+    g.add_argument("--workload", choices=["mixed", "shared-prefix", "overload", "multi-turn", "trace"], default="mixed",
+                   help="multi-turn: sessions whose every turn re-sends the history and a new question; trace: "
+                        "replay of the Mooncake conversation trace (--trace)")
     g.add_argument("--dataset", type=Path, default=None, help="JSONL of {prompt | prompt_token_ids, max_tokens}")
     g.add_argument("--num-requests", type=int, default=None, help="mixed: 256, shared-prefix: 128, dataset: all")
     g.add_argument("--seed", type=int, default=0)
@@ -63,6 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: prefix tokens (512)")
     g.add_argument("--suffix-len", type=int, default=None, help="shared-prefix: unique suffix tokens (32)")
     g.add_argument("--shared-output-len", type=int, default=None, help="shared-prefix: output tokens (64)")
+    g.add_argument("--num-sessions", type=int, default=None, help="multi-turn: sessions (32)")
+    g.add_argument("--num-turns", type=int, default=None, help="multi-turn: turns per session (4)")
+    g.add_argument("--trace", type=Path, default=wl.DEFAULT_TRACE,
+                   help="trace: a Mooncake trace JSONL (timestamp, input_length, output_length, hash_ids), read "
+                        "in place")
+    g.add_argument("--trace-block-tokens", type=int, default=16,
+                   help="trace: tokens each 512-token hash block becomes; lengths scale by this / 512")
+    g.add_argument("--trace-speedup", type=float, default=1.0, help="trace: replay this many times faster")
 
     g = p.add_argument_group("arrivals")
     g.add_argument("--request-rate", type=float, default=math.inf,
@@ -96,6 +106,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-concurrency must be at least 1")
     if args.dataset is not None and args.workload == "overload":
         p.error("--dataset replaces the workload; use --request-rate for online arrivals")
+    if args.workload in ("multi-turn", "trace") and args.baseline:
+        p.error(f"--baseline is not implemented for --workload {args.workload}: its prompts are "
+                + ("the answers of earlier turns" if args.workload == "multi-turn" else "timed by the trace"))
+    if args.workload == "multi-turn" and args.endpoint != ["grpc"]:
+        p.error("--workload multi-turn needs --endpoint grpc: each turn sends the previous answers' token ids")
     return args
 
 
@@ -151,6 +166,12 @@ def build_workload(args: argparse.Namespace, vocab_size: int, rate: float | None
         work = wl.from_jsonl(args.dataset, args.num_requests)
     elif args.workload == "mixed":
         work = wl.mixed(args.num_requests or 256, vocab_size, args.seed, prompt, output)
+    elif args.workload == "multi-turn":
+        spec = wl.MultiTurnSpec(num_sessions=args.num_sessions or 32, num_turns=args.num_turns or 4)
+        return wl.multi_turn(vocab_size, args.seed, spec.scaled(args.prompt_len_scale, args.output_len_scale))
+    elif args.workload == "trace":
+        return wl.mooncake_trace(args.trace, vocab_size, args.seed, args.trace_block_tokens, args.num_requests,
+                                 args.trace_speedup)
     elif args.workload == "shared-prefix":
         spec = wl.SharedPrefixSpec(num_requests=args.num_requests or 128)
         spec = spec.scaled(args.prompt_len_scale, args.output_len_scale)
@@ -276,7 +297,19 @@ def main(argv: list[str] | None = None) -> int:
         expected = Path(args.model).name
         if served != expected:
             _say(f"warning: the server serves {served!r}, not {expected!r}: prompts and baselines assume --model")
-        if clipped := wl.fit_to_context(requests, max_model_len):
+        if work.name == "multi-turn":
+            longest = work.params["last_prompt_len"] + work.params["answer_len"]
+            if longest > max_model_len:
+                raise SystemExit(f"error: a session's last turn ends at {longest} tokens, past max_model_len="
+                                 f"{max_model_len}: fewer --num-turns, or lower --prompt-len-scale / "
+                                 "--output-len-scale")
+            clipped = 0
+        elif work.name == "trace":
+            clipped = wl.clamp_to_context(requests, max_model_len)
+            work.params.update(max_model_len=max_model_len, num_clamped=clipped)
+        else:
+            clipped = wl.fit_to_context(requests, max_model_len)
+        if clipped:
             _say(f"note: {clipped} requests shortened to fit max_model_len={max_model_len}")
         if k:
             _warm_up(address, wl.warmup_requests(requests[:k], vocab_size, args.seed), args)
@@ -299,7 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"timed run: {len(requests)} requests, {mode}"
              + (f" at {rate:.3g} req/s" if rate else "")
              + (f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""))
-        if kind == "grpc":
+        if work.name == "multi-turn":
+            run = asyncio.run(run_sessions(address, requests, tag=f"bench-{os.getpid()}",
+                                           timeout_s=args.request_timeout, show_progress=not args.no_progress,
+                                           desc=work.name))
+        elif kind == "grpc":
             run = asyncio.run(run_requests(address, requests, tag=f"bench-{os.getpid()}",
                                            max_concurrency=args.max_concurrency, timeout_s=args.request_timeout,
                                            show_progress=not args.no_progress, desc=work.name))

@@ -1,5 +1,6 @@
 """Seeded, reproducible workloads (../shared/BENCHMARKS.md): mixed,
-shared-prefix, overload, and JSONL datasets.
+shared-prefix, overload, multi-turn sessions, the Mooncake conversation
+trace, and JSONL datasets.
 
 Every request is drawn in turn from one seeded RNG (lengths, then token
 ids), so the first k requests of a 32-request run are the first k of the
@@ -42,6 +43,12 @@ class BenchRequest:
     arrival_s: float = 0.0
     # A constraint on the output (GenerateRequest.structured); None = free.
     structured: object | None = None
+    # Multi-turn: the session this turn belongs to (None for a lone
+    # request). prompt_token_ids is then only the new question: the client
+    # sends the session's history (every earlier prompt and answer) before
+    # it, once the previous turn has been answered.
+    session: int | None = None
+    turn: int = 0
 
     @property
     def prompt_len(self) -> int | None:
@@ -140,6 +147,107 @@ def overload(rate: float, duration_s: float, vocab_size: int, seed: int = 0, pro
     work.name = "overload"
     work.params.update(request_rate=rate, duration_s=duration_s)
     return work
+
+
+@dataclass(frozen=True, slots=True)
+class MultiTurnSpec:
+    """Sessions of chat turns: the first question, then each turn a new
+    question after the whole history. The defaults fit stories260K's 512
+    positions: the fourth turn sends 432 tokens and ends at 496."""
+
+    num_sessions: int = 32
+    num_turns: int = 4
+    first_len: int = 96
+    question_len: int = 48
+    answer_len: int = 64
+
+    def history_len(self, turns: int) -> int:
+        """Tokens in a session after `turns` answered turns."""
+        if turns == 0:
+            return 0
+        return self.first_len + (turns - 1) * self.question_len + turns * self.answer_len
+
+    def scaled(self, prompt_factor: float, output_factor: float) -> "MultiTurnSpec":
+        return replace(self, first_len=max(1, round(self.first_len * prompt_factor)),
+                       question_len=max(1, round(self.question_len * prompt_factor)),
+                       answer_len=max(1, round(self.answer_len * output_factor)))
+
+
+def multi_turn(vocab_size: int, seed: int = 0, spec: MultiTurnSpec = MultiTurnSpec()) -> Workload:
+    """Every session starts at once; a session's next turn is sent as soon
+    as its previous answer is complete (bench.client.run_sessions). The
+    requests are in turn order (turn 0 of every session, then turn 1...),
+    and hold only each turn's new question."""
+    rng = random.Random(seed)
+    questions = [[random_token_ids(rng, spec.first_len if t == 0 else spec.question_len, vocab_size)
+                  for t in range(spec.num_turns)] for _ in range(spec.num_sessions)]
+    requests = [BenchRequest(t * spec.num_sessions + s, spec.answer_len, prompt_token_ids=questions[s][t], session=s,
+                             turn=t)
+                for t in range(spec.num_turns) for s in range(spec.num_sessions)]
+    params = {"num_sessions": spec.num_sessions, "num_turns": spec.num_turns, "first_len": spec.first_len,
+              "question_len": spec.question_len, "answer_len": spec.answer_len, "seed": seed,
+              "vocab_size": vocab_size, "last_prompt_len": spec.history_len(spec.num_turns - 1) + spec.question_len}
+    return Workload("multi-turn", requests, params)
+
+
+# Tokens per hash_id in the Mooncake trace: each names one 512-token block.
+MOONCAKE_BLOCK_TOKENS = 512
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+
+
+def mooncake_trace(path: str | Path, vocab_size: int, seed: int = 0, block_tokens: int = 16,
+                   num_requests: int | None = None, speedup: float = 1.0) -> Workload:
+    """Replays the Mooncake conversation trace (read in place, never
+    copied): request i arrives at its timestamp / speedup, with its lengths
+    scaled by block_tokens / 512. Each hash_id maps to one fixed block of
+    block_tokens random token ids (seeded by the id), so requests that
+    share a prefix in the trace share it here, block for block: with
+    block_tokens equal to the KV block size, a shared hash_id is a shared
+    KV block. clamp_to_context then fits them to the model."""
+    scale = block_tokens / MOONCAKE_BLOCK_TOKENS
+    requests: list[BenchRequest] = []
+    blocks: dict[int, list[int]] = {}
+    path = Path(path)
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if num_requests is not None and len(requests) >= num_requests:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                ts, n_in, n_out, hash_ids = row["timestamp"], row["input_length"], row["output_length"], row["hash_ids"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a Mooncake trace row ({exc})") from None
+            prompt: list[int] = []
+            for h in hash_ids:
+                if h not in blocks:
+                    blocks[h] = random_token_ids(random.Random(seed * 1_000_003 + h), block_tokens, vocab_size)
+                prompt += blocks[h]
+            prompt_len = max(1, min(len(prompt), math.ceil(n_in * scale)))
+            max_tokens = max(1, round(n_out * scale))
+            requests.append(BenchRequest(len(requests), max_tokens, prompt_token_ids=prompt[:prompt_len],
+                                         arrival_s=ts / 1000.0 / speedup))
+    if not requests:
+        raise ValueError(f"{path}: no requests")
+    params = {"path": str(path), "num_requests": len(requests), "block_tokens": block_tokens,
+              "length_scale": scale, "speedup": speedup, "seed": seed, "vocab_size": vocab_size}
+    return Workload("trace", requests, params)
+
+
+def clamp_to_context(requests: list[BenchRequest], max_model_len: int) -> int:
+    """A trace's fit to a short context: the output keeps at most a quarter
+    of it, the prompt its leading tokens (so shared prefixes stay shared).
+    Returns how many were shortened."""
+    changed = 0
+    for req in requests:
+        max_tokens = min(req.max_tokens, max(1, max_model_len // 4))
+        keep = max_model_len - max_tokens
+        if max_tokens != req.max_tokens or len(req.prompt_token_ids) > keep:
+            req.max_tokens = max_tokens
+            del req.prompt_token_ids[keep:]
+            changed += 1
+    return changed
 
 
 def with_poisson_arrivals(work: Workload, rate: float, seed: int) -> Workload:

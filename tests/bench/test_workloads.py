@@ -153,3 +153,53 @@ def test_from_jsonl_reads_a_file_and_honours_num_requests(tmp_path):
     path.write_text("".join(json.dumps({"prompt_token_ids": [3 + i], "max_tokens": 2}) + "\n" for i in range(5)))
     work = wl.from_jsonl(path, num_requests=3)
     assert work.name == "dataset" and [r.prompt_token_ids for r in work.requests] == [[3], [4], [5]]
+
+
+def test_multi_turn_sessions_fit_stories260k_and_hold_only_each_new_question():
+    spec = wl.MultiTurnSpec()
+    work = wl.multi_turn(512, seed=1, spec=spec)
+    assert len(work.requests) == 32 * 4
+    assert [r.turn for r in work.requests[:33]] == [0] * 32 + [1]
+    assert {len(r.prompt_token_ids) for r in work.requests if r.turn == 0} == {spec.first_len}
+    assert {len(r.prompt_token_ids) for r in work.requests if r.turn > 0} == {spec.question_len}
+    # The fourth turn's prompt is three answered turns and its question.
+    assert work.params["last_prompt_len"] == 432 and 432 + spec.answer_len <= 512
+    assert _ids(work) == _ids(wl.multi_turn(512, seed=1, spec=spec))
+
+
+def write_trace(path, rows):
+    path.write_text("".join(json.dumps(dict(zip(("timestamp", "input_length", "output_length", "hash_ids"), r)))
+                            + "\n" for r in rows))
+    return path
+
+
+def test_trace_hash_ids_become_shared_token_blocks_and_lengths_scale(tmp_path):
+    trace = write_trace(tmp_path / "t.jsonl", [(0, 1500, 320, [7, 8, 9]), (2500, 1100, 64, [7, 8, 11]),
+                                                (5000, 600, 1, [12, 13])])
+    work = wl.mooncake_trace(trace, VOCAB, seed=3, block_tokens=16, speedup=2.0)
+    a, b, c = work.requests
+    # 1,500 tokens x 16/512 = 46.9 -> 47: two whole blocks and 15 of the third.
+    assert len(a.prompt_token_ids) == 47 and a.max_tokens == 10 and c.max_tokens == 1
+    assert a.prompt_token_ids[:32] == b.prompt_token_ids[:32], "hash ids 7, 8 are the same 32 tokens"
+    assert a.prompt_token_ids[32:] != b.prompt_token_ids[32:35]
+    assert (a.arrival_s, b.arrival_s, c.arrival_s) == (0.0, 1.25, 2.5)
+    assert work.params["length_scale"] == 16 / 512
+    again = wl.mooncake_trace(trace, VOCAB, seed=3, block_tokens=16, num_requests=2)
+    assert _ids(again) == _ids(work)[:2]
+
+
+def test_a_trace_is_clamped_to_a_short_context_keeping_its_leading_blocks(tmp_path):
+    trace = write_trace(tmp_path / "t.jsonl", [(0, 40000, 9000, list(range(79)))])
+    work = wl.mooncake_trace(trace, VOCAB, block_tokens=16)
+    full = list(work.requests[0].prompt_token_ids)
+    assert wl.clamp_to_context(work.requests, 512) == 1
+    req = work.requests[0]
+    assert req.max_tokens == 128 and len(req.prompt_token_ids) == 384
+    assert req.prompt_token_ids == full[:384]
+
+
+def test_a_malformed_trace_row_is_named(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: not a Mooncake trace row"):
+        wl.mooncake_trace(bad, VOCAB)

@@ -77,8 +77,8 @@ def _child(directory: str, dtype: str) -> None:
 
     from executor_svc.checkpoint import load_checkpoint
     from executor_svc.config import ExecutorSettings
-    from executor_svc.model import CausalLM, build_model
-    from executor_svc.model_config import ModelConfig
+    from executor_svc.families import build_model, read_config
+    from executor_svc.model import CausalLM
     from executor_svc.sharding import Shard
     from executor_svc.tensor_parallel import join
 
@@ -86,7 +86,7 @@ def _child(directory: str, dtype: str) -> None:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     imports_kb = _status_kb("VmRSS")
     ckpt = load_checkpoint(directory)
-    cfg = ModelConfig.from_hf(ckpt.hf_config, ckpt.generation_config)
+    cfg = read_config(ckpt.hf_config, ckpt.generation_config)
     # The group's own buffers (gloo) are in the baseline, as torch's are.
     tp = join(ExecutorSettings(tensor_parallel_size=size), cfg, torch.device("cpu"))
     shard = tp.shard if tp else Shard()

@@ -3,7 +3,9 @@ seed plus a byte-level tokenizer.
 
 They come out in Hugging Face form (config dict, HF-named state dict,
 tokenizer.json text), so they go through the same loading path as a real
-checkpoint, and tests can hand the very same weights to HF transformers.
+checkpoint (checkpoint.load_checkpoint wraps them), and tests can hand the
+very same weights to HF transformers. This module imports nothing of the
+executor's: checkpoint.py imports it, not the other way round.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-from executor_svc.checkpoint import Checkpoint
 
 NUM_SPECIAL = 3  # <unk>, <s>, </s>
 BOS_ID, EOS_ID = 1, 2
@@ -124,11 +124,14 @@ def byte_level_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def load_builtin(name: str) -> Checkpoint:
+@dataclass(frozen=True, slots=True)
+class BuiltinModel:
+    name: str
+    hf_config: dict
+    tokenizer_json: str
+    state_dict: dict[str, torch.Tensor]  # HF names
+
+
+def load_builtin(name: str) -> BuiltinModel:
     spec = BUILTIN_MODELS[name]
-    return Checkpoint(
-        name=name,
-        hf_config=hf_config(name, spec),
-        tokenizer_json=byte_level_tokenizer_json(spec.vocab_size),
-        in_memory=random_state_dict(spec),
-    )
+    return BuiltinModel(name, hf_config(name, spec), byte_level_tokenizer_json(spec.vocab_size), random_state_dict(spec))

@@ -14,7 +14,7 @@ from executor_svc.attention import make_backend
 from executor_svc.checkpoint import Checkpoint, load_checkpoint
 from executor_svc.config import ExecutorSettings
 from executor_svc.kv_cache import KVCachePool, pool_num_blocks
-from executor_svc.model import build_model
+from executor_svc.families import build_model, read_config
 from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner
 from executor_svc.sharding import Shard
@@ -74,7 +74,7 @@ def _set_threads(settings: ExecutorSettings, device: torch.device) -> None:
 
 def load(settings: ExecutorSettings) -> LoadedModel:
     ckpt = load_checkpoint(settings.model)
-    cfg = ModelConfig.from_hf(ckpt.hf_config, ckpt.generation_config)
+    cfg = read_config(ckpt.hf_config, ckpt.generation_config)
     size = settings.tensor_parallel_size
     device = rank_device(settings.device, int(os.environ.get("LOCAL_RANK", "0")) if size > 1 else 0, size)
     torch_compile = check_torch_compile(settings.torch_compile, device, size)

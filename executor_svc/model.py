@@ -1,6 +1,6 @@
 """One decoder for every family, over a flattened, unpadded token batch with
 a paged KV cache. Llama is the base; the other families switch on small
-pieces from their ModelConfig (see executor_svc/families.py):
+pieces from their ModelConfig (see the executor_svc/families package):
 
   Qwen2     q/k/v biases
   Qwen3     per-head q/k RMSNorm before RoPE
@@ -22,7 +22,7 @@ model is whole and runs no collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from executor_svc.attention import AttentionBackend, AttentionMetadata
 from executor_svc.checkpoint import LazyTensor
 from executor_svc.model_config import ModelConfig
 from executor_svc.sharding import Shard
+
+# A family's map from one checkpoint tensor to the decoder parameters it fills.
+Rename = Callable[[str, LazyTensor, ModelConfig], Iterator[tuple[str, LazyTensor]]]
 
 
 class RMSNorm(nn.Module):
@@ -286,21 +289,19 @@ class CausalLM(nn.Module):
 
 def build_model(cfg: ModelConfig,
                 tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]] | dict[str, torch.Tensor],
-                max_len: int, device: torch.device, dtype: torch.dtype, shard: Shard = Shard(), comm=None) -> CausalLM:
+                max_len: int, device: torch.device, dtype: torch.dtype, shard: Shard = Shard(), comm=None, *,
+                model_cls: type[CausalLM] = CausalLM, rename: Rename | None = None) -> CausalLM:
     """Fills a meta-device model one checkpoint tensor at a time, each moved
     to device and dtype as it arrives, so the host never holds more than one
     copy of the weights; given LazyTensors, a tensor-parallel rank reads only
     its shard of each. Parts of a fused projection (q/k/v, gate/up) are
     copied into their rows of it. Every parameter must come from the
     checkpoint, and every checkpoint tensor must land somewhere."""
-    from executor_svc.families import family_of
-
     with torch.device("meta"):
-        model = CausalLM(cfg, max_len, shard, comm)
-        whole_model = model if shard.size == 1 else CausalLM(cfg, max_len)
+        model = model_cls(cfg, max_len, shard, comm)
+        whole_model = model if shard.size == 1 else model_cls(cfg, max_len)
     # Checkpoint tensors are whole: check them against the unsharded shapes.
     expected = {name: tuple(p.shape) for name, p in whole_model.named_parameters()}
-    rename = family_of(cfg).rename
     loaded: set[str] = set()
     unexpected: list[str] = []
     for ckpt_name, tensor in (tensors.items() if isinstance(tensors, dict) else tensors):

@@ -5,7 +5,8 @@ deliberately ignored (with the reason), or refused by name. A key the
 executor does not know may change the forward pass, so serving the
 checkpoint anyway could produce wrong tokens without any sign of it.
 What differs per family (which keys exist, their defaults, which values are
-allowed) lives in executor_svc/families.py.
+allowed) lives in the executor_svc/families package, which reads config.json
+into a ModelConfig (families.read_config).
 """
 
 from __future__ import annotations
@@ -130,14 +131,6 @@ class ModelConfig:
         if len(set(kinds.values())) == 1 and len(set(self.rope[t].theta for t in kinds)) == 1:
             return next(iter(kinds.values()))
         return ",".join(f"{t}={k}(theta={self.rope[t].theta:g})" for t, k in kinds.items())
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
-        """Reads config.json (and generation_config.json for EOS ids);
-        raises UnsupportedConfig naming what it cannot serve."""
-        from executor_svc.families import read_config
-
-        return read_config(cfg, generation_config)
 
 
 class ConfigReader:

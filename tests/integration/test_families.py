@@ -27,8 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-from executor_svc.model_config import ModelConfig
+from executor_svc.families import read_config
 from tests.conftest import HAS_CUDA, REPO_ROOT
 from tests.families import CASES, hf_greedy, make_checkpoint, prompts
 from tests.integration.conftest import start_services
@@ -86,7 +85,7 @@ def test_8_concurrent_greedy_requests_each_match_hf(served):
 def test_server_info_names_the_architecture_and_the_rope_in_use(served):
     name, path, client = served
     info = client.info()
-    cfg = ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
+    cfg = read_config(json.loads((Path(path) / "config.json").read_text()))
     assert info.architecture == CASES[name].model_cls
     assert info.rope_type == cfg.rope_description()
     if name.startswith("llama3"):

@@ -21,7 +21,7 @@ import torch
 from executor_svc.attention import make_backend
 from executor_svc.checkpoint import load_checkpoint
 from executor_svc.kv_cache import KVCachePool
-from executor_svc.model import build_model
+from executor_svc.families import build_model, read_config
 from executor_svc.model_config import FULL, SLIDING, ModelConfig, RopeSpec
 from executor_svc.runner import ModelRunner, NewRequestData, StepInput
 from executor_svc.sampler import SamplingSettings
@@ -48,7 +48,7 @@ def checkpoints(tmp_path_factory):
 def runner_for(path: str, cfg: ModelConfig | None = None, drop: tuple[str, ...] = (),
                torch_compile: bool = False) -> ModelRunner:
     ckpt = load_checkpoint(path)
-    cfg = cfg or ModelConfig.from_hf(ckpt.hf_config, ckpt.generation_config)
+    cfg = cfg or read_config(ckpt.hf_config, ckpt.generation_config)
     tensors = ((n, t) for n, t in ckpt.tensors() if not any(d in n for d in drop))
     model = build_model(cfg, tensors, 256, torch.device("cpu"), torch.float32)
     pool = KVCachePool(cfg, 128, BLOCK, torch.device("cpu"), torch.float32)
@@ -138,7 +138,7 @@ def test_hf_oracle_catches_a_missing_feature(case, feature, checkpoints):
     path = checkpoints(case)
     ckpt = load_checkpoint(path)
     without, drop = WITHOUT[(case, feature)]
-    runner = runner_for(path, without(ModelConfig.from_hf(ckpt.hf_config)), drop)
+    runner = runner_for(path, without(read_config(ckpt.hf_config)), drop)
     if feature == "final logit soft-cap":
         with pytest.raises(AssertionError):
             ids, lps = next_token_logprobs(runner, PROMPTS[-1])

@@ -6,8 +6,7 @@ import torch
 from executor_svc.attention import make_backend
 from executor_svc.checkpoint import load_checkpoint
 from executor_svc.kv_cache import KVCachePool
-from executor_svc.model import build_model
-from executor_svc.model_config import ModelConfig
+from executor_svc.families import build_model, read_config
 from executor_svc.runner import ModelRunner, NewRequestData, PlanError, StepInput
 from executor_svc.sampler import SamplingSettings
 from tests.oracle import hf_greedy
@@ -18,7 +17,7 @@ BLOCK = 4
 
 def make_runner(model: str, num_blocks=128, torch_compile=False):
     ckpt = load_checkpoint(model)
-    cfg = ModelConfig.from_hf(ckpt.hf_config)
+    cfg = read_config(ckpt.hf_config)
     m = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, torch.device("cpu"), torch.float32)
     pool = KVCachePool(cfg, num_blocks, BLOCK, torch.device("cpu"), torch.float32)
     return ModelRunner(m, pool, make_backend("torch"), torch.device("cpu"), torch_compile=torch_compile)

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from executor_svc.checkpoint import LazyTensor, load_checkpoint
+from executor_svc.families import read_config
 from executor_svc.model_config import ModelConfig
 from executor_svc.sharding import Shard, check_size, valid_sizes
 from llmsched.errors import StartupError
@@ -18,7 +19,7 @@ def config(**overrides) -> ModelConfig:
     hf = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64,
               intermediate_size=172, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
               max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu")
-    return ModelConfig.from_hf(hf | overrides)
+    return read_config(hf | overrides)
 
 
 def test_stories260k_shapes_allow_sizes_1_2_4():
@@ -28,7 +29,7 @@ def test_stories260k_shapes_allow_sizes_1_2_4():
 def test_size_3_on_stories260k_is_refused_with_the_sizes_that_work(stories_path):
     ckpt = load_checkpoint(str(stories_path))
     with pytest.raises(StartupError, match=r"EXECUTOR_TENSOR_PARALLEL_SIZE=3 .*8 attention heads.*sizes that work: 1, 2, 4"):
-        check_size(ModelConfig.from_hf(ckpt.hf_config), 3)
+        check_size(read_config(ckpt.hf_config), 3)
 
 
 @pytest.mark.parametrize("size", [3, 6])
@@ -102,7 +103,8 @@ def test_a_rank_reads_only_its_slice_from_the_safetensors_file(tmp_path):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_each_rank_loads_its_q_k_v_and_gate_up_shards_into_the_rows_of_one_fused_weight(rank):
-    from executor_svc.model import CausalLM, build_model
+    from executor_svc.families import build_model
+    from executor_svc.model import CausalLM
 
     cfg, shard = config(), Shard(rank, 2)
     torch.manual_seed(0)

@@ -107,7 +107,8 @@ class ModelConfig:
     rope: dict[str, RopeSpec]  # by layer type
     sliding_window: int | None = None
     hidden_act: str = "silu"  # silu | gelu_pytorch_tanh
-    qkv_bias: bool = False  # Qwen2
+    qkv_bias: bool = False  # Qwen2, gpt-oss: biases on q, k and v
+    o_bias: bool = False  # gpt-oss: a bias on o_proj too
     qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
     norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + w)
     sandwich_norms: bool = False  # Gemma 2/3: norms before and after attention and MLP

@@ -32,16 +32,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def use_cuda_graphs(setting: str, device: torch.device, backend_name: str, tp_size: int) -> bool:
+def use_cuda_graphs(setting: str, device: torch.device, backend_name: str, tp_size: int,
+                    cfg: ModelConfig | None = None) -> bool:
     """EXECUTOR_CUDA_GRAPHS=auto: on for CUDA with the triton backend, on one
-    device. Under tensor parallelism decode steps run eagerly: capturing
-    the NCCL all-reduces has not been tested on a multi-GPU machine yet."""
-    return setting == "auto" and device.type == "cuda" and backend_name == "triton" and tp_size == 1
+    device, for dense families. Under tensor parallelism decode steps run
+    eagerly: capturing the NCCL all-reduces has not been tested on a
+    multi-GPU machine yet; nor has capturing the MoE and MLA kernels."""
+    dense = cfg is None or (cfg.moe is None and cfg.mla is None)
+    return setting == "auto" and device.type == "cuda" and backend_name == "triton" and tp_size == 1 and dense
 
 
-def check_torch_compile(setting: str, device: torch.device, tp_size: int) -> bool:
+def check_torch_compile(setting: str, device: torch.device, tp_size: int, cfg: ModelConfig | None = None) -> bool:
     if setting == "off":
         return False
+    if cfg is not None and (cfg.moe is not None or cfg.mla is not None):
+        raise StartupError(f"EXECUTOR_TORCH_COMPILE=on is implemented for dense families only; {cfg.architecture} "
+                           "has mixture-of-experts or latent-attention layers")
     if device.type != "cpu":
         raise StartupError(f"EXECUTOR_TORCH_COMPILE=on compiles CPU decode steps; the device is {device} "
                            "(on CUDA, EXECUTOR_CUDA_GRAPHS=auto serves that purpose)")
@@ -77,7 +83,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     cfg = read_config(ckpt.hf_config, ckpt.generation_config)
     size = settings.tensor_parallel_size
     device = rank_device(settings.device, int(os.environ.get("LOCAL_RANK", "0")) if size > 1 else 0, size)
-    torch_compile = check_torch_compile(settings.torch_compile, device, size)
+    torch_compile = check_torch_compile(settings.torch_compile, device, size, cfg)
     tp = join(settings, cfg, device)
     _set_threads(settings, device)
     shard = tp.shard if tp else Shard()
@@ -91,7 +97,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         num_blocks = tp.min_over_ranks(num_blocks)
     pool = KVCachePool(cfg, num_blocks, settings.block_size, device, dtype, shard)
     backend = make_backend(settings.attention_backend, device)
-    cuda_graphs = use_cuda_graphs(settings.cuda_graphs, device, backend.name, size)
+    cuda_graphs = use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
     runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp)
     try:
         runner = ModelRunner(model, pool, backend, device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,

@@ -113,8 +113,10 @@ class Attention(nn.Module):
             self.q_norm = make_norm(cfg, cfg.head_dim)
             self.k_norm = make_norm(cfg, cfg.head_dim)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
-        # x: [num_tokens, hidden]
+    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, ...], meta: AttentionMetadata,
+                backend: AttentionBackend):
+        # x: [num_tokens, hidden]; cache: (k_cache, v_cache), each [num_blocks, block_size, kvh, head_dim]
+        k_cache, v_cache = cache
         n, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, h + 2 * kvh, self.head_dim)
         v = qkv[:, h + kvh:]
@@ -167,8 +169,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
+    def forward(self, x, cos, sin, cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -182,8 +184,8 @@ class SandwichDecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
+    def forward(self, x, cos, sin, cache, meta, backend):
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend)
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
@@ -228,7 +230,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: [num_blocks, block_size, kvh, d] x2
+        kv_caches: list[tuple[torch.Tensor, ...]],  # per layer, as its CacheSpec says (kv_cache.py)
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -238,8 +240,8 @@ class CausalLM(nn.Module):
             x = x * self.embed_scale
         # per layer type: [num_tokens, 1, rotary_dim] each
         rope = {t: (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for t, (cos, sin) in self.rope.items()}
-        for layer, layer_type, (k_cache, v_cache) in zip(self.model.layers, self.cfg.layer_types, kv_caches):
-            x = layer(x, *rope[layer_type], k_cache, v_cache, meta, backend)
+        for layer, layer_type, cache in zip(self.model.layers, self.cfg.layer_types, kv_caches):
+            x = layer(x, *rope[layer_type], cache, meta, backend)
         return self.model.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,60 @@ class RopeSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class MoESpec:
+    """A mixture-of-experts MLP (executor_svc/moe.py): a router picks top_k
+    of num_experts per token; their outputs, weighted, are summed, plus an
+    optional shared expert. Each field says how one family's router
+    differs, so one layer serves all of them."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    # Which layers have experts (the others keep the dense MLP of intermediate_size).
+    sparse_layers: tuple[bool, ...]
+    # softmax: softmax over all experts, then top-k (Mixtral, Qwen-MoE);
+    # topk_softmax: top-k of the logits, then softmax over those (gpt-oss);
+    # sigmoid: sigmoid scores, top-k chosen on scores + correction bias (DeepSeek-V3).
+    scoring: str = "softmax"
+    norm_topk_prob: bool = False  # renormalise the top-k weights to sum to 1
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    # Group-limited routing (DeepSeek-V3): experts in n_group groups; only
+    # experts of the topk_group groups with the best top-2 sums compete.
+    n_group: int = 1
+    topk_group: int = 1
+    router_bias: bool = False  # gpt-oss: the router's linear layer has a bias
+    correction_bias: bool = False  # DeepSeek-V3: e_score_correction_bias, for choosing only
+    router_fp32: bool = False  # DeepSeek-V3: router logits computed in fp32 whatever the dtype
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    shared_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(linear(x))
+    expert_bias: bool = False  # gpt-oss: biases on the experts' projections
+    # gpt-oss's SwiGLU: gate clamped above, up clamped both ways at swiglu_limit,
+    # out = (up + 1) * gate * sigmoid(alpha * gate). None: silu(gate) * up.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+
+
+@dataclass(frozen=True, slots=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, executor_svc/mla.py):
+    keys and values are decompressed per head from one latent per token,
+    which is all the KV cache holds."""
+
+    q_lora_rank: int | None  # None: q is one projection of the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # RoPE over interleaved (even, odd) pairs rather than the two halves
+    # Softmax scale: qk_head_dim^-1/2, times YaRN's mscale(factor, mscale_all_dim)^2.
+    softmax_scale: float
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     architecture: str
     family: str
@@ -116,6 +170,12 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power, not head_dim's
     attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c)
     final_softcap: float | None = None  # Gemma 2: logits = c * tanh(logits / c)
+    attn_sinks: bool = False  # gpt-oss: a learned per-head logit joins each softmax (and takes no value)
+    moe: MoESpec | None = None
+    mla: MLASpec | None = None
+    # How the checkpoint stores weights, when not plainly: "mxfp4" (gpt-oss's
+    # experts, dequantized at load).
+    quantization: str | None = None
     # What reading config.json did with each key, for the log and the tests.
     read_keys: frozenset[str] = field(default=frozenset(), compare=False)
     ignored: dict[str, str] = field(default_factory=dict, compare=False)  # key -> why

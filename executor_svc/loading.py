@@ -16,6 +16,7 @@ from executor_svc.config import ExecutorSettings
 from executor_svc.kv_cache import KVCachePool, pool_num_blocks
 from executor_svc.families import build_model, read_config
 from executor_svc.model_config import ModelConfig
+from executor_svc.moe import use_triton_moe
 from executor_svc.runner import ModelRunner
 from executor_svc.sharding import Shard
 from executor_svc.tensor_parallel import TPGroup, join, rank_device
@@ -97,6 +98,8 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         num_blocks = tp.min_over_ranks(num_blocks)
     pool = KVCachePool(cfg, num_blocks, settings.block_size, device, dtype, shard)
     backend = make_backend(settings.attention_backend, device)
+    if backend.name == "triton" and use_triton_moe(model):
+        log.info("mixture-of-experts layers run the triton fused-MoE kernel (kernels/fused_moe.py)")
     cuda_graphs = use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
     runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp)
     try:

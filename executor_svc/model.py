@@ -70,12 +70,15 @@ def make_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
     return (GemmaRMSNorm if cfg.norm_unit_offset else RMSNorm)(dim, cfg.rms_norm_eps)
 
 
-def rope_cache(inv_freq: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_len, rotary_dim] in fp32, in the rotate-half layout."""
+def rope_cache(inv_freq: torch.Tensor, max_len: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_len, rotary_dim] in fp32, in the rotate-half layout,
+    times `scale` (YaRN's attention factor; HF scales cos and sin alike)."""
     t = torch.arange(max_len, device=inv_freq.device).float()
     freqs = torch.outer(t, inv_freq)  # [max_len, rotary_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, rotary_dim]
-    return emb.cos(), emb.sin()
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -221,7 +224,8 @@ class CausalLM(nn.Module):
         embedding scale is likewise rounded to the activation dtype first."""
         self.rope = {}
         for layer_type in set(self.cfg.layer_types):
-            cos, sin = rope_cache(self.cfg.rope[layer_type].inv_freq(device), self.max_len)
+            spec = self.cfg.rope[layer_type]
+            cos, sin = rope_cache(spec.inv_freq(device), self.max_len, spec.attention_factor)
             self.rope[layer_type] = (cos.to(dtype), sin.to(dtype))
         if self.cfg.embed_scale:
             self.embed_scale = torch.tensor(self.cfg.hidden_size**0.5, device=device).to(dtype)

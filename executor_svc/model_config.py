@@ -54,13 +54,20 @@ class RopeSpec:
     """One RoPE variant: the base, how frequencies are rescaled, and how many
     leading dims of each head it rotates."""
 
-    rope_type: str  # default | linear | llama3
+    rope_type: str  # default | linear | llama3 | yarn
     theta: float
     rotary_dim: int
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 0
+    # YaRN: the band between beta_fast and beta_slow rotations is blended
+    # from interpolated to original frequencies (bounds rounded out to whole
+    # dims with truncate), and cos/sin are scaled by attention_factor.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
     def inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
         """[rotary_dim / 2] fp32 inverse frequencies, computed as HF does."""
@@ -79,10 +86,36 @@ class RopeSpec:
             smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
             medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
             return torch.where(medium, smoothed, scaled)
+        if self.rope_type == "yarn":
+            return self._yarn_inv_freq(device)
         return inv
+
+    def _yarn_inv_freq(self, device: torch.device | None) -> torch.Tensor:
+        """As transformers' _compute_yarn_parameters, operation for operation."""
+        d, base, old_len = self.rotary_dim, self.theta, self.original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:
+            return (d * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001  # as HF: no zero-width ramp
+        pos_freqs = base ** (torch.arange(0, d, 2).to(device=device, dtype=torch.float) / d)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (self.factor * pos_freqs)
+        ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrapolation_factor = 1 - ramp.to(device=device, dtype=torch.float)
+        return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
     def describe(self) -> str:
         return self.rope_type if self.rope_type == "default" else f"{self.rope_type}(factor={self.factor:g})"
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `scale` times longer."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,8 +262,10 @@ ROPE_KEYS = {
     "linear": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor"},
     "llama3": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "low_freq_factor",
                "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings",
+             "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
 }
-REFUSED_ROPE_TYPES = ("dynamic", "yarn", "longrope")
+REFUSED_ROPE_TYPES = ("dynamic", "longrope")
 
 
 def rope_spec(params: dict[str, Any], family: str, *, theta: float, head_dim: int, max_position_embeddings: int,
@@ -269,7 +304,29 @@ def rope_spec(params: dict[str, Any], family: str, *, theta: float, head_dim: in
             original_max_position_embeddings=int(params.get("original_max_position_embeddings",
                                                             max_position_embeddings)),
         )
+    if rope_type == "yarn":
+        return yarn_spec(params, spec.theta, rotary_dim, max_position_embeddings)
     return spec
+
+
+def yarn_spec(params: dict[str, Any], theta: float, rotary_dim: int, max_position_embeddings: int) -> RopeSpec:
+    """HF's reading of a yarn dict: an absent original length is
+    max_position_embeddings; an absent factor, their ratio; an absent
+    attention_factor comes from mscale and mscale_all_dim when both are
+    set (DeepSeek), else from the factor alone."""
+    old_len = int(params.get("original_max_position_embeddings") or max_position_embeddings)
+    factor = params.get("factor")
+    factor = float(max_position_embeddings / old_len if factor is None else factor)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    return RopeSpec("yarn", theta, rotary_dim, factor=factor, original_max_position_embeddings=old_len,
+                    beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                    truncate=bool(params.get("truncate", True)), attention_factor=float(attention_factor))
 
 
 def eos_ids(*values: Any) -> tuple[int, ...]:

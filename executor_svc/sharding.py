@@ -7,6 +7,8 @@ vocabulary rows each rank holds (Megatron-style):
   embed, lm_head        split by vocabulary rows, the vocabulary padded to
                         a multiple of the size; padding rows are zero and
                         padding logits are cut off before sampling
+  experts               each expert's gate/up rows and down columns, like a
+                        dense MLP (the router is replicated)
   norms (incl. q/k)     replicated
 
 With fewer KV heads than ranks, each KV head is replicated on the ranks
@@ -30,8 +32,15 @@ def size_problems(cfg: ModelConfig, size: int) -> list[str]:
         problems.append(f"{cfg.num_heads} attention heads")
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         problems.append(f"{cfg.num_kv_heads} KV heads (the size must divide them, or be a multiple to replicate them)")
-    if cfg.intermediate_size % size:
+    dense_layers = cfg.moe is None or not all(cfg.moe.sparse_layers)
+    if dense_layers and cfg.intermediate_size % size:
         problems.append(f"intermediate size {cfg.intermediate_size}")
+    if cfg.moe is not None:
+        # Experts split like a dense MLP: every expert's units over the ranks.
+        if cfg.moe.intermediate_size % size:
+            problems.append(f"expert intermediate size {cfg.moe.intermediate_size}")
+        if cfg.moe.shared_intermediate_size % size:
+            problems.append(f"shared expert intermediate size {cfg.moe.shared_intermediate_size}")
     return problems
 
 

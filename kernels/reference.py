@@ -16,13 +16,19 @@ Shapes (shared with the Triton launchers):
 * block_tables:     [num_reqs, max_blocks_per_req] int32, entries past a request's
                     need are arbitrary padding and never read
 * block_mapping:    [n, 2] int64 rows of (src_block, dst_block)
+
+Mixture of experts (``fused_moe``):
+
+* x:                [num_tokens, hidden]
+* w13 / w2:         [num_experts, 2 * inter, hidden] (gate rows, then up) / [num_experts, hidden, inter]
+* weights / ids:    [num_tokens, top_k] routing weights / expert ids
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["write_kv_cache", "paged_attention", "copy_blocks"]
+__all__ = ["write_kv_cache", "paged_attention", "copy_blocks", "fused_moe", "mla_decode"]
 
 
 def write_kv_cache(
@@ -132,3 +138,28 @@ def copy_blocks(
     for src, dst in block_mapping.tolist():
         k_cache[dst].copy_(k_cache[src])
         v_cache[dst].copy_(v_cache[src])
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]
+    w2: torch.Tensor,  # [num_experts, hidden, inter]
+    weights: torch.Tensor,  # [num_tokens, top_k]
+    ids: torch.Tensor,  # [num_tokens, top_k]
+    activation,  # [rows, 2 * inter] -> [rows, inter]
+    b13: torch.Tensor | None = None,  # [num_experts, 2 * inter]
+    b2: torch.Tensor | None = None,  # [num_experts, hidden]
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """sum over slots j of weights[t, j] * down_e(activation(gate_up_e(x[t]))), e = ids[t, j], in fp32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13[e].float() @ x[t].float()  # [2 * inter]
+            if b13 is not None:
+                h = h + b13[e].float()
+            y = w2[e].float() @ activation(h[None])[0]  # [hidden]
+            if b2 is not None:
+                y = y + b2[e].float()
+            out[t] += weights[t, j].float() * y
+    return out.to(x.dtype)

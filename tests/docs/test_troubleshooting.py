@@ -41,7 +41,7 @@ ASSERTED = [
     ("integration/test_start_stop.py (all cases)", "cannot start:"),
     ("integration/test_families.py REFUSALS", "cannot serve"),
     ("integration/test_families.py unknown architecture", "architecture <name> is not supported; supported: <list>"),
-    ("integration/test_families.py yarn RoPE", "RoPE type '<type>' is not supported"),
+    ("integration/test_families.py dynamic RoPE", "RoPE type '<type>' is not supported"),
     ("integration/test_families.py unread forward-changing key", "attn_logit_softcapping"),
     ("integration/test_families.py llama with biases", "attention_bias=True"),
     ("unit/test_model_config.py RoPE types", "supported: default, linear, llama3"),

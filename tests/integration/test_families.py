@@ -32,7 +32,8 @@ from tests.conftest import HAS_CUDA, REPO_ROOT
 from tests.families import CASES, hf_greedy, make_checkpoint, prompts
 from tests.integration.conftest import start_services
 
-SERVED = ["llama3", "llama3-t4", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-mm", "phi3"]
+SERVED = ["llama3", "llama3-t4", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-mm", "phi3",
+          "mixtral", "qwen2-moe", "qwen3-moe"]
 MIN_MARGIN = 1e-3  # fp32 differences from HF are ~1e-5 in these logits
 MAX_NEW = 32
 ALONE = prompts(2, min_len=5, max_len=30, seed=3)
@@ -105,8 +106,12 @@ TRITON_CONCURRENT = CONCURRENT[::2]
 
 
 # gemma3-mm serves the same text model as gemma3 (it differs only in how it
-# loads), so the slow interpreter run skips it.
-@pytest.fixture(scope="module", params=[name for name in SERVED if name != "gemma3-mm"])
+# loads), so the slow interpreter run skips it; Mixtral and Qwen2-MoE run the
+# same fused-MoE kernel as Qwen3-MoE, which covers it.
+TRITON_SKIPPED = ("gemma3-mm", "mixtral", "qwen2-moe")
+
+
+@pytest.fixture(scope="module", params=[name for name in SERVED if name not in TRITON_SKIPPED])
 def served_triton(request, tmp_path_factory):
     pytest.importorskip("triton")
     path, services, client = _serve(request.param, tmp_path_factory, TRITON_ENV)
@@ -123,7 +128,7 @@ def test_triton_backend_alone_and_concurrent_greedy_matches_hf(served_triton):
     check_against_hf(path, client, TRITON_CONCURRENT, timeout_s=600, max_new=TRITON_MAX_NEW)
 
 
-@pytest.mark.parametrize("name", [name for name in SERVED if name != "gemma3-mm"])
+@pytest.mark.parametrize("name", [name for name in SERVED if name not in TRITON_SKIPPED])
 def test_triton_oracle_still_crosses_windows_and_mixes_steps(name):
     case = CASES[name]
     window = case.config.get("sliding_window")
@@ -146,8 +151,8 @@ def llama3_dir(tmp_path_factory) -> Path:
 REFUSALS = {
     "unknown architecture": ({"architectures": ["FalconForCausalLM"]},
                              "architecture FalconForCausalLM is not supported"),
-    "yarn RoPE": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
-                  "RoPE type 'yarn' is not supported"),
+    "dynamic RoPE": ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+                     "RoPE type 'dynamic' is not supported"),
     "unread forward-changing key": ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
     "llama with biases": ({"attention_bias": True}, "attention_bias=True is not supported"),
 }

@@ -107,6 +107,14 @@ def _no_window(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, sliding_window=None)  # sliding layers keep their RoPE, lose the window
 
 
+def _moe(**changes):
+    return lambda c: dataclasses.replace(c, moe=dataclasses.replace(c.moe, **changes))
+
+
+def _no_attention_factor(cfg: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(cfg, rope={t: dataclasses.replace(s, attention_factor=1.0) for t, s in cfg.rope.items()})
+
+
 # (case, feature) -> the ModelConfig without it, and checkpoint tensors to drop to match.
 WITHOUT = {
     ("llama3", "llama3 RoPE scaling"): (lambda c: dataclasses.replace(c, rope=_default_rope(c)), ()),
@@ -130,6 +138,12 @@ WITHOUT = {
     ("phi3", "partial rotary factor"): (lambda c: dataclasses.replace(c, rope={
         t: dataclasses.replace(s, rotary_dim=c.head_dim) for t, s in c.rope.items()}), ()),
     ("phi3", "sliding window"): (_no_window, ()),
+    ("mixtral", "sliding window"): (_no_window, ()),
+    ("mixtral", "top-k renormalisation"): (_moe(norm_topk_prob=False), ()),
+    ("qwen2-moe", "shared expert's gate"): (_moe(shared_gate=False), ("shared_expert_gate",)),
+    ("qwen2-moe", "sliding window"): (_no_window, ()),
+    ("qwen3-moe", "norm_topk_prob"): (_moe(norm_topk_prob=False), ()),
+    ("qwen3-moe", "YaRN attention factor"): (_no_attention_factor, ()),
 }
 
 

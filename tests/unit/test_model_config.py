@@ -16,6 +16,7 @@ from executor_svc.model_config import FULL, SLIDING, UnsupportedConfig
 CONFIG_CLASSES = {
     "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
     "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config",
+    "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
 }
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
@@ -63,10 +64,10 @@ def test_multimodal_gemma3_serves_its_text_model_and_ignores_only_vision_keys():
         read_config(d | {"audio_config": {}})
 
 
-@pytest.mark.parametrize("rope_type", ["yarn", "dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
 def test_unimplemented_rope_types_are_refused_by_name(rope_type):
     scaling = {"rope_type": rope_type, "factor": 2.0}
-    message = f"RoPE type '{rope_type}' is not supported.*supported: default, linear, llama3"
+    message = f"RoPE type '{rope_type}' is not supported.*supported: default, linear, llama3, yarn"
     with pytest.raises(UnsupportedConfig, match=message):
         read_config(llama(rope_scaling=scaling))
     with pytest.raises(UnsupportedConfig, match=f"RoPE type '{rope_type}'"):
@@ -127,6 +128,36 @@ def test_llama3_rope_reads_the_same_from_both_layouts_and_matches_hf_frequencies
     unscaled = read_config(llama(rope_theta=500000.0)).rope[FULL]
     assert not torch.equal(t5.rope[FULL].inv_freq(), unscaled.inv_freq())
     assert t5.rope_description() == "llama3(factor=8)"
+
+
+YARN_CASES = {
+    # gpt-oss's own: no truncation, attention factor from the factor alone.
+    "gpt-oss": ({"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}, 131072),
+    # DeepSeek-V3's: mscale and mscale_all_dim set the attention factor (1 when equal).
+    "deepseek-v3": ({"rope_type": "yarn", "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32,
+                     "beta_slow": 1, "original_max_position_embeddings": 4096, "rope_theta": 10000.0}, 163840),
+    "mscales differ": ({"rope_type": "yarn", "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 1.0,
+                        "original_max_position_embeddings": 64, "rope_theta": 10000.0}, 256),
+    # Qwen3's long-context recipe: factor 4 over 32k, truncated bounds.
+    "qwen3": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+               "rope_theta": 1_000_000.0}, 131072),
+    "explicit attention_factor": ({"rope_type": "yarn", "factor": 2.0, "attention_factor": 0.9,
+                                   "original_max_position_embeddings": 128, "rope_theta": 10000.0}, 256),
+}
+
+
+@pytest.mark.parametrize("case", YARN_CASES)
+def test_yarn_frequencies_and_attention_factor_match_hf(case):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params, max_positions = YARN_CASES[case]
+    cfg = read_config(llama(rope_parameters=dict(params), max_position_embeddings=max_positions))
+    hf = transformers.LlamaConfig(**TINY | {"max_position_embeddings": max_positions}, rope_parameters=dict(params))
+    want, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    assert torch.equal(cfg.rope[FULL].inv_freq(), want)
+    assert cfg.rope[FULL].attention_factor == attention_factor
+    assert cfg.rope_description().startswith("yarn(factor=")
 
 
 def test_linear_rope_matches_hf_frequencies():
@@ -229,6 +260,25 @@ HUB_CONFIGS = {
                                "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
                                "pad_token_id": 32000, "resid_pdrop": 0.0, "rms_norm_eps": 1e-5, "rope_scaling": None,
                                "rope_theta": 10000.0, "sliding_window": 2047, "tie_word_embeddings": False},
+    "Mixtral-8x7B-v0.1": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "bos_token_id": 1,
+                          "eos_token_id": 2, "hidden_act": "silu", "max_position_embeddings": 32768,
+                          "num_experts_per_tok": 2, "num_local_experts": 8, "output_router_logits": False,
+                          "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+                          "sliding_window": None, "tie_word_embeddings": False},
+    "Qwen1.5-MoE-A2.7B": {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "bos_token_id": 151643,
+                          "decoder_sparse_step": 1, "eos_token_id": 151643, "hidden_act": "silu",
+                          "max_position_embeddings": 8192, "max_window_layers": 21, "moe_intermediate_size": 32,
+                          "norm_topk_prob": False, "num_experts": 60, "num_experts_per_tok": 4,
+                          "output_router_logits": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                          "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 64,
+                          "sliding_window": 32768, "tie_word_embeddings": False, "use_sliding_window": False},
+    "Qwen3-30B-A3B": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+                      "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 16,
+                      "hidden_act": "silu", "max_position_embeddings": 40960, "max_window_layers": 48,
+                      "mlp_only_layers": [], "moe_intermediate_size": 32, "norm_topk_prob": True, "num_experts": 128,
+                      "num_experts_per_tok": 8, "output_router_logits": False, "rms_norm_eps": 1e-6,
+                      "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+                      "sliding_window": None, "tie_word_embeddings": False, "use_sliding_window": False},
 }
 
 

@@ -90,6 +90,9 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     shard = tp.shard if tp else Shard()
     dtype = resolve_dtype(settings.dtype, device)
     max_model_len = settings.max_model_len or cfg.max_position_embeddings
+    if cfg.quantization == "mxfp4":
+        log.info("%s: the checkpoint's MXFP4 experts are dequantized to %s at load, as transformers does without "
+                 "its MXFP4 kernels (memory of the dequantized weights)", cfg.architecture, dtype)
     model = build_model(cfg, ckpt.lazy_tensors(), max_model_len, device, dtype, shard, tp)
     num_blocks = pool_num_blocks(cfg, settings.block_size, dtype, device, settings.num_kv_blocks,
                                  settings.kv_cache_memory_mb, shard)

@@ -130,10 +130,13 @@ class Attention(nn.Module):
             qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # q's and k's heads in one pass
             q, k = qk[:, :h], qk[:, h:]
         backend.write_kv(k, v, k_cache, v_cache, meta)
-        o = backend.attend(q, k_cache, v_cache, meta, self.scale,
-                           sliding_window=self.sliding_window, softcap=self.softcap)  # [num_tokens, heads, head_dim]
+        o = self.attend(q, k_cache, v_cache, meta, backend)  # [num_tokens, heads, head_dim]
         out = self.o_proj(o.reshape(n, self.num_heads * self.head_dim))  # this rank's heads' share
         return out if self.comm is None else self.comm.all_reduce(out)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        return backend.attend(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
+                              softcap=self.softcap)
 
 
 class MLP(nn.Module):

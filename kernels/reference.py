@@ -73,6 +73,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] fp32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each request's new query tokens over its paged context.
 
@@ -82,8 +83,9 @@ def paged_attention(
 
     sliding_window W (None = unbounded): a query at position i sees only positions j
     with ``i - W < j <= i`` (W = 1: itself). softcap s (None = off): the scaled scores
-    become ``s * tanh(scores / s)`` before masking and softmax. Both as in HF
-    transformers (Mistral / Gemma 2).
+    become ``s * tanh(scores / s)`` before masking and softmax. sinks (None = off):
+    head h's softmax gets one more logit, ``sinks[h]``, which weighs no value. All as in
+    HF transformers (Mistral / Gemma 2 / gpt-oss).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -120,7 +122,11 @@ def paged_attention(
         if sliding_window is not None:
             visible &= kv_pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # [num_heads, q_len, kv_len]
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(num_heads, q_len, 1)  # [num_heads, q_len, 1]
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)  # [num_heads, q_len, kv_len]
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
     return out
 

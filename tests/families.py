@@ -118,6 +118,15 @@ CASES = {
              rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                               "rope_theta": 1_000_000.0}),
         features=("norm_topk_prob", "q/k norm", "YaRN RoPE", "mlp_only_layers")),
+    "gpt-oss": FamilyCase(
+        "gpt-oss", "GptOssConfig", "GptOssForCausalLM",
+        dict(num_hidden_layers=2, head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+             sliding_window=8, swiglu_limit=0.8,
+             rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "truncate": False, "original_max_position_embeddings": 8, "rope_theta": 150000.0}),
+        bias_scale=1.0, seed=1,
+        features=("attention sinks", "q/k/v/o biases", "alternating window", "YaRN RoPE", "router bias",
+                  "expert biases", "clamped SwiGLU")),
 }
 
 

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from executor_svc.checkpoint import LazyTensor
-from executor_svc.families import gemma2, gemma3, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
+from executor_svc.families import (
+    gemma2, gemma3, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
+)
 from executor_svc.families.base import Family
 from executor_svc.model import CausalLM
 from executor_svc.model import build_model as _build_model
@@ -25,7 +27,7 @@ from executor_svc.sharding import Shard
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY,
-    mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY,
+    mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, gpt_oss.FAMILY,
 )
 
 REFUSED_ARCHITECTURES = {

@@ -41,14 +41,15 @@ DROPOUT = "training only: dropout is off at inference"
 ROUTER_TRAINING = "training only: the router's auxiliary loss"
 
 
-def single_rope(r: ConfigReader, c: dict[str, Any], *, allow_partial: bool = False,
-                rotary_dim: int | None = None) -> RopeSpec:
+def single_rope(r: ConfigReader, c: dict[str, Any], *, allow_partial: bool = False, rotary_dim: int | None = None,
+                default: dict[str, Any] | None = None, theta: float = 10000.0) -> RopeSpec:
     """transformers 4 (rope_theta + rope_scaling) or 5 (rope_parameters).
-    As in HF, rope_scaling wins when both are present."""
+    As in HF, rope_scaling wins when both are present; `default` and `theta`
+    are the family's config class defaults when config.json has neither."""
     scaling, params = r.get("rope_scaling"), r.get("rope_parameters")
-    params = dict(scaling or params or {})
+    params = dict(scaling or params or default or {})
     return rope_spec(
-        params, r.family, theta=r.get("rope_theta", 10000.0), head_dim=rotary_dim or c["head_dim"],
+        params, r.family, theta=r.get("rope_theta", theta), head_dim=rotary_dim or c["head_dim"],
         max_position_embeddings=c["max_position_embeddings"],
         partial_rotary_factor=r.get("partial_rotary_factor", 1.0), allow_partial=allow_partial,
     )

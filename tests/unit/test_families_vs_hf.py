@@ -144,6 +144,11 @@ WITHOUT = {
     ("qwen2-moe", "sliding window"): (_no_window, ()),
     ("qwen3-moe", "norm_topk_prob"): (_moe(norm_topk_prob=False), ()),
     ("qwen3-moe", "YaRN attention factor"): (_no_attention_factor, ()),
+    ("gpt-oss", "attention sinks"): (lambda c: dataclasses.replace(c, attn_sinks=False), (".sinks",)),
+    ("gpt-oss", "router bias"): (_moe(router_bias=False), ("router.bias",)),
+    ("gpt-oss", "SwiGLU clamp"): (_moe(swiglu_limit=float("inf")), ()),
+    ("gpt-oss", "YaRN attention factor"): (_no_attention_factor, ()),
+    ("gpt-oss", "sliding window"): (_no_window, ()),
 }
 
 

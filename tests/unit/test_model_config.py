@@ -17,6 +17,7 @@ CONFIG_CLASSES = {
     "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
     "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config",
     "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
+    "gpt_oss": "GptOssConfig",
 }
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
@@ -279,6 +280,20 @@ HUB_CONFIGS = {
                       "num_experts_per_tok": 8, "output_router_logits": False, "rms_norm_eps": 1e-6,
                       "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
                       "sliding_window": None, "tie_word_embeddings": False, "use_sliding_window": False},
+    "gpt-oss-20b": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+                    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 16, "hidden_act": "silu",
+                    "initial_context_length": 4096, "layer_types": ["sliding_attention", "full_attention"],
+                    "max_position_embeddings": 131072, "num_experts_per_tok": 4, "num_local_experts": 32,
+                    "output_router_logits": False, "pad_token_id": 199999,
+                    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                       "model.layers.*.mlp.router",
+                                                                       "model.embed_tokens", "lm_head"],
+                                            "quant_method": "mxfp4"},
+                    "rms_norm_eps": 1e-5, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                           "original_max_position_embeddings": 4096,
+                                                           "rope_type": "yarn", "truncate": False},
+                    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+                    "tie_word_embeddings": False},
 }
 
 
@@ -294,3 +309,14 @@ def test_hub_phi35_mini_is_refused_for_its_longrope():
         "original_max_position_embeddings": 4096, "max_position_embeddings": 131072}
     with pytest.raises(UnsupportedConfig, match="'longrope'"):
         read_config(d)
+
+
+def test_gpt_oss_reads_mxfp4_and_refuses_other_quantizations():
+    hub = COMMON_HUB | TINY | HUB_CONFIGS["gpt-oss-20b"]
+    cfg = read_config(hub)
+    assert cfg.quantization == "mxfp4" and cfg.attn_sinks and cfg.o_bias and cfg.rope[FULL].rope_type == "yarn"
+    assert cfg.layer_types == (SLIDING, FULL) and cfg.moe.scoring == "topk_softmax" and cfg.moe.swiglu_limit == 7.0
+    with pytest.raises(UnsupportedConfig, match="quantization_config .* is not supported"):
+        read_config(hub | {"quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(UnsupportedConfig, match="experts_per_token=2 differs"):
+        read_config(hub | {"experts_per_token": 2})

@@ -45,6 +45,17 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
 
+    def write_latent(self, latent: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """MLA: latent [num_tokens, 1, latent_dim] into cache [num_blocks, block_size, 1, latent_dim]."""
+        ...
+
+    def attend_latent(self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      value_dim: int) -> torch.Tensor:
+        """MLA: causal multi-query attention of query [num_tokens, num_heads, latent_dim]
+        over the latent cache, each latent serving as the key and its first
+        value_dim values as the value. Returns [num_tokens, num_heads, value_dim]."""
+        ...
+
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> None: ...
@@ -141,6 +152,14 @@ class TorchAttentionBackend:
         num_kv_heads, head_dim = key.shape[1], key.shape[2]
         k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = key
         v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = value
+
+    def write_latent(self, latent, cache, meta):
+        cache.view(-1, 1, latent.shape[-1])[meta.slot_mapping] = latent
+
+    def attend_latent(self, query, cache, meta, scale, value_dim):
+        # The whole latent is the value too (K = V: one cache read, and CPU
+        # flash attention wants equal head sizes); the extra dims are dropped.
+        return self.attend(query, cache, cache, meta, scale)[..., :value_dim]
 
     def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None, sinks=None):
         # query: [num_tokens, num_heads, head_dim] -> same shape
@@ -391,6 +410,7 @@ class TritonAttentionBackend:
     def __init__(self) -> None:
         try:
             from kernels.kv_write import write_kv_cache
+            from kernels.mla_decode import mla_decode
             from kernels.paged_attention import paged_attention
         except ImportError as exc:
             raise RuntimeError(
@@ -398,6 +418,8 @@ class TritonAttentionBackend:
             ) from exc
         self._write_kv_cache = write_kv_cache
         self._paged_attention = paged_attention
+        self._mla_decode = mla_decode
+        self._torch = TorchAttentionBackend()
 
     def write_kv(self, key, value, k_cache, v_cache, meta):
         # key, value: [num_tokens, num_kv_heads, head_dim]. The launcher wants
@@ -407,6 +429,20 @@ class TritonAttentionBackend:
             _unit_last_stride(key), _unit_last_stride(value), k_cache, v_cache,
             _index_tensor(meta.slot_mapping, torch.int64),
         )
+
+    def write_latent(self, latent, cache, meta):
+        # The K/V write kernel with the latent as both: one cache, written twice.
+        self.write_kv(latent, latent, cache, cache, meta)
+
+    def attend_latent(self, query, cache, meta, scale, value_dim):
+        """Decode-only steps: the paged MLA decode kernel. Steps with
+        prefills: the torch backend (prefill is compute-bound and runs once
+        per token; a Triton MLA prefill kernel is not written yet)."""
+        if len(meta.query_lens_host) == query.shape[0]:
+            return self._mla_decode(
+                _unit_last_stride(query), cache, _index_tensor(meta.seq_lens, torch.int32),
+                _index_tensor(meta.block_tables, torch.int32), scale, value_dim)
+        return self._torch.attend_latent(query, cache, meta, scale, value_dim)
 
     def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None, sinks=None):
         # query: [num_tokens, num_heads, head_dim] -> same shape. sliding_window,

@@ -9,6 +9,8 @@ vocabulary rows each rank holds (Megatron-style):
                         padding logits are cut off before sampling
   experts               each expert's gate/up rows and down columns, like a
                         dense MLP (the router is replicated)
+  MLA (DeepSeek-V3)     heads split (q_b, kv_b rows, o columns); the latent
+                        projection, its norm and the latent cache replicated
   norms (incl. q/k)     replicated
 
 With fewer KV heads than ranks, each KV head is replicated on the ranks
@@ -30,7 +32,7 @@ def size_problems(cfg: ModelConfig, size: int) -> list[str]:
     problems = []
     if cfg.num_heads % size:
         problems.append(f"{cfg.num_heads} attention heads")
-    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+    if cfg.mla is None and cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         problems.append(f"{cfg.num_kv_heads} KV heads (the size must divide them, or be a multiple to replicate them)")
     dense_layers = cfg.moe is None or not all(cfg.moe.sparse_layers)
     if dense_layers and cfg.intermediate_size % size:

@@ -169,3 +169,17 @@ def fused_moe(
                 y = y + b2[e].float()
             out[t] += weights[t, j].float() * y
     return out.to(x.dtype)
+
+
+def mla_decode(
+    query: torch.Tensor,  # [num_reqs, num_heads, latent_dim]
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, latent_dim]
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    scale: float,
+    value_dim: int,
+) -> torch.Tensor:  # [num_reqs, num_heads, value_dim]
+    """MLA decode (one token per request): attention over the latent cache as one
+    shared KV head, each latent the key and its first value_dim values the value."""
+    cu = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    return paged_attention(query, cache, cache, cu, seq_lens, block_tables, scale)[..., :value_dim]

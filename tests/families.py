@@ -127,6 +127,17 @@ CASES = {
         bias_scale=1.0, seed=1,
         features=("attention sinks", "q/k/v/o biases", "alternating window", "YaRN RoPE", "router bias",
                   "expert biases", "clamped SwiGLU")),
+    "deepseek-v3": FamilyCase(
+        "deepseek-v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+        dict(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+             norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+             qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True,
+             rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                              "original_max_position_embeddings": 64, "rope_theta": 10000.0}),
+        features=("MLA with a latent KV cache", "rope_interleave", "YaRN with mscale", "sigmoid routing with "
+                  "correction bias", "group-limited top-k", "routed_scaling_factor", "shared expert",
+                  "first_k_dense_replace")),
 }
 
 

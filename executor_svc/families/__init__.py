@@ -17,7 +17,7 @@ import torch
 
 from executor_svc.checkpoint import LazyTensor
 from executor_svc.families import (
-    gemma2, gemma3, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
+    deepseek_v3, gemma2, gemma3, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe,
 )
 from executor_svc.families.base import Family
 from executor_svc.model import CausalLM
@@ -27,7 +27,7 @@ from executor_svc.sharding import Shard
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma2.FAMILY, gemma3.FAMILY, phi3.FAMILY,
-    mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, gpt_oss.FAMILY,
+    mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, gpt_oss.FAMILY, deepseek_v3.FAMILY,
 )
 
 REFUSED_ARCHITECTURES = {

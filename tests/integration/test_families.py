@@ -33,7 +33,7 @@ from tests.families import CASES, hf_greedy, make_checkpoint, prompts
 from tests.integration.conftest import start_services
 
 SERVED = ["llama3", "llama3-t4", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-mm", "phi3",
-          "mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss"]
+          "mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss", "deepseek-v3"]
 MIN_MARGIN = 1e-3  # fp32 differences from HF are ~1e-5 in these logits
 MAX_NEW = 32
 ALONE = prompts(2, min_len=5, max_len=30, seed=3)

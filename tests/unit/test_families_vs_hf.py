@@ -111,6 +111,10 @@ def _moe(**changes):
     return lambda c: dataclasses.replace(c, moe=dataclasses.replace(c.moe, **changes))
 
 
+def _mla(**changes):
+    return lambda c: dataclasses.replace(c, mla=dataclasses.replace(c.mla, **changes))
+
+
 def _no_attention_factor(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, rope={t: dataclasses.replace(s, attention_factor=1.0) for t, s in cfg.rope.items()})
 
@@ -149,6 +153,13 @@ WITHOUT = {
     ("gpt-oss", "SwiGLU clamp"): (_moe(swiglu_limit=float("inf")), ()),
     ("gpt-oss", "YaRN attention factor"): (_no_attention_factor, ()),
     ("gpt-oss", "sliding window"): (_no_window, ()),
+    ("deepseek-v3", "correction bias"): (_moe(correction_bias=False), ("e_score_correction_bias",)),
+    ("deepseek-v3", "group-limited routing"): (_moe(n_group=1, topk_group=1), ()),
+    ("deepseek-v3", "norm_topk_prob"): (_moe(norm_topk_prob=False), ()),
+    ("deepseek-v3", "routed_scaling_factor"): (_moe(routed_scaling_factor=1.0), ()),
+    ("deepseek-v3", "shared expert"): (_moe(shared_intermediate_size=0), ("shared_experts",)),
+    ("deepseek-v3", "rope_interleave"): (_mla(rope_interleave=False), ()),
+    ("deepseek-v3", "YaRN mscale in the softmax scale"): (_mla(softmax_scale=(16 + 8) ** -0.5), ()),
 }
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +36,7 @@ from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from llmsched.llguidance_tokenizer import make_tokenizer
 from scheduler_svc.structured_output import ConstraintCompiler
+from scheduler_svc.tenants import parse_weights
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,11 @@ class Engine:
         self.stalled = False
         self._watchdog: asyncio.Task | None = None
         self.step_time = StepTimeEstimator()
+        # SCHEDULER_POLICY=fair's tenant weights; a bad value stops the start.
+        self.tenant_weights = parse_weights(settings.tenant_weights)
+        telemetry.TenantLabels.limit = settings.max_tenant_labels
+        # Per tenant, the (prompt, output) tokens served already published.
+        self._tenants_published: dict[str, tuple[int, int]] = {}
         self._admission = AdmissionLimits(
             settings.max_queued_requests, settings.max_queued_tokens, settings.max_queue_delay_ms,
             token_budget=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
@@ -194,6 +200,9 @@ class Engine:
                     max_prefill_chunk=self.settings.max_prefill_chunk,
                     policy=self.settings.policy,
                     enable_prefix_caching=self.settings.enable_prefix_caching,
+                    prompt_token_weight=self.settings.prompt_token_weight,
+                    output_token_weight=self.settings.output_token_weight,
+                    tenant_weights=tuple(self.tenant_weights.items()),
                 )
             )
             self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
@@ -238,10 +247,14 @@ class Engine:
         if reason:
             raise ValueError(reason)
         pending_tokens = sum(r.num_tokens for r in self._pending_adds)
-        if sched.config.policy == "priority":
-            ahead = sched.waiting.tokens_ahead_of((request.priority, sched.next_arrival_seq))
-        else:
-            ahead = sched.waiting.num_tokens
+        ahead = sched.waiting.tokens_ahead_for(request)
+        per_tenant = self.settings.max_queued_requests_per_tenant
+        if per_tenant:
+            queued = sched.waiting.num_waiting_of(request.tenant) + sum(
+                1 for r in self._pending_adds if r.tenant == request.tenant)
+            if queued + 1 > per_tenant:
+                raise Overloaded(f"tenant {request.tenant!r} has {queued} requests waiting, its limit "
+                                 "(SCHEDULER_MAX_QUEUED_REQUESTS_PER_TENANT)", 1000)
         check_admission(
             self._admission,
             self.step_time,
@@ -252,7 +265,7 @@ class Engine:
         )
         stream = RequestStream(
             state=RequestOutputState(request, self.tokenizer),
-            telemetry=telemetry.RequestTelemetry(span, self.tracing.enabled),
+            telemetry=telemetry.RequestTelemetry(span, self.tracing.enabled, request.tenant),
             owner=owner,
         )
         stream.telemetry.on_queued(request.num_prompt_tokens)
@@ -443,6 +456,8 @@ class Engine:
             tokens_held=sum(min(r.num_computed_tokens, r.num_tokens) for r in sched.running),
             slots_allocated=block_size * sum(len(tables[r.request_id]) for r in sched.running),
         )
+        telemetry.record_tenants(sched.policy.served, self._tenants_published, sched.waiting.waiting_by_tenant(),
+                                 Counter(r.tenant for r in sched.running), sched.policy.counters)
         if self.tracing.enabled:
             entries = out.entries.values()
             decode = sum(1 for e in entries if e.num_tokens == 1 and e.start >= e.request.num_prompt_tokens)

@@ -64,10 +64,15 @@ class RunResult:
 def to_proto(req: BenchRequest, request_id: str) -> spb.GenerateRequest:
     # Greedy and ignore_eos: every engine then produces exactly max_tokens
     # tokens, the same ones, so throughput compares equal work.
+    # A constrained request's EOS waits until its grammar allows nothing
+    # else (see GenerateRequest.structured), so it too runs to max_tokens.
     sampling = spb.SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+    msg = spb.GenerateRequest(request_id=request_id, sampling=sampling, structured=req.structured)
     if req.prompt_token_ids is not None:
-        return spb.GenerateRequest(request_id=request_id, prompt_token_ids=req.prompt_token_ids, sampling=sampling)
-    return spb.GenerateRequest(request_id=request_id, prompt=req.prompt_text, sampling=sampling)
+        msg.prompt_token_ids.extend(req.prompt_token_ids)
+    else:
+        msg.prompt = req.prompt_text
+    return msg
 
 
 async def _one(stub: spb_grpc.SchedulerStub, req: BenchRequest, res: RequestResult, t0: float,

@@ -40,6 +40,8 @@ class BenchRequest:
     prompt_token_ids: list[int] | None = None
     prompt_text: str | None = None
     arrival_s: float = 0.0
+    # A constraint on the output (GenerateRequest.structured); None = free.
+    structured: object | None = None
 
     @property
     def prompt_len(self) -> int | None:

@@ -30,6 +30,8 @@ def step_from_proto(plan: pb.StepPlan) -> StepInput:
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 sampling=sampling_from_proto(r.sampling),
                 num_output_tokens=r.num_output_tokens,
+                grammar=r.constraint.grammar if r.HasField("constraint") else None,
+                ignore_eos=r.constraint.ignore_eos,
             )
             for r in plan.new_requests
         ],
@@ -53,4 +55,6 @@ def result_to_proto(out: StepOutput) -> pb.StepResult:
     if out.logprobs is not None:
         for lp, top_ids, top_lps in out.logprobs:
             result.logprobs.add(logprob=lp, top_token_ids=top_ids, top_logprobs=top_lps)
+    for handle, message in out.request_errors:
+        result.request_errors.add(handle=handle, message=message)
     return result

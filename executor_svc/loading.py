@@ -13,6 +13,7 @@ import torch
 from executor_svc.attention import make_backend
 from executor_svc.checkpoint import Checkpoint, load_checkpoint
 from executor_svc.config import ExecutorSettings
+from executor_svc.constraints import ConstraintMatchers
 from executor_svc.kv_cache import KVCachePool, pool_num_blocks
 from executor_svc.families import build_model, read_config
 from executor_svc.model_config import ModelConfig
@@ -104,7 +105,11 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     if backend.name == "triton" and use_triton_moe(model):
         log.info("mixture-of-experts layers run the triton fused-MoE kernel (kernels/fused_moe.py)")
     cuda_graphs = use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
-    runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp)
+    # Rank 0 alone samples, so it alone keeps constraint matchers.
+    constraints = None if tp and tp.rank != 0 else ConstraintMatchers(ckpt.tokenizer_json, cfg.vocab_size,
+                                                                       list(cfg.eos_token_ids))
+    runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp,
+                       constraints=constraints)
     try:
         runner = ModelRunner(model, pool, backend, device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
                              **runner_args)

@@ -19,6 +19,7 @@ import torch
 from executor_svc.attention import AttentionBackend, AttentionMetadata
 from executor_svc.compiled_decode import STEPS as COMPILED_STEPS
 from executor_svc.compiled_decode import CompiledDecode
+from executor_svc.constraints import ConstraintMatchers, MaskJob
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.host_memory import retain_freed_memory, to_device
 from executor_svc.kv_cache import KVCachePool
@@ -38,6 +39,10 @@ class NewRequestData:
     num_scheduled_tokens: int
     sampling: SamplingSettings
     num_output_tokens: int
+    # The llguidance grammar of a constrained request, and whether EOS
+    # waits until it is the only token left (NewRequest.constraint).
+    grammar: str | None = None
+    ignore_eos: bool = False
 
 
 @dataclass(slots=True)
@@ -60,13 +65,18 @@ class StepOutput:
     prepare_ns: int
     forward_ns: int
     sample_ns: int
+    # (handle, why) for requests whose constraint failed this step.
+    request_errors: list[tuple[int, str]] = field(default_factory=list)
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
                  fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False,
-                 torch_compile: bool = False, tp=None):
+                 torch_compile: bool = False, tp=None, constraints: ConstraintMatchers | None = None):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
+        # Constraint matchers of constrained requests (constraints.py); None
+        # on ranks other than 0, which do not sample.
+        self.constraints = constraints
         # tensor_parallel.TPGroup or None. Every rank runs execute() on the
         # same plans; rank 0 alone samples and shares the ids.
         self.tp = tp
@@ -87,18 +97,28 @@ class ModelRunner:
     def reset(self) -> None:
         """Forgets every request, e.g. when a new scheduler connects."""
         self.rows.reset()
+        if self.constraints is not None:
+            self.constraints.reset()
 
     def _apply_diffs(self, step: StepInput) -> tuple[np.ndarray, np.ndarray]:
         """Updates the rows; returns the scheduled rows and their token counts."""
-        rows = self.rows
+        rows, constraints = self.rows, self.constraints
         for h in step.finished_handles:
             rows.finish(h)
+            if constraints is not None:
+                constraints.remove(h)
         scheduled: list[int] = []
         counts: list[int] = []
         written: list[np.ndarray] = []
         for new in step.new_requests:
             row, flat = rows.add(new.handle, new.token_ids, new.block_ids, new.num_computed_tokens, new.sampling,
                                  new.num_output_tokens)
+            if constraints is not None:
+                if new.grammar is None:
+                    constraints.remove(new.handle)
+                else:
+                    outputs = new.token_ids[len(new.token_ids) - new.num_output_tokens:] if new.num_output_tokens else []
+                    constraints.add(new.handle, new.grammar, new.ignore_eos, outputs)
             scheduled.append(row)
             counts.append(new.num_scheduled_tokens)
             written.append(flat)
@@ -161,6 +181,11 @@ class ModelRunner:
         samples = end == r.num_tokens[rows]  # prompt fully computed: this row samples
         sample_rows = rows[samples]
         sample_tokens = cu[1:][samples] - 1  # index of each sampling row's last token
+        # Constrained rows' masks are computed on a worker thread while the
+        # forward runs (constraints.py).
+        masks = None
+        if self.constraints is not None and len(sample_rows):
+            masks = self.constraints.begin(r.handle[sample_rows].tolist())
 
         max_blocks = int(-(-end.max() // block_size))
         first = int(rows[0])
@@ -200,18 +225,19 @@ class ModelRunner:
         handles: list[int] = []
         tokens: list[int] = []
         logprobs = None
+        errors: list[tuple[int, str]] = []
         if len(sample_rows):
+            handles = r.handle[sample_rows].tolist()
             if self.tp is not None and self.tp.rank != 0:
                 tokens = self.tp.share_tokens(None, len(sample_rows))
             else:
-                tokens, logprobs = self._sample(logits, sample_rows)
+                tokens, logprobs, errors = self._sample(logits, sample_rows, handles, masks)
             n_known = r.num_tokens[sample_rows]
             r.token_ids[sample_rows, n_known] = tokens
             r.num_tokens[sample_rows] = n_known + 1
             r.num_output[sample_rows] += 1
-            handles = r.handle[sample_rows].tolist()
         t3 = time.perf_counter_ns()
-        return StepOutput(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2)
+        return StepOutput(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2, errors)
 
     def _run_compiled(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Logits from the compiled decode graph; None (and eager from now on)
@@ -225,18 +251,27 @@ class ModelRunner:
         COMPILED_STEPS.inc()
         return logits
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray) -> tuple[list[int], list | None]:
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, handles: list[int],
+                masks: MaskJob | None) -> tuple[list[int], list | None, list[tuple[int, str]]]:
         r = self.rows
+        errors: list[tuple[int, str]] = []
         try:
             batch = SamplingBatch.from_arrays(
                 r.temperature[rows], r.top_p[rows], r.top_k[rows], r.seed[rows], r.seeded[rows], r.num_output[rows],
                 r.num_logprobs[rows], self.device, self.vocab_size,
             )
-            out = sample(logits, batch)
+            if masks is None:
+                out = sample(logits, batch)
+            else:
+                # Sampled from the masked logits; logprobs stay the model's own.
+                wants_logprobs = bool(r.num_logprobs[rows].any())
+                masked, errors = self.constraints.apply(masks, logits, in_place=not wants_logprobs)
+                out = sample(masked, batch, logprob_logits=logits if wants_logprobs else None)
+                errors = errors + self.constraints.advance(handles, out.token_ids)
         except Exception:
             if self.tp is not None:
                 self.tp.share_tokens(None, len(rows))  # the other ranks fail this step too
             raise
         if self.tp is not None:
             self.tp.share_tokens(out.token_ids, len(rows))
-        return out.token_ids, out.logprobs
+        return out.token_ids, out.logprobs, errors

@@ -236,10 +236,12 @@ def _apply_top_k(scaled: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> t
     return scaled.masked_fill(active & (scaled < kth), float("-inf"))
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
+def sample(logits: torch.Tensor, b: SamplingBatch, logprob_logits: torch.Tensor | None = None) -> SampleOutput:
     """logits: [n, vocab] float32, one row per sampled request. Copies to
     the host once (twice in the rare step where a CUDA row is still drawing
-    after the sync-free rounds)."""
+    after the sync-free rounds). Logprobs are taken from logprob_logits
+    when given (the model's logits before a constraint's mask), else from
+    logits."""
     done = None
     if b.all_greedy:
         tokens = _argmax(logits)  # [n]
@@ -258,7 +260,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
     if done is None and max_lp <= 0:
         return SampleOutput(token_ids=tokens.tolist(), logprobs=None)
     while True:
-        host = _to_host(logits, tokens, done, max_lp)
+        host = _to_host(logits if logprob_logits is None else logprob_logits, tokens, done, max_lp)
         if done is None or all(row[1] for row in host):
             break
         pending = np.array([i for i, row in enumerate(host) if not row[1]], dtype=np.int64)

@@ -20,20 +20,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from gateway_svc import chat_template, metrics
+from gateway_svc import chat_template, metrics, structured, tools
 from gateway_svc.config import GatewaySettings
 from gateway_svc.errors import error_body, error_response, from_rpc_error
+from gateway_svc.openai_format import ChatFormat, CompletionFormat, Sample, usage
 from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError, param_of
+from gateway_svc.reasoning import PARSERS as REASONING_PARSERS
 from gateway_svc.scheduler_client import ModelInfo, SchedulerClient
+from gateway_svc.structured import Constraint
 from llmsched.v1 import scheduler_pb2 as spb
 
 log = logging.getLogger("gateway_svc")
-FINISH_REASONS = {
-    spb.FINISH_REASON_STOP: "stop",
-    spb.FINISH_REASON_LENGTH: "length",
-    # Aborted by the server (shutdown, a lost executor); vLLM's name for it.
-    spb.FINISH_REASON_ABORT: "abort",
-}
 # OpenAI's chat default is "until the context ends", which needs the prompt
 # length the gateway does not know before the scheduler tokenizes; this is
 # the budget when a chat request sets neither max_tokens field.
@@ -42,41 +39,24 @@ SEED_MODULUS = 2**64
 
 
 @dataclass(slots=True)
-class Sample:
-    """One Generate call: choice `index`, sample `sub` of its prompt."""
-
-    index: int
-    sub: int
-    call: object
-    text: str = ""
-    logprobs: list = field(default_factory=list)  # of spb.TokenLogprobs
-    finish_reason: str | None = None
-    usage: spb.Usage | None = None
-
-    def add(self, resp: spb.GenerateResponse) -> None:
-        self.text += resp.text
-        self.logprobs.extend(resp.logprobs)
-        if resp.finish_reason:
-            self.finish_reason = FINISH_REASONS[resp.finish_reason]
-        if resp.HasField("usage"):
-            self.usage = resp.usage
-
-
-@dataclass(slots=True)
 class Job:
-    """One HTTP request fanned out into Generate calls."""
+    """One HTTP request fanned out into Generate calls, answered in one
+    endpoint's format."""
 
     id: str
     created: int
     model: str
-    chat: bool
-    samples: list[Sample]
-    num_logprobs: int | None  # top alternatives shown; None = no logprobs
+    fmt: CompletionFormat | ChatFormat
     include_usage: bool
+    constraint: Constraint | None = None
+    samples: list[Sample] = field(default_factory=list)
 
     def cancel(self) -> None:
         for s in self.samples:
             s.call.cancel()
+
+    def rpc_error(self, exc: grpc.aio.AioRpcError) -> RequestError:
+        return from_rpc_error(exc, self.fmt.fields, self.constraint)
 
 
 def _auth_metadata(request: Request) -> tuple:
@@ -126,35 +106,6 @@ def _sampling(body, max_tokens: int, num_logprobs: int | None, sub: int) -> spb.
     return s
 
 
-def _completion_logprobs(entries, k: int, offset: int) -> dict:
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for e in entries:
-        tokens.append(e.token)
-        token_lps.append(e.logprob)
-        tops.append(dict(zip(e.top_tokens[:k], e.top_logprobs[:k])))
-        offsets.append(offset)
-        offset += len(e.token)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _chat_logprobs(entries, k: int) -> dict:
-    return {"content": [
-        {"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode()),
-         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                          for t, lp in zip(e.top_tokens[:k], e.top_logprobs[:k])]}
-        for e in entries
-    ]}
-
-
-def _usage(samples: list[Sample]) -> dict:
-    # A prompt counts once however many samples it had, as vLLM counts it.
-    firsts = [s.usage for s in samples if s.sub == 0 and s.usage is not None]
-    prompt = sum(u.prompt_tokens for u in firsts)
-    completion = sum(s.usage.completion_tokens for s in samples if s.usage is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens for u in firsts)}}
-
-
 class Gateway:
     def __init__(self, settings: GatewaySettings, client: SchedulerClient):
         self.settings = settings
@@ -166,67 +117,87 @@ class Gateway:
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
-    def _check_n(self, body) -> None:
+    async def _prepare(self, request: Request, model: type[BaseModel]):
+        """What both endpoints do first: the body parsed and checked, the
+        model facts, the caller's metadata."""
+        body = await _parse(request, model)
         if body.n > self.settings.max_n:
             raise RequestError("n", f"n={body.n} exceeds the most this server allows ({self.settings.max_n})")
+        constraint = structured.from_request(body)
+        metadata = _auth_metadata(request)
+        info = await self._info(metadata)
+        _check_model(body.model, info)
+        return body, constraint, metadata, info
 
     async def _start(self, job: Job, requests: list[tuple[int, spb.GenerateRequest]], metadata) -> list:
         """Starts every call and waits for each one's first response, so that
         a refusal (400, 429, 503) is still an HTTP status, not a stream."""
         job.samples = [Sample(i, sub, self.client.generate(r, metadata)) for i, (sub, r) in enumerate(requests)]
+        for sample in job.samples:
+            job.fmt.start(sample)
         try:
-            return await asyncio.gather(*(s.call.read() for s in job.samples))
+            firsts = await asyncio.gather(*(s.call.read() for s in job.samples))
         except grpc.aio.AioRpcError as exc:
             job.cancel()
-            raise from_rpc_error(exc, job.chat) from None
+            raise job.rpc_error(exc) from None
         except BaseException:
             job.cancel()
             raise
+        if job.constraint is not None:
+            metrics.CONSTRAINED_REQUESTS.labels(job.constraint.kind).inc()
+        return firsts
 
     async def completions(self, request: Request) -> Response:
-        body: CompletionRequest = await _parse(request, CompletionRequest)
-        self._check_n(body)
-        metadata = _auth_metadata(request)
-        info = await self._info(metadata)
-        _check_model(body.model, info)
+        body, constraint, metadata, info = await self._prepare(request, CompletionRequest)
         requests = []
         for prompt in body.prompts():
             for sub in range(body.n):
                 r = spb.GenerateRequest(sampling=_sampling(body, body.max_tokens, body.logprobs, sub),
-                                        priority=body.priority)
+                                        priority=body.priority, cache_salt=body.cache_salt)
                 if isinstance(prompt, str):
                     r.prompt = prompt
                 else:
                     r.prompt_token_ids.extend(prompt)
+                if constraint is not None:
+                    r.structured.CopyFrom(constraint.structured)
                 requests.append((sub, r))
-        job = Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), info.model, False, [], body.logprobs,
-                  bool(body.stream_options and body.stream_options.include_usage))
+        job = Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), info.model, CompletionFormat(body.logprobs),
+                  bool(body.stream_options and body.stream_options.include_usage), constraint)
         return await self._respond(request, job, requests, body.stream, metadata)
 
     async def chat(self, request: Request) -> Response:
-        body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-        self._check_n(body)
+        body, constraint, metadata, info = await self._prepare(request, ChatCompletionRequest)
         if body.top_logprobs and not body.logprobs:
             raise RequestError("top_logprobs", "top_logprobs needs logprobs=true")
-        metadata = _auth_metadata(request)
-        info = await self._info(metadata)
-        _check_model(body.model, info)
+        plan = tools.plan(body, self.settings.tool_call_parser)
+        if plan.constraint is not None:
+            if constraint is not None:
+                raise RequestError(constraint.param, f"{constraint.param}: a forced tool_choice is a constraint "
+                                                     "of its own; use one or the other")
+            constraint = plan.constraint
         if not info.chat_template:
             raise RequestError("messages", f"the model {info.model!r} has no chat template; use /v1/completions")
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         try:
+            tools.check_template(chat_template.names_read(info.chat_template), plan, messages)
             prompt = chat_template.render(info.chat_template, messages, bos_token=info.bos_token,
-                                          eos_token=info.eos_token)
+                                          eos_token=info.eos_token, tools=plan.tools)
         except chat_template.TemplateError as exc:
             raise RequestError("messages", str(exc)) from None
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.resolved_max_tokens() or DEFAULT_CHAT_MAX_TOKENS
         # The rendered template already spells out BOS and friends.
         requests = [(sub, spb.GenerateRequest(prompt=prompt, add_special_tokens=False, priority=body.priority,
-                                              sampling=_sampling(body, max_tokens, num_logprobs, sub)))
+                                              cache_salt=body.cache_salt,
+                                              sampling=_sampling(body, max_tokens, num_logprobs, sub),
+                                              structured=constraint.structured if constraint else None))
                     for sub in range(body.n)]
-        job = Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), info.model, True, [], num_logprobs,
-                  bool(body.stream_options and body.stream_options.include_usage))
+        # A constraint covers the whole output, so there is no thought to
+        # split off it.
+        reasoning = REASONING_PARSERS.get(self.settings.reasoning_parser) if constraint is None else None
+        fmt = ChatFormat(num_logprobs, plan.parser, reasoning, plan.parallel, self.settings.tool_call_parser)
+        job = Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), info.model, fmt,
+                  bool(body.stream_options and body.stream_options.include_usage), constraint)
         return await self._respond(request, job, requests, body.stream, metadata)
 
     async def _respond(self, request: Request, job: Job, requests, stream: bool, metadata) -> Response:
@@ -250,63 +221,33 @@ class Gateway:
             await asyncio.gather(*(read_all(s, f) for s, f in zip(job.samples, firsts)))
         except grpc.aio.AioRpcError as exc:
             job.cancel()
-            raise from_rpc_error(exc, job.chat) from None
-        choices = []
-        for s in job.samples:
-            k = job.num_logprobs
-            if job.chat:
-                choices.append({"index": s.index, "message": {"role": "assistant", "content": s.text},
-                                "logprobs": _chat_logprobs(s.logprobs, k) if k is not None else None,
-                                "finish_reason": s.finish_reason})
-            else:
-                choices.append({"index": s.index, "text": s.text,
-                                "logprobs": _completion_logprobs(s.logprobs, k, 0) if k is not None else None,
-                                "finish_reason": s.finish_reason})
-        return {"id": job.id, "object": "chat.completion" if job.chat else "text_completion",
-                "created": job.created, "model": job.model, "choices": choices, "usage": _usage(job.samples)}
+            raise job.rpc_error(exc) from None
+        return {"id": job.id, "object": job.fmt.object, "created": job.created, "model": job.model,
+                "choices": [job.fmt.choice(s) for s in job.samples], "usage": usage(job.samples)}
 
-    def _chunk(self, job: Job, choice: dict) -> str:
-        obj = {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
-               "created": job.created, "model": job.model, "choices": [choice]}
+    def _chunk(self, job: Job, choices: list[dict], **extra) -> str:
+        obj = {"id": job.id, "object": job.fmt.chunk_object, "created": job.created, "model": job.model,
+               "choices": choices, **extra}
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-    def _delta_chunk(self, job: Job, sample: Sample, resp: spb.GenerateResponse) -> str | None:
-        finish = FINISH_REASONS.get(resp.finish_reason) if resp.finish_reason else None
-        if not (resp.text or resp.logprobs or finish):
-            return None  # bytes of an incomplete character, held back
-        k = job.num_logprobs
-        if job.chat:
-            logprobs = _chat_logprobs(resp.logprobs, k) if k is not None else None
-            delta = {"content": resp.text} if resp.text else {}
-            return self._chunk(job, {"index": sample.index, "delta": delta, "logprobs": logprobs,
-                                     "finish_reason": finish})
-        offset = len(sample.text) - len(resp.text)
-        logprobs = _completion_logprobs(resp.logprobs, k, offset) if k is not None else None
-        return self._chunk(job, {"index": sample.index, "text": resp.text, "logprobs": logprobs,
-                                 "finish_reason": finish})
 
     async def _stream(self, job: Job, firsts: list) -> AsyncIterator[str]:
         try:
-            if job.chat:
-                for s in job.samples:
-                    yield self._chunk(job, {"index": s.index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None})
+            for s in job.samples:
+                for choice in job.fmt.opening_choices(s):
+                    yield self._chunk(job, [choice])
             failed = False
             async with aclosing(_responses(job, firsts)) as responses:
                 async for sample, item in responses:
                     if isinstance(item, grpc.aio.AioRpcError):
-                        err = from_rpc_error(item, job.chat)
+                        err = job.rpc_error(item)
                         yield f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
                         failed = True
                         break
                     sample.add(item)
-                    chunk = self._delta_chunk(job, sample, item)
-                    if chunk:
-                        yield chunk
+                    for choice in job.fmt.delta_choices(sample, item):
+                        yield self._chunk(job, [choice])
             if job.include_usage and not failed:
-                obj = {"id": job.id, "object": "chat.completion.chunk" if job.chat else "text_completion",
-                       "created": job.created, "model": job.model, "choices": [], "usage": _usage(job.samples)}
-                yield f"data: {json.dumps(obj)}\n\n"
+                yield self._chunk(job, [], usage=usage(job.samples))
             yield "data: [DONE]\n\n"
         finally:
             # Normal end, an error, or the client went away: the calls still

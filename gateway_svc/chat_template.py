@@ -83,11 +83,15 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
-@functools.lru_cache(maxsize=8)
-def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+def _environment() -> ImmutableSandboxedEnvironment:
+    return ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
+
+
+@functools.lru_cache(maxsize=8)
+def compile_template(source: str) -> jinja2.Template:
+    env = _environment()
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -99,16 +103,33 @@ def compile_template(source: str) -> jinja2.Template:
         raise TemplateError(f"the model's chat template does not compile: {exc}") from exc
 
 
+@functools.lru_cache(maxsize=8)
+def names_read(source: str) -> frozenset[str]:
+    """Every variable, attribute and constant key the template reads
+    (`tools`, `message.tool_calls`, `message['content']`, ...): enough to
+    tell that a template never renders something it is given."""
+    try:
+        ast = _environment().parse(source)
+    except jinja2.TemplateError as exc:
+        raise TemplateError(f"the model's chat template does not compile: {exc}") from exc
+    names = {n.name for n in ast.find_all(jinja2.nodes.Name)}
+    names |= {n.attr for n in ast.find_all(jinja2.nodes.Getattr)}
+    names |= {n.arg.value for n in ast.find_all(jinja2.nodes.Getitem)
+              if isinstance(n.arg, jinja2.nodes.Const) and isinstance(n.arg.value, str)}
+    return frozenset(names)
+
+
 def render(source: str, messages: list[dict], *, bos_token: str, eos_token: str,
-           add_generation_prompt: bool = True) -> str:
+           add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     """The prompt text; tokenize it without adding special tokens, as
-    apply_chat_template(tokenize=True) does."""
+    apply_chat_template(tokenize=True) does. `tools` are OpenAI tool
+    objects, passed to the template as transformers passes them."""
     # transformers drops keys whose value is None: templates test presence.
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     variables = {"bos_token": bos_token, "eos_token": eos_token}
     try:
         return compile_template(source).render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            messages=messages, tools=tools or None, documents=None, add_generation_prompt=add_generation_prompt,
             **{k: v for k, v in variables.items() if v},
         )
     except jinja2.TemplateError as exc:

@@ -6,6 +6,8 @@ fails when it is stale."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -36,4 +38,14 @@ class GatewaySettings(BaseSettings):
     max_message_bytes: int = Field(
         default=4 * 1024 * 1024, ge=1024, description="Largest gRPC message sent to or accepted from the "
         "scheduler, in bytes; match `SCHEDULER_MAX_MESSAGE_BYTES`.")
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] = Field(
+        default="hermes", description="Tool-call format of the served model: how calls are read from its output "
+        "under `tool_choice: auto`, and the format a grammar enforces under `required` or a named function. "
+        "`hermes`: `<tool_call>{...}</tool_call>` (Qwen2.5, Qwen3, Hermes and the built-in models' ChatML); "
+        "`llama3_json`: Llama 3.x JSON calls; `mistral`: `[TOOL_CALLS]`.")
+    reasoning_parser: Literal["", "qwen3", "deepseek_r1"] = Field(
+        default="", description="Returns a reasoning model's thinking (`<think>`...`</think>`) as "
+        "`reasoning_content` on chat responses. `qwen3`: only an output that opens with `<think>` thinks; "
+        "`deepseek_r1`: the output starts inside the thought (the template opened it), up to `</think>`. "
+        "Empty = off: the text is returned as the model wrote it.")
     log_level: str = Field(default="INFO", description="Python log level.")

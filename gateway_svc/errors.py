@@ -4,6 +4,7 @@ HTTP statuses."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import grpc
 from fastapi.responses import JSONResponse
@@ -26,29 +27,35 @@ def error_response(err: RequestError) -> JSONResponse:
                         headers=headers)
 
 
-def _param_of(message: str, chat: bool) -> str | None:
+def _param_of(message: str, fields: Mapping[str, str | None]) -> str | None:
     """`sampling.stop[0]: empty stop string` -> `stop`."""
     field, sep, _ = message.partition(": ")
     if not sep or " " in field:
         return None
     field = field.removeprefix("sampling.").split("[", 1)[0]
-    if field == "logprobs" and chat:
-        return "top_logprobs"
-    if field == "prompt" and chat:
-        return "messages"
+    if field in fields:
+        return fields[field]
     return _FIELD_NAMES.get(field, field)
 
 
-def from_rpc_error(exc: grpc.aio.AioRpcError, chat: bool = False) -> RequestError:
+def from_rpc_error(exc: grpc.aio.AioRpcError, fields: Mapping[str, str | None] | None = None,
+                   constraint=None) -> RequestError:
+    """`fields` renames GenerateRequest fields to the endpoint's own
+    (chat: `prompt` -> `messages`); a refused `structured.*` names the
+    request field the constraint came from (`constraint.param_for`)."""
     code, message = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return RequestError(_param_of(message, chat), message)
+        field, sep, detail = message.partition(": ")
+        if constraint is not None and sep and field.split(".", 1)[0] == "structured":
+            param = constraint.param_for(detail)
+            return RequestError(param, f"{param}: {detail}")
+        return RequestError(_param_of(message, fields or {}), message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         trailers = dict(exc.trailing_metadata() or ())
         retry_ms = trailers.get("retry-after-ms")
         if retry_ms is None:
             # gRPC's own message-size limit: the request itself is too big.
-            return RequestError("prompt" if not chat else "messages", message, status=413)
+            return RequestError((fields or {}).get("prompt", "prompt"), message, status=413)
         # Retry-After is in whole seconds; round up so a client never comes back early.
         return RequestError(None, message, status=429, code="overloaded", type_="rate_limit_error",
                             retry_after_s=max(1, math.ceil(int(retry_ms) / 1000)))
@@ -57,6 +64,8 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, chat: bool = False) -> RequestErro
                             type_="service_unavailable_error")
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return RequestError(None, message, status=401, code="invalid_api_key", type_="authentication_error")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return RequestError(None, message, status=403, type_="permission_error")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return RequestError(None, message, status=504, type_="timeout_error")
     return RequestError(None, f"{code.name}: {message}", status=500, type_="internal_error")

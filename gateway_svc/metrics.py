@@ -18,6 +18,14 @@ LATENCY = Histogram("llmsched_gateway_request_duration_seconds",
                     "Time from request to the last byte of the response (the whole stream when streaming).",
                     ["endpoint"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
 IN_FLIGHT = Gauge("llmsched_gateway_requests_in_flight", "HTTP requests being answered.", ["endpoint"])
+# Counted once the scheduler has accepted the request (a refused constraint
+# is a 400, counted by REQUESTS).
+CONSTRAINED_REQUESTS = Counter(
+    "llmsched_gateway_constrained_requests_total",
+    "Requests sent with an output constraint, by kind: json_schema, json_object, regex, choice, grammar, "
+    "or tool_call (tool_choice required or a named function).", ["kind"])
+TOOL_CALLS = Counter("llmsched_gateway_tool_calls_total", "Tool calls read out of model outputs and returned, "
+                     "by tool-call parser.", ["parser"])
 
 
 def render() -> bytes:

@@ -10,7 +10,8 @@ otherwise, like every field we do not implement.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -54,10 +55,6 @@ _INERT_VALUES: dict[str, tuple] = {
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     # Added by sglang-router 0.3.2 at SGLang's defaults (seen on the wire).
     # skip_special_tokens=true is what our detokenizer does; the others are off.
@@ -73,6 +70,48 @@ _INERT_VALUES: dict[str, tuple] = {
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class _Strict(BaseModel):
+    # A nested object we read field by field: an unknown key is refused by
+    # name (e.g. `response_format.json_schema.foo`).
+    model_config = ConfigDict(extra="forbid")
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    # `schema` would shadow BaseModel.schema.
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    # Always enforced; accepted either way, as vLLM does.
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` body extra; one key at most."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class _Common(BaseModel):
@@ -95,6 +134,17 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
+    # Only requests with the same salt share prefix-cache blocks; checked by
+    # the scheduler (GenerateRequest.cache_salt).
+    cache_salt: str | None = None
+    # Constraints (gateway_svc/structured.py): OpenAI's response_format,
+    # and vLLM's structured_outputs and older guided_* extras.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_inert_fields(self) -> None:
         """Unknown fields and non-default values of unimplemented ones are
@@ -141,12 +191,25 @@ class CompletionRequest(_Common):
         return prompts
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+class ToolCallMessage(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a `tool` message: the call it answers
 
     def for_template(self, index: int) -> dict:
         if self.model_extra:
@@ -163,7 +226,23 @@ class ChatMessage(BaseModel):
                                        f"unsupported content part type {part.get('type')!r} (only 'text')")
                 texts.append(part["text"])
             content = "\n".join(texts)
-        return {"role": self.role, "content": content, "name": self.name}
+        message = {"role": self.role, "content": content, "name": self.name, "tool_call_id": self.tool_call_id}
+        if self.tool_calls:
+            message["tool_calls"] = [self._call_for_template(index, j, call) for j, call in enumerate(self.tool_calls)]
+        return message
+
+    @staticmethod
+    def _call_for_template(index: int, j: int, call: ToolCallMessage) -> dict:
+        # Templates write the arguments with `| tojson`, so they get the
+        # object, not OpenAI's JSON string (as vLLM passes them).
+        try:
+            arguments = json.loads(call.function.arguments)
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"messages[{index}].tool_calls[{j}].function.arguments",
+                               f"not valid JSON: {exc}") from None
+        if not isinstance(arguments, dict):
+            raise RequestError(f"messages[{index}].tool_calls[{j}].function.arguments", "must be a JSON object")
+        return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_Common):
@@ -171,6 +250,11 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1, lt=UINT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, lt=UINT32)
+    # Tool calling (gateway_svc/tools.py). tool_choice is checked there, so
+    # that each wrong shape gets its own message.
+    tools: list[Tool] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     def resolved_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

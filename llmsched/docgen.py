@@ -70,7 +70,7 @@ def _bounds(metadata: Iterable[object]) -> str:
 def type_label(field) -> str:
     annotation = field.annotation
     if typing.get_origin(annotation) is typing.Literal:
-        return "one of " + ", ".join(f"`{v}`" for v in typing.get_args(annotation))
+        return "one of " + ", ".join(f"`{v}`" if v != "" else "empty" for v in typing.get_args(annotation))
     label = getattr(annotation, "__name__", str(annotation))
     bounds = _bounds(field.metadata)
     return f"{label} ({bounds})" if bounds else label

@@ -14,6 +14,7 @@ from llmsched.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerSettings
 from scheduler_svc.engine import Engine
 from scheduler_svc.service import SchedulerService
+from scheduler_svc.tenants import ApiKeys
 
 log = logging.getLogger("scheduler_svc")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
@@ -38,7 +39,7 @@ async def serve(settings: SchedulerSettings) -> int:
     srv.start_metrics_server(settings.metrics_port, settings.host, "SCHEDULER_METRICS_PORT")
     engine = Engine(settings, tracing, on_serving_change)
     keys = load_api_keys(settings.api_keys, settings.api_keys_file)
-    service = SchedulerService(engine, tracing, api_keys_on=bool(keys))
+    service = SchedulerService(engine, tracing, api_keys=ApiKeys.parse(keys) if keys else None)
     server, port, health = srv.create_server(
         f"{settings.host}:{settings.port}",
         "SCHEDULER_PORT",

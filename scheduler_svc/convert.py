@@ -9,7 +9,7 @@ from llmsched.v1 import executor_pb2 as epb
 from llmsched.v1 import scheduler_pb2 as spb
 from scheduler_svc.output_processor import RequestDelta
 from scheduler_svc.plan import SchedulerOutput
-from scheduler_svc.request import RequestStatus, SamplingParams
+from scheduler_svc.request import Request, RequestStatus, SamplingParams
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: spb.FINISH_REASON_STOP,
@@ -50,9 +50,20 @@ def plan_to_proto(out: SchedulerOutput) -> epb.StepPlan:
                 num_scheduled_tokens=n.num_scheduled_tokens,
                 sampling=step_sampling(n.request.sampling),
                 num_output_tokens=n.num_output_tokens,
+                constraint=constraint_to_proto(n.request),
             )
         )
     return plan
+
+
+def constraint_to_proto(req: Request) -> epb.Constraint | None:
+    if req.constraint is None:
+        return None
+    return epb.Constraint(grammar=req.constraint.grammar, ignore_eos=req.sampling.ignore_eos)
+
+
+def request_errors_from_proto(result: epb.StepResult) -> list[tuple[int, str]]:
+    return [(e.handle, e.message) for e in result.request_errors]
 
 
 def sampled_from_proto(result: epb.StepResult) -> list[tuple[int, int, tuple | None]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,6 +34,9 @@ from scheduler_svc.output_processor import RequestDelta, RequestOutputState
 from scheduler_svc.plan import SampledToken, SchedulerOutput
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from llmsched.llguidance_tokenizer import make_tokenizer
+from scheduler_svc.structured_output import ConstraintCompiler
+from scheduler_svc.tenants import parse_weights
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,8 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.info: epb.HandshakeResponse | None = None
         self.tokenizer: Tokenizer | None = None
+        # Compiles `structured` constraints against the model's tokenizer.
+        self.constraints: ConstraintCompiler | None = None
         self.max_token_chars = 1
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds: list[Request] = []
@@ -113,6 +118,11 @@ class Engine:
         self.stalled = False
         self._watchdog: asyncio.Task | None = None
         self.step_time = StepTimeEstimator()
+        # SCHEDULER_POLICY=fair's tenant weights; a bad value stops the start.
+        self.tenant_weights = parse_weights(settings.tenant_weights)
+        telemetry.TenantLabels.limit = settings.max_tenant_labels
+        # Per tenant, the (prompt, output) tokens served already published.
+        self._tenants_published: dict[str, tuple[int, int]] = {}
         self._admission = AdmissionLimits(
             settings.max_queued_requests, settings.max_queued_tokens, settings.max_queue_delay_ms,
             token_budget=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
@@ -134,6 +144,8 @@ class Engine:
                 except asyncio.CancelledError:
                     pass
         await self.client.close()
+        if self.constraints is not None:
+            self.constraints.close()
 
     async def drain(self, timeout_s: float) -> None:
         """Graceful shutdown: refuse new requests, let live ones finish for
@@ -188,11 +200,21 @@ class Engine:
                     max_prefill_chunk=self.settings.max_prefill_chunk,
                     policy=self.settings.policy,
                     enable_prefix_caching=self.settings.enable_prefix_caching,
+                    prompt_token_weight=self.settings.prompt_token_weight,
+                    output_token_weight=self.settings.output_token_weight,
+                    tenant_weights=tuple(self.tenant_weights.items()),
                 )
             )
             self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
             # Bounds the characters a prompt of max_model_len tokens can have.
             self.max_token_chars = max(1, max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)))
+            if self.constraints is not None:
+                self.constraints.close()
+            # Building llguidance's tokenizer walks the whole vocabulary.
+            lltok = await asyncio.to_thread(make_tokenizer, info.tokenizer_json, info.vocab_size,
+                                            list(info.eos_token_ids))
+            self.constraints = ConstraintCompiler(lltok, self.settings.constraint_compile_timeout_s,
+                                                  self.settings.constraint_cache_size)
         self.info = info
         self.connected = True
         self._last_result_at = time.perf_counter()
@@ -225,10 +247,14 @@ class Engine:
         if reason:
             raise ValueError(reason)
         pending_tokens = sum(r.num_tokens for r in self._pending_adds)
-        if sched.config.policy == "priority":
-            ahead = sched.waiting.tokens_ahead_of((request.priority, sched.next_arrival_seq))
-        else:
-            ahead = sched.waiting.num_tokens
+        ahead = sched.waiting.tokens_ahead_for(request)
+        per_tenant = self.settings.max_queued_requests_per_tenant
+        if per_tenant:
+            queued = sched.waiting.num_waiting_of(request.tenant) + sum(
+                1 for r in self._pending_adds if r.tenant == request.tenant)
+            if queued + 1 > per_tenant:
+                raise Overloaded(f"tenant {request.tenant!r} has {queued} requests waiting, its limit "
+                                 "(SCHEDULER_MAX_QUEUED_REQUESTS_PER_TENANT)", 1000)
         check_admission(
             self._admission,
             self.step_time,
@@ -239,7 +265,7 @@ class Engine:
         )
         stream = RequestStream(
             state=RequestOutputState(request, self.tokenizer),
-            telemetry=telemetry.RequestTelemetry(span, self.tracing.enabled),
+            telemetry=telemetry.RequestTelemetry(span, self.tracing.enabled, request.tenant),
             owner=owner,
         )
         stream.telemetry.on_queued(request.num_prompt_tokens)
@@ -305,6 +331,11 @@ class Engine:
         if self._in_flight:
             await self._receive(sched)
             return
+        forgets = sched.flush_forgets()
+        if forgets is not None:
+            self._track(forgets, self._step_span(forgets, time.time_ns()))
+            await self._send(forgets)
+            return
         await self._wait_for_input()
         self._last_progress = time.monotonic()
 
@@ -333,9 +364,12 @@ class Engine:
             return out
         for req, _ in out.scheduled():
             self._streams[req.request_id].telemetry.on_scheduled(span)
-        self._in_flight.append(InFlightStep(out, span, 0.0, pool.num_allocated - allocated,
-                                            pool.num_released - released))
+        self._track(out, span, pool.num_allocated - allocated, pool.num_released - released)
         return out
+
+    def _track(self, out: SchedulerOutput, span: trace.Span, blocks_allocated: int = 0, blocks_freed: int = 0) -> None:
+        """Puts a plan about to be sent in flight."""
+        self._in_flight.append(InFlightStep(out, span, 0.0, blocks_allocated, blocks_freed))
 
     def _step_span(self, out: SchedulerOutput, started_ns: int) -> trace.Span:
         """A step serves many requests, so every request's Generate span
@@ -387,19 +421,33 @@ class Engine:
                 step_span.set_status(trace.Status(trace.StatusCode.ERROR, result.error))
                 self._on_step_error(out, result.error)
                 return
+            self._fail_constrained(sched, out, convert.request_errors_from_proto(result))
             self._apply_result(sched, step, result, elapsed)
         finally:
             step_span.end()
 
+    def _fail_constrained(self, sched: Scheduler, out: SchedulerOutput, errors: list[tuple[int, str]]) -> None:
+        """Ends the requests whose constraint failed on the executor (their
+        tokens of this step are then stale and dropped)."""
+        for handle, message in errors:
+            e = out.entries.get(handle)
+            if e is None or e.is_stale:
+                continue
+            log.error("constraint of request %s failed on the executor: %s", e.request.request_id, message)
+            if sched.finish_request(e.request.request_id, RequestStatus.FINISHED_ERROR):
+                self._end_stream(e.request.request_id, _error_delta("INTERNAL", f"constraint failed: {message}"))
+
     def _apply_result(self, sched: Scheduler, step: InFlightStep, result: epb.StepResult, elapsed: float) -> None:
         out, step_span = step.out, step.span
         self._last_progress = time.monotonic()
-        telemetry.STEP_DURATION.observe(elapsed)
         live_before = len(sched.requests)
         dropped = sched.num_dropped_tokens
         tokens = sched.update_from_output(out, convert.sampled_from_proto(result))
         telemetry.DROPPED_TOKENS.inc(sched.num_dropped_tokens - dropped)
         self._emit(tokens)
+        if not out.entries:
+            return  # a plan of forgets alone (Scheduler.flush_forgets): no step to time
+        telemetry.STEP_DURATION.observe(elapsed)
         self.step_time.observe(elapsed, num_finished=live_before - len(sched.requests))
         block_size = sched.config.block_size
         tables = sched.kv.block_tables
@@ -408,6 +456,8 @@ class Engine:
             tokens_held=sum(min(r.num_computed_tokens, r.num_tokens) for r in sched.running),
             slots_allocated=block_size * sum(len(tables[r.request_id]) for r in sched.running),
         )
+        telemetry.record_tenants(sched.policy.served, self._tenants_published, sched.waiting.waiting_by_tenant(),
+                                 Counter(r.tenant for r in sched.running), sched.policy.counters)
         if self.tracing.enabled:
             entries = out.entries.values()
             decode = sum(1 for e in entries if e.num_tokens == 1 and e.start >= e.request.num_prompt_tokens)
@@ -415,6 +465,7 @@ class Engine:
                 "llmsched.step_id": out.step_id,
                 "llmsched.num_requests": len(entries),
                 "llmsched.num_new_requests": len(out.new_requests),
+                "llmsched.num_constrained_requests": sum(1 for e in entries if e.request.constraint is not None),
                 "llmsched.num_decode_tokens": decode,
                 "llmsched.num_prefill_tokens": out.total_num_scheduled_tokens - decode,
                 "llmsched.num_preempted": out.num_preempted,

@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler_svc.structured_output import CompiledConstraint
 
 
 class RequestStatus(enum.IntEnum):
@@ -69,6 +73,18 @@ class Request:
     # retried in a step of its own.
     num_failed_steps: int = 0
     num_cached_prompt_tokens: int = 0
+    # The compiled `structured` constraint (structured_output.py), enforced
+    # by the executor; None = free generation.
+    constraint: CompiledConstraint | None = None
+    # Whose request this is (tenants.py), for fair share, per-tenant limits
+    # and metrics.
+    tenant: str = "default"
+    # What its prefix-cache hashes are salted with (tenants.prefix_salt):
+    # only requests with the same salt share blocks.
+    prefix_salt: bytes = b""
+    # Prompt positions already counted as served (policy.py): recomputing
+    # them after a preemption does not count again.
+    num_charged_prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -22,7 +22,7 @@ from typing import Literal
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_needed
 from scheduler_svc.plan import NewRequestData, SampledToken, ScheduledRequest, SchedulerOutput
 from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.request_queue import RequestQueue
+from scheduler_svc.policy import make_policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,15 +39,23 @@ class SchedulerConfig:
     max_prefill_chunk: int = 512
     # fcfs: arrival order. priority: `priority` first (lower = more urgent),
     # then arrival; both for admission and for choosing preemption victims.
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    # fair: VTC across tenants (policy.py).
+    policy: Literal["fcfs", "priority", "fair"] = "fcfs"
     enable_prefix_caching: bool = True
+    # fair: the service a prompt and an output token count for, and the
+    # tenants' weights ((tenant, weight) pairs; others weigh 1).
+    prompt_token_weight: float = 1.0
+    output_token_weight: float = 2.0
+    tenant_weights: tuple[tuple[str, float], ...] = ()
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.waiting = RequestQueue(self.order_key)
+        self.policy = make_policy(config.policy, config.prompt_token_weight, config.output_token_weight,
+                                  dict(config.tenant_weights))
+        self.waiting = self.policy.make_queue()
         # Sorted by order_key: the last one is the first to be preempted.
         self.running: list[Request] = []
         self._next_arrival = 0
@@ -98,8 +106,8 @@ class Scheduler:
         return self._next_arrival
 
     def order_key(self, req: Request) -> tuple[int, int]:
-        """Smaller runs first and is preempted last."""
-        return (req.priority if self.config.policy == "priority" else 0, req.arrival_seq)
+        """Smaller runs first and is preempted last (within a tenant, under fair)."""
+        return self.policy.order_key(req)
 
     def _alloc_handle(self) -> int:
         # Reusing small handles keeps the plan's varints short.
@@ -141,7 +149,9 @@ class Scheduler:
             n = self._num_tokens_to_schedule(req, budget)
             new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
-                victim = self.running[-1]
+                # Only from those not yet in this plan: a victim scheduled
+                # already would be forgotten before the step that names it.
+                victim = self.policy.pick_victim(self.running[i:])
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -183,8 +193,19 @@ class Scheduler:
         self._record(out, req, n, new_blocks)
         return n
 
-    def _finish_plan(self, out: SchedulerOutput) -> SchedulerOutput:
-        if out.is_empty:
+    def flush_forgets(self) -> SchedulerOutput | None:
+        """A plan of forgets alone, for when nothing else will be scheduled:
+        the executor then drops finished requests' state (their rows and
+        constraint matchers) now, not whenever the next request arrives.
+        None when there is nothing to forget."""
+        if not self._to_forget:
+            return None
+        out = SchedulerOutput(step_id=self._step_id, executor_epoch=self.executor_epoch)
+        self._step_id += 1
+        return self._finish_plan(out, send_empty=True)
+
+    def _finish_plan(self, out: SchedulerOutput, send_empty: bool = False) -> SchedulerOutput:
+        if out.is_empty and not send_empty:
             return out  # not sent: its forgets wait for the next plan
         out.finished_handles, self._to_forget = self._to_forget, []
         if self._to_release:
@@ -220,6 +241,7 @@ class Scheduler:
         start = req.num_computed_tokens
         samples = start + n == req.num_tokens_with_placeholders
         out.entries[req.handle] = ScheduledRequest(req, n, start, samples, req.epoch)
+        self.policy.charge(req, start, n, samples)
         req.num_computed_tokens += n
         if samples:
             req.num_output_placeholders += 1
@@ -284,7 +306,10 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         s = req.sampling
-        if (not s.ignore_eos and token in req.eos_token_ids) or token in s.stop_token_ids:
+        # A constrained request samples EOS only where its grammar may end
+        # (with ignore_eos, only where nothing else is left): it ends there.
+        stops_at_eos = not s.ignore_eos or req.constraint is not None
+        if (stops_at_eos and token in req.eos_token_ids) or token in s.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= s.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH

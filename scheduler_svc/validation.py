@@ -17,6 +17,7 @@ class InvalidRequest(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
 
 
 @dataclass(frozen=True, slots=True)

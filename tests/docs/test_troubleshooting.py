@@ -37,6 +37,8 @@ ASSERTED = [
     ("integration/test_start_stop.py executor-metrics-port-in-use", "EXECUTOR_METRICS_PORT"),
     ("integration/test_start_stop.py scheduler-metrics-port-in-use", "SCHEDULER_METRICS_PORT"),
     ("integration/test_start_stop.py second-executor-on-a-port-in-use", "`EXECUTOR_PORT`"),
+    ("integration/test_start_stop.py bad-tenant-weight", "SCHEDULER_TENANT_WEIGHTS: the weight of"),
+    ("integration/test_start_stop.py bad-tenant-in-an-api-key-entry", "in a tenant:key entry must be"),
     ("integration/test_start_stop.py second-scheduler-on-a-port-in-use", "`SCHEDULER_PORT`"),
     ("integration/test_start_stop.py (all cases)", "cannot start:"),
     ("integration/test_families.py REFUSALS", "cannot serve"),

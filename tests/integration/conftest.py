@@ -96,3 +96,47 @@ def tiny():
     yield client
     client.channel.close()
     services.stop()
+
+
+@dataclass
+class GatewayStack:
+    """Executor, scheduler and gateway, with the official `openai` client
+    and a gRPC client of the scheduler."""
+
+    services: object
+    grpc: Client
+    openai: object  # openai.OpenAI
+    model: str  # the served model's name
+
+    def stop(self) -> None:
+        self.openai.close()
+        self.grpc.channel.close()
+        self.services.stop()
+
+
+def start_gateway_stack(model: str, executor_env=None, scheduler_env=None, gateway_env=None) -> GatewayStack:
+    import openai
+
+    services = launch(executor_env={"EXECUTOR_MODEL": model, "EXECUTOR_NUM_THREADS": "1", **(executor_env or {})},
+                      scheduler_env=scheduler_env, gateway_env=gateway_env, with_gateway=True).start()
+    channel = grpc.insecure_channel(services.scheduler_address)
+    client = openai.OpenAI(base_url=services.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return GatewayStack(services, Client(services.scheduler_address, model, channel, spb_grpc.SchedulerStub(channel)),
+                        client, client.models.list().data[0].id)
+
+
+def scheduler_metric(services, name: str) -> float:
+    """A scheduler metric from its /metrics, summed over its labels."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{services.scheduler_metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def num_admitted(services) -> float:
+    """Requests the scheduler has scheduled or finished (a refused one
+    is neither)."""
+    return (scheduler_metric(services, "llmsched_request_queue_time_seconds_count")
+            + scheduler_metric(services, "llmsched_request_success_total"))

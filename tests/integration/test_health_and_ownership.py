@@ -85,7 +85,7 @@ def test_scheduler_without_an_executor_reports_not_serving_until_one_connects():
         assert health_of(address) == NOT_SERVING, "scheduler claimed SERVING with no executor connected"
         services.start_executor()
         wait_for_health(address, SERVING, 60, "after the executor started")
-        assert len(generate(address, max_tokens=3)[0]) == 3
+        assert len(generate(address, max_tokens=3, ignore_eos=True)[0]) == 3
     finally:
         stop(scheduler)
         services.stop()
@@ -94,14 +94,14 @@ def test_scheduler_without_an_executor_reports_not_serving_until_one_connects():
 def test_idle_scheduler_notices_its_executor_dying_and_coming_back():
     services, client = start_services("tiny-random", scheduler_env={"SCHEDULER_EXECUTOR_KEEPALIVE_S": "1"})
     try:
-        assert len(client.generate(prompt="hi", sampling={"max_tokens": 3})[0]) == 3
+        assert len(client.generate(prompt="hi", sampling={"max_tokens": 3, "ignore_eos": True})[0]) == 3
         services.executor.kill()
         services.executor.wait()
         took = wait_for_health(services.scheduler_address, NOT_SERVING, 10, "idle scheduler after executor SIGKILL")
         assert took < 10
         services.start_executor()
         wait_for_health(services.scheduler_address, SERVING, 60, "after the executor restarted")
-        assert len(client.generate(prompt="hi", sampling={"max_tokens": 3})[0]) == 3
+        assert len(client.generate(prompt="hi", sampling={"max_tokens": 3, "ignore_eos": True})[0]) == 3
     finally:
         client.channel.close()
         services.stop()
@@ -114,7 +114,7 @@ def test_idle_scheduler_notices_a_frozen_executor():
         wait_for_health(services.scheduler_address, NOT_SERVING, 15, "idle scheduler with a frozen executor")
         services.executor.send_signal(signal.SIGCONT)
         wait_for_health(services.scheduler_address, SERVING, 60, "after the executor resumed")
-        assert len(client.generate(prompt="hi", sampling={"max_tokens": 3})[0]) == 3
+        assert len(client.generate(prompt="hi", sampling={"max_tokens": 3, "ignore_eos": True})[0]) == 3
     finally:
         services.executor.send_signal(signal.SIGCONT)
         client.channel.close()
@@ -138,18 +138,19 @@ def test_second_scheduler_is_refused_while_the_first_holds_the_executor():
         wait_for_health(second_address, NOT_SERVING, 30, "second scheduler while the first is alive")
         time.sleep(3.0)
         assert health_of(second_address) == NOT_SERVING, "a second scheduler took a live executor"
-        assert len(first.generate(prompt="hi", sampling={"max_tokens": 3})[0]) == 3, "the first scheduler must keep serving"
+        tokens = first.generate(prompt="hi", sampling={"max_tokens": 3, "ignore_eos": True})[0]
+        assert len(tokens) == 3, "the first scheduler must keep serving"
 
         services.scheduler.send_signal(signal.SIGSTOP)
         wait_for_health(second_address, SERVING, 30, "second scheduler after the first froze")
-        assert len(generate(second_address, max_tokens=3)[0]) == 3
+        assert len(generate(second_address, max_tokens=3, ignore_eos=True)[0]) == 3
 
         services.scheduler.send_signal(signal.SIGCONT)
         wait_for_health(services.scheduler_address, NOT_SERVING, 30, "first scheduler after it resumed")
         with pytest.raises(grpc.RpcError) as exc:
             first.generate(prompt="hi", sampling={"max_tokens": 3}, timeout=10)
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert len(generate(second_address, max_tokens=3)[0]) == 3, "the second scheduler must keep serving"
+        assert len(generate(second_address, max_tokens=3, ignore_eos=True)[0]) == 3, "the second scheduler must keep serving"
     finally:
         services.scheduler.send_signal(signal.SIGCONT)
         first.channel.close()

@@ -7,6 +7,7 @@ rank meets alike keep the group up; a killed or hung rank stops the group
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,6 +69,20 @@ def test_sampling_with_logprobs_and_a_seed_repeats_at_tp2(tp2):
     (tokens, logprobs), (again, _) = run(), run()
     assert tokens == again and len(tokens) == 20
     assert len(logprobs) == 20 and all(len(lp.top_token_ids) == 3 for lp in logprobs)
+
+
+def test_constrained_requests_are_enforced_at_tp2(tp2):
+    """Rank 0 alone samples, so it alone keeps the matchers: the other rank
+    follows the ids it shares."""
+    _, client = tp2
+    pattern = r"[a-z]{3,8}-[0-9]{2}"
+    for seed in range(4):
+        req = spb.GenerateRequest(prompt="Once upon a time", structured=spb.StructuredOutput(regex=pattern),
+                                  sampling=spb.SamplingParams(max_tokens=30, temperature=1.0, seed=seed))
+        responses = list(client.stub.Generate(req, timeout=60))
+        text = "".join(r.text for r in responses)
+        assert re.fullmatch(pattern, text) and responses[-1].finish_reason == spb.FINISH_REASON_STOP, text
+    client.assert_no_leaked_blocks()
 
 
 def test_another_family_matches_hf_at_tp2(tmp_path):

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from executor_svc.chat_template import CHATML_TEMPLATE, load_chat_template, read_chat_template
 from gateway_svc import chat_template
-from tests.chat_templates import ALL
+from tests.chat_templates import ALL, QWEN25_TOOLS
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Once upon a time"}],
@@ -95,3 +95,90 @@ def test_template_sources_and_token_shapes(tmp_path):
 def test_a_checkpoint_without_tokenizer_config_has_no_template(tmp_path):
     found = read_chat_template(tmp_path)
     assert (found.template, found.bos_token, found.eos_token) == ("", "", "")
+
+
+# ----- tools ------------------------------------------------------------------
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city, today or later.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "description": "e.g. \"Paris\""},
+            "days": {"type": "integer", "minimum": 0}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
+# Two turns: a question answered with two calls, their results, the
+# assistant's answer, then a second question.
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "You are brief."},
+    {"role": "user", "content": "Weather in Paris and the time?"},
+    {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": {"city": "Paris", "days": 0}}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "{\"sky\": \"clear\", \"c\": 21}"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "12:00"},
+    {"role": "assistant", "content": "Clear, 21 C, noon."},
+    {"role": "user", "content": "And in Rome?"},
+    {"role": "assistant", "tool_calls": [
+        {"id": "call_3", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+    {"role": "tool", "tool_call_id": "call_3", "content": "rain"},
+]
+# The built-in template before it learned tools: without them it must
+# render exactly this.
+PLAIN_CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tool_dirs(stories_path, tmp_path_factory):
+    dirs = {}
+    for name, template in {"qwen2.5": QWEN25_TOOLS, "builtin-chatml": CHATML_TEMPLATE}.items():
+        d = tmp_path_factory.mktemp(name)
+        shutil.copy(stories_path / "tokenizer.json", d / "tokenizer.json")
+        config = json.loads((stories_path / "tokenizer_config.json").read_text())
+        (d / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+        dirs[name] = d
+    return dirs
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "builtin-chatml"])
+@pytest.mark.parametrize("turns", [2, 5, 7, 9], ids=lambda n: f"{n}-messages")
+def test_tool_conversations_render_as_transformers_renders_them(tool_dirs, name, turns):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tool_dirs[name])
+    messages = TOOL_CONVERSATION[:turns]
+    found = read_chat_template(tool_dirs[name])
+    ours = chat_template.render(found.template, messages, bos_token=found.bos_token, eos_token=found.eos_token,
+                                tools=TOOLS)
+    theirs = hf.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert ours == theirs
+    assert "get_weather" in ours and ("<tool_response>" in ours) == (turns > 3)
+    ids = Tokenizer.from_file(str(tool_dirs[name] / "tokenizer.json")).encode(ours, add_special_tokens=False).ids
+    hf_ids = hf.apply_chat_template(messages, tools=TOOLS, tokenize=True, add_generation_prompt=True)
+    assert ids == (hf_ids["input_ids"] if not isinstance(hf_ids, list) else hf_ids)
+
+
+def test_builtin_chatml_without_tools_is_unchanged():
+    for messages in CONVERSATIONS:
+        for add in (True, False):
+            kwargs = {"bos_token": "<s>", "eos_token": "</s>", "add_generation_prompt": add}
+            assert (chat_template.render(CHATML_TEMPLATE, messages, **kwargs)
+                    == chat_template.render(PLAIN_CHATML, messages, **kwargs))
+
+
+def test_builtin_chatml_writes_calls_as_the_hermes_parser_reads_them():
+    from gateway_svc.tool_parsers import hermes
+
+    text = chat_template.render(CHATML_TEMPLATE, TOOL_CONVERSATION[:3], bos_token="<s>", eos_token="</s>",
+                                tools=TOOLS, add_generation_prompt=False)
+    turn = text.rsplit("<|im_start|>assistant\n", 1)[1].removesuffix("<|im_end|>\n")
+    scan = hermes.scan(turn, final=True)
+    assert scan.content == "Checking.\n\n"
+    assert [(c.name, json.loads(c.arguments)) for c in scan.calls] == [
+        ("get_weather", {"city": "Paris", "days": 0}), ("get_time", {})]

@@ -10,23 +10,26 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway_svc.errors import from_rpc_error
 from pydantic import ValidationError
 
+from gateway_svc.errors import from_rpc_error
+from gateway_svc.openai_format import ChatFormat
 from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError, param_of
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_gateway_modules_never_import_torch():
-    modules = sorted("gateway_svc." + p.stem for p in (REPO / "gateway_svc").glob("*.py") if p.stem != "__init__")
+    root = REPO / "gateway_svc"
+    modules = sorted("gateway_svc." + ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+                     for p in root.rglob("*.py") if p != root / "__init__.py")
     code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + (
-        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.') or m == 'transformers']\n"
-        "assert not bad, f'torch imported: {bad[:5]}'\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'llguidance')]\n"
+        "assert not bad, f'torch, transformers or llguidance imported: {bad[:5]}'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert "gateway_svc.app" in modules and "gateway_svc.__main__" in modules
+    assert {"gateway_svc.app", "gateway_svc.__main__", "gateway_svc.tool_parsers.hermes"} <= set(modules)
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -34,7 +37,7 @@ def test_gateway_modules_never_import_torch():
     ({"logit_bias": {"1": 2}}, "logit_bias"),
     ({"best_of": 2}, "best_of"),
     ({"suffix": "x"}, "suffix"),
-    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
     ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"continue_final_message": True}, "continue_final_message"),
 ])
@@ -50,18 +53,18 @@ def test_default_values_a_router_adds_pass():
         "messages": [{"role": "user", "content": "hi"}], "logprobs": False, "continue_final_message": False,
         "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True, "ignore_eos": False,
         "no_stop_trim": False, "return_hidden_states": False, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-        "tools": None, "response_format": {"type": "text"}, "user": "someone"})
+        "tools": None, "tool_choice": "none", "response_format": {"type": "text"}, "user": "someone"})
     body.check_inert_fields()
 
 
 def test_message_fields_and_parts():
     body = ChatCompletionRequest.model_validate({"messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": "x", "tool_calls": []}]})
+        {"role": "assistant", "content": "x", "refusal": "no"}]})
     assert body.messages[0].for_template(0)["content"] == "a\nb"
     with pytest.raises(RequestError) as exc:
         body.messages[1].for_template(1)
-    assert exc.value.param == "messages[1].tool_calls"
+    assert exc.value.param == "messages[1].refusal"
 
 
 class FakeRpcError(grpc.aio.AioRpcError):
@@ -85,7 +88,7 @@ def test_grpc_status_maps_to_http(code, details, trailers, status, param, retry_
 
 def test_chat_names_its_own_fields():
     err = from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "sampling.logprobs: at most 20, got 50"),
-                         chat=True)
+                         ChatFormat.fields)
     assert err.param == "top_logprobs"
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from scheduler_svc.request import RequestStatus
+from scheduler_svc.structured_output import CompiledConstraint
 from tests.factories import EOS, FakeExecutor, make_request, make_requests, make_scheduler, run_step
 
 
@@ -99,6 +100,31 @@ def test_eos_stops_unless_ignore_eos():
     drain(sched, FakeExecutor(lambda r: EOS))
     assert stops.status == RequestStatus.FINISHED_STOPPED and stops.output_token_ids == [EOS]
     assert ignores.status == RequestStatus.FINISHED_LENGTH and ignores.output_token_ids == [EOS] * 3
+
+
+def test_a_constrained_request_ends_at_eos_even_with_ignore_eos():
+    # The executor samples EOS for it only where its grammar may end (with
+    # ignore_eos, only where nothing else is left), so EOS is the end.
+    sched = make_scheduler()
+    req = make_request(max_tokens=10, ignore_eos=True)
+    req.constraint = CompiledConstraint("choice", "{}")
+    sched.add_request(req)
+    drain(sched, FakeExecutor(lambda r: EOS if len(r.output_token_ids) == 2 else 5))
+    assert req.output_token_ids == [5, 5, EOS] and req.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_forgets_left_when_the_scheduler_goes_idle_are_flushed_in_a_plan_of_their_own():
+    sched = make_scheduler()
+    req = make_request(max_tokens=2)
+    sched.add_request(req)
+    drain(sched)
+    assert not sched.has_work
+    assert sched.schedule().is_empty  # nothing to run: not sent, the forget waits
+    out = sched.flush_forgets()
+    assert out is not None and out.is_empty and out.finished_handles == [req.handle]
+    assert sched.update_from_output(out, []) == []
+    assert sched.flush_forgets() is None, "a handle is forgotten once"
+    assert sched._alloc_handle() == req.handle, "the handle is reusable once its forget is applied"
 
 
 def test_stop_token_ids_stop_generation():

@@ -93,6 +93,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.reset_executor_state()
         assert not self.sched.running and self.sched.num_free_blocks == self.sched.config.num_kv_blocks
 
+    @precondition(lambda self: not self.sched.has_work)
+    @rule()
+    def go_idle(self):
+        """The engine, about to wait for requests, sends what is left to
+        forget in a plan of its own."""
+        out = self.sched.flush_forgets()
+        if out is not None:
+            live = {r.handle for r in self.sched.requests.values()}
+            assert out.is_empty and out.finished_handles and not set(out.finished_handles) & live
+            assert self.sched.update_from_output(out, []) == []
+        assert self.sched.flush_forgets() is None, "everything was forgotten"
+
+    @invariant()
+    def live_handles_are_distinct_and_never_free(self):
+        live = [r.handle for r in self.sched.requests.values()]
+        assert len(set(live)) == len(live), f"two live requests share a handle: {sorted(live)}"
+        assert not set(live) & set(self.sched._free_handles), "a live request's handle is free for reuse"
+
     @invariant()
     def blocks_are_owned_consistently(self):
         kv = self.sched.kv

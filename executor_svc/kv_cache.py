@@ -93,6 +93,7 @@ class KVCachePool:
                  shard: Shard = Shard()):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.specs = layer_specs(cfg, shard)
+        self.bytes_per_token = sum(spec.bytes_per_token(dtype) for spec in self.specs)
         spec = self.specs[0]
         if any(s != spec for s in self.specs):
             # Not needed by any family yet: every layer of a model keeps the same shape.
@@ -104,6 +105,13 @@ class KVCachePool:
     @property
     def holds_kv_pairs(self) -> bool:
         return self.specs[0].num_tensors == 2
+
+    def describe(self) -> str:
+        spec = self.specs[0]
+        per_layer = (f"K and V, {spec.num_heads} heads x {spec.head_dim}" if self.holds_kv_pairs
+                     else f"one latent of {spec.head_dim}")
+        return (f"{self.num_blocks} blocks of {self.block_size} tokens, {self.bytes_per_token} bytes per token "
+                f"({len(self.specs)} layers, each {per_layer})")
 
     def layer_caches(self) -> list[tuple[torch.Tensor, ...]]:
         """Per layer its tensors, each [num_blocks, block_size, heads, head_dim]:

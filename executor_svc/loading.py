@@ -101,6 +101,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         # One pool for the scheduler: the size every rank can hold.
         num_blocks = tp.min_over_ranks(num_blocks)
     pool = KVCachePool(cfg, num_blocks, settings.block_size, device, dtype, shard)
+    log.info("KV pool: %s", pool.describe())
     backend = make_backend(settings.attention_backend, device)
     if backend.name == "triton" and use_triton_moe(model):
         log.info("mixture-of-experts layers run the triton fused-MoE kernel (kernels/fused_moe.py)")

@@ -26,8 +26,13 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
+import torch
+
 from executor_svc.families import read_config
+from executor_svc.kv_cache import bytes_per_token
+from llmsched.v1 import executor_pb2, executor_pb2_grpc
 from tests.conftest import HAS_CUDA, REPO_ROOT
 from tests.families import CASES, hf_greedy, make_checkpoint, prompts
 from tests.integration.conftest import start_services
@@ -55,7 +60,7 @@ def _serve(name: str, tmp_path_factory, backend_env: dict[str, str]):
 @pytest.fixture(scope="module", params=SERVED)
 def served(request, tmp_path_factory):
     path, services, client = _serve(request.param, tmp_path_factory, {"EXECUTOR_ATTENTION_BACKEND": "torch"})
-    yield request.param, path, client
+    yield request.param, path, client, services
     client.channel.close()
     services.stop()
 
@@ -73,24 +78,35 @@ def check_against_hf(path: str, client, cases: list[list[int]], timeout_s: float
 
 
 def test_alone_greedy_matches_hf(served):
-    _, path, client = served
+    _, path, client, _ = served
     for prompt in ALONE:
         check_against_hf(path, client, [prompt])
 
 
 def test_8_concurrent_greedy_requests_each_match_hf(served):
-    _, path, client = served
+    _, path, client, _ = served
     check_against_hf(path, client, CONCURRENT)
 
 
 def test_server_info_names_the_architecture_and_the_rope_in_use(served):
-    name, path, client = served
+    name, path, client, _ = served
     info = client.info()
     cfg = read_config(json.loads((Path(path) / "config.json").read_text()))
     assert info.architecture == CASES[name].model_cls
     assert info.rope_type == cfg.rope_description()
     if name.startswith("llama3"):
         assert info.rope_type == "llama3(factor=8)"
+
+
+def test_handshake_reports_the_kv_bytes_per_token(served):
+    """K and V per KV head and layer, or MLA's one latent per layer."""
+    name, path, _, services = served
+    cfg = read_config(json.loads((Path(path) / "config.json").read_text()))
+    with grpc.insecure_channel(services.executor_address) as channel:
+        handshake = executor_pb2_grpc.ExecutorStub(channel).Handshake(executor_pb2.HandshakeRequest(), timeout=5)
+    assert handshake.kv_bytes_per_token == bytes_per_token(cfg, torch.float32)
+    if name == "deepseek-v3":  # 3 layers x (kv_lora_rank 16 + qk_rope_head_dim 8) x 4 bytes
+        assert handshake.kv_bytes_per_token == 3 * (16 + 8) * 4
 
 
 # --- the Triton backend (under the interpreter without CUDA) ----------------

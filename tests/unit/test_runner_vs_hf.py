@@ -5,8 +5,8 @@ import torch
 
 from executor_svc.attention import make_backend
 from executor_svc.checkpoint import load_checkpoint
-from executor_svc.kv_cache import KVCachePool
 from executor_svc.families import build_model, read_config
+from executor_svc.kv_cache import KVCachePool
 from executor_svc.runner import ModelRunner, NewRequestData, PlanError, StepInput
 from executor_svc.sampler import SamplingSettings
 from tests.oracle import hf_greedy

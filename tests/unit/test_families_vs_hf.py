@@ -20,8 +20,8 @@ import torch
 
 from executor_svc.attention import make_backend
 from executor_svc.checkpoint import load_checkpoint
-from executor_svc.kv_cache import KVCachePool
 from executor_svc.families import build_model, read_config
+from executor_svc.kv_cache import KVCachePool
 from executor_svc.model_config import FULL, SLIDING, ModelConfig, RopeSpec
 from executor_svc.runner import ModelRunner, NewRequestData, StepInput
 from executor_svc.sampler import SamplingSettings

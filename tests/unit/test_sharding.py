@@ -174,3 +174,20 @@ def test_each_rank_loads_its_q_k_v_and_gate_up_shards_into_the_rows_of_one_fused
                                                            state[p + "mlp.up_proj.weight"][inter]]))
     # The separate projections never existed as parameters: nothing else holds them.
     assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n, _ in model.named_parameters())
+
+
+def test_expert_and_mla_sizes_are_refused_with_the_sizes_that_work():
+    """Experts split along their intermediate units and so must divide them;
+    MLA has no KV heads to divide (the latent is replicated)."""
+    moe = read_config({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
+                       "num_key_value_heads": 4, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": 20})
+    assert valid_sizes(moe) == [1, 2, 4]
+    with pytest.raises(StartupError, match=r"SIZE=8 does not divide Qwen3MoeForCausalLM's expert intermediate size 20"
+                                           r"; sizes that work: 1, 2, 4$"):
+        check_size(moe, 8)
+    from tests.unit.test_mla import DEEPSEEK_V3
+
+    mla = read_config(DEEPSEEK_V3 | {"num_key_value_heads": 1})  # ignored by MLA: no KV heads to split
+    assert valid_sizes(mla)[-1] == 128 and 16 in valid_sizes(mla)

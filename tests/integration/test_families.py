@@ -160,25 +160,40 @@ def test_triton_oracle_still_crosses_windows_and_mixes_steps(name):
 # --- refusals ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def llama3_dir(tmp_path_factory) -> Path:
-    return make_checkpoint(CASES["llama3-t4"], tmp_path_factory.mktemp("llama3-base"))
+def base_dirs(tmp_path_factory):
+    """A family's checkpoint to break, made once per module."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = make_checkpoint(CASES[name], tmp_path_factory.mktemp(f"{name}-base"))
+        return made[name]
+
+    return get
 
 
+# case -> (the family checkpoint it breaks, its config.json change, what the error must name)
 REFUSALS = {
-    "unknown architecture": ({"architectures": ["FalconForCausalLM"]},
+    "unknown architecture": ("llama3-t4", {"architectures": ["FalconForCausalLM"]},
                              "architecture FalconForCausalLM is not supported"),
-    "dynamic RoPE": ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+    "dynamic RoPE": ("llama3-t4", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
                      "RoPE type 'dynamic' is not supported"),
-    "unread forward-changing key": ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
-    "llama with biases": ({"attention_bias": True}, "attention_bias=True is not supported"),
+    "unread forward-changing key": ("llama3-t4", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    "llama with biases": ("llama3-t4", {"attention_bias": True}, "attention_bias=True is not supported"),
+    # MoE and MLA: routing and attention keys the executor does not implement.
+    "unknown routing key": ("qwen3-moe", {"scoring_func": "sigmoid"}, "scoring_func"),
+    "routing method": ("deepseek-v3", {"topk_method": "greedy"}, "topk_method='greedy' is not supported"),
+    "unknown attention key": ("deepseek-v3", {"index_topk": 2048}, "index_topk"),  # DeepSeek-V3.2's sparse attention
+    "fp8 experts": ("deepseek-v3", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+                    "quantization_config"),
 }
 
 
 @pytest.mark.parametrize("case", REFUSALS)
-def test_executor_refuses_at_start_with_a_named_error_and_nonzero_exit(case, llama3_dir, tmp_path):
-    change, message = REFUSALS[case]
+def test_executor_refuses_at_start_with_a_named_error_and_nonzero_exit(case, base_dirs, tmp_path):
+    family, change, message = REFUSALS[case]
     bad = tmp_path / "ckpt"
-    shutil.copytree(llama3_dir, bad)
+    shutil.copytree(base_dirs(family), bad)
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps(cfg | change))
     env = {**os.environ, "EXECUTOR_MODEL": str(bad), "EXECUTOR_PORT": "0", "EXECUTOR_METRICS_PORT": "0",

@@ -30,7 +30,7 @@ ASSERTED = [
      "EXECUTOR_KV_CACHE_MEMORY_MB=<n>: the KV pool needs <x> MiB but only <y> MiB is free on <device>"),
     ("integration/test_start_stop.py kv-blocks-beyond-free-memory", "EXECUTOR_NUM_KV_BLOCKS=<n>"),
     ("integration/test_start_stop.py model-neither-directory-nor-built-in",
-     "EXECUTOR_MODEL='<value>' is neither a directory nor a built-in model (bench-small, tiny-random)"),
+     "EXECUTOR_MODEL='<value>' is neither a directory nor a built-in model (bench-moe, bench-small, tiny-random)"),
     ("integration/test_start_stop.py port-not-a-number",
      "SCHEDULER_PORT='fifty': Input should be a valid integer"),
     ("integration/test_start_stop.py *-port-in-use", "<SETTING>=<port>: address already in use (<host>:<port>)"),

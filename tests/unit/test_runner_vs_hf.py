@@ -54,8 +54,9 @@ def generate(runner, prompts, max_new, chunk):
     return [outputs[h] for h in range(len(prompts))]
 
 
-@pytest.mark.parametrize("model", ["stories", "tiny-random"])
+@pytest.mark.parametrize("model", ["stories", "tiny-random", "bench-moe"])
 def test_batched_chunked_generation_matches_hf_greedy(model, stories_path):
+    """bench-moe (P15's Qwen3-MoE) against transformers' Qwen3MoeForCausalLM on the same weights."""
     name = str(stories_path) if model == "stories" else model
     runner = make_runner(name)
     prompts = [[1, 403, 407, 261, 378], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309], [1, 50]]

@@ -47,7 +47,7 @@ ASSERTED = [
     ("integration/test_families.py unread forward-changing key", "attn_logit_softcapping"),
     ("integration/test_families.py llama with biases", "attention_bias=True"),
     ("unit/test_model_config.py RoPE types", "supported: default, linear, llama3"),
-    ("unit/test_model_config.py RoPE types", "`yarn`, `dynamic` or `longrope`"),
+    ("unit/test_model_config.py RoPE types", "`dynamic` or `longrope`"),
     ("unit/test_model_config.py multimodal gemma3", "audio_config"),
     ("unit/test_model_config.py forward-changing keys", "does not implement"),
     ("unit/test_model_config.py forward-changing keys", "quantization_config"),

@@ -1,6 +1,10 @@
 """One decoder for every family, over a flattened, unpadded token batch with
-a paged KV cache. Llama is the base; the other families switch on small
-pieces from their ModelConfig (see the executor_svc/families package):
+a paged KV cache. Llama is the base; the dense families switch on small
+pieces from their ModelConfig (see the executor_svc/families package), and
+families whose layers differ more pass their own attention or MLP to
+DecoderLayer through a CausalLM subclass (CausalLM.make_layer): the
+mixture-of-experts MLP (executor_svc/moe.py), gpt-oss's attention sinks,
+DeepSeek-V3's latent attention (executor_svc/mla.py).
 
   Qwen2     q/k/v biases
   Qwen3     per-head q/k RMSNorm before RoPE

@@ -106,7 +106,9 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     num_pairs = ids.numel()
     max_padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
     flat = ids.reshape(-1).to(torch.int64)  # [num_pairs]
-    counts = torch.bincount(flat, minlength=num_experts)  # [num_experts]
+    # scatter_add, not bincount: bincount sizes its output from the data, a host sync on CUDA.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [num_experts]
     padded = (counts + block_m - 1) // block_m * block_m  # [num_experts]
     run_end = torch.cumsum(padded, 0)  # [num_experts]
     order = torch.argsort(flat, stable=True)  # [num_pairs]: pairs grouped by expert

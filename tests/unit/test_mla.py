@@ -78,3 +78,15 @@ def test_deepseek_v3_and_kimi_k2_configs_read_their_mla_and_routing():
 def test_deepseek_routing_and_attention_keys_it_does_not_implement_are_refused_by_name(key, value, message):
     with pytest.raises(UnsupportedConfig, match=message):
         read_config(DEEPSEEK_V3 | {key: value})
+
+
+def test_deepseek_checkpoint_names_map_onto_the_shared_moe_layer_and_mtp_layers_are_skipped():
+    from executor_svc.checkpoint import LazyTensor
+    from executor_svc.families.deepseek_v3 import rename_deepseek_v3
+
+    cfg, t = read_config(DEEPSEEK_V3), LazyTensor.of(torch.zeros(1))
+    names = lambda n: [name for name, _ in rename_deepseek_v3(n, t, cfg)]  # noqa: E731
+    assert names("model.layers.3.mlp.shared_experts.gate_proj.weight") == ["model.layers.3.mlp.shared_expert.gate_proj.weight"]
+    assert names("model.layers.60.mlp.gate.e_score_correction_bias") == ["model.layers.60.mlp.gate.e_score_correction_bias"]
+    # Layer 61 is the multi-token-prediction layer (num_nextn_predict_layers: 1): not loaded.
+    assert names("model.layers.61.eh_proj.weight") == [] and names("model.layers.61.shared_head.head.weight") == []

@@ -162,4 +162,5 @@ class BuiltinModel:
 
 def load_builtin(name: str) -> BuiltinModel:
     spec = BUILTIN_MODELS[name]
-    return BuiltinModel(name, hf_config(name, spec), byte_level_tokenizer_json(spec.vocab_size), random_state_dict(spec))
+    tokenizer_json = byte_level_tokenizer_json(spec.vocab_size)
+    return BuiltinModel(name, hf_config(name, spec), tokenizer_json, random_state_dict(spec))

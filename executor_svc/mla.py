@@ -43,7 +43,8 @@ class MLAttention(nn.Module):
         super().__init__()
         m = cfg.mla
         self.num_heads = shard.num_heads(cfg)
-        self.nope, self.rope, self.v_dim, self.kv_lora = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        self.nope, self.rope = m.qk_nope_head_dim, m.qk_rope_head_dim
+        self.v_dim, self.kv_lora = m.v_head_dim, m.kv_lora_rank
         self.scale, self.interleave, self.comm = m.softmax_scale, m.rope_interleave, comm
         h, rank, size = cfg.hidden_size, shard.rank, shard.size
         q_rows = cfg.num_heads * m.qk_head_dim

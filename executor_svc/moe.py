@@ -188,7 +188,8 @@ class FusedExperts(nn.Module):
 class SparseMoE(nn.Module):
     """Router + experts (+ shared expert), one all-reduce at the end."""
 
-    def __init__(self, cfg: ModelConfig, spec: MoESpec, shard: Shard, comm, experts_cls: type[FusedExperts] = FusedExperts):
+    def __init__(self, cfg: ModelConfig, spec: MoESpec, shard: Shard, comm,
+                 experts_cls: type[FusedExperts] = FusedExperts):
         super().__init__()
         self.gate = Router(cfg, spec)
         self.experts = experts_cls(cfg, spec, shard)

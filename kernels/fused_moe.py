@@ -95,7 +95,8 @@ def _grouped_gemm_kernel(
              acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align_by_expert(ids: torch.Tensor, num_experts: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the (token, slot) pairs by expert, each expert's run padded to a
     multiple of block_m, with torch ops only (no host sync).
 

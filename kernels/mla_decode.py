@@ -68,7 +68,8 @@ def _mla_decode_kernel(
 
     q_row = query_ptr + req.to(tl.int64) * stride_q_t + heads[:, None] * stride_q_h  # [BLOCK_H, 1]
     q_c = tl.load(q_row + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)  # [BLOCK_H, V_PAD]
-    q_pe = tl.load(q_row + VALUE_DIM + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_H, R_PAD]
+    q_pe = tl.load(q_row + VALUE_DIM + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :],
+                   other=0.0)  # [BLOCK_H, R_PAD]
     if DOT_UPCAST:
         q_c = q_c.to(tl.float32)
         q_pe = q_pe.to(tl.float32)

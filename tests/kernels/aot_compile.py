@@ -124,7 +124,8 @@ def _moe_launch(tokens, num_experts, top_k, hidden, inter, dtype, bias=False):
 
 def _mla_launch(batch, num_heads, kv_lora_rank, rope_dim, block_size, dtype):
     latent = kv_lora_rank + rope_dim
-    mla.mla_decode(torch.zeros(batch, num_heads, latent, dtype=dtype), torch.zeros(8, block_size, 1, latent, dtype=dtype),
+    mla.mla_decode(torch.zeros(batch, num_heads, latent, dtype=dtype),
+                   torch.zeros(8, block_size, 1, latent, dtype=dtype),
                    torch.full((batch,), 100, dtype=torch.int32), torch.zeros(batch, 8, dtype=torch.int32),
                    latent**-0.5, kv_lora_rank)
 

@@ -86,7 +86,7 @@ def test_deepseek_checkpoint_names_map_onto_the_shared_moe_layer_and_mtp_layers_
 
     cfg, t = read_config(DEEPSEEK_V3), LazyTensor.of(torch.zeros(1))
     names = lambda n: [name for name, _ in rename_deepseek_v3(n, t, cfg)]  # noqa: E731
-    assert names("model.layers.3.mlp.shared_experts.gate_proj.weight") == ["model.layers.3.mlp.shared_expert.gate_proj.weight"]
-    assert names("model.layers.60.mlp.gate.e_score_correction_bias") == ["model.layers.60.mlp.gate.e_score_correction_bias"]
+    shared, bias = "model.layers.3.mlp.shared_experts.gate_proj.weight", "model.layers.60.mlp.gate.e_score_correction_bias"
+    assert names(shared) == ["model.layers.3.mlp.shared_expert.gate_proj.weight"] and names(bias) == [bias]
     # Layer 61 is the multi-token-prediction layer (num_nextn_predict_layers: 1): not loaded.
     assert names("model.layers.61.eh_proj.weight") == [] and names("model.layers.61.shared_head.head.weight") == []

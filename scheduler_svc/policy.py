@@ -115,13 +115,13 @@ class FairQueue:
     def waiting_by_tenant(self) -> dict[str, int]:
         return {t: len(q) for t, q in self._queues.items()}
 
-    def tokens_ahead_for(self, req: Request) -> int:
-        """An estimate for backpressure: the tokens of the tenant's own
-        requests ahead of req, as often as there are backlogged tenants to
-        take turns with (at most everything queued)."""
-        own = sum(r.num_tokens for r in self._queues.get(req.tenant, ()) if self._key(r) < self._key(req))
+    def ahead_for(self, req: Request) -> tuple[int, int]:
+        """An estimate for backpressure: the requests and tokens of the
+        tenant's own queue ahead of req, as often as there are backlogged
+        tenants to take turns with (at most everything queued)."""
+        own = [r for r in self._queues.get(req.tenant, ()) if self._key(r)[:-1] <= self._key(req)[:-1]]
         turns = len(self._queues) + (req.tenant not in self._queues)
-        return min(self.num_tokens, own * turns)
+        return min(self._len, len(own) * turns), min(self.num_tokens, sum(r.num_tokens for r in own) * turns)
 
     def __len__(self) -> int:
         return self._len

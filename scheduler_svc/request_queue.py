@@ -21,6 +21,9 @@ class RequestQueue:
         self.num_tokens = 0  # tokens still to compute, over all queued requests
         self._per_tenant: Counter[str] = Counter()
 
+    def begin_step(self) -> None:
+        """The order does not depend on the step (see FairQueue.begin_step)."""
+
     def push(self, req: Request) -> None:
         bisect.insort(self._items, req, key=self._key)
         self.num_tokens += req.num_tokens

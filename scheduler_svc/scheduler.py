@@ -134,6 +134,7 @@ class Scheduler:
         cfg = self.config
         out = SchedulerOutput(step_id=self._step_id, executor_epoch=self.executor_epoch)
         self._step_id += 1
+        self.waiting.begin_step()
         budget = cfg.max_num_batched_tokens
         if self.waiting and self.waiting.peek().num_failed_steps and self._admit(out, budget) is not None:
             # A request whose step failed is retried alone, so a second

@@ -23,18 +23,18 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from tokenizers import Tokenizer
 
+from llmsched.llguidance_tokenizer import make_tokenizer
 from llmsched.security import channel_credentials
 from llmsched.tracing import Tracing, traceparent_of
 from llmsched.v1 import executor_pb2 as epb
 from scheduler_svc import convert, telemetry
-from scheduler_svc.backpressure import AdmissionLimits, StepTimeEstimator, check_admission
+from scheduler_svc.backpressure import AdmissionLimits, Overloaded, StepTimeEstimator, check_admission
 from scheduler_svc.config import SchedulerSettings
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.output_processor import RequestDelta, RequestOutputState
 from scheduler_svc.plan import SampledToken, SchedulerOutput
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from llmsched.llguidance_tokenizer import make_tokenizer
 from scheduler_svc.structured_output import ConstraintCompiler
 from scheduler_svc.tenants import parse_weights
 
@@ -247,7 +247,7 @@ class Engine:
         if reason:
             raise ValueError(reason)
         pending_tokens = sum(r.num_tokens for r in self._pending_adds)
-        ahead = sched.waiting.tokens_ahead_for(request)
+        requests_ahead, tokens_ahead = sched.waiting.ahead_for(request)
         per_tenant = self.settings.max_queued_requests_per_tenant
         if per_tenant:
             queued = sched.waiting.num_waiting_of(request.tenant) + sum(
@@ -259,7 +259,8 @@ class Engine:
             self._admission,
             self.step_time,
             num_queued_requests=len(sched.waiting) + len(self._pending_adds),
-            num_queued_tokens=ahead + pending_tokens,
+            num_queued_tokens=tokens_ahead + pending_tokens,
+            num_requests_ahead=requests_ahead + len(self._pending_adds),
             num_prompt_tokens=request.num_prompt_tokens,
             num_running=len(sched.running),
         )

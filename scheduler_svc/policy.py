@@ -70,6 +70,14 @@ class FairQueue:
         self._queues: dict[str, list[Request]] = {}
         self._len = 0
         self.num_tokens = 0
+        # The output each tenant's admissions in the step being planned may
+        # still produce (weighted, as the counter would be charged). The
+        # counters grow with output only as it is generated, so a step that
+        # admits many requests at once (slots freed together) would
+        # otherwise give them all to whoever was lowest; ordering a step's
+        # admissions by counter + this splits the burst by share. Dropped
+        # at the next step: the counters themselves stay pure VTC.
+        self._admitted_output: dict[str, float] = {}
 
     def push(self, req: Request) -> None:
         queue = self._queues.get(req.tenant)
@@ -80,9 +88,13 @@ class FairQueue:
         self._len += 1
         self.num_tokens += req.num_tokens
 
+    def begin_step(self) -> None:
+        self._admitted_output.clear()
+
     def head_tenant(self) -> str:
         # Ties go to the tenant whose head came first.
-        return min(self._queues, key=lambda t: (self._vtc.counter(t), self._key(self._queues[t][0])))
+        return min(self._queues, key=lambda t: (self._vtc.counter(t) + self._admitted_output.get(t, 0.0),
+                                                self._key(self._queues[t][0])))
 
     def peek(self) -> Request:
         return self._queues[self.head_tenant()][0]
@@ -90,6 +102,9 @@ class FairQueue:
     def pop(self) -> Request:
         tenant = self.head_tenant()
         req = self._queues[tenant].pop(0)
+        vtc = self._vtc
+        expected = vtc.output_weight * (req.sampling.max_tokens - len(req.output_token_ids)) / vtc.weight(tenant)
+        self._admitted_output[tenant] = self._admitted_output.get(tenant, 0.0) + expected
         if not self._queues[tenant]:
             del self._queues[tenant]
             self._vtc.last_left = tenant
@@ -115,13 +130,13 @@ class FairQueue:
     def waiting_by_tenant(self) -> dict[str, int]:
         return {t: len(q) for t, q in self._queues.items()}
 
-    def tokens_ahead_for(self, req: Request) -> int:
-        """An estimate for backpressure: the tokens of the tenant's own
-        requests ahead of req, as often as there are backlogged tenants to
-        take turns with (at most everything queued)."""
-        own = sum(r.num_tokens for r in self._queues.get(req.tenant, ()) if self._key(r) < self._key(req))
+    def ahead_for(self, req: Request) -> tuple[int, int]:
+        """An estimate for backpressure: the requests and tokens of the
+        tenant's own queue ahead of req, as often as there are backlogged
+        tenants to take turns with (at most everything queued)."""
+        own = [r for r in self._queues.get(req.tenant, ()) if self._key(r)[:-1] <= self._key(req)[:-1]]
         turns = len(self._queues) + (req.tenant not in self._queues)
-        return min(self.num_tokens, own * turns)
+        return min(self._len, len(own) * turns), min(self.num_tokens, sum(r.num_tokens for r in own) * turns)
 
     def __len__(self) -> int:
         return self._len

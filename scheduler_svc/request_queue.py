@@ -21,6 +21,9 @@ class RequestQueue:
         self.num_tokens = 0  # tokens still to compute, over all queued requests
         self._per_tenant: Counter[str] = Counter()
 
+    def begin_step(self) -> None:
+        """The order does not depend on the step (see FairQueue.begin_step)."""
+
     def push(self, req: Request) -> None:
         bisect.insort(self._items, req, key=self._key)
         self.num_tokens += req.num_tokens
@@ -45,11 +48,13 @@ class RequestQueue:
         if not self._per_tenant[req.tenant]:
             del self._per_tenant[req.tenant]
 
-    def tokens_ahead_for(self, req: Request) -> int:
-        """Tokens queued in front of req, were it queued now: behind every
-        request with its key (the key ends with the arrival order)."""
+    def ahead_for(self, req: Request) -> tuple[int, int]:
+        """Requests and tokens queued in front of req, were it queued now:
+        behind every request with its key (the key ends with the arrival
+        order)."""
         key = self._key(req)[:-1]
-        return sum(r.num_tokens for r in self._items if self._key(r)[:-1] <= key)
+        ahead = [r for r in self._items if self._key(r)[:-1] <= key]
+        return len(ahead), sum(r.num_tokens for r in ahead)
 
     def num_waiting_of(self, tenant: str) -> int:
         return self._per_tenant[tenant]

@@ -101,10 +101,6 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
-    @property
-    def next_arrival_seq(self) -> int:
-        return self._next_arrival
-
     def order_key(self, req: Request) -> tuple[int, int]:
         """Smaller runs first and is preempted last (within a tenant, under fair)."""
         return self.policy.order_key(req)
@@ -134,6 +130,7 @@ class Scheduler:
         cfg = self.config
         out = SchedulerOutput(step_id=self._step_id, executor_epoch=self.executor_epoch)
         self._step_id += 1
+        self.waiting.begin_step()
         budget = cfg.max_num_batched_tokens
         if self.waiting and self.waiting.peek().num_failed_steps and self._admit(out, budget) is not None:
             # A request whose step failed is retried alone, so a second

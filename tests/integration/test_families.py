@@ -8,12 +8,17 @@ models built and saved by transformers itself (tests/families.py).
 
 Sensitivity: each feature these tests rely on (RoPE scaling, windows,
 soft-caps, the norm variant, the embedding scale, q/k norms, biases,
-partial rotary) is switched off one at a time in
+partial rotary; for the MoE and MLA families attention sinks, router and
+correction biases, group-limited routing, renormalisation, the shared
+expert and its gate, YaRN's attention factor and mscale, rope_interleave,
+the SwiGLU clamp) is switched off one at a time in
 tests/unit/test_families_vs_hf.py::test_hf_oracle_catches_a_missing_feature,
 which shows the same oracle and prompt lengths then fail.
 
 Refusals: a checkpoint the executor cannot serve exactly ends the executor
-at start with a non-zero exit and an error naming what was refused.
+at start with a non-zero exit and an error naming what was refused (MoE
+routing and attention keys among them). The handshake reports each
+family's KV bytes per token (DeepSeek-V3's one latent per layer).
 """
 
 from __future__ import annotations

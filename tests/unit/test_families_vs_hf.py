@@ -5,7 +5,10 @@ window, and next-token log-probs.
 
 Sensitivity: `test_hf_oracle_catches_a_missing_feature` rebuilds the model
 with one feature switched off (RoPE scaling, the window, a soft-cap, the
-norm variant, the embedding scale, q/k norms, biases, partial rotary) and
+norm variant, the embedding scale, q/k norms, biases, partial rotary; MoE
+routing's renormalisation, norm_topk_prob, correction bias, group limit,
+scaling, shared expert and its gate; attention sinks, router bias, the
+SwiGLU clamp, YaRN's attention factor and mscale, rope_interleave) and
 asserts the same comparison then fails, so a pass above is not luck. The
 integration oracle (tests/integration/test_families.py) uses the same
 checkpoints and prompt lengths, so it fails the same way.

@@ -5,7 +5,9 @@ The scheduler owns every host block, as it owns the device's
 (scheduler_svc/host_tier.py); the executor only copies, in the plan's
 order: every swap_out, then every swap_in, then the forward. Under tensor
 parallelism each rank holds its slice of every block (its KV heads), as in
-its device pool, and runs the same copies on it.
+its device pool, and runs the same copies on it. A host block mirrors a
+device block layer by layer (kv_cache.CacheSpec): a K/V pair, or for
+multi-head latent attention the one latent, whole on every rank.
 
 On CUDA the pool is pinned memory and the copies run on a side stream: they
 start after the steps before them (their sources), and the forward waits on
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor_svc.kv_cache import MIB, bytes_per_block, free_memory_bytes
+from executor_svc.kv_cache import MIB, KVCachePool, bytes_per_block, free_memory_bytes
 from executor_svc.model_config import ModelConfig
 from executor_svc.request_rows import PlanError
 from executor_svc.sharding import Shard
@@ -64,15 +66,20 @@ class SwapResult:
 
 
 class HostKVPool:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, shard: Shard = Shard(), fail_host_block: int = -1):
+    """Mirrors a device pool (kv_cache.KVCachePool): each host block holds
+    what a device block holds, layer by layer, as the layer's CacheSpec
+    says (a K/V pair, or MLA's one latent)."""
+
+    def __init__(self, device_pool: KVCachePool, num_blocks: int, device: torch.device, fail_host_block: int = -1):
         self.num_blocks, self.device = num_blocks, device
-        self.block_bytes = bytes_per_block(cfg, block_size, dtype, shard)
-        # [num_blocks, num_layers, 2 (k, v), block_size, this rank's kv heads, head_dim]:
-        # block-major, so a block is one contiguous run and moves in one copy.
-        # Never read before a swap_out writes it, so left unzeroed.
-        self.storage = torch.empty(num_blocks, cfg.num_layers, 2, block_size, shard.num_kv_heads(cfg), cfg.head_dim,
-                                   dtype=dtype, pin_memory=device.type == "cuda")
+        self.block_bytes = device_pool.block_size * device_pool.bytes_per_token
+        layers, tensors, _, block_size, heads, head_dim = device_pool.storage.shape
+        # [num_blocks, num_layers, num_tensors (k, v or the latent), block_size, heads, head_dim]:
+        # the device layout with the block dimension first, so a block is one
+        # contiguous run and moves in one copy. Never read before a swap_out
+        # writes it, so left unzeroed.
+        self.storage = torch.empty(num_blocks, layers, tensors, block_size, heads, head_dim,
+                                   dtype=device_pool.storage.dtype, pin_memory=device.type == "cuda")
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # Fault injection for tests: copies to or from this host block fail.
         self.fail_host_block = fail_host_block
@@ -93,7 +100,7 @@ class HostKVPool:
         failed = [i for i, h in enumerate(host_blocks) if h == self.fail_host_block]
         return [device_blocks[i] for i in keep], [host_blocks[i] for i in keep], failed
 
-    def swap(self, device_storage: torch.Tensor,  # [num_layers, 2, num_device_blocks, block_size, kvh, head_dim]
+    def swap(self, device_storage: torch.Tensor,  # [num_layers, num_tensors, num_device_blocks, block_size, heads, head_dim]
              out_device: list[int], out_host: list[int], in_host: list[int], in_device: list[int]) -> SwapResult:
         """Copies out_device -> out_host, then in_host -> in_device."""
         num_device_blocks = device_storage.shape[2]
@@ -124,7 +131,7 @@ class HostKVPool:
         if not device_blocks:
             return
         d = torch.tensor(device_blocks, dtype=torch.int64, device=self.device)
-        blocks = device_storage[:, :, d].permute(2, 0, 1, 3, 4, 5)  # [n, layers, 2, block_size, kvh, head_dim]
+        blocks = device_storage[:, :, d].permute(2, 0, 1, 3, 4, 5)  # [n, layers, tensors, block_size, heads, head_dim]
         if self.stream is None:
             self.storage[torch.tensor(host_blocks)] = blocks
             return
@@ -137,7 +144,7 @@ class HostKVPool:
             return
         d = torch.tensor(device_blocks, dtype=torch.int64, device=self.device)
         if self.stream is None:
-            blocks = self.storage[torch.tensor(host_blocks)]  # [n, layers, 2, block_size, kvh, head_dim]
+            blocks = self.storage[torch.tensor(host_blocks)]  # [n, layers, tensors, block_size, heads, head_dim]
         else:
             blocks = torch.empty((len(host_blocks), *self.storage.shape[1:]), dtype=self.storage.dtype,
                                  device=self.device)

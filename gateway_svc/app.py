@@ -153,7 +153,7 @@ class Gateway:
         for prompt in body.prompts():
             for sub in range(body.n):
                 r = spb.GenerateRequest(sampling=_sampling(body, body.max_tokens, body.logprobs, sub),
-                                        priority=body.priority)
+                                        priority=body.priority, cache_salt=body.cache_salt)
                 if isinstance(prompt, str):
                     r.prompt = prompt
                 else:
@@ -188,6 +188,7 @@ class Gateway:
         max_tokens = body.resolved_max_tokens() or DEFAULT_CHAT_MAX_TOKENS
         # The rendered template already spells out BOS and friends.
         requests = [(sub, spb.GenerateRequest(prompt=prompt, add_special_tokens=False, priority=body.priority,
+                                              cache_salt=body.cache_salt,
                                               sampling=_sampling(body, max_tokens, num_logprobs, sub),
                                               structured=constraint.structured if constraint else None))
                     for sub in range(body.n)]

@@ -64,6 +64,8 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, fields: Mapping[str, str | None] |
                             type_="service_unavailable_error")
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return RequestError(None, message, status=401, code="invalid_api_key", type_="authentication_error")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return RequestError(None, message, status=403, type_="permission_error")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return RequestError(None, message, status=504, type_="timeout_error")
     return RequestError(None, f"{code.name}: {message}", status=500, type_="internal_error")

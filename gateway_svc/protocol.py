@@ -134,6 +134,9 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
+    # Only requests with the same salt share prefix-cache blocks; checked by
+    # the scheduler (GenerateRequest.cache_salt).
+    cache_salt: str | None = None
     # Constraints (gateway_svc/structured.py): OpenAI's response_format,
     # and vLLM's structured_outputs and older guided_* extras.
     response_format: ResponseFormat | None = None

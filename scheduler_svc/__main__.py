@@ -14,6 +14,7 @@ from llmsched.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerSettings
 from scheduler_svc.engine import Engine
 from scheduler_svc.service import SchedulerService
+from scheduler_svc.tenants import ApiKeys
 
 log = logging.getLogger("scheduler_svc")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
@@ -37,8 +38,9 @@ async def serve(settings: SchedulerSettings) -> int:
     tracing = setup_tracing("scheduler")
     srv.start_metrics_server(settings.metrics_port, settings.host, "SCHEDULER_METRICS_PORT")
     engine = Engine(settings, tracing, on_serving_change)
-    keys = load_api_keys(settings.api_keys, settings.api_keys_file)
-    service = SchedulerService(engine, tracing, api_keys_on=bool(keys))
+    entries = load_api_keys(settings.api_keys, settings.api_keys_file)
+    api_keys = ApiKeys.parse(entries) if entries else None
+    service = SchedulerService(engine, tracing, api_keys=api_keys)
     server, port, health = srv.create_server(
         f"{settings.host}:{settings.port}",
         "SCHEDULER_PORT",
@@ -46,7 +48,7 @@ async def serve(settings: SchedulerSettings) -> int:
         [SERVICE_NAME],
         settings.max_message_bytes,
         credentials=server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca),
-        interceptors=[ApiKeyInterceptor(keys)] if keys else [],
+        interceptors=[ApiKeyInterceptor(api_keys.keys)] if api_keys else [],
     )
     health_ref["servicer"] = health
     # NOT_SERVING until an executor is connected: probes and launchers

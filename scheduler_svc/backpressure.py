@@ -101,10 +101,14 @@ def check_admission(
     num_queued_tokens: int,
     num_prompt_tokens: int,
     num_running: int,
+    num_requests_ahead: int | None = None,
 ) -> None:
-    """Raises Overloaded with the reason and a retry hint."""
+    """Raises Overloaded with the reason and a retry hint. The wait is
+    predicted from the requests ahead of this one (all that are queued,
+    unless the policy says fewer) and num_queued_tokens, the tokens ahead."""
+    ahead = num_queued_requests if num_requests_ahead is None else num_requests_ahead
     wait_s = estimator.predict_wait_s(num_queued_tokens + num_prompt_tokens, num_running, limits.token_budget,
-                                      num_queued_requests, limits.max_num_seqs)
+                                      ahead, limits.max_num_seqs)
     if num_queued_requests + 1 > limits.max_queued_requests:
         raise Overloaded(f"waiting queue is full ({num_queued_requests} requests)", _retry_ms(wait_s))
     if num_queued_tokens + num_prompt_tokens > limits.max_queued_tokens:

@@ -52,9 +52,23 @@ class SchedulerSettings(BaseSettings):
     # stalling them for a whole prefill.
     max_prefill_chunk: int = Field(
         default=512, ge=1, description="Most prompt tokens of one request per step (chunked prefill).")
-    policy: Literal["fcfs", "priority"] = Field(
+    policy: Literal["fcfs", "priority", "fair"] = Field(
         default="fcfs", description="`fcfs`: arrival order. `priority`: `GenerateRequest.priority` (lower = more "
-        "urgent), then arrival. Used both for admission and for choosing preemption victims.")
+        "urgent), then arrival. `fair`: the Virtual Token Counter across tenants (each tenant's share of the "
+        "service follows its weight; a flood from one cannot starve another), priority then arrival within a "
+        "tenant. Used both for admission and for choosing preemption victims.")
+    tenant_weights: str = Field(
+        default="", description="`fair`: tenants' weights, as `teamA=2,teamB=1`; a tenant not named weighs 1. A "
+        "tenant's share of the service while backlogged is its weight over the sum of the backlogged tenants'.")
+    prompt_token_weight: float = Field(
+        default=1.0, gt=0, description="`fair`: the service one computed prompt token counts for (a prompt token "
+        "served from the prefix cache counts nothing).")
+    output_token_weight: float = Field(
+        default=2.0, gt=0, description="`fair`: the service one generated token counts for.")
+    prefix_cache_scope: Literal["global", "tenant"] = Field(
+        default="global", description="`global`: every request may reuse any request's cached prefix. `tenant`: "
+        "prefix-cache blocks are salted by tenant, so a tenant never hits (and cannot time) another tenant's "
+        "prompts. A request's `cache_salt` overrides either: only requests with the same salt share.")
     enable_prefix_caching: bool = Field(
         default=True, description="Reuse the KV of full blocks shared with earlier requests.")
     preemption_mode: Literal["auto", "recompute", "swap"] = Field(
@@ -66,6 +80,13 @@ class SchedulerSettings(BaseSettings):
     max_queued_requests: int = Field(
         default=4096, ge=1, description="Backpressure: most requests waiting for admission; more are refused with "
         "RESOURCE_EXHAUSTED.")
+    max_queued_requests_per_tenant: int = Field(
+        default=0, ge=0, description="Backpressure per tenant: most requests one tenant may have waiting; more "
+        "are refused with RESOURCE_EXHAUSTED (and `retry-after-ms`) before the global limits shed everyone. 0 = "
+        "no per-tenant limit.")
+    max_tenant_labels: int = Field(
+        default=32, ge=1, description="Most tenants that get their own label in per-tenant metrics; later ones "
+        "are counted under `other`, so the number of series stays bounded.")
     max_queued_tokens: int = Field(
         default=1_048_576, ge=1, description="Backpressure: most prompt tokens waiting for admission.")
     max_queue_delay_ms: float = Field(
@@ -99,8 +120,11 @@ class SchedulerSettings(BaseSettings):
     # without a key (llmsched/security.py).
     api_keys: str = Field(
         default="", description="Comma-separated API keys for the public API; clients send "
-        "`authorization: Bearer <key>`, and a missing or wrong key gets UNAUTHENTICATED. Empty here and in "
-        "`SCHEDULER_API_KEYS_FILE` = no authentication. Health and reflection stay open.")
+        "`authorization: Bearer <key>`, and a missing or wrong key gets UNAUTHENTICATED. An entry `tenant:key` "
+        "gives its key's requests that tenant; a bare key is a tenant of its own, named `key-` and a digest that "
+        "does not reveal the key. Empty here and in `SCHEDULER_API_KEYS_FILE` = no authentication, and requests "
+        "belong to the tenant they name (trusted networks only). Health and reflection stay open.")
     api_keys_file: str = Field(
-        default="", description="File of API keys, one per line; adds to `SCHEDULER_API_KEYS`.")
+        default="", description="File of API keys (or `tenant:key` entries), one per line; adds to "
+        "`SCHEDULER_API_KEYS`.")
     log_level: str = Field(default="INFO", description="Python log level.")

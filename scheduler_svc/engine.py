@@ -16,26 +16,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from tokenizers import Tokenizer
 
+from llmsched.errors import StartupError
+from llmsched.llguidance_tokenizer import make_tokenizer
 from llmsched.security import channel_credentials
 from llmsched.tracing import Tracing, traceparent_of
 from llmsched.v1 import executor_pb2 as epb
 from scheduler_svc import convert, telemetry
-from scheduler_svc.backpressure import AdmissionLimits, StepTimeEstimator, check_admission
+from scheduler_svc.backpressure import AdmissionLimits, Overloaded, StepTimeEstimator, check_admission
 from scheduler_svc.config import SchedulerSettings
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.output_processor import RequestDelta, RequestOutputState
 from scheduler_svc.plan import SampledToken, SchedulerOutput
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from llmsched.llguidance_tokenizer import make_tokenizer
 from scheduler_svc.structured_output import ConstraintCompiler
+from scheduler_svc.tenants import parse_weights
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,11 @@ class Engine:
         self.stalled = False
         self._watchdog: asyncio.Task | None = None
         self.step_time = StepTimeEstimator()
+        # SCHEDULER_POLICY=fair's tenant weights; a bad value stops the start.
+        self.tenant_weights = parse_weights(settings.tenant_weights)
+        telemetry.TenantLabels.limit = settings.max_tenant_labels
+        # Per tenant, the (prompt, output) tokens served already published.
+        self._tenants_published: dict[str, tuple[int, int]] = {}
         self._admission = AdmissionLimits(
             settings.max_queued_requests, settings.max_queued_tokens, settings.max_queue_delay_ms,
             token_budget=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
@@ -126,6 +133,11 @@ class Engine:
 
     async def start(self) -> None:
         await self._connect(self.settings.executor_connect_timeout_s)
+        if self.settings.preemption_mode == "swap" and not self.info.num_host_kv_blocks:
+            # Refused by name rather than quietly recomputing every victim.
+            raise StartupError(f"SCHEDULER_PREEMPTION_MODE=swap: the executor at {self.settings.executor_address} "
+                               "has no host KV tier (EXECUTOR_HOST_KV_CACHE_MEMORY_MB=0); give it one, or use "
+                               "auto or recompute")
         self._task = asyncio.create_task(self._run(), name="engine-loop")
         self._watchdog = asyncio.create_task(self._watch_progress(), name="engine-watchdog")
 
@@ -196,10 +208,15 @@ class Engine:
                     enable_prefix_caching=self.settings.enable_prefix_caching,
                     num_host_blocks=info.num_host_kv_blocks,
                     preemption_mode=self.settings.preemption_mode,
+                    prompt_token_weight=self.settings.prompt_token_weight,
+                    output_token_weight=self.settings.output_token_weight,
+                    tenant_weights=tuple(self.tenant_weights.items()),
                 ),
                 swap_cost=self.step_time,
             )
-            if self.settings.preemption_mode == "swap" and not info.num_host_kv_blocks:
+            if self.settings.preemption_mode == "swap" and not info.num_host_kv_blocks and self.info is not None:
+                # At start-up this is refused (start()); an executor that comes
+                # back without its host tier is served, recomputing victims.
                 log.warning("SCHEDULER_PREEMPTION_MODE=swap, but the executor has no host KV tier "
                             "(EXECUTOR_HOST_KV_CACHE_MEMORY_MB=0): preempted requests recompute")
             self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
@@ -244,21 +261,26 @@ class Engine:
         if reason:
             raise ValueError(reason)
         pending_tokens = sum(r.num_tokens for r in self._pending_adds)
-        if sched.config.policy == "priority":
-            ahead = sched.waiting.tokens_ahead_of((request.priority, sched.next_arrival_seq))
-        else:
-            ahead = sched.waiting.num_tokens
+        requests_ahead, tokens_ahead = sched.waiting.ahead_for(request)
+        per_tenant = self.settings.max_queued_requests_per_tenant
+        if per_tenant:
+            queued = sched.waiting.num_waiting_of(request.tenant) + sum(
+                1 for r in self._pending_adds if r.tenant == request.tenant)
+            if queued + 1 > per_tenant:
+                raise Overloaded(f"tenant {request.tenant!r} has {queued} requests waiting, its limit "
+                                 "(SCHEDULER_MAX_QUEUED_REQUESTS_PER_TENANT)", 1000)
         check_admission(
             self._admission,
             self.step_time,
             num_queued_requests=len(sched.waiting) + len(self._pending_adds),
-            num_queued_tokens=ahead + pending_tokens,
+            num_queued_tokens=tokens_ahead + pending_tokens,
+            num_requests_ahead=requests_ahead + len(self._pending_adds),
             num_prompt_tokens=request.num_prompt_tokens,
             num_running=len(sched.running),
         )
         stream = RequestStream(
             state=RequestOutputState(request, self.tokenizer),
-            telemetry=telemetry.RequestTelemetry(span, self.tracing.enabled),
+            telemetry=telemetry.RequestTelemetry(span, self.tracing.enabled, request.tenant),
             owner=owner,
         )
         stream.telemetry.on_queued(request.num_prompt_tokens)
@@ -463,6 +485,8 @@ class Engine:
             tokens_held=sum(min(r.num_computed_tokens, r.num_tokens) for r in sched.running),
             slots_allocated=block_size * sum(len(tables[r.request_id]) for r in sched.running),
         )
+        telemetry.record_tenants(sched.policy.served, self._tenants_published, sched.waiting.waiting_by_tenant(),
+                                 Counter(r.tenant for r in sched.running), sched.policy.counters)
         if self.tracing.enabled:
             entries = out.entries.values()
             decode = sum(1 for e in entries if e.num_tokens == 1 and e.start >= e.request.num_prompt_tokens)

@@ -89,8 +89,9 @@ class KVCacheManager:
         if len(hashes) < num_full_blocks:
             tokens = request.all_token_ids
             bs = self.block_size
+            root = hash_block(ROOT_HASH + request.prefix_salt, []) if request.prefix_salt else ROOT_HASH
             for i in range(len(hashes), num_full_blocks):
-                parent = hashes[-1] if hashes else ROOT_HASH
+                parent = hashes[-1] if hashes else root
                 hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
 

@@ -84,6 +84,15 @@ class Request:
     # The compiled `structured` constraint (structured_output.py), enforced
     # by the executor; None = free generation.
     constraint: CompiledConstraint | None = None
+    # Whose request this is (tenants.py), for fair share, per-tenant limits
+    # and metrics.
+    tenant: str = "default"
+    # What its prefix-cache hashes are salted with (tenants.prefix_salt):
+    # only requests with the same salt share blocks.
+    prefix_salt: bytes = b""
+    # Prompt positions already counted as served (policy.py): recomputing
+    # them after a preemption does not count again.
+    num_charged_prompt_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -31,7 +31,7 @@ from scheduler_svc.host_tier import SwappedOut
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_needed
 from scheduler_svc.plan import NewRequestData, SampledToken, ScheduledRequest, SchedulerOutput
 from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.request_queue import RequestQueue
+from scheduler_svc.policy import make_policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +48,14 @@ class SchedulerConfig:
     max_prefill_chunk: int = 512
     # fcfs: arrival order. priority: `priority` first (lower = more urgent),
     # then arrival; both for admission and for choosing preemption victims.
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    # fair: VTC across tenants (policy.py).
+    policy: Literal["fcfs", "priority", "fair"] = "fcfs"
     enable_prefix_caching: bool = True
+    # fair: the service a prompt and an output token count for, and the
+    # tenants' weights ((tenant, weight) pairs; others weigh 1).
+    prompt_token_weight: float = 1.0
+    output_token_weight: float = 2.0
+    tenant_weights: tuple[tuple[str, float], ...] = ()
     # Blocks in the executor's host KV tier; 0 = none.
     num_host_blocks: int = 0
     # How a victim is preempted: swap its KV out to the host tier, or drop
@@ -77,7 +83,9 @@ class Scheduler:
         # Without measurements, a copy is taken to be cheaper: it moves the
         # block's bytes, where recomputing runs the whole model on its tokens.
         self.swap_cost = swap_cost or _AlwaysSwap()
-        self.waiting = RequestQueue(self.order_key)
+        self.policy = make_policy(config.policy, config.prompt_token_weight, config.output_token_weight,
+                                  dict(config.tenant_weights))
+        self.waiting = self.policy.make_queue()
         # Sorted by order_key: the last one is the first to be preempted.
         self.running: list[Request] = []
         self._next_arrival = 0
@@ -128,13 +136,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
-    @property
-    def next_arrival_seq(self) -> int:
-        return self._next_arrival
-
     def order_key(self, req: Request) -> tuple[int, int]:
-        """Smaller runs first and is preempted last."""
-        return (req.priority if self.config.policy == "priority" else 0, req.arrival_seq)
+        """Smaller runs first and is preempted last (within a tenant, under fair)."""
+        return self.policy.order_key(req)
 
     def _alloc_handle(self) -> int:
         # Reusing small handles keeps the plan's varints short.
@@ -161,6 +165,7 @@ class Scheduler:
         cfg = self.config
         out = SchedulerOutput(step_id=self._step_id, executor_epoch=self.executor_epoch)
         self._step_id += 1
+        self.waiting.begin_step()
         budget = cfg.max_num_batched_tokens
         if self.waiting and self.waiting.peek().num_failed_steps and self._admit(out, budget) is not None:
             # A request whose step failed is retried alone, so a second
@@ -176,7 +181,9 @@ class Scheduler:
             n = self._num_tokens_to_schedule(req, budget)
             new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
-                victim = self.running[-1]
+                # Only from those not yet in this plan: a victim scheduled
+                # already would be forgotten before the step that names it.
+                victim = self.policy.pick_victim(self.running[i:])
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -271,6 +278,7 @@ class Scheduler:
             self.num_recomputed_tokens[req.lost_cause] += min(start + n, req.num_lost_tokens) - start
         samples = start + n == req.num_tokens_with_placeholders
         out.entries[req.handle] = ScheduledRequest(req, n, start, samples, req.epoch)
+        self.policy.charge(req, start, n, samples)
         req.num_computed_tokens += n
         if samples:
             req.num_output_placeholders += 1

@@ -14,14 +14,14 @@ from llmsched.security import api_key_owner
 from llmsched.tracing import Tracing, context_from_metadata
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
-from scheduler_svc import convert
-from scheduler_svc.telemetry import record_rejected
+from scheduler_svc import convert, telemetry
 from scheduler_svc.backpressure import Overloaded
 from scheduler_svc.detokenizer import token_text_decoder
 from scheduler_svc.engine import Engine, Unavailable
 from scheduler_svc.output_processor import RequestDelta
 from scheduler_svc.request import Request
 from scheduler_svc.structured_output import spec_from_proto
+from scheduler_svc.tenants import DEFAULT_TENANT, MAX_CACHE_SALT_CHARS, TENANT_NAME, ApiKeys, prefix_salt
 from scheduler_svc.validation import InvalidRequest, Limits, sampling_from_proto, validate_prompt
 
 log = logging.getLogger(__name__)
@@ -32,15 +32,26 @@ INLINE_TOKENIZE_CHARS = 4096
 
 
 class SchedulerService(spb_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, tracing: Tracing, api_keys_on: bool = False):
+    def __init__(self, engine: Engine, tracing: Tracing, api_keys: ApiKeys | None = None):
         self.engine = engine
         self.tracing = tracing
         # With API keys on, a request belongs to the key that created it and
-        # only that key can Abort it.
-        self.api_keys_on = api_keys_on
+        # only that key can Abort it; its tenant is the key's.
+        self.api_keys = api_keys
 
     def _owner(self, context: grpc.aio.ServicerContext) -> str | None:
-        return api_key_owner(context.invocation_metadata()) if self.api_keys_on else None
+        return api_key_owner(context.invocation_metadata()) if self.api_keys else None
+
+    def _tenant(self, msg: spb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+        if self.api_keys is not None:
+            # The interceptor let the call in, so the key is one of ours.
+            tenant = self.api_keys.tenant_of(context.invocation_metadata()) or DEFAULT_TENANT
+            if msg.tenant and msg.tenant != tenant:
+                raise PermissionDenied(f"tenant: this API key's requests belong to its own tenant, not {msg.tenant!r}")
+            return tenant
+        if msg.tenant and not TENANT_NAME.fullmatch(msg.tenant):
+            raise InvalidRequest("tenant", "1-64 characters of [A-Za-z0-9_.-], starting with a letter or digit")
+        return msg.tenant or DEFAULT_TENANT
 
     def _limits(self) -> Limits:
         info, s = self.engine.info, self.engine.settings
@@ -53,12 +64,16 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             max_stop_token_ids=s.max_stop_token_ids,
         )
 
-    async def _build_request(self, msg: spb.GenerateRequest) -> Request:
+    async def _build_request(self, msg: spb.GenerateRequest, context: grpc.aio.ServicerContext) -> Request:
         engine = self.engine
         if engine.info is None or engine.tokenizer is None:
             raise Unavailable("no executor is connected")
         limits = self._limits()
         validate_prompt(msg, limits)
+        tenant = self._tenant(msg, context)
+        cache_salt = msg.cache_salt if msg.HasField("cache_salt") else None
+        if cache_salt is not None and not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise InvalidRequest("cache_salt", f"1-{MAX_CACHE_SALT_CHARS} characters when set, got {len(cache_salt)}")
         constraint = None
         if msg.HasField("structured"):
             spec = spec_from_proto(msg.structured)
@@ -96,6 +111,8 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             eos_token_ids=frozenset(engine.info.eos_token_ids),
             priority=msg.priority,
             constraint=constraint,
+            tenant=tenant,
+            prefix_salt=prefix_salt(tenant, cache_salt, engine.settings.prefix_cache_scope),
         )
 
     async def Generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -109,13 +126,15 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             span.end()
 
     async def _reject(self, context, span, code: grpc.StatusCode, reason: str, message: str) -> None:
-        record_rejected(span, self.tracing.enabled, reason, message)
+        telemetry.record_rejected(span, self.tracing.enabled, reason, message)
         span.set_status(trace.Status(trace.StatusCode.ERROR, message))
         await context.abort(code, message)
 
     async def _generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext, span: trace.Span):
+        req_tenant = request.tenant or DEFAULT_TENANT
         try:
-            req = await self._build_request(request)
+            req = await self._build_request(request, context)
+            req_tenant = req.tenant
             if self.tracing.enabled:
                 span.set_attributes({
                     "gen_ai.operation.name": "text_completion",
@@ -127,15 +146,19 @@ class SchedulerService(spb_grpc.SchedulerServicer):
                     "llmsched.request_id": req.request_id,
                     "llmsched.priority": req.priority,
                     "llmsched.constraint": req.constraint.kind if req.constraint else "",
+                    "llmsched.tenant": req.tenant,
                 })
             owner = self._owner(context)
             stream = self.engine.submit(req, span, owner)
         except InvalidRequest as exc:
             await self._reject(context, span, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
+        except PermissionDenied as exc:
+            await self._reject(context, span, grpc.StatusCode.PERMISSION_DENIED, "permission_denied", str(exc))
         except Unavailable as exc:
             await self._reject(context, span, grpc.StatusCode.UNAVAILABLE, "unavailable", str(exc))
         except Overloaded as exc:
             context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+            telemetry.record_shed(req_tenant)
             await self._reject(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", f"overloaded: {exc}")
         except ValueError as exc:  # can never fit, or a duplicate id
             await self._reject(context, span, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
@@ -172,6 +195,10 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         if not info:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is connected")
         return spb.ServerInfo(**info)
+
+
+class PermissionDenied(Exception):
+    """The request asks for what its API key may not: another tenant."""
 
 
 def _without_finish(delta: RequestDelta) -> RequestDelta:

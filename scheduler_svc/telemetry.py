@@ -69,15 +69,77 @@ for _tier in ("device", "host"):
 for _direction, _reason in (("out", "spill"), ("out", "preemption"), ("in", "prefix_hit"), ("in", "resume")):
     SWAPPED_BLOCKS.labels(_direction, _reason)
 
+# Per tenant; the label is TenantLabels'.
+TENANT_SERVED = Counter("llmsched_tenant_served_tokens", "Tokens served per tenant: prompt tokens computed, "
+                        "output tokens generated", ["tenant", "kind"])
+TENANT_WAITING = Gauge("llmsched_tenant_requests_waiting", "Requests waiting for admission, per tenant", ["tenant"])
+TENANT_RUNNING = Gauge("llmsched_tenant_requests_running", "Requests in the running set, per tenant", ["tenant"])
+TENANT_TTFT = Histogram("llmsched_tenant_time_to_first_token_seconds", "Arrival to first token, per tenant",
+                        ["tenant"], buckets=_LATENCY_BUCKETS)
+TENANT_SHED = Counter("llmsched_tenant_requests_shed", "Requests refused with RESOURCE_EXHAUSTED, per tenant",
+                      ["tenant"])
+TENANT_COUNTER = Gauge("llmsched_tenant_virtual_token_counter",
+                       "SCHEDULER_POLICY=fair: each tenant's virtual token counter (weighted service)", ["tenant"])
+OTHER_TENANTS = "other"
+
+
+class TenantLabels:
+    """Bounds the per-tenant series: the first `limit` tenants seen get a
+    label of their own, the rest share `other`."""
+
+    limit = 32
+    _named: set[str] = set()
+
+    @classmethod
+    def of(cls, tenant: str) -> str:
+        if tenant in cls._named:
+            return tenant
+        if len(cls._named) < cls.limit:
+            cls._named.add(tenant)
+            return tenant
+        return OTHER_TENANTS
+
+
+def record_shed(tenant: str) -> None:
+    TENANT_SHED.labels(TenantLabels.of(tenant)).inc()
+
+
+def record_tenants(served: dict[str, list[int]], last_served: dict[str, tuple[int, int]],
+                   waiting: dict[str, int], running: dict[str, int], counters: dict[str, float]) -> None:
+    """After a step: the service each tenant got since the last call, and
+    its load now. Tenants no longer waiting or running read 0."""
+    for tenant, (prompt, output) in served.items():
+        before = last_served.get(tenant, (0, 0))
+        label = TenantLabels.of(tenant)
+        if prompt > before[0]:
+            TENANT_SERVED.labels(label, "prompt").inc(prompt - before[0])
+        if output > before[1]:
+            TENANT_SERVED.labels(label, "output").inc(output - before[1])
+        last_served[tenant] = (prompt, output)
+    waiting_by, running_by, counter_by = {}, {}, {}
+    for tenant in set(served) | set(waiting) | set(running) | set(counters):
+        label = TenantLabels.of(tenant)
+        waiting_by[label] = waiting_by.get(label, 0) + waiting.get(tenant, 0)
+        running_by[label] = running_by.get(label, 0) + running.get(tenant, 0)
+        if tenant in counters:
+            counter_by[label] = max(counter_by.get(label, 0.0), counters[tenant])
+    for label, n in waiting_by.items():
+        TENANT_WAITING.labels(label).set(n)
+    for label, n in running_by.items():
+        TENANT_RUNNING.labels(label).set(n)
+    for label, c in counter_by.items():
+        TENANT_COUNTER.labels(label).set(c)
+
 
 def is_linked_step(index: int) -> bool:
     return index < NUM_LINKED_FIRST_STEPS or (index & (index - 1)) == 0
 
 
 class RequestTelemetry:
-    def __init__(self, span: trace.Span, tracing: bool):
+    def __init__(self, span: trace.Span, tracing: bool, tenant: str = "default"):
         self.span = span
         self.tracing = tracing
+        self.tenant = tenant
         self.arrival = time.monotonic()
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
@@ -109,6 +171,7 @@ class RequestTelemetry:
         if self.first_token is None:
             self.first_token = now
             TIME_TO_FIRST_TOKEN.observe(now - self.arrival)
+            TENANT_TTFT.labels(TenantLabels.of(self.tenant)).observe(now - self.arrival)
             if self.tracing:
                 self.span.add_event("first_token")
         elif self.last_token is not None and num_tokens:

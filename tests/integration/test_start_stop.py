@@ -90,6 +90,11 @@ CASES = {
     "second-executor-on-a-port-in-use": lambda pair, tmp, ckpt: BadStart(
         "executor_svc", {"EXECUTOR_PORT": str(pair.executor_port)},
         f"EXECUTOR_PORT={pair.executor_port}: address already in use"),
+    "bad-tenant-weight": lambda pair, tmp, ckpt: BadStart(
+        "scheduler_svc", {"SCHEDULER_TENANT_WEIGHTS": "teamA=2,teamB=0"}, "SCHEDULER_TENANT_WEIGHTS: the weight of "
+        "'teamB' must be a finite number > 0"),
+    "bad-tenant-in-an-api-key-entry": lambda pair, tmp, ckpt: BadStart(
+        "scheduler_svc", {"SCHEDULER_API_KEYS": "team A:secret"}, "SCHEDULER_API_KEYS: tenant 'team A'"),
     "second-scheduler-on-a-port-in-use": lambda pair, tmp, ckpt: BadStart(
         "scheduler_svc", {"SCHEDULER_PORT": str(pair.scheduler_port)},
         f"SCHEDULER_PORT={pair.scheduler_port}: address already in use"),

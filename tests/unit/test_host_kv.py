@@ -11,12 +11,12 @@ from executor_svc.attention import make_backend
 from executor_svc.checkpoint import load_checkpoint
 from executor_svc.host_kv import HostKVPool, host_pool_num_blocks
 from executor_svc.kv_cache import KVCachePool, bytes_per_block
-from executor_svc.model import build_model
-from executor_svc.model_config import ModelConfig
+from executor_svc.families import build_model, read_config
 from executor_svc.runner import ModelRunner, NewRequestData, PlanError, StepInput
 from executor_svc.sampler import SamplingSettings
 from llmsched.errors import StartupError
 from tests.oracle import hf_greedy
+from tests.unit.test_mla import DEEPSEEK_V3
 
 GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=0)
 BLOCK = 4
@@ -26,7 +26,7 @@ PROMPT = [1, 403, 407, 261, 378, 300, 301, 302, 303, 304]  # 10 tokens: 3 blocks
 @pytest.fixture(scope="module")
 def model_and_cfg(stories_path):
     ckpt = load_checkpoint(str(stories_path))
-    cfg = ModelConfig.from_hf(ckpt.hf_config)
+    cfg = read_config(ckpt.hf_config)
     return build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, torch.device("cpu"), torch.float32), cfg
 
 
@@ -34,7 +34,7 @@ def make_runner(model_and_cfg, fail_host_block=-1):
     model, cfg = model_and_cfg
     cpu = torch.device("cpu")
     pool = KVCachePool(cfg, 32, BLOCK, cpu, torch.float32)
-    host = HostKVPool(cfg, 16, BLOCK, cpu, torch.float32, fail_host_block=fail_host_block)
+    host = HostKVPool(pool, 16, cpu, fail_host_block=fail_host_block)
     return ModelRunner(model, pool, make_backend("torch"), cpu, host_kv=host)
 
 
@@ -97,3 +97,21 @@ def test_a_host_tier_larger_than_memavailable_is_refused_by_name(model_and_cfg, 
         host_pool_num_blocks(cfg, BLOCK, torch.float32, 200)
     with pytest.raises(StartupError, match=r"needs 128 MiB \(2 ranks on this node\)"):
         host_pool_num_blocks(cfg, BLOCK, torch.float32, 64, ranks_on_node=2)
+
+
+def test_host_blocks_mirror_each_layers_cache_an_mla_latent_or_a_kv_pair(model_and_cfg):
+    """A host block holds what a device block holds: for MLA one latent per
+    token and layer (not K and V), and it comes back bit for bit."""
+    cpu = torch.device("cpu")
+    mla_cfg = read_config(DEEPSEEK_V3 | {"num_hidden_layers": 2, "kv_lora_rank": 8, "qk_rope_head_dim": 4})
+    for cfg, per_layer in [(mla_cfg, (1, 1, 12)), (model_and_cfg[1], (2, model_and_cfg[1].num_kv_heads, model_and_cfg[1].head_dim))]:
+        pool = KVCachePool(cfg, 6, BLOCK, cpu, torch.float32)
+        host = HostKVPool(pool, 3, cpu)
+        assert host.storage.shape == (3, cfg.num_layers, per_layer[0], BLOCK, *per_layer[1:])
+        assert host.block_bytes == bytes_per_block(cfg, BLOCK, torch.float32)
+        pool.storage.copy_(torch.randn_like(pool.storage))
+        before = pool.storage[:, :, [1, 4]].clone()
+        assert host.swap(pool.storage, [1, 4], [2, 0], [], []).failed_outs == []
+        pool.storage[:, :, [1, 4]] = float("nan")
+        host.swap(pool.storage, [], [], [2, 0], [5, 3])
+        assert torch.equal(pool.storage[:, :, [5, 3]], before)

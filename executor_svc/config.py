@@ -97,9 +97,10 @@ class ExecutorSettings(BaseSettings):
     debug_fail_on_token: int = Field(
         default=-1, description="Fault injection for tests: a step whose batch holds this token id fails with an "
         "exception, as a broken forward pass would. -1 = off.")
-    debug_fail_swap_host_block: int = Field(
-        default=-1, description="Fault injection for tests: every copy to or from this host KV block fails (the "
-        "step's result names it in `failed_swap_outs` / `failed_swap_ins`). -1 = off.")
+    debug_fail_swap_every: int = Field(
+        default=0, ge=0, description="Fault injection for tests: every n-th block copy between the device pool and "
+        "the host KV tier fails, counted over the process's life (the step's result names it in `failed_swap_outs` / "
+        "`failed_swap_ins`). 0 = off.")
     tls_cert: str = Field(
         default="", description="PEM certificate file: TLS on the step channel (with `EXECUTOR_TLS_KEY`).")
     tls_key: str = Field(default="", description="PEM private key file of `EXECUTOR_TLS_CERT`.")

@@ -70,7 +70,7 @@ class HostKVPool:
     what a device block holds, layer by layer, as the layer's CacheSpec
     says (a K/V pair, or MLA's one latent)."""
 
-    def __init__(self, device_pool: KVCachePool, num_blocks: int, device: torch.device, fail_host_block: int = -1):
+    def __init__(self, device_pool: KVCachePool, num_blocks: int, device: torch.device, fail_every: int = 0):
         self.num_blocks, self.device = num_blocks, device
         self.block_bytes = device_pool.block_size * device_pool.bytes_per_token
         layers, tensors, _, block_size, heads, head_dim = device_pool.storage.shape
@@ -81,8 +81,8 @@ class HostKVPool:
         self.storage = torch.empty(num_blocks, layers, tensors, block_size, heads, head_dim,
                                    dtype=device_pool.storage.dtype, pin_memory=device.type == "cuda")
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # Fault injection for tests: copies to or from this host block fail.
-        self.fail_host_block = fail_host_block
+        # Fault injection for tests: every fail_every-th copy fails (0: none).
+        self.fail_every, self._num_copies = fail_every, 0
 
     def _check(self, what: str, device_blocks: list[int], host_blocks: list[int], num_device_blocks: int) -> None:
         if len(device_blocks) != len(host_blocks):
@@ -94,10 +94,11 @@ class HostKVPool:
 
     def _split(self, device_blocks: list[int], host_blocks: list[int]) -> tuple[list[int], list[int], list[int]]:
         """(device, host) of the pairs to copy, and the indices that fail."""
-        if self.fail_host_block < 0 or self.fail_host_block not in host_blocks:
+        first, self._num_copies = self._num_copies, self._num_copies + len(host_blocks)
+        if not self.fail_every:
             return device_blocks, host_blocks, []
-        keep = [i for i, h in enumerate(host_blocks) if h != self.fail_host_block]
-        failed = [i for i, h in enumerate(host_blocks) if h == self.fail_host_block]
+        failed = [i for i in range(len(host_blocks)) if (first + i + 1) % self.fail_every == 0]
+        keep = [i for i in range(len(host_blocks)) if i not in failed]
         return [device_blocks[i] for i in keep], [host_blocks[i] for i in keep], failed
 
     def swap(self, device_storage: torch.Tensor,  # [num_layers, num_tensors, num_device_blocks, block_size, heads, head_dim]

@@ -109,7 +109,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
                                            int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if tp else 1)
     if tp:
         num_host_blocks = tp.min_over_ranks(num_host_blocks)
-    host_kv = HostKVPool(pool, num_host_blocks, device, settings.debug_fail_swap_host_block) if num_host_blocks else None
+    host_kv = HostKVPool(pool, num_host_blocks, device, settings.debug_fail_swap_every) if num_host_blocks else None
     backend = make_backend(settings.attention_backend, device)
     if backend.name == "triton" and use_triton_moe(model):
         log.info("mixture-of-experts layers run the triton fused-MoE kernel (kernels/fused_moe.py)")

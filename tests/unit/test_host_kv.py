@@ -30,12 +30,11 @@ def model_and_cfg(stories_path):
     return build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, torch.device("cpu"), torch.float32), cfg
 
 
-def make_runner(model_and_cfg, fail_every=0):
+def make_runner(model_and_cfg, fail_every=0, device=torch.device("cpu")):
     model, cfg = model_and_cfg
-    cpu = torch.device("cpu")
-    pool = KVCachePool(cfg, 32, BLOCK, cpu, torch.float32)
-    host = HostKVPool(pool, 16, cpu, fail_every=fail_every)
-    return ModelRunner(model, pool, make_backend("torch"), cpu, host_kv=host)
+    pool = KVCachePool(cfg, 32, BLOCK, device, torch.float32)
+    host = HostKVPool(pool, 16, device, fail_every=fail_every)
+    return ModelRunner(model, pool, make_backend("torch", device), device, host_kv=host)
 
 
 def decode(runner, handle, num_tokens, step_id):
@@ -47,8 +46,9 @@ def decode(runner, handle, num_tokens, step_id):
     return out
 
 
-def test_swapped_out_and_back_into_other_blocks_the_output_is_hfs(model_and_cfg, stories_path):
-    runner = make_runner(model_and_cfg)
+def swap_round_trip(runner, stories_path) -> None:
+    """A request preempted by swap after 4 tokens, its device blocks
+    overwritten, resumed from the host tier into other blocks: HF's tokens."""
     first = runner.execute(StepInput(0, [NewRequestData(7, PROMPT, [0, 1, 2, 3], 0, len(PROMPT), GREEDY, 0)]))
     tokens = first.sampled_token_ids + decode(runner, 7, 3, 1)  # 13 tokens computed, 14 known
     # Preempted by swap: forgotten, its 4 blocks copied out...
@@ -60,8 +60,36 @@ def test_swapped_out_and_back_into_other_blocks_the_output_is_hfs(model_and_cfg,
     known = PROMPT + tokens
     res = runner.execute(StepInput(5, [NewRequestData(7, known, [20, 21, 22, 23, 24, 25], 13, 1, GREEDY, len(tokens))],
                                    swap_in_host_blocks=[9, 3, 12, 0], swap_in_device_blocks=[20, 21, 22, 23]))
+    assert res.swaps.swap_ns > 0
     tokens += res.sampled_token_ids + decode(runner, 7, 8, 6)
     assert tokens == hf_greedy(str(stories_path), PROMPT, len(tokens), ignore_eos=True)
+
+
+def test_swapped_out_and_back_into_other_blocks_the_output_is_hfs(model_and_cfg, stories_path):
+    runner = make_runner(model_and_cfg)
+    assert runner.host_kv.stream is None, "on the CPU the copies run inline"
+    swap_round_trip(runner, stories_path)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_pool_is_pinned_and_copies_run_on_a_side_stream(stories_path):
+    """The CUDA path: pinned host blocks, copies on their own stream, the
+    forward ordered after them by an event, timed by the events."""
+    dev = torch.device("cuda")
+    ckpt = load_checkpoint(str(stories_path))
+    cfg = read_config(ckpt.hf_config)
+    model = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, dev, torch.float32)
+    runner = make_runner((model, cfg), device=dev)
+    assert runner.host_kv.storage.is_pinned() and runner.host_kv.stream is not None
+    assert runner.host_kv.stream != torch.cuda.current_stream(dev)
+    swap_round_trip(runner, stories_path)
+    # A failed copy is reported on CUDA too, and the forward still runs.
+    failing = make_runner((model, cfg), fail_every=2, device=dev)
+    failing.execute(StepInput(0, [NewRequestData(1, PROMPT, [0, 1, 2], 0, len(PROMPT), GREEDY, 0)]))
+    out = failing.execute(StepInput(1, cached_handles=[1], cached_num_scheduled_tokens=[1],
+                                    swap_out_device_blocks=[0, 1], swap_out_host_blocks=[2, 3]))
+    assert out.swaps.failed_outs == [1] and out.sampled_handles == [1]
+    torch.testing.assert_close(failing.host_kv.storage[2], failing.pool.storage[:, :, 0].cpu())
 
 
 def test_a_copy_that_fails_is_reported_and_the_rest_of_the_step_stands(model_and_cfg):

@@ -132,12 +132,7 @@ class Engine:
     # ----- lifecycle -------------------------------------------------------
 
     async def start(self) -> None:
-        await self._connect(self.settings.executor_connect_timeout_s)
-        if self.settings.preemption_mode == "swap" and not self.info.num_host_kv_blocks:
-            # Refused by name rather than quietly recomputing every victim.
-            raise StartupError(f"SCHEDULER_PREEMPTION_MODE=swap: the executor at {self.settings.executor_address} "
-                               "has no host KV tier (EXECUTOR_HOST_KV_CACHE_MEMORY_MB=0); give it one, or use "
-                               "auto or recompute")
+        await self._connect(self.settings.executor_connect_timeout_s, check=self._refuse_unsupported)
         self._task = asyncio.create_task(self._run(), name="engine-loop")
         self._watchdog = asyncio.create_task(self._watch_progress(), name="engine-watchdog")
 
@@ -190,8 +185,16 @@ class Engine:
                 self.stalled = stalled
                 self._update_health()
 
-    async def _connect(self, timeout_s: float) -> None:
-        info = await self.client.connect(timeout_s)
+    def _refuse_unsupported(self, info: epb.HandshakeResponse) -> None:
+        """At start-up: settings this executor cannot serve are refused by
+        name, rather than quietly served otherwise."""
+        if self.settings.preemption_mode == "swap" and not info.num_host_kv_blocks:
+            raise StartupError(f"SCHEDULER_PREEMPTION_MODE=swap: the executor at {self.settings.executor_address} "
+                               "has no host KV tier (EXECUTOR_HOST_KV_CACHE_MEMORY_MB=0); give it one, or use "
+                               "auto or recompute")
+
+    async def _connect(self, timeout_s: float, check: Callable[[epb.HandshakeResponse], None] | None = None) -> None:
+        info = await self.client.connect(timeout_s, check)
         if self.scheduler is not None and self.info is not None and _geometry(info) != _geometry(self.info):
             self._fail_all("UNAVAILABLE", "the executor came back with a different model or KV geometry")
             self.scheduler = None

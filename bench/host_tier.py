@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         # Alternating, off first in even rounds and on first in odd ones, so
         # a drift of the machine's speed weighs on both alike.
         for tier in (("off", "on") if i % 2 == 0 else ("on", "off")):
-            report = run_once(args, setup, host_mb if tier == "on" else 0, args.out_dir / f"{args.figure}-{tier}-{i}.json")
+            out = args.out_dir / f"{args.figure}-{tier}-{i}.json"
+            report = run_once(args, setup, host_mb if tier == "on" else 0, out)
             runs[tier].append(figures(report))
             if reference is None:
                 reference = outputs(report)

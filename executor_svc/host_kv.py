@@ -101,7 +101,7 @@ class HostKVPool:
         keep = [i for i in range(len(host_blocks)) if i not in failed]
         return [device_blocks[i] for i in keep], [host_blocks[i] for i in keep], failed
 
-    def swap(self, device_storage: torch.Tensor,  # [num_layers, num_tensors, num_device_blocks, block_size, heads, head_dim]
+    def swap(self, device_storage: torch.Tensor,  # [layers, tensors, num_device_blocks, block_size, heads, head_dim]
              out_device: list[int], out_host: list[int], in_host: list[int], in_device: list[int]) -> SwapResult:
         """Copies out_device -> out_host, then in_host -> in_device."""
         num_device_blocks = device_storage.shape[2]

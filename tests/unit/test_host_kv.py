@@ -132,7 +132,8 @@ def test_host_blocks_mirror_each_layers_cache_an_mla_latent_or_a_kv_pair(model_a
     token and layer (not K and V), and it comes back bit for bit."""
     cpu = torch.device("cpu")
     mla_cfg = read_config(DEEPSEEK_V3 | {"num_hidden_layers": 2, "kv_lora_rank": 8, "qk_rope_head_dim": 4})
-    for cfg, per_layer in [(mla_cfg, (1, 1, 12)), (model_and_cfg[1], (2, model_and_cfg[1].num_kv_heads, model_and_cfg[1].head_dim))]:
+    llama_cfg = model_and_cfg[1]
+    for cfg, per_layer in [(mla_cfg, (1, 1, 12)), (llama_cfg, (2, llama_cfg.num_kv_heads, llama_cfg.head_dim))]:
         pool = KVCachePool(cfg, 6, BLOCK, cpu, torch.float32)
         host = HostKVPool(pool, 3, cpu)
         assert host.storage.shape == (3, cfg.num_layers, per_layer[0], BLOCK, *per_layer[1:])

@@ -329,7 +329,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         holders.update(host._pending_spills.values())
         for b in range(pool.num_blocks):
             assert holders[b] <= 1, f"host block {b} has {holders[b]} holders"
-            assert pool.ref_counts[b] == holders[b], f"host block {b}: ref_count {pool.ref_counts[b]}, {holders[b]} holders"
+            assert pool.ref_counts[b] == holders[b], (
+                f"host block {b}: ref_count {pool.ref_counts[b]}, {holders[b]} holders")
             if holders[b]:
                 assert pool.block_hashes[b] is None, f"host block {b} is cached while a copy into it is pending"
         assert pool.num_free_blocks + sum(holders.values()) == pool.num_blocks, "free + held = total"

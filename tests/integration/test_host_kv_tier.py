@@ -30,6 +30,9 @@ DEVICE_BLOCKS = 12
 PROMPTS = [[1, 403, 407, 261, 378 + i] for i in range(4)]
 MAX_TOKENS = 40
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+# Requests in flight when the executor is killed: three times the pool, so
+# that some wait swapped out most of the time.
+NUM_KILLED = 12
 
 
 def long_generations(client, n: int = 8) -> list[list[int]]:
@@ -115,29 +118,29 @@ def test_sigkill_with_requests_swapped_out_loses_no_request(stack):
     services, client = stack
     lost_swaps = metric_delta(services, 'llmsched_recomputed_tokens_total{cause="swap"}')
     requests = [spb.GenerateRequest(prompt_token_ids=PROMPTS[i % 4], sampling=spb.SamplingParams(**GREEDY))
-                for i in range(8)]
+                for i in range(NUM_KILLED)]
     killed = threading.Event()
     unfinished_at_kill = []
 
     def kill() -> None:
-        # From a receiving thread, once the host tier holds requests swapped
-        # out (or copies on their way there).
-        if not scheduler_metric(services, 'llmsched_num_preemptions_total{mode="swap"}') > swapped_before:
-            streams.when_total_exceeds(streams.total_tokens + 4, kill)
+        # From a receiving thread, once the host tier holds blocks of
+        # requests swapped out (cached blocks are free: they do not count).
+        info = client.info()
+        if info.num_free_host_kv_blocks == info.num_host_kv_blocks:
+            streams.when_total_exceeds(streams.total_tokens, kill)
             return
         unfinished_at_kill.append(sum(f is None for f in streams.finish))
         services.executor.send_signal(signal.SIGKILL)
         killed.set()
 
-    swapped_before = scheduler_metric(services, 'llmsched_num_preemptions_total{mode="swap"}')
     streams = Streams(client, requests)
-    streams.when_total_exceeds(8 * 12, kill)
+    streams.when_total_exceeds(NUM_KILLED * 8, kill)
     streams.start()
     assert killed.wait(120), f"never swapped: {streams.describe()}"
     restart_executor(services)
     streams.join()
     assert unfinished_at_kill[0] > 0, "the kill landed after every stream had finished"
-    assert streams.errors == [None] * 8, streams.describe()
+    assert streams.errors == [None] * NUM_KILLED, streams.describe()
     assert lost_swaps() > 0, "requests swapped out when the executor died recompute"
     for i, tokens in enumerate(streams.tokens):
         assert tokens == want(client.model, i), f"request {i}"

@@ -21,8 +21,9 @@ from tests.integration.test_reliability import Streams
 from tests.oracle import hf_greedy
 
 # One worker for the whole module: its tests share a stack and run in order
-# (the last two restart the executor), and the oracle's runs are computed once.
-pytestmark = pytest.mark.xdist_group("host-kv-tier")
+# (the last two restart the executor), and the oracle's runs are computed
+# once. slow: about 30 s on 2 cores, so its group starts early.
+pytestmark = [pytest.mark.xdist_group("host-kv-tier"), pytest.mark.slow]
 
 # 12 blocks of 16 tokens hold 192; 8 generations of 5 + 40 tokens need 24
 # blocks (384 tokens): the pool is oversubscribed twice over.

@@ -35,8 +35,8 @@ class VirtualTokenCounters:
     output_weight: float = 2.0
     weights: dict[str, float] = field(default_factory=dict)  # tenants not named weigh 1
     counters: dict[str, float] = field(default_factory=dict)
-    # The last tenant whose waiting requests all left the queue by being
-    # admitted: an arrival into an empty queue is lifted to its counter.
+    # The last tenant whose waiting requests all left the queue (admitted
+    # or cancelled): an arrival into an empty queue is lifted to its counter.
     last_left: str | None = None
 
     def weight(self, tenant: str) -> float:
@@ -117,6 +117,9 @@ class FairQueue:
         queue.remove(req)
         if not queue:
             del self._queues[req.tenant]
+            # Its running requests go on being served, so its counter stays
+            # the floor for a newcomer, as when its queue empties by admission.
+            self._vtc.last_left = req.tenant
         self._len -= 1
         self.num_tokens -= req.num_tokens
 
@@ -207,7 +210,9 @@ class FairPolicy(Policy):
 
     def pick_victim(self, candidates: list[Request]) -> Request:
         """The least urgent request of the tenant furthest above its share."""
-        tenant = max({r.tenant for r in candidates}, key=self.vtc.counter)
+        # Ties go to the least urgent candidate's tenant, so the choice never
+        # depends on the order of a set (string hashes vary by process).
+        tenant = max(reversed(candidates), key=lambda r: self.vtc.counter(r.tenant)).tenant
         return [r for r in candidates if r.tenant == tenant][-1]
 
     def _on_served(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:

@@ -183,7 +183,14 @@ class Scheduler:
             while new_blocks is None:
                 # Only from those not yet in this plan: a victim scheduled
                 # already would be forgotten before the step that names it.
-                victim = self.policy.pick_victim(self.running[i:])
+                # And never the first running request while another can go:
+                # a policy that may pick the requester itself (fair) could
+                # otherwise have two requests preempt each other in turn,
+                # each losing its progress, and never finish either. The
+                # first in policy order only ever progresses, so the pool
+                # always drains.
+                victim = self.policy.pick_victim(self.running[i:] if i or len(self.running) == 1
+                                                 else self.running[1:])
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:

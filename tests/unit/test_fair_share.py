@@ -151,6 +151,28 @@ def test_the_victim_comes_from_the_tenant_furthest_above_its_share():
     assert all(t == "A" for t, _ in preempted), preempted
 
 
+def test_the_first_running_request_is_never_preempted_for_another_so_the_pool_drains():
+    """A weighs 0.5, so A's counter is always the higher and VTC points at
+    A's request whenever the pool is full. If that request were the one
+    asking for the block, preempting it would throw its progress away for
+    B's, which the next turn of the counters then throws away for A's: a
+    livelock the state machine found (14 blocks of 2, prefill chunks of 1).
+    The first running request in policy order only ever progresses."""
+    sched = fair(num_kv_blocks=14, block_size=2, max_num_seqs=3, max_num_batched_tokens=4, max_prefill_chunk=1,
+                 tenant_weights=(("A", 0.5),))
+    first, second = tenant_request("A", prompt_len=20, max_tokens=4), tenant_request("B", prompt_len=20, max_tokens=4)
+    sched.add_request(first)
+    sched.add_request(second)
+    for step in range(500):
+        if not sched.has_work:
+            break
+        out, _ = run_step(sched)
+        assert first not in out.preempted or not sched.running, \
+            f"step {step}: the first running request was preempted for {[r.request_id for r in sched.running]}"
+    assert not sched.has_work, "the pool did not drain"
+    assert first.num_preemptions == 0 and second.num_preemptions >= 1, (first.num_preemptions, second.num_preemptions)
+
+
 def test_priority_still_orders_requests_within_a_tenant():
     sched = fair(max_num_seqs=1)
     low, high = tenant_request("A", priority=5), tenant_request("A", priority=0)

@@ -168,13 +168,12 @@ def bench_step(num_reqs: int, context: int, rounds: int, model_path: Path = STOR
     """One decode step of num_reqs requests at context tokens through the ModelRunner."""
     from executor_svc.checkpoint import load_checkpoint
     from executor_svc.kv_cache import KVCachePool
-    from executor_svc.model import build_model
-    from executor_svc.model_config import ModelConfig
+    from executor_svc.families import build_model, read_config
     from executor_svc.runner import ModelRunner, NewRequestData, StepInput
     from executor_svc.sampler import SamplingSettings
 
     ckpt = load_checkpoint(str(model_path))
-    cfg = ModelConfig.from_hf(ckpt.hf_config)
+    cfg = read_config(ckpt.hf_config)
     cpu = torch.device("cpu")
     model = build_model(cfg, ckpt.state_dict, context + 1, cpu, torch.float32)
     blocks_per_req = math.ceil(context / BLOCK_SIZE)

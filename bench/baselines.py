@@ -59,13 +59,42 @@ class HFModel:
     num_threads: int
 
 
-def load_hf_model(model: str, num_threads: int) -> HFModel:
-    """Built-ins: LlamaForCausalLM(LlamaConfig(**hf_config)) with the
-    executor's own state dict. Directories: from_pretrained. Device and
-    dtype follow the executor's 'auto' rule (cuda+bf16, else cpu+fp32), and
-    the thread count is the executor's, so both sides get the same CPU."""
+def hf_builtin(model: str):
+    """A built-in model as HF transformers' own class, on the executor's
+    weights: Llama ones loaded directly; others (bench-moe's Qwen3-MoE,
+    whose per-expert tensors transformers 5 fuses at load) saved to a
+    temporary directory and read back with from_pretrained."""
+    import tempfile
+
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from safetensors.torch import save_file
+
+    from executor_svc.builtin import load_builtin
+
+    ckpt = load_builtin(model)
+    if ckpt.hf_config["architectures"] == ["LlamaForCausalLM"]:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**ckpt.hf_config))
+        missing, unexpected = hf.load_state_dict(ckpt.state_dict, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise RuntimeError(f"weights do not fit LlamaForCausalLM: missing={missing} unexpected={unexpected}")
+        if hf.config.tie_word_embeddings:
+            hf.tie_weights()
+        return hf
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(ckpt.hf_config))
+        save_file(ckpt.state_dict, Path(tmp) / "model.safetensors", metadata={"format": "pt"})
+        arch = getattr(transformers, ckpt.hf_config["architectures"][0])
+        return arch.from_pretrained(tmp, dtype=torch.float32)
+
+
+def load_hf_model(model: str, num_threads: int) -> HFModel:
+    """Built-ins: HF's class on the executor's own weights (hf_builtin).
+    Directories: from_pretrained. Device and dtype follow the executor's
+    'auto' rule (cuda+bf16, else cpu+fp32), and the thread count is the
+    executor's, so both sides get the same CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
     from executor_svc.builtin import BUILTIN_MODELS, load_builtin
 
@@ -73,14 +102,8 @@ def load_hf_model(model: str, num_threads: int) -> HFModel:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if model in BUILTIN_MODELS:
-        ckpt = load_builtin(model)
-        hf = LlamaForCausalLM(LlamaConfig(**ckpt.hf_config))
-        missing, unexpected = hf.load_state_dict(ckpt.state_dict, strict=False)
-        if unexpected or set(missing) - {"lm_head.weight"}:
-            raise RuntimeError(f"weights do not fit LlamaForCausalLM: missing={missing} unexpected={unexpected}")
-        if hf.config.tie_word_embeddings:
-            hf.tie_weights()
-        tokenizer_json = ckpt.tokenizer_json
+        hf = hf_builtin(model)
+        tokenizer_json = load_builtin(model).tokenizer_json
     else:
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
         tokenizer_json = (Path(model) / "tokenizer.json").read_text()

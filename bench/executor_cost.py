@@ -63,11 +63,10 @@ def real_logits(rows: int) -> torch.Tensor:
     from executor_svc.attention import AttentionMetadata
     from executor_svc.checkpoint import load_checkpoint
     from executor_svc.kv_cache import KVCachePool
-    from executor_svc.model import build_model
-    from executor_svc.model_config import ModelConfig
+    from executor_svc.families import build_model, read_config
 
     ckpt = load_checkpoint(str(STORIES))
-    cfg = ModelConfig.from_hf(ckpt.hf_config)
+    cfg = read_config(ckpt.hf_config)
     model = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, torch.device("cpu"), torch.float32)
     ids = Tokenizer.from_str(ckpt.tokenizer_json).encode(TEXT * 8).ids[: min(rows, cfg.max_position_embeddings)]
     n = len(ids)

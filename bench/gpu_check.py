@@ -8,7 +8,9 @@
    backend, CUDA graphs on (auto) and off, one JSON report each;
 4. P13, tensor parallelism over NCCL: python -m bench.tensor_parallel,
    TP=2 against TP=1 on bench-small, only where torch sees at least two
-   CUDA devices; elsewhere summary.json records it as skipped, and why.
+   CUDA devices; elsewhere summary.json records it as skipped, and why;
+5. the fused-MoE and MLA-decode kernels against their torch paths and a
+   dense GEMM of the same FLOPs (python -m bench.moe_kernels --quick).
 
 Each part has its own time limit, so one that hangs cannot eat the others'
 time; summary.json records what each part did. Exits 2 at once, saying so,
@@ -27,8 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # Seconds per part; the sum stays under 9 minutes. pytest_gpu includes the
 # two-GPU tensor-parallel tests (two service launches) where they run.
-LIMITS = {"pytest_gpu": 170, "kernels_p8": 120, "e2e_graphs_auto": 80, "e2e_graphs_off": 80,
-          "tensor_parallel_p13": 90}
+LIMITS = {"pytest_gpu": 150, "kernels_p8": 110, "e2e_graphs_auto": 75, "e2e_graphs_off": 75,
+          "tensor_parallel_p13": 80, "moe_mla_kernels": 50}
 # P13 needs this many devices (one per rank).
 P13_DEVICES = 2
 
@@ -62,6 +64,8 @@ def parts(out: Path, num_requests: int) -> dict[str, list[str]]:
         "tensor_parallel_p13": [sys.executable, "-m", "bench.tensor_parallel", "--size", str(P13_DEVICES),
                                 "--num-requests", str(num_requests), "--rounds", "1", "--executor-env",
                                 "EXECUTOR_CUDA_GRAPHS=off", "--out", str(out / "tensor_parallel_p13.json")],
+        "moe_mla_kernels": [sys.executable, "-m", "bench.moe_kernels", "--quick", "--out",
+                            str(out / "moe_mla_kernels.json")],
     }
 
 
@@ -114,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
             median_output_throughput=r["median_output_throughput"], ratio=r["ratio"],
             greedy_agreement=r["greedy_agreement"])
         print(f"gpu-check: tensor_parallel_p13: TP{P13_DEVICES}/TP1 output throughput {r['ratio']:.2f}x")
+    kernels = args.out_dir / "moe_mla_kernels.json"
+    if summary["parts"]["moe_mla_kernels"].get("returncode") in (0, 1) and kernels.exists():
+        r = json.loads(kernels.read_text())
+        summary["parts"]["moe_mla_kernels"].update({
+            kind: [{k: row[k] for k in ("tokens", "batch", "context", "ms", "triton_vs_dense", "ok") if k in row}
+                   for row in r[kind]] for kind in ("fused_moe", "mla_decode")})
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"gpu-check: wrote {args.out_dir / 'summary.json'}; {'FAILED: ' + ', '.join(failed) if failed else 'all passed'}")
     return 1 if failed else 0

@@ -49,17 +49,32 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def make_checkpoint(directory: Path, *, hidden: int, layers: int, vocab: int, dtype: str, shard: str) -> Path:
+def make_checkpoint(directory: Path, *, hidden: int, layers: int, vocab: int, dtype: str, shard: str,
+                    family: str = "llama") -> Path:
+    """A random checkpoint saved by transformers: Llama, or DeepSeek-V3 (MLA,
+    8 experts of the dense MLP's width on every layer but the first)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     # Rounded to a multiple of 64 so that tensor-parallel sizes divide it.
     intermediate = (hidden * 8 // 3 + 63) // 64 * 64
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
-                      max_position_embeddings=2048, tie_word_embeddings=False)
-    cfg.architectures = ["LlamaForCausalLM"]
-    model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=max(1, hidden // 64), max_position_embeddings=2048, tie_word_embeddings=False)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**common, num_key_value_heads=max(1, hidden // 128))
+        model_cls = transformers.LlamaForCausalLM
+    elif family == "deepseek-v3":
+        heads = common["num_attention_heads"]
+        cfg = transformers.DeepseekV3Config(
+            **common, num_key_value_heads=heads, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=intermediate // 2, n_shared_experts=1, n_group=2, topk_group=1,
+            first_k_dense_replace=1, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_rope_head_dim=32,
+            qk_nope_head_dim=64, v_head_dim=64)
+        model_cls = transformers.DeepseekV3ForCausalLM
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    cfg.architectures = [model_cls.__name__]
+    model = model_cls(cfg).to(getattr(torch, dtype))
     model.save_pretrained(directory, max_shard_size=shard)
     # The loader checks the tokenizer before any weight: a minimal valid one.
     from tokenizers import Tokenizer, models
@@ -77,8 +92,8 @@ def _child(directory: str, dtype: str) -> None:
 
     from executor_svc.checkpoint import load_checkpoint
     from executor_svc.config import ExecutorSettings
-    from executor_svc.model import CausalLM, build_model
-    from executor_svc.model_config import ModelConfig
+    from executor_svc.families import build_model, family_of, read_config
+    from executor_svc.model import CausalLM
     from executor_svc.sharding import Shard
     from executor_svc.tensor_parallel import join
 
@@ -86,7 +101,7 @@ def _child(directory: str, dtype: str) -> None:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     imports_kb = _status_kb("VmRSS")
     ckpt = load_checkpoint(directory)
-    cfg = ModelConfig.from_hf(ckpt.hf_config, ckpt.generation_config)
+    cfg = read_config(ckpt.hf_config, ckpt.generation_config)
     # The group's own buffers (gloo) are in the baseline, as torch's are.
     tp = join(ExecutorSettings(tensor_parallel_size=size), cfg, torch.device("cpu"))
     shard = tp.shard if tp else Shard()
@@ -94,10 +109,10 @@ def _child(directory: str, dtype: str) -> None:
     # machinery whatever the model's size: pay it on a one-layer model
     # first, so that the ratio below counts copies of the weights only.
     tiny = dataclasses.replace(cfg, num_layers=1, layer_types=cfg.layer_types[:1], vocab_size=8, hidden_size=8,
-                               intermediate_size=8, num_heads=1, num_kv_heads=1, head_dim=8)
+                               intermediate_size=8, num_heads=1, num_kv_heads=1, head_dim=8, moe=None, mla=None)
     with torch.device("meta"):
         CausalLM(tiny, 8)
-        whole = CausalLM(cfg, 64)
+        whole = family_of(cfg).model_cls(cfg, 64)
     element_size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     whole_bytes = sum(p.numel() for p in whole.parameters()) * element_size
     before_kb = _status_kb("VmRSS")
@@ -170,6 +185,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--shard", default="50MB", help="save_pretrained max_shard_size")
+    p.add_argument("--family", choices=("llama", "deepseek-v3"), default="llama",
+                   help="deepseek-v3: MLA and 8 experts per layer (all but the first)")
     p.add_argument("--checkpoint-dtype", choices=DTYPES, default="float32", help="dtype the checkpoint is stored in")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype the executor loads into")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -185,7 +202,7 @@ def main() -> None:
     size = args.tensor_parallel_size
     with tempfile.TemporaryDirectory() as tmp:
         directory = make_checkpoint(Path(tmp) / "ckpt", hidden=args.hidden, layers=args.layers, vocab=args.vocab,
-                                    dtype=args.checkpoint_dtype, shard=args.shard)
+                                    dtype=args.checkpoint_dtype, shard=args.shard, family=args.family)
         ranks = measure_ranks(directory, args.dtype, size)
     r = ranks[0]
     print(f"checkpoint: {args.checkpoint_dtype}, {r['shards']} shards of <= {args.shard}; loaded as {args.dtype}"

@@ -169,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
 def _tokenizer(model: str, vocab: int):
     """llguidance's tokenizer for the served model, as the executor builds it."""
     from executor_svc.checkpoint import load_checkpoint
-    from executor_svc.model_config import ModelConfig
+    from executor_svc.families import read_config
 
     ckpt = load_checkpoint(model)
-    eos = ModelConfig.from_hf(ckpt.hf_config, ckpt.generation_config).eos_token_ids
+    eos = read_config(ckpt.hf_config, ckpt.generation_config).eos_token_ids
     return make_tokenizer(ckpt.tokenizer_json, vocab, list(eos))
 
 

@@ -45,6 +45,17 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
 
+    def write_latent(self, latent: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """MLA: latent [num_tokens, 1, latent_dim] into cache [num_blocks, block_size, 1, latent_dim]."""
+        ...
+
+    def attend_latent(self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      value_dim: int) -> torch.Tensor:
+        """MLA: causal multi-query attention of query [num_tokens, num_heads, latent_dim]
+        over the latent cache, each latent serving as the key and its first
+        value_dim values as the value. Returns [num_tokens, num_heads, value_dim]."""
+        ...
+
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> None: ...
@@ -58,12 +69,15 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of each new query token over its request's cached context.
 
         As in HF transformers: with sliding_window W, the query at position i
         sees key position j iff i - W < j <= i; with softcap s the scaled
-        scores become s * tanh(scores / s) before masking and softmax.
+        scores become s * tanh(scores / s) before masking and softmax; with
+        sinks ([num_heads] logits, gpt-oss) head h's softmax has one more
+        term, exp(sinks[h]), which weighs no value.
         """
         ...
 
@@ -139,7 +153,15 @@ class TorchAttentionBackend:
         k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = key
         v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = value
 
-    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
+    def write_latent(self, latent, cache, meta):
+        cache.view(-1, 1, latent.shape[-1])[meta.slot_mapping] = latent
+
+    def attend_latent(self, query, cache, meta, scale, value_dim):
+        # The whole latent is the value too (K = V: one cache read, and CPU
+        # flash attention wants equal head sizes); the extra dims are dropped.
+        return self.attend(query, cache, cache, meta, scale)[..., :value_dim]
+
+    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None, sinks=None):
         # query: [num_tokens, num_heads, head_dim] -> same shape
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
@@ -152,7 +174,7 @@ class TorchAttentionBackend:
             meta.cache[key] = plan
         out = torch.empty_like(query)
         if plan.decodes:
-            _attend_decodes(query, k_cache, v_cache, plan, scale, softcap, out)
+            _attend_decodes(query, k_cache, v_cache, plan, scale, softcap, sinks, out)
         num_kv_heads, head_dim = k_cache.shape[2:]
         for pf in plan.prefills:
             k = _gather(k_cache, pf.block_ids, None).view(-1, num_kv_heads, head_dim)[: pf.kv_len]
@@ -160,13 +182,16 @@ class TorchAttentionBackend:
             # q: [1, h, q_len, d]; k, v: [1, kvh, kv_len, d]
             q = query[pf.start : pf.end].transpose(0, 1).unsqueeze(0)
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            o = _attention(q, k, v, pf.mask, pf.mask is None, scale, softcap)  # [1, h, q_len, d]
+            o = _attention(q, k, v, pf.mask, pf.mask is None, scale, softcap, sinks)  # [1, h, q_len, d]
             out[pf.start : pf.end] = o[0].transpose(0, 1)
         return out
 
 
-def _attend_decodes(query, k_cache, v_cache, plan: _StepPlan, scale, softcap, out) -> None:
-    """Writes the decodes' rows of out ([num_tokens, num_heads, head_dim])."""
+def _attend_decodes(query, k_cache, v_cache, plan: _StepPlan, scale, softcap, sinks, out) -> None:
+    """Writes the decodes' rows of out ([num_tokens, num_heads, head_dim]).
+    Sinks join after the pieces merge: a piece's output is normalised over
+    its own keys, and its log-sum-exp says how much it weighs; the sink's
+    exp then takes its share of the whole softmax's denominator."""
     num_heads, head_dim = query.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -176,23 +201,28 @@ def _attend_decodes(query, k_cache, v_cache, plan: _StepPlan, scale, softcap, ou
     q_rows = query.index_select(0, plan.row_tokens).view(-1, num_kv_heads, group, head_dim)
     o_rows = torch.empty_like(q_rows)  # [num_rows, kvh, group, d]
     split = plan.row_decodes is not None
-    lse_rows = q_rows.new_empty(q_rows.shape[:-1], dtype=torch.float32) if split else None  # [num_rows, kvh, group]
+    with_lse = split or sinks is not None
+    lse_rows = q_rows.new_empty(q_rows.shape[:-1], dtype=torch.float32) if with_lse else None  # [num_rows, kvh, group]
     for chunk in plan.decodes:
         n, ctx = chunk.end - chunk.start, chunk.num_blocks * block_size
         # [n, ctx, kvh, d] viewed as [n, kvh, ctx, d]
         k = _gather(k_cache, chunk.block_ids, k_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
         v = _gather(v_cache, chunk.block_ids, v_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
         q = q_rows[chunk.start : chunk.end]
-        if split:
+        if with_lse:
             o, lse = _attention_with_lse(q, k, v, chunk.mask, scale, softcap)
             o_rows[chunk.start : chunk.end], lse_rows[chunk.start : chunk.end] = o, lse
         else:
             o_rows[chunk.start : chunk.end] = _attention(q, k, v, chunk.mask, False, scale, softcap)
+    tokens = plan.row_tokens
     if split:
-        o = _merge_pieces(o_rows, lse_rows, plan.row_decodes, plan.decode_tokens.shape[0])
-        out.index_copy_(0, plan.decode_tokens, o.view(-1, num_heads, head_dim))
-    else:
-        out.index_copy_(0, plan.row_tokens, o_rows.view(-1, num_heads, head_dim))
+        o_rows, lse_rows = _merge_pieces(o_rows, lse_rows, plan.row_decodes, plan.decode_tokens.shape[0])
+        tokens = plan.decode_tokens
+    if sinks is not None:
+        # softmax with the sink = softmax without it * S / (S + exp(sink)) = sigmoid(lse - sink)
+        sink = sinks.float().view(num_kv_heads, group)  # [kvh, group]
+        o_rows = (o_rows.float() * torch.sigmoid(lse_rows - sink)[..., None]).to(o_rows.dtype)
+    out.index_copy_(0, tokens, o_rows.reshape(-1, num_heads, head_dim))
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
@@ -207,38 +237,48 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor | No
     return torch.index_select(cache, 0, block_ids, out=buf[: block_ids.shape[0]])
 
 
-def _attention(q, k, v, mask, causal, scale, softcap):
+def _attention(q, k, v, mask, causal, scale, softcap, sinks=None):
     """softmax(q k^T * scale [+ mask]) v, query head h reading KV head h // group.
 
     q: [b, h, m, d]; k, v: [b, kvh, kv_len, d]; mask: additive, broadcastable
-    to [b, h, m, kv_len], or None; causal: top-left aligned (m == kv_len).
+    to [b, h, m, kv_len], or None; causal: top-left aligned (m == kv_len);
+    sinks: [h] extra softmax logits without a value, or None.
     Returns [b, h, m, d].
     """
     gqa = q.shape[1] != k.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
     b, h, m, d = q.shape
     kvh = k.shape[1]
     qg = q.reshape(b, kvh, h // kvh, m, d)  # [b, kvh, group, m, d]
     scores = torch.matmul(qg, k.transpose(-1, -2).unsqueeze(2)).float() * scale  # [b, kvh, group, m, kv_len]
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if causal:
         mask = torch.full((m, k.shape[2]), float("-inf"), device=q.device).triu_(1)
     if mask is not None:
         scores = scores + mask.unsqueeze(2) if mask.dim() == 4 else scores + mask
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    else:
+        # As HF's gpt-oss: the sink is one more column of the softmax, then dropped.
+        sink = sinks.float().view(1, kvh, h // kvh, 1, 1).expand(b, kvh, h // kvh, m, 1)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1].to(v.dtype)
     return torch.matmul(probs, v.unsqueeze(2)).reshape(b, h, m, d)
 
 
 def _attention_with_lse(q, k, v, mask, scale, softcap):
     """_attention without GQA or causality (q: [b, h, m, d], k, v: [b, h, kv_len, d]),
     also returning each query row's log-sum-exp of its masked scores, [b, h, m] fp32."""
-    if softcap is None:
+    if softcap is None and q.device.type == "cpu":
         # CPU flash attention, the kernel SDPA runs here, which also returns the LSE.
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
         return out, lse
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [b, h, m, kv_len]
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores + mask
     lse = torch.logsumexp(scores, dim=-1)
@@ -250,7 +290,8 @@ def _merge_pieces(o_rows, lse_rows, row_decodes, num_decodes):
 
     o_rows: [num_rows, kvh, group, d], each normalised over its own keys;
     lse_rows: [num_rows, kvh, group]. Each piece counts in proportion to the
-    exp-sum of its scores. Returns [num_decodes, kvh, group, d].
+    exp-sum of its scores. Returns [num_decodes, kvh, group, d] and the
+    whole context's log-sum-exp, [num_decodes, kvh, group].
     """
     shape = (num_decodes, *lse_rows.shape[1:])
     index = row_decodes[:, None, None].expand_as(lse_rows)
@@ -259,7 +300,7 @@ def _merge_pieces(o_rows, lse_rows, row_decodes, num_decodes):
     total = lse_rows.new_zeros(shape).index_add_(0, row_decodes, weight)
     merged = lse_rows.new_zeros(num_decodes, *o_rows.shape[1:])  # fp32, whatever o_rows' dtype
     merged.index_add_(0, row_decodes, o_rows * weight[..., None])
-    return (merged / total[..., None]).to(o_rows.dtype)
+    return (merged / total[..., None]).to(o_rows.dtype), top + torch.log(total)
 
 
 def _plan_step(
@@ -369,6 +410,7 @@ class TritonAttentionBackend:
     def __init__(self) -> None:
         try:
             from kernels.kv_write import write_kv_cache
+            from kernels.mla_decode import mla_decode
             from kernels.paged_attention import paged_attention
         except ImportError as exc:
             raise RuntimeError(
@@ -376,6 +418,8 @@ class TritonAttentionBackend:
             ) from exc
         self._write_kv_cache = write_kv_cache
         self._paged_attention = paged_attention
+        self._mla_decode = mla_decode
+        self._torch = TorchAttentionBackend()
 
     def write_kv(self, key, value, k_cache, v_cache, meta):
         # key, value: [num_tokens, num_kv_heads, head_dim]. The launcher wants
@@ -386,15 +430,30 @@ class TritonAttentionBackend:
             _index_tensor(meta.slot_mapping, torch.int64),
         )
 
-    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
-        # query: [num_tokens, num_heads, head_dim] -> same shape. sliding_window and
-        # softcap are per call (per layer); None switches the feature off in the kernel.
+    def write_latent(self, latent, cache, meta):
+        # The K/V write kernel with the latent as both: one cache, written twice.
+        self.write_kv(latent, latent, cache, cache, meta)
+
+    def attend_latent(self, query, cache, meta, scale, value_dim):
+        """Decode-only steps: the paged MLA decode kernel. Steps with
+        prefills: the torch backend (prefill is compute-bound and runs once
+        per token; a Triton MLA prefill kernel is not written yet)."""
+        if len(meta.query_lens_host) == query.shape[0]:
+            return self._mla_decode(
+                _unit_last_stride(query), cache, _index_tensor(meta.seq_lens, torch.int32),
+                _index_tensor(meta.block_tables, torch.int32), scale, value_dim)
+        return self._torch.attend_latent(query, cache, meta, scale, value_dim)
+
+    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None, sinks=None):
+        # query: [num_tokens, num_heads, head_dim] -> same shape. sliding_window,
+        # softcap and sinks are per call (per layer); None switches the feature off in the kernel.
         return self._paged_attention(
             _unit_last_stride(query), k_cache, v_cache,
             _index_tensor(meta.cu_query_lens, torch.int32),
             _index_tensor(meta.seq_lens, torch.int32),
             _index_tensor(meta.block_tables, torch.int32),
             scale, sliding_window=sliding_window, softcap=softcap,
+            sinks=None if sinks is None else sinks.float().contiguous(),
         )
 
 

@@ -1,9 +1,11 @@
-"""Built-in models that need no files: random Llama weights from a fixed
-seed plus a byte-level tokenizer.
+"""Built-in models that need no files: random Llama (or, for bench-moe,
+Qwen3-MoE) weights from a fixed seed plus a byte-level tokenizer.
 
 They come out in Hugging Face form (config dict, HF-named state dict,
 tokenizer.json text), so they go through the same loading path as a real
-checkpoint, and tests can hand the very same weights to HF transformers.
+checkpoint (checkpoint.load_checkpoint wraps them), and tests can hand the
+very same weights to HF transformers. This module imports nothing of the
+executor's: checkpoint.py imports it, not the other way round.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-from executor_svc.checkpoint import Checkpoint
 
 NUM_SPECIAL = 3  # <unk>, <s>, </s>
 BOS_ID, EOS_ID = 1, 2
@@ -30,6 +30,10 @@ class BuiltinSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool
     seed: int
+    # A mixture of experts (Qwen3-MoE) in place of every MLP when num_experts > 0.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
 
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
@@ -38,10 +42,25 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     # ../shared/BENCHMARKS.md: compute per step big enough that overhead and
     # batching both show.
     "bench-small": BuiltinSpec(8192, 256, 704, 4, 8, 4, 2048, tie_word_embeddings=False, seed=0),
+    # bench-small's scale with Qwen3-MoE layers: 8 experts, 2 active per
+    # token, each half bench-small's MLP width, so a token's active MLP
+    # FLOPs equal bench-small's (P15).
+    "bench-moe": BuiltinSpec(8192, 256, 704, 4, 8, 4, 2048, tie_word_embeddings=False, seed=0, num_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=352),
 }
 
 
 def hf_config(name: str, spec: BuiltinSpec) -> dict:
+    if spec.num_experts:
+        return _llama_config(name, spec) | {
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.num_experts_per_tok, "moe_intermediate_size": spec.moe_intermediate_size,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+        }
+    return _llama_config(name, spec)
+
+
+def _llama_config(name: str, spec: BuiltinSpec) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -82,9 +101,18 @@ def random_state_dict(spec: BuiltinSpec) -> dict[str, torch.Tensor]:
         sd[p + "self_attn.k_proj.weight"] = linear(kv, h)
         sd[p + "self_attn.v_proj.weight"] = linear(kv, h)
         sd[p + "self_attn.o_proj.weight"] = linear(h, h)
-        sd[p + "mlp.gate_proj.weight"] = linear(spec.intermediate_size, h)
-        sd[p + "mlp.up_proj.weight"] = linear(spec.intermediate_size, h)
-        sd[p + "mlp.down_proj.weight"] = linear(h, spec.intermediate_size)
+        if spec.num_experts:
+            sd[p + "self_attn.q_norm.weight"] = torch.ones(head_dim)
+            sd[p + "self_attn.k_norm.weight"] = torch.ones(head_dim)
+            sd[p + "mlp.gate.weight"] = linear(spec.num_experts, h)
+            for e in range(spec.num_experts):
+                sd[p + f"mlp.experts.{e}.gate_proj.weight"] = linear(spec.moe_intermediate_size, h)
+                sd[p + f"mlp.experts.{e}.up_proj.weight"] = linear(spec.moe_intermediate_size, h)
+                sd[p + f"mlp.experts.{e}.down_proj.weight"] = linear(h, spec.moe_intermediate_size)
+        else:
+            sd[p + "mlp.gate_proj.weight"] = linear(spec.intermediate_size, h)
+            sd[p + "mlp.up_proj.weight"] = linear(spec.intermediate_size, h)
+            sd[p + "mlp.down_proj.weight"] = linear(h, spec.intermediate_size)
         sd[p + "input_layernorm.weight"] = torch.ones(h)
         sd[p + "post_attention_layernorm.weight"] = torch.ones(h)
     sd["model.norm.weight"] = torch.ones(h)
@@ -124,11 +152,15 @@ def byte_level_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def load_builtin(name: str) -> Checkpoint:
+@dataclass(frozen=True, slots=True)
+class BuiltinModel:
+    name: str
+    hf_config: dict
+    tokenizer_json: str
+    state_dict: dict[str, torch.Tensor]  # HF names
+
+
+def load_builtin(name: str) -> BuiltinModel:
     spec = BUILTIN_MODELS[name]
-    return Checkpoint(
-        name=name,
-        hf_config=hf_config(name, spec),
-        tokenizer_json=byte_level_tokenizer_json(spec.vocab_size),
-        in_memory=random_state_dict(spec),
-    )
+    tokenizer_json = byte_level_tokenizer_json(spec.vocab_size)
+    return BuiltinModel(name, hf_config(name, spec), tokenizer_json, random_state_dict(spec))

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
+from executor_svc.builtin import BUILTIN_MODELS, load_builtin
 from llmsched.errors import StartupError
 
 
@@ -106,10 +107,9 @@ def load_checkpoint(model: str) -> Checkpoint:
     """`model` is a built-in name or a directory with config.json,
     *.safetensors (one file or shards), tokenizer.json and optionally
     generation_config.json."""
-    from executor_svc.builtin import BUILTIN_MODELS, load_builtin
-
     if model in BUILTIN_MODELS:
-        return load_builtin(model)
+        builtin = load_builtin(model)
+        return Checkpoint(builtin.name, builtin.hf_config, builtin.tokenizer_json, in_memory=builtin.state_dict)
     path = Path(model)
     if not path.is_dir():
         known = ", ".join(sorted(BUILTIN_MODELS))

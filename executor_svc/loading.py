@@ -15,8 +15,9 @@ from executor_svc.checkpoint import Checkpoint, load_checkpoint
 from executor_svc.config import ExecutorSettings
 from executor_svc.constraints import ConstraintMatchers
 from executor_svc.kv_cache import KVCachePool, pool_num_blocks
-from executor_svc.model import build_model
+from executor_svc.families import build_model, read_config
 from executor_svc.model_config import ModelConfig
+from executor_svc.moe import use_triton_moe
 from executor_svc.runner import ModelRunner
 from executor_svc.sharding import Shard
 from executor_svc.tensor_parallel import TPGroup, join, rank_device
@@ -33,16 +34,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def use_cuda_graphs(setting: str, device: torch.device, backend_name: str, tp_size: int) -> bool:
+def use_cuda_graphs(setting: str, device: torch.device, backend_name: str, tp_size: int,
+                    cfg: ModelConfig | None = None) -> bool:
     """EXECUTOR_CUDA_GRAPHS=auto: on for CUDA with the triton backend, on one
-    device. Under tensor parallelism decode steps run eagerly: capturing
-    the NCCL all-reduces has not been tested on a multi-GPU machine yet."""
-    return setting == "auto" and device.type == "cuda" and backend_name == "triton" and tp_size == 1
+    device, for dense families. Under tensor parallelism decode steps run
+    eagerly: capturing the NCCL all-reduces has not been tested on a
+    multi-GPU machine yet; nor has capturing the MoE and MLA kernels."""
+    dense = cfg is None or (cfg.moe is None and cfg.mla is None)
+    return setting == "auto" and device.type == "cuda" and backend_name == "triton" and tp_size == 1 and dense
 
 
-def check_torch_compile(setting: str, device: torch.device, tp_size: int) -> bool:
+def check_torch_compile(setting: str, device: torch.device, tp_size: int, cfg: ModelConfig | None = None) -> bool:
     if setting == "off":
         return False
+    if cfg is not None and (cfg.moe is not None or cfg.mla is not None):
+        raise StartupError(f"EXECUTOR_TORCH_COMPILE=on is implemented for dense families only; {cfg.architecture} "
+                           "has mixture-of-experts or latent-attention layers")
     if device.type != "cpu":
         raise StartupError(f"EXECUTOR_TORCH_COMPILE=on compiles CPU decode steps; the device is {device} "
                            "(on CUDA, EXECUTOR_CUDA_GRAPHS=auto serves that purpose)")
@@ -75,15 +82,18 @@ def _set_threads(settings: ExecutorSettings, device: torch.device) -> None:
 
 def load(settings: ExecutorSettings) -> LoadedModel:
     ckpt = load_checkpoint(settings.model)
-    cfg = ModelConfig.from_hf(ckpt.hf_config, ckpt.generation_config)
+    cfg = read_config(ckpt.hf_config, ckpt.generation_config)
     size = settings.tensor_parallel_size
     device = rank_device(settings.device, int(os.environ.get("LOCAL_RANK", "0")) if size > 1 else 0, size)
-    torch_compile = check_torch_compile(settings.torch_compile, device, size)
+    torch_compile = check_torch_compile(settings.torch_compile, device, size, cfg)
     tp = join(settings, cfg, device)
     _set_threads(settings, device)
     shard = tp.shard if tp else Shard()
     dtype = resolve_dtype(settings.dtype, device)
     max_model_len = settings.max_model_len or cfg.max_position_embeddings
+    if cfg.quantization == "mxfp4":
+        log.info("%s: the checkpoint's MXFP4 experts are dequantized to %s at load, as transformers does without "
+                 "its MXFP4 kernels (memory of the dequantized weights)", cfg.architecture, dtype)
     model = build_model(cfg, ckpt.lazy_tensors(), max_model_len, device, dtype, shard, tp)
     num_blocks = pool_num_blocks(cfg, settings.block_size, dtype, device, settings.num_kv_blocks,
                                  settings.kv_cache_memory_mb, shard)
@@ -91,8 +101,11 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         # One pool for the scheduler: the size every rank can hold.
         num_blocks = tp.min_over_ranks(num_blocks)
     pool = KVCachePool(cfg, num_blocks, settings.block_size, device, dtype, shard)
+    log.info("KV pool: %s", pool.describe())
     backend = make_backend(settings.attention_backend, device)
-    cuda_graphs = use_cuda_graphs(settings.cuda_graphs, device, backend.name, size)
+    if backend.name == "triton" and use_triton_moe(model):
+        log.info("mixture-of-experts layers run the triton fused-MoE kernel (kernels/fused_moe.py)")
+    cuda_graphs = use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
     # Rank 0 alone samples, so it alone keeps constraint matchers.
     constraints = None if tp and tp.rank != 0 else ConstraintMatchers(ckpt.tokenizer_json, cfg.vocab_size,
                                                                        list(cfg.eos_token_ids))

@@ -1,6 +1,10 @@
 """One decoder for every family, over a flattened, unpadded token batch with
-a paged KV cache. Llama is the base; the other families switch on small
-pieces from their ModelConfig (see executor_svc/families.py):
+a paged KV cache. Llama is the base; the dense families switch on small
+pieces from their ModelConfig (see the executor_svc/families package), and
+families whose layers differ more pass their own attention or MLP to
+DecoderLayer through a CausalLM subclass (CausalLM.make_layer): the
+mixture-of-experts MLP (executor_svc/moe.py), gpt-oss's attention sinks,
+DeepSeek-V3's latent attention (executor_svc/mla.py).
 
   Qwen2     q/k/v biases
   Qwen3     per-head q/k RMSNorm before RoPE
@@ -15,14 +19,15 @@ pieces from their ModelConfig (see executor_svc/families.py):
 Parameter names match Hugging Face's, so a checkpoint's tensors load by name.
 
 Under tensor parallelism each rank builds the same modules at its shard's
-sizes (executor_svc/sharding.py) and `comm` (a tensor_parallel.TPGroup)
+sizes (executor_svc/sharding.py), each layer loads its own part of the
+checkpoint (executor_svc/layers.py), and `comm` (a tensor_parallel.TPGroup)
 sums the row-split outputs and gathers the logits; with comm None the
 model is whole and runs no collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +35,14 @@ from torch import nn
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
 from executor_svc.checkpoint import LazyTensor
+from executor_svc.layers import (
+    ColumnLinear, RowLinear, RowPart, VocabEmbedding, VocabHead, load_replicated, replicated_shapes,
+)
 from executor_svc.model_config import ModelConfig
 from executor_svc.sharding import Shard
+
+# A family's map from one checkpoint tensor to the decoder parameters it fills.
+Rename = Callable[[str, LazyTensor, ModelConfig], Iterator[tuple[str, LazyTensor]]]
 
 
 class RMSNorm(nn.Module):
@@ -63,12 +74,15 @@ def make_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
     return (GemmaRMSNorm if cfg.norm_unit_offset else RMSNorm)(dim, cfg.rms_norm_eps)
 
 
-def rope_cache(inv_freq: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_len, rotary_dim] in fp32, in the rotate-half layout."""
+def rope_cache(inv_freq: torch.Tensor, max_len: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_len, rotary_dim] in fp32, in the rotate-half layout,
+    times `scale` (YaRN's attention factor; HF scales cos and sin alike)."""
     t = torch.arange(max_len, device=inv_freq.device).float()
     freqs = torch.outer(t, inv_freq)  # [max_len, rotary_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, rotary_dim]
-    return emb.cos(), emb.sin()
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,53 +95,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
-class FusedProjections(nn.Module):
-    """A module whose checkpoint keeps projections apart that run as one
-    matmul (each small matmul costs its own dispatch, which is most of a
-    decode step on a small model). Each part is copied into its rows of the
-    fused weight as it loads, so fusing never holds a second copy."""
-
-    FUSED: dict[str, tuple[str, ...]] = {}  # fused Linear -> its parts, in row order
-
-    def part_rows(self, part: str) -> tuple[str, int, int] | None:
-        """(fused name, first row, rows) of a part, or None if `part` is not fused."""
-        for fused, parts in self.FUSED.items():
-            if part in parts:
-                sizes = [getattr(self, p).out_features for p in parts]
-                i = parts.index(part)
-                return fused, sum(sizes[:i]), sizes[i]
-        return None
-
-    def load_part(self, part: str, leaf: str, value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
-        fused_name, start, rows = self.part_rows(part)
-        meta_part = getattr(getattr(self, part), leaf)
-        if tuple(value.shape) != tuple(meta_part.shape):
-            raise ValueError(f"{part}.{leaf}: shard shape {tuple(value.shape)}, expected {tuple(meta_part.shape)}")
-        if not hasattr(self, fused_name):
-            first = getattr(self, self.FUSED[fused_name][0])
-            total = sum(getattr(self, p).out_features for p in self.FUSED[fused_name])
-            setattr(self, fused_name, nn.Linear(first.in_features, total, bias=first.bias is not None, device="meta"))
-        fused = getattr(self, fused_name)
-        target = getattr(fused, leaf)
-        if target.is_meta:
-            target = nn.Parameter(torch.empty(target.shape, device=device, dtype=dtype), requires_grad=False)
-            setattr(fused, leaf, target)
-        target[start : start + rows].copy_(value)  # a parameter without grad: copied in place
-
-    def drop_parts(self) -> None:
-        """After loading (every part is present: the loader checks): the
-        separate projections were only shapes, never filled."""
-        for parts in self.FUSED.values():
-            for part in parts:
-                delattr(self, part)
-
-
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-class Attention(FusedProjections):
-    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
-
+class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads(cfg), shard.num_kv_heads(cfg), cfg.head_dim
@@ -135,17 +106,24 @@ class Attention(FusedProjections):
         self.sliding_window = cfg.layer_window(layer)
         self.softcap = cfg.attn_softcap
         self.comm = comm
-        h, q, kv = cfg.hidden_size, self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(h, q, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, kv, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, kv, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(q, h, bias=False)
+        d, hq, kvh = cfg.head_dim, self.num_heads, self.num_kv_heads
+        first_kv = shard.first_kv_head(cfg)
+        # q/k/v run as one matmul over this rank's heads (its KV heads may
+        # be replicated on other ranks: see Shard.first_kv_head).
+        self.qkv_proj = ColumnLinear(cfg.hidden_size, [
+            RowPart("q_proj", cfg.num_heads * d, shard.rank * hq * d, hq * d),
+            RowPart("k_proj", cfg.num_kv_heads * d, first_kv * d, kvh * d),
+            RowPart("v_proj", cfg.num_kv_heads * d, first_kv * d, kvh * d),
+        ], bias=cfg.qkv_bias)
+        self.o_proj = RowLinear.split(cfg.num_heads * d, cfg.hidden_size, shard.rank, shard.size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = make_norm(cfg, cfg.head_dim)
             self.k_norm = make_norm(cfg, cfg.head_dim)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
-        # x: [num_tokens, hidden]
+    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, ...], meta: AttentionMetadata,
+                backend: AttentionBackend):
+        # x: [num_tokens, hidden]; cache: (k_cache, v_cache), each [num_blocks, block_size, kvh, head_dim]
+        k_cache, v_cache = cache
         n, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, h + 2 * kvh, self.head_dim)
         v = qkv[:, h + kvh:]
@@ -156,23 +134,32 @@ class Attention(FusedProjections):
             qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # q's and k's heads in one pass
             q, k = qk[:, :h], qk[:, h:]
         backend.write_kv(k, v, k_cache, v_cache, meta)
-        o = backend.attend(q, k_cache, v_cache, meta, self.scale,
-                           sliding_window=self.sliding_window, softcap=self.softcap)  # [num_tokens, heads, head_dim]
+        o = self.attend(q, k_cache, v_cache, meta, backend)  # [num_tokens, heads, head_dim]
         out = self.o_proj(o.reshape(n, self.num_heads * self.head_dim))  # this rank's heads' share
         return out if self.comm is None else self.comm.all_reduce(out)
 
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        return backend.attend(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
+                              softcap=self.softcap)
 
-class MLP(FusedProjections):
-    FUSED = {"gate_up_proj": ("gate_proj", "up_proj")}
 
-    def __init__(self, cfg: ModelConfig, shard: Shard, comm):
+class MLP(nn.Module):
+    """The gated MLP, split by intermediate units. reduce=False leaves the
+    rank's partial sum to a parent that adds more before one all-reduce
+    (a MoE layer's shared expert)."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard, comm, intermediate_size: int | None = None,
+                 reduce: bool = True):
         super().__init__()
-        inter = shard.intermediate_size(cfg)
-        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+        whole = intermediate_size or cfg.intermediate_size
+        inter = whole // shard.size
+        start = shard.rank * inter
+        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [
+            RowPart("gate_proj", whole, start, inter), RowPart("up_proj", whole, start, inter),
+        ], bias=False)
+        self.down_proj = RowLinear.split(whole, cfg.hidden_size, shard.rank, shard.size)
         self.act = ACTIVATIONS[cfg.hidden_act]
-        self.comm = comm
+        self.comm = comm if reduce else None
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -181,15 +168,19 @@ class MLP(FusedProjections):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm):
+    """Pre-norm attention then MLP, each added to the residual. A family
+    whose attention or MLP differs passes its own (CausalLM.make_layer)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm, attention: nn.Module | None = None,
+                 mlp: nn.Module | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, layer, shard, comm)
-        self.mlp = MLP(cfg, shard, comm)
+        self.self_attn = attention or Attention(cfg, layer, shard, comm)
+        self.mlp = mlp or MLP(cfg, shard, comm)
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
+    def forward(self, x, cos, sin, cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -198,23 +189,22 @@ class SandwichDecoderLayer(DecoderLayer):
     add, so post_attention_layernorm normalises the attention output rather
     than the MLP input, and the MLP gets its own pre/post pair."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm):
-        super().__init__(cfg, layer, shard, comm)
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm, **parts):
+        super().__init__(cfg, layer, shard, comm, **parts)
         self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
         self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
+    def forward(self, x, cos, sin, cache, meta, backend):
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend)
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard, comm):
+    def __init__(self, cfg: ModelConfig, shard: Shard, comm, layers: list[nn.Module]):
         super().__init__()
-        layer_cls = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
-        self.embed_tokens = nn.Embedding(shard.padded_vocab(cfg) // shard.size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(cfg, i, shard, comm) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, *shard.vocab_range(cfg))
+        self.layers = nn.ModuleList(layers)
         self.norm = make_norm(cfg, cfg.hidden_size)
 
 
@@ -222,12 +212,18 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int, shard: Shard = Shard(), comm=None):
         super().__init__()
         self.cfg, self.max_len, self.shard, self.comm = cfg, max_len, shard, comm
-        self.model = DecoderBody(cfg, shard, comm)
-        self.lm_head = nn.Linear(cfg.hidden_size, shard.padded_vocab(cfg) // shard.size, bias=False)
+        layers = [self.make_layer(cfg, i, shard, comm) for i in range(cfg.num_layers)]
+        self.model = DecoderBody(cfg, shard, comm, layers)
+        self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, *shard.vocab_range(cfg))
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer type -> cos, sin; set by init_rope
         self.embed_scale: torch.Tensor | None = None
+
+    @classmethod
+    def make_layer(cls, cfg: ModelConfig, layer: int, shard: Shard, comm) -> nn.Module:
+        """Decoder layer `layer`; a family whose layers differ overrides this."""
+        return (SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer)(cfg, layer, shard, comm)
 
     def init_rope(self, device: torch.device, dtype: torch.dtype) -> None:
         """RoPE tables are computed in fp32 and then cast to the activation
@@ -235,7 +231,8 @@ class CausalLM(nn.Module):
         embedding scale is likewise rounded to the activation dtype first."""
         self.rope = {}
         for layer_type in set(self.cfg.layer_types):
-            cos, sin = rope_cache(self.cfg.rope[layer_type].inv_freq(device), self.max_len)
+            spec = self.cfg.rope[layer_type]
+            cos, sin = rope_cache(spec.inv_freq(device), self.max_len, spec.attention_factor)
             self.rope[layer_type] = (cos.to(dtype), sin.to(dtype))
         if self.cfg.embed_scale:
             self.embed_scale = torch.tensor(self.cfg.hidden_size**0.5, device=device).to(dtype)
@@ -244,7 +241,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: [num_blocks, block_size, kvh, d] x2
+        kv_caches: list[tuple[torch.Tensor, ...]],  # per layer, as its CacheSpec says (kv_cache.py)
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -254,8 +251,8 @@ class CausalLM(nn.Module):
             x = x * self.embed_scale
         # per layer type: [num_tokens, 1, rotary_dim] each
         rope = {t: (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for t, (cos, sin) in self.rope.items()}
-        for layer, layer_type, (k_cache, v_cache) in zip(self.model.layers, self.cfg.layer_types, kv_caches):
-            x = layer(x, *rope[layer_type], k_cache, v_cache, meta, backend)
+        for layer, layer_type, cache in zip(self.model.layers, self.cfg.layer_types, kv_caches):
+            x = layer(x, *rope[layer_type], cache, meta, backend)
         return self.model.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -284,23 +281,38 @@ class CausalLM(nn.Module):
         return logits.float()
 
 
+def checkpoint_owners(model: CausalLM) -> dict[str, tuple[nn.Module, str, tuple[int, ...]]]:
+    """Checkpoint name -> (the module that loads it, the name it knows it
+    by, its whole shape). Modules with a loader declare their tensors
+    (layers.py); any other module's direct parameters load whole."""
+    owners = {}
+    for path, module in model.named_modules():
+        if hasattr(module, "checkpoint_shapes"):
+            shapes = module.checkpoint_shapes()
+            base = path.rpartition(".")[0] if getattr(module, "names_from_parent", False) else path
+        else:
+            shapes = replicated_shapes(module)
+            base = path
+        for key, shape in shapes.items():
+            owners[f"{base}.{key}" if base else key] = (module, key, shape)
+    if model.cfg.tie_word_embeddings:
+        del owners["lm_head.weight"]  # HF ignores it too: the head is the embedding matrix
+    return owners
+
+
 def build_model(cfg: ModelConfig,
                 tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]] | dict[str, torch.Tensor],
-                max_len: int, device: torch.device, dtype: torch.dtype, shard: Shard = Shard(), comm=None) -> CausalLM:
+                max_len: int, device: torch.device, dtype: torch.dtype, shard: Shard = Shard(), comm=None, *,
+                model_cls: type[CausalLM] = CausalLM, rename: Rename | None = None) -> CausalLM:
     """Fills a meta-device model one checkpoint tensor at a time, each moved
     to device and dtype as it arrives, so the host never holds more than one
     copy of the weights; given LazyTensors, a tensor-parallel rank reads only
-    its shard of each. Parts of a fused projection (q/k/v, gate/up) are
-    copied into their rows of it. Every parameter must come from the
-    checkpoint, and every checkpoint tensor must land somewhere."""
-    from executor_svc.families import family_of
-
+    its part of each, as the layer that owns it decides (layers.py). Every
+    parameter must come from the checkpoint, and every checkpoint tensor
+    must land somewhere."""
     with torch.device("meta"):
-        model = CausalLM(cfg, max_len, shard, comm)
-        whole_model = model if shard.size == 1 else CausalLM(cfg, max_len)
-    # Checkpoint tensors are whole: check them against the unsharded shapes.
-    expected = {name: tuple(p.shape) for name, p in whole_model.named_parameters()}
-    rename = family_of(cfg).rename
+        model = model_cls(cfg, max_len, shard, comm)
+    owners = checkpoint_owners(model)
     loaded: set[str] = set()
     unexpected: list[str] = []
     for ckpt_name, tensor in (tensors.items() if isinstance(tensors, dict) else tensors):
@@ -310,32 +322,25 @@ def build_model(cfg: ModelConfig,
             continue  # HF ignores it too: the head is the embedding matrix
         lazy = tensor if isinstance(tensor, LazyTensor) else LazyTensor.of(tensor)
         for name, whole in (rename(ckpt_name, lazy, cfg) if rename else [(ckpt_name, lazy)]):
-            if name not in expected:
+            if name not in owners:
                 unexpected.append(name)
                 continue
-            if whole.shape != expected[name]:
-                raise ValueError(f"{name}: checkpoint shape {whole.shape}, config implies {expected[name]}")
-            module_name, _, leaf = name.rpartition(".")
-            parent_name, _, part = module_name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            t = shard.read(name, whole, cfg)
-            if isinstance(parent, FusedProjections) and parent.part_rows(part):
-                parent.load_part(part, leaf, t, device, dtype)
+            module, key, shape = owners[name]
+            if whole.shape != shape:
+                raise ValueError(f"{name}: checkpoint shape {whole.shape}, config implies {shape}")
+            if hasattr(module, "load_weight"):
+                module.load_weight(key, whole, device, dtype)
             else:
-                # Always a copy: safetensors hands out views of the mmapped
-                # file, which would keep the served weights tied to files on disk.
-                setattr(model.get_submodule(module_name), leaf,
-                        nn.Parameter(t.to(device=device, dtype=dtype, copy=True), requires_grad=False))
+                load_replicated(module, key, whole, device, dtype)
             loaded.add(name)
-    missing = sorted(expected.keys() - loaded)
+    missing = sorted(owners.keys() - loaded)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the {cfg.architecture} layout: "
                          f"missing={missing} unexpected={sorted(unexpected)}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    for module in list(model.modules()):
-        if isinstance(module, FusedProjections):
-            module.drop_parts()
+    unfilled = [n for n, p in model.named_parameters() if p.is_meta]
+    if unfilled:  # a layer's loader left part of a parameter unread: a bug, not a checkpoint problem
+        raise RuntimeError(f"parameters not filled by their loaders: {unfilled}")
     model.init_rope(device, dtype)
     return model.eval()
-

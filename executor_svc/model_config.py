@@ -5,7 +5,8 @@ deliberately ignored (with the reason), or refused by name. A key the
 executor does not know may change the forward pass, so serving the
 checkpoint anyway could produce wrong tokens without any sign of it.
 What differs per family (which keys exist, their defaults, which values are
-allowed) lives in executor_svc/families.py.
+allowed) lives in the executor_svc/families package, which reads config.json
+into a ModelConfig (families.read_config).
 """
 
 from __future__ import annotations
@@ -53,13 +54,20 @@ class RopeSpec:
     """One RoPE variant: the base, how frequencies are rescaled, and how many
     leading dims of each head it rotates."""
 
-    rope_type: str  # default | linear | llama3
+    rope_type: str  # default | linear | llama3 | yarn
     theta: float
     rotary_dim: int
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 0
+    # YaRN: the band between beta_fast and beta_slow rotations is blended
+    # from interpolated to original frequencies (bounds rounded out to whole
+    # dims with truncate), and cos/sin are scaled by attention_factor.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
     def inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
         """[rotary_dim / 2] fp32 inverse frequencies, computed as HF does."""
@@ -78,10 +86,90 @@ class RopeSpec:
             smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
             medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
             return torch.where(medium, smoothed, scaled)
+        if self.rope_type == "yarn":
+            return self._yarn_inv_freq(device)
         return inv
+
+    def _yarn_inv_freq(self, device: torch.device | None) -> torch.Tensor:
+        """As transformers' _compute_yarn_parameters, operation for operation."""
+        d, base, old_len = self.rotary_dim, self.theta, self.original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:
+            return (d * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001  # as HF: no zero-width ramp
+        pos_freqs = base ** (torch.arange(0, d, 2).to(device=device, dtype=torch.float) / d)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (self.factor * pos_freqs)
+        ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrapolation_factor = 1 - ramp.to(device=device, dtype=torch.float)
+        return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
 
     def describe(self) -> str:
         return self.rope_type if self.rope_type == "default" else f"{self.rope_type}(factor={self.factor:g})"
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `scale` times longer."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    """A mixture-of-experts MLP (executor_svc/moe.py): a router picks top_k
+    of num_experts per token; their outputs, weighted, are summed, plus an
+    optional shared expert. Each field says how one family's router
+    differs, so one layer serves all of them."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    # Which layers have experts (the others keep the dense MLP of intermediate_size).
+    sparse_layers: tuple[bool, ...]
+    # softmax: softmax over all experts, then top-k (Mixtral, Qwen-MoE);
+    # topk_softmax: top-k of the logits, then softmax over those (gpt-oss);
+    # sigmoid: sigmoid scores, top-k chosen on scores + correction bias (DeepSeek-V3).
+    scoring: str = "softmax"
+    norm_topk_prob: bool = False  # renormalise the top-k weights to sum to 1
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    # Group-limited routing (DeepSeek-V3): experts in n_group groups; only
+    # experts of the topk_group groups with the best top-2 sums compete.
+    n_group: int = 1
+    topk_group: int = 1
+    router_bias: bool = False  # gpt-oss: the router's linear layer has a bias
+    correction_bias: bool = False  # DeepSeek-V3: e_score_correction_bias, for choosing only
+    router_fp32: bool = False  # DeepSeek-V3: router logits computed in fp32 whatever the dtype
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    shared_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(linear(x))
+    expert_bias: bool = False  # gpt-oss: biases on the experts' projections
+    # gpt-oss's SwiGLU: gate clamped above, up clamped both ways at swiglu_limit,
+    # out = (up + 1) * gate * sigmoid(alpha * gate). None: silu(gate) * up.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+
+
+@dataclass(frozen=True, slots=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, executor_svc/mla.py):
+    keys and values are decompressed per head from one latent per token,
+    which is all the KV cache holds."""
+
+    q_lora_rank: int | None  # None: q is one projection of the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # RoPE over interleaved (even, odd) pairs rather than the two halves
+    # Softmax scale: qk_head_dim^-1/2, times YaRN's mscale(factor, mscale_all_dim)^2.
+    softmax_scale: float
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +194,8 @@ class ModelConfig:
     rope: dict[str, RopeSpec]  # by layer type
     sliding_window: int | None = None
     hidden_act: str = "silu"  # silu | gelu_pytorch_tanh
-    qkv_bias: bool = False  # Qwen2
+    qkv_bias: bool = False  # Qwen2, gpt-oss: biases on q, k and v
+    o_bias: bool = False  # gpt-oss: a bias on o_proj too
     qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
     norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + w)
     sandwich_norms: bool = False  # Gemma 2/3: norms before and after attention and MLP
@@ -114,6 +203,12 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power, not head_dim's
     attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c)
     final_softcap: float | None = None  # Gemma 2: logits = c * tanh(logits / c)
+    attn_sinks: bool = False  # gpt-oss: a learned per-head logit joins each softmax (and takes no value)
+    moe: MoESpec | None = None
+    mla: MLASpec | None = None
+    # How the checkpoint stores weights, when not plainly: "mxfp4" (gpt-oss's
+    # experts, dequantized at load).
+    quantization: str | None = None
     # What reading config.json did with each key, for the log and the tests.
     read_keys: frozenset[str] = field(default=frozenset(), compare=False)
     ignored: dict[str, str] = field(default_factory=dict, compare=False)  # key -> why
@@ -130,14 +225,6 @@ class ModelConfig:
         if len(set(kinds.values())) == 1 and len(set(self.rope[t].theta for t in kinds)) == 1:
             return next(iter(kinds.values()))
         return ",".join(f"{t}={k}(theta={self.rope[t].theta:g})" for t, k in kinds.items())
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
-        """Reads config.json (and generation_config.json for EOS ids);
-        raises UnsupportedConfig naming what it cannot serve."""
-        from executor_svc.families import read_config
-
-        return read_config(cfg, generation_config)
 
 
 class ConfigReader:
@@ -175,8 +262,10 @@ ROPE_KEYS = {
     "linear": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor"},
     "llama3": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "low_freq_factor",
                "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings",
+             "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
 }
-REFUSED_ROPE_TYPES = ("dynamic", "yarn", "longrope")
+REFUSED_ROPE_TYPES = ("dynamic", "longrope")
 
 
 def rope_spec(params: dict[str, Any], family: str, *, theta: float, head_dim: int, max_position_embeddings: int,
@@ -215,7 +304,29 @@ def rope_spec(params: dict[str, Any], family: str, *, theta: float, head_dim: in
             original_max_position_embeddings=int(params.get("original_max_position_embeddings",
                                                             max_position_embeddings)),
         )
+    if rope_type == "yarn":
+        return yarn_spec(params, spec.theta, rotary_dim, max_position_embeddings)
     return spec
+
+
+def yarn_spec(params: dict[str, Any], theta: float, rotary_dim: int, max_position_embeddings: int) -> RopeSpec:
+    """HF's reading of a yarn dict: an absent original length is
+    max_position_embeddings; an absent factor, their ratio; an absent
+    attention_factor comes from mscale and mscale_all_dim when both are
+    set (DeepSeek), else from the factor alone."""
+    old_len = int(params.get("original_max_position_embeddings") or max_position_embeddings)
+    factor = params.get("factor")
+    factor = float(max_position_embeddings / old_len if factor is None else factor)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    return RopeSpec("yarn", theta, rotary_dim, factor=factor, original_max_position_embeddings=old_len,
+                    beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                    truncate=bool(params.get("truncate", True)), attention_factor=float(attention_factor))
 
 
 def eos_ids(*values: Any) -> tuple[int, ...]:

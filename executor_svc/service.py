@@ -111,6 +111,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             architecture=self.cfg.architecture,
             rope_type=self.cfg.rope_description(),
             tensor_parallel_size=self.tp_size,
+            kv_bytes_per_token=self.pool.bytes_per_token,
             supports_constraints=True,
         )
 

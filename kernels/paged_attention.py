@@ -32,6 +32,9 @@ compiled without them:
   loaded; split-KV divides only that visible range.
 * Score soft-capping s (USE_SOFTCAP): ``s * tanh(q.k * scale / s)`` before masking and
   softmax (Gemma 2).
+* Attention sinks (USE_SINKS): one learned logit per head joins the softmax's
+  denominator and weighs no value (gpt-oss); added once, after the KV loop (or in the
+  split-KV merge).
 
 tl.dot needs every dimension >= 16, so rows are padded to BLOCK_M >= 16, the head dim
 to HEAD_DIM_PAD >= 16 (next power of two, masked) and TILE_N >= 16.
@@ -111,6 +114,7 @@ def _paged_attention_kernel(
     cu_query_lens_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
     block_tables_ptr,  # [num_reqs, max_blocks_per_req] int32
+    sinks_ptr,  # [num_heads] fp32                                      (USE_SINKS)
     num_reqs,
     num_heads,
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain (exp2 is cheaper);
@@ -141,6 +145,7 @@ def _paged_attention_kernel(
     DOT_UPCAST: tl.constexpr,  # interpreter + bf16 only, see _mma
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -244,6 +249,13 @@ def _paged_attention_kernel(
         acc = _mma(probs.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
 
     if NUM_SPLITS == 1:
+        if USE_SINKS:
+            # The sink's exp joins the denominator, on the running max's scale.
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634  # [BLOCK_M], log2 domain
+            new_max = tl.maximum(row_max, sink)
+            rescale = tl.exp2(row_max - new_max)
+            acc = acc * rescale[:, None]
+            row_sum = row_sum * rescale + tl.exp2(sink - new_max)
         # Rows that saw nothing are masked out of the store; guard the division anyway.
         out = acc / tl.where(row_sum > 0.0, row_sum, 1.0)[:, None]  # [BLOCK_M, HEAD_DIM_PAD]
         tl.store(
@@ -269,6 +281,7 @@ def _merge_splits_kernel(
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32
     part_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 domain
     part_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32
+    sinks_ptr,  # [num_heads] fp32 (USE_SINKS)
     num_heads,
     stride_o_t,
     stride_o_h,
@@ -276,6 +289,7 @@ def _merge_splits_kernel(
     SPLITS_PAD: tl.constexpr,  # next pow2 of NUM_SPLITS
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -295,8 +309,13 @@ def _merge_splits_kernel(
 
     # Every query sees at least its own position, held by some slice, so the max is real.
     global_max = tl.max(part_max, axis=0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # log2 domain
+        global_max = tl.maximum(global_max, sink)
     weight = tl.exp2(part_max - global_max)  # [SPLITS_PAD]; empty slices -> 0
     denom = tl.sum(part_sum * weight, axis=0)
+    if USE_SINKS:
+        denom += tl.exp2(sink - global_max)
     out = tl.sum(part_acc * weight[:, None], axis=0) / denom  # [HEAD_DIM_PAD]
     tl.store(
         out_ptr + token * stride_o_t + head * stride_o_h + offs_d,
@@ -446,10 +465,15 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] fp32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton version of ``kernels.reference.paged_attention`` (same arguments)."""
     _check_inputs(query, k_cache, v_cache, cu_query_lens, seq_lens, block_tables)
     _check_features(sliding_window, softcap)
+    if sinks is not None:
+        assert sinks.shape == (query.shape[1],) and sinks.dtype == torch.float32 and sinks.is_contiguous(), (
+            f"sinks must be [num_heads] contiguous fp32, got {tuple(sinks.shape)} {sinks.dtype}")
+        assert sinks.device == query.device
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -496,6 +520,7 @@ def paged_attention(
         cu_query_lens,
         seq_lens,
         block_tables,
+        sinks if sinks is not None else seq_lens,
         num_reqs,
         num_heads,
         scale * _LOG2E if softcap is None else scale / softcap,
@@ -525,6 +550,7 @@ def paged_attention(
         DOT_UPCAST=query.dtype == torch.bfloat16 and _interpreting(),
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
+        USE_SINKS=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -534,6 +560,7 @@ def paged_attention(
             part_acc,
             part_max,
             part_sum,
+            sinks if sinks is not None else part_max,
             num_heads,
             out.stride(0),
             out.stride(1),
@@ -541,6 +568,7 @@ def paged_attention(
             SPLITS_PAD=triton.next_power_of_2(cfg.num_splits),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
+            USE_SINKS=sinks is not None,
             num_warps=1 if head_dim_pad <= 64 else 2,
         )
     return out

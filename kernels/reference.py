@@ -16,13 +16,19 @@ Shapes (shared with the Triton launchers):
 * block_tables:     [num_reqs, max_blocks_per_req] int32, entries past a request's
                     need are arbitrary padding and never read
 * block_mapping:    [n, 2] int64 rows of (src_block, dst_block)
+
+Mixture of experts (``fused_moe``):
+
+* x:                [num_tokens, hidden]
+* w13 / w2:         [num_experts, 2 * inter, hidden] (gate rows, then up) / [num_experts, hidden, inter]
+* weights / ids:    [num_tokens, top_k] routing weights / expert ids
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["write_kv_cache", "paged_attention", "copy_blocks"]
+__all__ = ["write_kv_cache", "paged_attention", "copy_blocks", "fused_moe", "mla_decode"]
 
 
 def write_kv_cache(
@@ -67,6 +73,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] fp32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each request's new query tokens over its paged context.
 
@@ -76,8 +83,9 @@ def paged_attention(
 
     sliding_window W (None = unbounded): a query at position i sees only positions j
     with ``i - W < j <= i`` (W = 1: itself). softcap s (None = off): the scaled scores
-    become ``s * tanh(scores / s)`` before masking and softmax. Both as in HF
-    transformers (Mistral / Gemma 2).
+    become ``s * tanh(scores / s)`` before masking and softmax. sinks (None = off):
+    head h's softmax gets one more logit, ``sinks[h]``, which weighs no value. All as in
+    HF transformers (Mistral / Gemma 2 / gpt-oss).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -114,7 +122,11 @@ def paged_attention(
         if sliding_window is not None:
             visible &= kv_pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # [num_heads, q_len, kv_len]
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(num_heads, q_len, 1)  # [num_heads, q_len, 1]
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)  # [num_heads, q_len, kv_len]
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
     return out
 
@@ -132,3 +144,42 @@ def copy_blocks(
     for src, dst in block_mapping.tolist():
         k_cache[dst].copy_(k_cache[src])
         v_cache[dst].copy_(v_cache[src])
+
+
+def fused_moe(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]
+    w2: torch.Tensor,  # [num_experts, hidden, inter]
+    weights: torch.Tensor,  # [num_tokens, top_k]
+    ids: torch.Tensor,  # [num_tokens, top_k]
+    activation,  # [rows, 2 * inter] -> [rows, inter]
+    b13: torch.Tensor | None = None,  # [num_experts, 2 * inter]
+    b2: torch.Tensor | None = None,  # [num_experts, hidden]
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """sum over slots j of weights[t, j] * down_e(activation(gate_up_e(x[t]))), e = ids[t, j], in fp32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13[e].float() @ x[t].float()  # [2 * inter]
+            if b13 is not None:
+                h = h + b13[e].float()
+            y = w2[e].float() @ activation(h[None])[0]  # [hidden]
+            if b2 is not None:
+                y = y + b2[e].float()
+            out[t] += weights[t, j].float() * y
+    return out.to(x.dtype)
+
+
+def mla_decode(
+    query: torch.Tensor,  # [num_reqs, num_heads, latent_dim]
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, latent_dim]
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    scale: float,
+    value_dim: int,
+) -> torch.Tensor:  # [num_reqs, num_heads, value_dim]
+    """MLA decode (one token per request): attention over the latent cache as one
+    shared KV head, each latent the key and its first value_dim values the value."""
+    cu = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    return paged_attention(query, cache, cache, cu, seq_lens, block_tables, scale)[..., :value_dim]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from tokenizers import Tokenizer
 
+from llmsched.llguidance_tokenizer import make_tokenizer
 from llmsched.security import channel_credentials
 from llmsched.tracing import Tracing, traceparent_of
 from llmsched.v1 import executor_pb2 as epb
@@ -40,7 +41,6 @@ from scheduler_svc.output_processor import RequestDelta, RequestOutputState
 from scheduler_svc.plan import SampledToken, SchedulerOutput
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from llmsched.llguidance_tokenizer import make_tokenizer
 from scheduler_svc.structured_output import ConstraintCompiler
 from scheduler_svc.tenants import parse_weights
 

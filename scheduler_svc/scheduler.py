@@ -101,10 +101,6 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.push(request)
 
-    @property
-    def next_arrival_seq(self) -> int:
-        return self._next_arrival
-
     def order_key(self, req: Request) -> tuple[int, int]:
         """Smaller runs first and is preempted last (within a tenant, under fair)."""
         return self.policy.order_key(req)

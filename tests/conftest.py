@@ -63,5 +63,20 @@ def pytest_sessionstart(session):
     root = session_root(session.config)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor-cache")
     os.environ["TRITON_CACHE_DIR"] = str(root / "triton-cache")
+    _share_cores_between_workers()
+
+
+def _share_cores_between_workers() -> None:
+    """Under xdist, each worker's torch gets its share of the cores, as the
+    executor gives each tensor-parallel rank (loading._set_threads): N
+    workers each running torch's default of one thread per core
+    oversubscribe the machine, and torch's thread pool then spends whole
+    milliseconds per tiny op waiting for threads that are not scheduled
+    (a 2-layer MoE test model ran 10-100x slower on 2 cores with 2 workers)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 

@@ -47,6 +47,9 @@ class FamilyCase:
     seed: int = 0
     # What this case exercises, for test ids and docs.
     features: tuple[str, ...] = field(default=())
+    # Scale of the per-head attention sink logits (gpt-oss) and the router's
+    # correction bias (DeepSeek-V3), redrawn so that they matter.
+    bias_scale: float = 0.5
 
 
 CASES = {
@@ -98,12 +101,55 @@ CASES = {
         "phi3", "Phi3Config", "Phi3ForCausalLM",
         dict(num_hidden_layers=2, sliding_window=10, partial_rotary_factor=0.5), seed=3,
         features=("fused qkv/gate_up", "partial rotary", "window")),
+    "mixtral": FamilyCase(
+        "mixtral", "MixtralConfig", "MixtralForCausalLM",
+        dict(num_hidden_layers=2, sliding_window=12, num_local_experts=4, num_experts_per_tok=2),
+        seed=3, features=("top-2 of 4 experts, softmax then renormalised", "window")),
+    "qwen2-moe": FamilyCase(
+        "qwen2-moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+        dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=64, mlp_only_layers=[1], use_sliding_window=True, sliding_window=8,
+             max_window_layers=2, rope_parameters={"rope_theta": 1_000_000.0, "rope_type": "default"}),
+        features=("shared expert with a sigmoid gate", "mlp_only_layers", "q/k/v bias", "window")),
+    "qwen3-moe": FamilyCase(
+        "qwen3-moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        dict(num_hidden_layers=3, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0],
+             rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                              "rope_theta": 1_000_000.0}),
+        features=("norm_topk_prob", "q/k norm", "YaRN RoPE", "mlp_only_layers")),
+    "gpt-oss": FamilyCase(
+        "gpt-oss", "GptOssConfig", "GptOssForCausalLM",
+        dict(num_hidden_layers=2, head_dim=16, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+             sliding_window=8, swiglu_limit=0.8,
+             rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "truncate": False, "original_max_position_embeddings": 8, "rope_theta": 150000.0}),
+        bias_scale=1.0, seed=1,
+        features=("attention sinks", "q/k/v/o biases", "alternating window", "YaRN RoPE", "router bias",
+                  "expert biases", "clamped SwiGLU")),
+    "deepseek-v3": FamilyCase(
+        "deepseek-v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+        dict(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+             norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+             qk_nope_head_dim=16, v_head_dim=16, rope_interleave=True,
+             rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                              "original_max_position_embeddings": 64, "rope_theta": 10000.0}),
+        features=("MLA with a latent KV cache", "rope_interleave", "YaRN with mscale", "sigmoid routing with "
+                  "correction bias", "group-limited top-k", "routed_scaling_factor", "shared expert",
+                  "first_k_dense_replace")),
 }
 
 
 def _redraw(model: torch.nn.Module, case: FamilyCase) -> None:
     g = torch.Generator().manual_seed(case.seed)
+    # transformers 5 keeps experts as 3-D tensors: [experts, out, in], or
+    # [experts, in, out] for gpt-oss.
+    transposed = case.model_cls == "GptOssForCausalLM"
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(case.bias_scale * torch.randn(b.shape, generator=g))
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 base = 0.0 if case.zero_centred_norms else 1.0
@@ -115,8 +161,13 @@ def _redraw(model: torch.nn.Module, case: FamilyCase) -> None:
                 p.copy_(std * torch.randn(p.shape, generator=g))
             elif "vision_tower" in name or "multi_modal_projector" in name:
                 continue  # the vision side, never reached by text prompts
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".sinks"):
+                p.copy_(case.bias_scale * torch.randn(p.shape, generator=g))
+            elif p.dim() == 3:  # experts
+                fan_in = p.shape[1] if transposed else p.shape[2]
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in**0.5)
             else:  # linear weights [out, in]
                 scale = 4.0 if name == "lm_head.weight" else 1.0
                 p.copy_(scale * torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)

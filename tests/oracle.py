@@ -12,8 +12,12 @@ import torch
 def hf_model(model: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from bench.baselines import hf_builtin
+    from executor_svc.builtin import BUILTIN_MODELS
     from executor_svc.checkpoint import load_checkpoint
 
+    if model in BUILTIN_MODELS:
+        return hf_builtin(model).eval()
     ckpt = load_checkpoint(model)
     cfg = LlamaConfig(**ckpt.hf_config)
     hf = LlamaForCausalLM(cfg)

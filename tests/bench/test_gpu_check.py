@@ -58,3 +58,33 @@ def test_two_or_more_gpus_run_p13_and_summary_carries_its_ratio(monkeypatch, tmp
     p13 = json.loads((tmp_path / "summary.json").read_text())["parts"]["tensor_parallel_p13"]
     assert p13["returncode"] == 0 and "skipped" not in p13, p13
     assert p13["ratio"] == 1.5 and p13["greedy_agreement"][0]["identical"] == 64, p13
+
+
+def test_the_moe_and_mla_kernel_bench_imports_and_refuses_to_run_without_cuda(monkeypatch, capsys):
+    from bench import moe_kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert moe_kernels.main(["--quick"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    # Active FLOPs: Qwen3-30B-A3B's 8 experts of width 768 on one token.
+    assert moe_kernels.moe_flops(1, **moe_kernels.MOE) == 2 * 8 * (2048 * 2 * 768 + 768 * 2048)
+    assert moe_kernels.mla_flops(1, 1024, **moe_kernels.MLA) == 2 * 16 * 1024 * (576 + 512)
+
+
+def test_summary_carries_the_moe_and_mla_kernel_figures(monkeypatch, tmp_path):
+    ran = _fake_parts(monkeypatch, device_count=1)
+    real_run = gpu_check.subprocess.run
+
+    def run(cmd, **kwargs):
+        if "bench.moe_kernels" in cmd:
+            Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({
+                "fused_moe": [{"tokens": 1, "ms": {"triton": 0.1}, "triton_vs_dense": 2.0, "ok": True}],
+                "mla_decode": [{"batch": 1, "context": 1024, "ms": {"triton": 0.05}, "triton_vs_dense": 1.5,
+                                "ok": True}]}))
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    assert gpu_check.main(["--out-dir", str(tmp_path)]) == 0
+    assert any("bench.moe_kernels" in cmd for cmd in ran)
+    part = json.loads((tmp_path / "summary.json").read_text())["parts"]["moe_mla_kernels"]
+    assert part["fused_moe"][0]["triton_vs_dense"] == 2.0 and part["mla_decode"][0]["context"] == 1024

@@ -8,12 +8,17 @@ models built and saved by transformers itself (tests/families.py).
 
 Sensitivity: each feature these tests rely on (RoPE scaling, windows,
 soft-caps, the norm variant, the embedding scale, q/k norms, biases,
-partial rotary) is switched off one at a time in
+partial rotary; for the MoE and MLA families attention sinks, router and
+correction biases, group-limited routing, renormalisation, the shared
+expert and its gate, YaRN's attention factor and mscale, rope_interleave,
+the SwiGLU clamp) is switched off one at a time in
 tests/unit/test_families_vs_hf.py::test_hf_oracle_catches_a_missing_feature,
 which shows the same oracle and prompt lengths then fail.
 
 Refusals: a checkpoint the executor cannot serve exactly ends the executor
-at start with a non-zero exit and an error naming what was refused.
+at start with a non-zero exit and an error naming what was refused (MoE
+routing and attention keys among them). The handshake reports each
+family's KV bytes per token (DeepSeek-V3's one latent per layer).
 """
 
 from __future__ import annotations
@@ -26,14 +31,19 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
+import torch
 
-from executor_svc.model_config import ModelConfig
+from executor_svc.families import read_config
+from executor_svc.kv_cache import bytes_per_token
+from llmsched.v1 import executor_pb2, executor_pb2_grpc
 from tests.conftest import HAS_CUDA, REPO_ROOT
 from tests.families import CASES, hf_greedy, make_checkpoint, prompts
 from tests.integration.conftest import start_services
 
-SERVED = ["llama3", "llama3-t4", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-mm", "phi3"]
+SERVED = ["llama3", "llama3-t4", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "gemma3-mm", "phi3",
+          "mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss", "deepseek-v3"]
 MIN_MARGIN = 1e-3  # fp32 differences from HF are ~1e-5 in these logits
 MAX_NEW = 32
 ALONE = prompts(2, min_len=5, max_len=30, seed=3)
@@ -55,7 +65,7 @@ def _serve(name: str, tmp_path_factory, backend_env: dict[str, str]):
 @pytest.fixture(scope="module", params=SERVED)
 def served(request, tmp_path_factory):
     path, services, client = _serve(request.param, tmp_path_factory, {"EXECUTOR_ATTENTION_BACKEND": "torch"})
-    yield request.param, path, client
+    yield request.param, path, client, services
     client.channel.close()
     services.stop()
 
@@ -73,24 +83,35 @@ def check_against_hf(path: str, client, cases: list[list[int]], timeout_s: float
 
 
 def test_alone_greedy_matches_hf(served):
-    _, path, client = served
+    _, path, client, _ = served
     for prompt in ALONE:
         check_against_hf(path, client, [prompt])
 
 
 def test_8_concurrent_greedy_requests_each_match_hf(served):
-    _, path, client = served
+    _, path, client, _ = served
     check_against_hf(path, client, CONCURRENT)
 
 
 def test_server_info_names_the_architecture_and_the_rope_in_use(served):
-    name, path, client = served
+    name, path, client, _ = served
     info = client.info()
-    cfg = ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
+    cfg = read_config(json.loads((Path(path) / "config.json").read_text()))
     assert info.architecture == CASES[name].model_cls
     assert info.rope_type == cfg.rope_description()
     if name.startswith("llama3"):
         assert info.rope_type == "llama3(factor=8)"
+
+
+def test_handshake_reports_the_kv_bytes_per_token(served):
+    """K and V per KV head and layer, or MLA's one latent per layer."""
+    name, path, _, services = served
+    cfg = read_config(json.loads((Path(path) / "config.json").read_text()))
+    with grpc.insecure_channel(services.executor_address) as channel:
+        handshake = executor_pb2_grpc.ExecutorStub(channel).Handshake(executor_pb2.HandshakeRequest(), timeout=5)
+    assert handshake.kv_bytes_per_token == bytes_per_token(cfg, torch.float32)
+    if name == "deepseek-v3":  # 3 layers x (kv_lora_rank 16 + qk_rope_head_dim 8) x 4 bytes
+        assert handshake.kv_bytes_per_token == 3 * (16 + 8) * 4
 
 
 # --- the Triton backend (under the interpreter without CUDA) ----------------
@@ -106,8 +127,12 @@ TRITON_CONCURRENT = CONCURRENT[::2]
 
 
 # gemma3-mm serves the same text model as gemma3 (it differs only in how it
-# loads), so the slow interpreter run skips it.
-@pytest.fixture(scope="module", params=[name for name in SERVED if name != "gemma3-mm"])
+# loads), so the slow interpreter run skips it; Mixtral and Qwen2-MoE run the
+# same fused-MoE kernel as Qwen3-MoE, which covers it.
+TRITON_SKIPPED = ("gemma3-mm", "mixtral", "qwen2-moe")
+
+
+@pytest.fixture(scope="module", params=[name for name in SERVED if name not in TRITON_SKIPPED])
 def served_triton(request, tmp_path_factory):
     pytest.importorskip("triton")
     path, services, client = _serve(request.param, tmp_path_factory, TRITON_ENV)
@@ -124,7 +149,7 @@ def test_triton_backend_alone_and_concurrent_greedy_matches_hf(served_triton):
     check_against_hf(path, client, TRITON_CONCURRENT, timeout_s=600, max_new=TRITON_MAX_NEW)
 
 
-@pytest.mark.parametrize("name", [name for name in SERVED if name != "gemma3-mm"])
+@pytest.mark.parametrize("name", [name for name in SERVED if name not in TRITON_SKIPPED])
 def test_triton_oracle_still_crosses_windows_and_mixes_steps(name):
     case = CASES[name]
     window = case.config.get("sliding_window")
@@ -140,25 +165,40 @@ def test_triton_oracle_still_crosses_windows_and_mixes_steps(name):
 # --- refusals ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def llama3_dir(tmp_path_factory) -> Path:
-    return make_checkpoint(CASES["llama3-t4"], tmp_path_factory.mktemp("llama3-base"))
+def base_dirs(tmp_path_factory):
+    """A family's checkpoint to break, made once per module."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = make_checkpoint(CASES[name], tmp_path_factory.mktemp(f"{name}-base"))
+        return made[name]
+
+    return get
 
 
+# case -> (the family checkpoint it breaks, its config.json change, what the error must name)
 REFUSALS = {
-    "unknown architecture": ({"architectures": ["FalconForCausalLM"]},
+    "unknown architecture": ("llama3-t4", {"architectures": ["FalconForCausalLM"]},
                              "architecture FalconForCausalLM is not supported"),
-    "yarn RoPE": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
-                  "RoPE type 'yarn' is not supported"),
-    "unread forward-changing key": ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
-    "llama with biases": ({"attention_bias": True}, "attention_bias=True is not supported"),
+    "dynamic RoPE": ("llama3-t4", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+                     "RoPE type 'dynamic' is not supported"),
+    "unread forward-changing key": ("llama3-t4", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    "llama with biases": ("llama3-t4", {"attention_bias": True}, "attention_bias=True is not supported"),
+    # MoE and MLA: routing and attention keys the executor does not implement.
+    "unknown routing key": ("qwen3-moe", {"scoring_func": "sigmoid"}, "scoring_func"),
+    "routing method": ("deepseek-v3", {"topk_method": "greedy"}, "topk_method='greedy' is not supported"),
+    "unknown attention key": ("deepseek-v3", {"index_topk": 2048}, "index_topk"),  # DeepSeek-V3.2's sparse attention
+    "fp8 experts": ("deepseek-v3", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+                    "quantization_config"),
 }
 
 
 @pytest.mark.parametrize("case", REFUSALS)
-def test_executor_refuses_at_start_with_a_named_error_and_nonzero_exit(case, llama3_dir, tmp_path):
-    change, message = REFUSALS[case]
+def test_executor_refuses_at_start_with_a_named_error_and_nonzero_exit(case, base_dirs, tmp_path):
+    family, change, message = REFUSALS[case]
     bad = tmp_path / "ckpt"
-    shutil.copytree(llama3_dir, bad)
+    shutil.copytree(base_dirs(family), bad)
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps(cfg | change))
     env = {**os.environ, "EXECUTOR_MODEL": str(bad), "EXECUTOR_PORT": "0", "EXECUTOR_METRICS_PORT": "0",

@@ -21,7 +21,6 @@ from llmsched.launch import free_port, launch, wait_serving
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 from tests.families import CASES, make_checkpoint
-from tests.families import hf_greedy as family_hf_greedy
 from tests.integration.conftest import assert_32_concurrent_mixed_requests_match_hf, start_services
 from tests.integration.test_reliability import Streams, wait_until
 from tests.oracle import hf_greedy
@@ -85,14 +84,18 @@ def test_constrained_requests_are_enforced_at_tp2(tp2):
     client.assert_no_leaked_blocks()
 
 
-def test_another_family_matches_hf_at_tp2(tmp_path):
-    path = str(make_checkpoint(CASES["qwen3"], tmp_path / "qwen3"))
-    services, client = start_services(path, executor_env=TP2)
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe", "deepseek-v3"])
+def test_other_families_match_hf_at_tp2(family, tmp_path):
+    """Qwen3-MoE's experts split along their units, DeepSeek-V3's MLA heads
+    split with the latent cache replicated: 8 concurrent greedy requests at
+    TP=2 give HF's tokens, which tests/integration/test_families.py holds
+    TP=1 to on the same checkpoint and prompts (so TP=2 equals TP=1)."""
+    from tests.integration.test_families import CONCURRENT, EXECUTOR_ENV, SCHEDULER_ENV, check_against_hf
+
+    path = str(make_checkpoint(CASES[family], tmp_path / family))
+    services, client = start_services(path, executor_env=EXECUTOR_ENV | TP2, scheduler_env=SCHEDULER_ENV)
     try:
-        prompts = [[1, 403, 407, 261, 378], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311]]
-        for p in prompts:
-            got = client.generate(prompt_token_ids=p, sampling={"max_tokens": 24, "temperature": 0})[0]
-            assert got == family_hf_greedy(path, p, 24).tokens
+        check_against_hf(path, client, CONCURRENT, max_new=24)
     finally:
         client.channel.close()
         services.stop()

@@ -43,7 +43,9 @@ except ImportError as exc:  # pragma: no cover - depends on the Triton version
     sys.exit(EXIT_UNSUPPORTED)
 
 from kernels import copy_blocks as cb  # noqa: E402
+from kernels import fused_moe as fm  # noqa: E402
 from kernels import kv_write  # noqa: E402
+from kernels import mla_decode as mla  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
 
 
@@ -87,7 +89,8 @@ def _resource_usage(ptx: str, arch: int, workdir: Path) -> dict:
 
 
 def _attention_launch(
-    reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, max_blocks=None, sliding_window=None, softcap=None
+    reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, max_blocks=None, sliding_window=None, softcap=None,
+    sinks=False,
 ):
     """Call the real launcher on small CPU tensors of the given shape."""
     num_tokens = sum(q for q, _ in reqs)
@@ -106,7 +109,25 @@ def _attention_launch(
         head_dim**-0.5,
         sliding_window=sliding_window,
         softcap=softcap,
+        sinks=torch.zeros(num_heads) if sinks else None,
     )
+
+
+def _moe_launch(tokens, num_experts, top_k, hidden, inter, dtype, bias=False):
+    """fused_moe's two grouped GEMMs (the activation between them runs in torch)."""
+    bias13 = torch.zeros(num_experts, 2 * inter, dtype=dtype) if bias else None
+    bias2 = torch.zeros(num_experts, hidden, dtype=dtype) if bias else None
+    fm.fused_moe(torch.zeros(tokens, hidden, dtype=dtype), torch.zeros(num_experts, 2 * inter, hidden, dtype=dtype),
+                 torch.zeros(num_experts, hidden, inter, dtype=dtype), torch.ones(tokens, top_k),
+                 torch.arange(tokens * top_k).view(tokens, top_k) % num_experts, lambda h: h[:, :inter], bias13, bias2)
+
+
+def _mla_launch(batch, num_heads, kv_lora_rank, rope_dim, block_size, dtype):
+    latent = kv_lora_rank + rope_dim
+    mla.mla_decode(torch.zeros(batch, num_heads, latent, dtype=dtype),
+                   torch.zeros(8, block_size, 1, latent, dtype=dtype),
+                   torch.full((batch,), 100, dtype=torch.int32), torch.zeros(batch, 8, dtype=torch.int32),
+                   latent**-0.5, kv_lora_rank)
 
 
 def _record_all_launches(arch: int) -> list:
@@ -115,6 +136,8 @@ def _record_all_launches(arch: int) -> list:
     pa._merge_splits_kernel = _Recorder(pa._merge_splits_kernel, launches, "merge_splits")
     kv_write._write_kv_cache_kernel = _Recorder(kv_write._write_kv_cache_kernel, launches, "write_kv")
     cb._copy_blocks_kernel = _Recorder(cb._copy_blocks_kernel, launches, "copy_blocks")
+    fm._grouped_gemm_kernel = _Recorder(fm._grouped_gemm_kernel, launches, "fused_moe")
+    mla._mla_decode_kernel = _Recorder(mla._mla_decode_kernel, launches, "mla_decode")
     pa._num_sms = lambda device: 132  # choose tiles as on an H100/H200
     pa._compute_capability = lambda device: divmod(arch, 10)
 
@@ -148,13 +171,26 @@ def _record_all_launches(arch: int) -> list:
         )
     cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
     cb.copy_blocks(cache, cache.clone(), torch.zeros(2, 2, dtype=torch.int64))
+    # gpt-oss (64/8/64, W 128): sinks in the epilogue and in the split-KV merge.
+    _attention_launch(decode, 64, 8, 64, 16, torch.bfloat16, sliding_window=128, sinks=True)
+    _attention_launch(prefill, 64, 8, 64, 16, torch.bfloat16, sinks=True)
+    _attention_launch(((1, 100),), 64, 8, 64, 16, torch.bfloat16, max_blocks=512, sinks=True)
+    # Qwen3-30B-A3B's experts (2048 hidden, 128 experts, 8 active, width 768); gpt-oss-20b's with biases.
+    _moe_launch(64, 128, 8, 2048, 768, torch.bfloat16)
+    _moe_launch(16, 32, 4, 2880, 2880, torch.bfloat16, bias=True)
+    _moe_launch(4, 8, 2, 64, 32, torch.float32)
+    # DeepSeek-V3's MLA decode: 128 heads (one device) and 16 (TP=8); a tiny fp32 latent.
+    _mla_launch(4, 128, 512, 64, 64, torch.bfloat16)
+    _mla_launch(4, 16, 512, 64, 64, torch.bfloat16)
+    _mla_launch(2, 4, 16, 8, 4, torch.float32)
     return launches
 
 
 def _describe(label: str, kwargs: dict, args: tuple) -> str:
     dtype = args[0].dtype  # every kernel's first argument holds the data dtype
     keys = ("BLOCK_M", "BLOCK_Q", "TILE_N", "HEAD_DIM", "GROUP", "NUM_SPLITS", "NUM_KV_HEADS", "num_warps")
-    keys += ("USE_WINDOW", "USE_SOFTCAP")
+    keys += ("USE_WINDOW", "USE_SOFTCAP", "USE_SINKS", "BLOCK_N", "BLOCK_K", "A_ROWS_PER", "HAS_BIAS", "MUL_WEIGHT")
+    keys += ("BLOCK_H", "V_PAD", "R_PAD")
     shape = ",".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
     return f"{label}[{str(dtype).removeprefix('torch.')}:{shape}]"
 

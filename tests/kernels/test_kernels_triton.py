@@ -535,3 +535,22 @@ def test_paged_attention_cuda_graph_replay():
     expected = reference.paged_attention(*args)
     atol, rtol = ATTENTION_TOLERANCES[torch.bfloat16]
     torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("num_splits,window", [(1, None), (1, 17), (3, None)])
+def test_paged_attention_sinks(device, monkeypatch, num_splits, window):
+    """gpt-oss's per-head sink logits, in the single-pass epilogue and in the
+    split-KV merge; the sinks change the output well past the tolerance."""
+    reqs = MIXED if num_splits == 1 else ((1, 300), (1, 90), (1, 5))
+    batch = make_paged_batch(reqs, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
+                             device=device, seed=7)
+    if num_splits > 1:
+        forced = pa._Config(block_q=1, block_m=16, tile_n=16, num_splits=num_splits, num_warps=4, num_stages=2)
+        monkeypatch.setattr(pa, "_pick_config", lambda *args, **kwargs: forced)
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0], device=device)
+    features = {"sliding_window": window, "sinks": sinks}
+    out = pa.paged_attention(*batch.attention_args(), **features)
+    expected = reference.paged_attention(*batch.attention_args(), **features)
+    atol, rtol = ATTENTION_TOLERANCES[torch.float32]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    _assert_feature_changes_output(batch, torch.float32, expected, {"sliding_window": window}, "sinks")

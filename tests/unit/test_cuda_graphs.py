@@ -40,13 +40,12 @@ def _runners():
     from executor_svc.attention import make_backend
     from executor_svc.checkpoint import load_checkpoint
     from executor_svc.kv_cache import KVCachePool
-    from executor_svc.model import build_model
-    from executor_svc.model_config import ModelConfig
+    from executor_svc.families import build_model, read_config
     from executor_svc.runner import ModelRunner
 
     dev = torch.device("cuda")
     ckpt = load_checkpoint("bench-small")
-    cfg = ModelConfig.from_hf(ckpt.hf_config)
+    cfg = read_config(ckpt.hf_config)
     # fp32 so eager and replayed steps can be held to a tight tolerance.
     model = build_model(cfg, ckpt.state_dict, 512, dev, torch.float32)
     out = []

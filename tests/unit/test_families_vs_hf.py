@@ -5,7 +5,10 @@ window, and next-token log-probs.
 
 Sensitivity: `test_hf_oracle_catches_a_missing_feature` rebuilds the model
 with one feature switched off (RoPE scaling, the window, a soft-cap, the
-norm variant, the embedding scale, q/k norms, biases, partial rotary) and
+norm variant, the embedding scale, q/k norms, biases, partial rotary; MoE
+routing's renormalisation, norm_topk_prob, correction bias, group limit,
+scaling, shared expert and its gate; attention sinks, router bias, the
+SwiGLU clamp, YaRN's attention factor and mscale, rope_interleave) and
 asserts the same comparison then fails, so a pass above is not luck. The
 integration oracle (tests/integration/test_families.py) uses the same
 checkpoints and prompt lengths, so it fails the same way.
@@ -20,8 +23,8 @@ import torch
 
 from executor_svc.attention import make_backend
 from executor_svc.checkpoint import load_checkpoint
+from executor_svc.families import build_model, read_config
 from executor_svc.kv_cache import KVCachePool
-from executor_svc.model import build_model
 from executor_svc.model_config import FULL, SLIDING, ModelConfig, RopeSpec
 from executor_svc.runner import ModelRunner, NewRequestData, StepInput
 from executor_svc.sampler import SamplingSettings
@@ -48,7 +51,7 @@ def checkpoints(tmp_path_factory):
 def runner_for(path: str, cfg: ModelConfig | None = None, drop: tuple[str, ...] = (),
                torch_compile: bool = False) -> ModelRunner:
     ckpt = load_checkpoint(path)
-    cfg = cfg or ModelConfig.from_hf(ckpt.hf_config, ckpt.generation_config)
+    cfg = cfg or read_config(ckpt.hf_config, ckpt.generation_config)
     tensors = ((n, t) for n, t in ckpt.tensors() if not any(d in n for d in drop))
     model = build_model(cfg, tensors, 256, torch.device("cpu"), torch.float32)
     pool = KVCachePool(cfg, 128, BLOCK, torch.device("cpu"), torch.float32)
@@ -107,6 +110,18 @@ def _no_window(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, sliding_window=None)  # sliding layers keep their RoPE, lose the window
 
 
+def _moe(**changes):
+    return lambda c: dataclasses.replace(c, moe=dataclasses.replace(c.moe, **changes))
+
+
+def _mla(**changes):
+    return lambda c: dataclasses.replace(c, mla=dataclasses.replace(c.mla, **changes))
+
+
+def _no_attention_factor(cfg: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(cfg, rope={t: dataclasses.replace(s, attention_factor=1.0) for t, s in cfg.rope.items()})
+
+
 # (case, feature) -> the ModelConfig without it, and checkpoint tensors to drop to match.
 WITHOUT = {
     ("llama3", "llama3 RoPE scaling"): (lambda c: dataclasses.replace(c, rope=_default_rope(c)), ()),
@@ -130,6 +145,24 @@ WITHOUT = {
     ("phi3", "partial rotary factor"): (lambda c: dataclasses.replace(c, rope={
         t: dataclasses.replace(s, rotary_dim=c.head_dim) for t, s in c.rope.items()}), ()),
     ("phi3", "sliding window"): (_no_window, ()),
+    ("mixtral", "sliding window"): (_no_window, ()),
+    ("mixtral", "top-k renormalisation"): (_moe(norm_topk_prob=False), ()),
+    ("qwen2-moe", "shared expert's gate"): (_moe(shared_gate=False), ("shared_expert_gate",)),
+    ("qwen2-moe", "sliding window"): (_no_window, ()),
+    ("qwen3-moe", "norm_topk_prob"): (_moe(norm_topk_prob=False), ()),
+    ("qwen3-moe", "YaRN attention factor"): (_no_attention_factor, ()),
+    ("gpt-oss", "attention sinks"): (lambda c: dataclasses.replace(c, attn_sinks=False), (".sinks",)),
+    ("gpt-oss", "router bias"): (_moe(router_bias=False), ("router.bias",)),
+    ("gpt-oss", "SwiGLU clamp"): (_moe(swiglu_limit=float("inf")), ()),
+    ("gpt-oss", "YaRN attention factor"): (_no_attention_factor, ()),
+    ("gpt-oss", "sliding window"): (_no_window, ()),
+    ("deepseek-v3", "correction bias"): (_moe(correction_bias=False), ("e_score_correction_bias",)),
+    ("deepseek-v3", "group-limited routing"): (_moe(n_group=1, topk_group=1), ()),
+    ("deepseek-v3", "norm_topk_prob"): (_moe(norm_topk_prob=False), ()),
+    ("deepseek-v3", "routed_scaling_factor"): (_moe(routed_scaling_factor=1.0), ()),
+    ("deepseek-v3", "shared expert"): (_moe(shared_intermediate_size=0), ("shared_experts",)),
+    ("deepseek-v3", "rope_interleave"): (_mla(rope_interleave=False), ()),
+    ("deepseek-v3", "YaRN mscale in the softmax scale"): (_mla(softmax_scale=(16 + 8) ** -0.5), ()),
 }
 
 
@@ -138,7 +171,7 @@ def test_hf_oracle_catches_a_missing_feature(case, feature, checkpoints):
     path = checkpoints(case)
     ckpt = load_checkpoint(path)
     without, drop = WITHOUT[(case, feature)]
-    runner = runner_for(path, without(ModelConfig.from_hf(ckpt.hf_config)), drop)
+    runner = runner_for(path, without(read_config(ckpt.hf_config)), drop)
     if feature == "final logit soft-cap":
         with pytest.raises(AssertionError):
             ids, lps = next_token_logprobs(runner, PROMPTS[-1])

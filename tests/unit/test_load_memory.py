@@ -34,3 +34,13 @@ def test_each_tensor_parallel_rank_peaks_near_its_half_of_the_weights(tmp_path):
         # whole tensor at once, or builds the whole model, peaks at 1x or more.
         assert r["ratio"] < 0.8, (f"rank {r['rank']}'s peak RSS grew {r['ratio']:.2f}x the whole model's weight "
                                   f"bytes while loading its half: {r}")
+
+
+def test_loading_a_moe_and_mla_checkpoint_peaks_within_1_2x_its_weights(tmp_path):
+    """DeepSeek-V3's layers (MLA, 8 experts loaded one tensor at a time into
+    their fused tensors) keep the same bound: no second copy of the weights."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", hidden=512, layers=3, vocab=8192, dtype="float32", shard="10MB",
+                           family="deepseek-v3")
+    r = measure(ckpt, "float32")
+    assert r["shards"] >= 3 and r["weights_mb"] > 80, r
+    assert r["ratio"] < 1.2, f"peak RSS grew {r['ratio']:.2f}x the weight bytes while loading: {r}"

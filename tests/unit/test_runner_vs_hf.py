@@ -5,9 +5,8 @@ import torch
 
 from executor_svc.attention import make_backend
 from executor_svc.checkpoint import load_checkpoint
+from executor_svc.families import build_model, read_config
 from executor_svc.kv_cache import KVCachePool
-from executor_svc.model import build_model
-from executor_svc.model_config import ModelConfig
 from executor_svc.runner import ModelRunner, NewRequestData, PlanError, StepInput
 from executor_svc.sampler import SamplingSettings
 from tests.oracle import hf_greedy
@@ -18,7 +17,7 @@ BLOCK = 4
 
 def make_runner(model: str, num_blocks=128, torch_compile=False):
     ckpt = load_checkpoint(model)
-    cfg = ModelConfig.from_hf(ckpt.hf_config)
+    cfg = read_config(ckpt.hf_config)
     m = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, torch.device("cpu"), torch.float32)
     pool = KVCachePool(cfg, num_blocks, BLOCK, torch.device("cpu"), torch.float32)
     return ModelRunner(m, pool, make_backend("torch"), torch.device("cpu"), torch_compile=torch_compile)
@@ -55,8 +54,9 @@ def generate(runner, prompts, max_new, chunk):
     return [outputs[h] for h in range(len(prompts))]
 
 
-@pytest.mark.parametrize("model", ["stories", "tiny-random"])
+@pytest.mark.parametrize("model", ["stories", "tiny-random", "bench-moe"])
 def test_batched_chunked_generation_matches_hf_greedy(model, stories_path):
+    """bench-moe (P15's Qwen3-MoE) against transformers' Qwen3MoeForCausalLM on the same weights."""
     name = str(stories_path) if model == "stories" else model
     runner = make_runner(name)
     prompts = [[1, 403, 407, 261, 378], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309], [1, 50]]

@@ -71,11 +71,15 @@ def test_llama_greedy_tokens_and_logits_equal_one_device_and_hf(model, size, sto
         assert got == hf_greedy(name, prompt, MAX_NEW, ignore_eos=True), f"TP={size} differs from HF on {prompt}"
 
 
-@pytest.mark.parametrize("family,size", [("phi3", 2), ("gemma2", 4), pytest.param("qwen3", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family,size", [("phi3", 2), ("gemma2", 4), pytest.param("qwen3", 2, marks=pytest.mark.slow),
+                                         ("qwen3-moe", 2), ("gpt-oss", 2), ("deepseek-v3", 2)])
 def test_other_families_equal_one_device_and_hf(family, size, checkpoints):
     """Phi-3's fused q/k/v and gate/up are split per rank without reading
     the rest; Gemma 2's softcaps and embedding scale, at TP=4 with its 2 KV
-    heads replicated; Qwen 3's per-head q/k norms."""
+    heads replicated; Qwen 3's per-head q/k norms; experts split along
+    their intermediate units (Qwen3-MoE), with gpt-oss's interleaved gate/up,
+    per-head sinks and biases counted once; DeepSeek-V3's MLA heads split
+    over ranks with the latent replicated."""
     path = checkpoints(CASES[family])
     tokens = assert_same_as_one_device(path, size)
     for prompt, got in zip(PROMPTS, tokens):

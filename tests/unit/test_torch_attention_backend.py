@@ -231,3 +231,32 @@ def test_bf16_mixed_batch_with_split_contexts_matches_dense_attention(monkeypatc
     keys, values = [k.bfloat16() for k in keys], [v.bfloat16() for v in values]
     want = expected_outputs(query, meta, keys, values, 0.25, window, None)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_sinks_match_the_reference_in_prefill_decode_and_split_decode(split, monkeypatch):
+    """gpt-oss's sinks: an explicit softmax column in prefills, a sigmoid(lse - sink)
+    factor on decodes, after split pieces merge."""
+    import executor_svc.attention as attention
+
+    if split:
+        monkeypatch.setattr(attention, "DECODE_CHUNK_BYTES", 64 * 4 * 8)  # pieces of a few blocks
+    g = torch.Generator().manual_seed(3)
+    num_heads, kvh, d, block = 4, 2, 8, 4
+    k_cache, v_cache = torch.randn(64, block, kvh, d, generator=g), torch.randn(64, block, kvh, d, generator=g)
+    q_lens, seq_lens = [1, 7, 1, 3], [40, 7, 13, 30]
+    tables = torch.arange(64, dtype=torch.int32).view(4, 16)
+    query = torch.randn(sum(q_lens), num_heads, d, generator=g)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.long),
+        cu_query_lens=torch.tensor([0, 1, 8, 9, 12], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+        query_lens_host=q_lens, seq_lens_host=seq_lens)
+    sinks = torch.tensor([1.5, -0.5, 3.0, 0.0])
+    got = TorchAttentionBackend().attend(query, k_cache, v_cache, meta, 0.35, sliding_window=9, sinks=sinks)
+    want = reference.paged_attention(query, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens, tables, 0.35,
+                                     sliding_window=9, sinks=sinks)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    without = reference.paged_attention(query, k_cache, v_cache, meta.cu_query_lens, meta.seq_lens, tables, 0.35,
+                                        sliding_window=9)
+    assert (want - without).abs().max() > 1e-2

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmsched.v1 import executor_pb2 as pb
-from simulator.cost_model import FEATURES, StepShape, fit, mape
+from simulator.cost_model import BASE_FEATURES, FEATURES, StepShape, fit, mape
 from simulator.profile import Geometry, HostCost, Profile
 
 HOLDOUT_EVERY = 5
@@ -250,6 +250,15 @@ class Fit:
     holdout_mape_steps: float  # on every held-out step
     train_mape_points: float
     by_point: list[dict] = field(default_factory=list)
+    # Which model was kept, and each candidate's held-out MAPE (points).
+    model: str = "base"
+    candidates: dict = field(default_factory=dict)
+
+
+# The candidate models: the features, and those plus a cost per
+# prefill row (cost_model.py). The extended one is kept only when it is
+# better on the held-out points.
+MODELS = {"base": BASE_FEATURES, "extended": FEATURES}
 
 
 def fit_measurements(ms: list[Measurement]) -> Fit:
@@ -267,17 +276,23 @@ def fit_measurements(ms: list[Measurement]) -> Fit:
         medians.append((p, mid.shape.features(), statistics.median(s.seconds for s in steps)))
     train = [m for i, m in enumerate(medians) if i % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
     held = [m for i, m in enumerate(medians) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
-    model = fit([f for _, f, _ in train], [s for _, _, s in train])
+    candidates = {name: fit([f for _, f, _ in train], [s for _, _, s in train], names)
+                  for name, names in MODELS.items()}
+    scores = {name: mape(model, [f for _, f, _ in held], [s for _, _, s in held]) if held else float("nan")
+              for name, model in candidates.items()}
+    chosen = "extended" if held and scores["extended"] < scores["base"] else "base"
+    model = candidates[chosen]
     held_steps = [m for p, _, _ in held for m in by_point[p]]
     rows = [{"point": p.name(), "measured_ms": s * 1e3, "predicted_ms": model.predict(f) * 1e3,
              "held_out": i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1, "repeats": len(by_point[p])}
             for i, (p, f, s) in enumerate(medians)]
     return Fit(
-        model, len(train), len(held),
-        mape(model, [f for _, f, _ in held], [s for _, _, s in held]) if held else float("nan"),
+        model, len(train), len(held), scores[chosen],
         mape(model, [m.shape.features() for m in held_steps], [m.seconds for m in held_steps]) if held else float("nan"),
         mape(model, [f for _, f, _ in train], [s for _, _, s in train]),
-        rows,
+        rows, chosen,
+        {name: {"holdout_mape_points_pct": scores[name], "coefficients": candidates[name].as_dict()}
+         for name in MODELS},
     )
 
 
@@ -333,7 +348,8 @@ def calibrate(model: str, executor_env: dict[str, str], out: Path, *, address: s
         {"rounds": rounds, "steps_per_round": steps, "num_steps": len(ms), "train_points": result.train_points,
          "holdout_points": result.holdout_points, "holdout_every": HOLDOUT_EVERY,
          "holdout_mape_points_pct": result.holdout_mape_points, "holdout_mape_steps_pct": result.holdout_mape_steps,
-         "train_mape_points_pct": result.train_mape_points, "features": list(FEATURES), "points": result.by_point,
+         "train_mape_points_pct": result.train_mape_points, "features": list(FEATURES), "model": result.model,
+         "candidates": result.candidates, "points": result.by_point,
          "host": host_fit},
     )
     profile.write(out)
@@ -389,7 +405,9 @@ def calibrate_host(services, cost, log=print) -> tuple[HostCost, dict]:
         per_step, per_token = model.coefficients[0], model.coefficients[1]
     else:
         per_step = per_token = 0.0
-    latency = max(0.0, statistics.median(latencies))
+    # Only a lone request's first token has no other request's prefill
+    # ahead of it: the least excess is the stream latency.
+    latency = max(0.0, min(latencies))
     return (HostCost(per_step, per_token, latency),
             {"points": points, "scheduler_bound_points": len(slow), "first_token_excess_ms": [x * 1e3 for x in latencies]})
 
@@ -403,4 +421,8 @@ def _print_fit(profile: Profile, out=sys.stdout) -> None:
     print(f"held-out step-time MAPE: {f['holdout_mape_points_pct']:.2f}% over {f['holdout_points']} grid points "
           f"(their medians); {f['holdout_mape_steps_pct']:.2f}% over every held-out step; "
           f"{f['train_mape_points_pct']:.2f}% on the {f['train_points']} fitted points", file=out)
+    if f.get("candidates"):
+        print("held-out MAPE by model: " + ", ".join(f"{name} {c['holdout_mape_points_pct']:.2f}%"
+                                                    for name, c in f["candidates"].items())
+              + f"; kept: {f['model']}", file=out)
     print("coefficients: " + ", ".join(f"{k} {v:.4g}" for k, v in profile.step_cost.as_dict().items()), file=out)

@@ -17,6 +17,15 @@ tokens, decode rows), a chunk's attention grows with chunk x context, a
 decode row's with the KV it reads; the constant holds the per-step host
 work and, on a GPU, reading the weights once.
 
+The issue's model (BASE_FEATURES) stops there. The extended model adds
+`prefill_rows`, a cost per row that computes more than one token: on the
+CPU executor a prefill row costs a fixed time of its own (the new
+request's state, its sampling setup, a varlen attention segment) that no
+other feature carries. Calibration fits both and keeps the extended one
+only where it is better on the held-out steps (calibrate.py); a profile
+with the base model has prefill_rows 0, and a profile written before the
+feature existed reads it as 0.
+
 The coefficients are fitted by non-negative least squares on relative
 errors (each row divided by its measured time), so a 1 ms step counts as
 much as a 100 ms one. Lawson and Hanson's active-set algorithm is written
@@ -28,7 +37,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-FEATURES = ("step", "prefill_tokens", "prefill_attention", "decode_rows", "decode_context", "swapped_blocks")
+BASE_FEATURES = ("step", "prefill_tokens", "prefill_attention", "decode_rows", "decode_context", "swapped_blocks")
+FEATURES = (*BASE_FEATURES, "prefill_rows")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,22 +57,29 @@ class StepShape:
                    getattr(out, "num_swapped_blocks", 0))
 
     def features(self) -> tuple[float, ...]:
-        prefill = attn = decode = decode_ctx = 0
+        prefill = attn = decode = decode_ctx = prefill_rows = 0
         for n, start in self.rows:
             if n > 1:
+                prefill_rows += 1
                 prefill += n
                 attn += n * (start + n)
             else:
                 decode += 1
                 decode_ctx += start + 1
-        return (1.0, float(prefill), float(attn), float(decode), float(decode_ctx), float(self.swapped_blocks))
+        return (1.0, float(prefill), float(attn), float(decode), float(decode_ctx), float(self.swapped_blocks),
+                float(prefill_rows))
 
 
 @dataclass(frozen=True, slots=True)
 class LinearCostModel:
-    coefficients: tuple[float, ...]  # seconds per unit of each of FEATURES
+    # Seconds per unit of each of FEATURES; a tuple of BASE_FEATURES'
+    # length leaves the extended features at 0.
+    coefficients: tuple[float, ...]
 
     def __post_init__(self):
+        if len(self.coefficients) == len(BASE_FEATURES):
+            object.__setattr__(self, "coefficients",
+                               (*self.coefficients, *(0.0,) * (len(FEATURES) - len(BASE_FEATURES))))
         if len(self.coefficients) != len(FEATURES):
             raise ValueError(f"expected {len(FEATURES)} coefficients ({', '.join(FEATURES)}), "
                              f"got {len(self.coefficients)}")
@@ -128,8 +145,10 @@ def nnls(a, b, max_iter: int | None = None, tol: float | None = None):
     return np.maximum(x, 0.0)
 
 
-def fit(features: Iterable[Sequence[float]], seconds: Iterable[float]) -> LinearCostModel:
-    """NNLS on relative errors: row i is scaled by 1 / seconds[i]."""
+def fit(features: Iterable[Sequence[float]], seconds: Iterable[float], names: Sequence[str] = FEATURES
+        ) -> LinearCostModel:
+    """NNLS on relative errors: row i is scaled by 1 / seconds[i]. Only the
+    features in names are fitted; the others stay at 0."""
     import numpy as np
 
     x = np.asarray(list(features), dtype=float)
@@ -141,7 +160,7 @@ def fit(features: Iterable[Sequence[float]], seconds: Iterable[float]) -> Linear
     # Columns that never vary from zero (no swaps measured) stay at zero;
     # scaling the rest to unit norm keeps the active set well conditioned.
     norms = np.linalg.norm(a, axis=0)
-    used = norms > 0
+    used = (norms > 0) & np.array([name in names for name in FEATURES[:x.shape[1]]])
     coef = np.zeros(x.shape[1])
     coef[used] = nnls(a[:, used] / norms[used], y * weights) / norms[used]
     return LinearCostModel(tuple(float(c) for c in coef))

@@ -124,6 +124,7 @@ def step_cost(m: LlamaShape, gpu: GPU, tp: int) -> LinearCostModel:
         "decode_rows": (layer_flops_per_token + lm_head_flops) / flops + allreduce_per_token,
         "decode_context": kv_bytes_per_token(m, tp) / bandwidth,
         "swapped_blocks": kv_bytes_per_token(m, tp) * BLOCK_SIZE / (gpu.pcie_bytes_per_s * LINK_EFFICIENCY),
+        "prefill_rows": 0.0,  # the extended model's; a roofline has no per-row term
     }
     return LinearCostModel(tuple(coefficients[f] for f in FEATURES))
 

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from simulator.cost_model import FEATURES, LinearCostModel, StepShape, fit, mape, nnls
+from simulator.cost_model import BASE_FEATURES, FEATURES, LinearCostModel, StepShape, fit, mape, nnls
 from tests.factories import make_requests, make_scheduler
 
 
@@ -55,11 +55,11 @@ def test_features_of_a_scheduled_plan():
     out = sched.schedule()
     shape = StepShape.of_plan(out)
     assert shape.rows == ((20, 0), (20, 0))
-    # step, prefill tokens, chunk x context, decode rows, decode context, swaps
-    assert shape.features() == (1.0, 40.0, 800.0, 0.0, 0.0, 0.0)
+    # step, prefill tokens, chunk x context, decode rows, decode context, swaps, prefill rows
+    assert shape.features() == (1.0, 40.0, 800.0, 0.0, 0.0, 0.0, 2.0)
     sched.update_from_output(out, [(h, 5, None) for h in out.sampling_handles()])
     shape = StepShape.of_plan(sched.schedule())
-    assert shape.features() == (1.0, 0.0, 0.0, 2.0, 42.0, 0.0)
+    assert shape.features() == (1.0, 0.0, 0.0, 2.0, 42.0, 0.0, 0.0)
 
 
 def test_fit_recovers_coefficients_and_scores_relative_error():
@@ -80,3 +80,18 @@ def test_negative_coefficients_and_unknown_features_are_refused():
         LinearCostModel((1.0, -1.0, 0, 0, 0, 0))
     with pytest.raises(ValueError, match="unknown cost features"):
         LinearCostModel.from_dict({"steps": 1.0})
+
+
+def test_the_base_model_leaves_the_extended_features_at_zero():
+    # A profile of the six coefficients reads the per-row cost as 0.
+    assert LinearCostModel((1.0, 2.0, 3.0, 4.0, 5.0, 6.0)).as_dict()["prefill_rows"] == 0.0
+    assert LinearCostModel.from_dict({"step": 1.0}).coefficients == (1.0,) + (0.0,) * (len(FEATURES) - 1)
+    truth = LinearCostModel((2e-3, 1e-5, 1e-9, 3e-5, 1e-8, 0.0, 4e-4))
+    shapes = [StepShape(tuple((n, ctx) for _ in range(rows)))
+              for n in (1, 16, 128) for ctx in (0, 100, 400) for rows in (1, 8, 32)]
+    xs = [s.features() for s in shapes]
+    ys = [truth.predict(x) for x in xs]
+    base = fit(xs, ys, BASE_FEATURES)
+    assert base.as_dict()["prefill_rows"] == 0.0 and mape(base, xs, ys) > 1
+    extended = fit(xs, ys)
+    assert mape(extended, xs, ys) < 1e-6

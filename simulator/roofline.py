@@ -166,3 +166,22 @@ def write_all(directory: Path = PROFILES_DIR / "roofline") -> list[Path]:
             profile.write(path)
             written.append(path)
     return written
+
+
+def profiles_table(profiles: dict[str, Profile | None] | None = None) -> str:
+    """The shipped profiles as a Markdown table (docs/capacity-planning.md,
+    rendered by llmsched.docgen so that it cannot drift from this file)."""
+    profiles = all_profiles() if profiles is None else profiles
+    lines = ["| profile | KV tokens | step (ms) | per decode row (µs) | per prefill token (µs) "
+             "| per decode context token (ns) |", "|---|---|---|---|---|---|"]
+    for name, p in profiles.items():
+        if p is None:
+            lines.append(f"| `roofline/{name}` | does not fit: the weights and one full context exceed the GPUs' "
+                         "memory | | | | |")
+            continue
+        c = p.step_cost.as_dict()
+        g = p.geometry
+        lines.append(f"| `roofline/{name}` | {g.num_kv_blocks * g.block_size:,} | {c['step'] * 1e3:.2f} "
+                     f"| {c['decode_rows'] * 1e6:.1f} | {c['prefill_tokens'] * 1e6:.1f} "
+                     f"| {c['decode_context'] * 1e9:.1f} |")
+    return "\n".join(lines) + "\n"

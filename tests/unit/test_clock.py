@@ -18,11 +18,22 @@ CLOCK_READS |= {("datetime", "now"), ("datetime", "utcnow"), ("datetime", "today
 
 def clock_reads(source: str) -> list[tuple[int, str]]:
     """Every reference to a clock-reading function: `time.monotonic` called
-    or passed along, `from time import monotonic`, `datetime.now()`."""
+    or passed along, `from time import monotonic`, `datetime.now()`, also
+    under another name (`import time as t`, `from datetime import datetime
+    as dt`)."""
+    tree = ast.parse(source)
+    # A local name -> the module or class it stands for.
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in ("time", "datetime")})
+        elif isinstance(node, ast.ImportFrom) and node.module == "datetime":
+            aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in ("datetime", "date")})
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, (ast.Name, ast.Attribute)):
             owner = node.value.id if isinstance(node.value, ast.Name) else node.value.attr
+            owner = aliases.get(owner, owner)
             if (owner, node.attr) in CLOCK_READS:
                 found.append((node.lineno, f"{owner}.{node.attr}"))
         elif isinstance(node, ast.ImportFrom) and node.module in ("time", "datetime"):
@@ -37,6 +48,10 @@ def test_the_scan_finds_every_way_of_reading_the_clock():
               "f = field(default_factory=time.time)\ny = datetime.datetime.now()\n")
     assert sorted(what for _, what in clock_reads(source)) == sorted(
         ["from time import perf_counter", "time.monotonic", "time.time", "datetime.now"])
+    renamed = ("import time as t\nfrom datetime import datetime as dt\nfrom time import monotonic as m\n"
+               "a = t.perf_counter()\nb = dt.now()\n")
+    assert sorted(what for _, what in clock_reads(renamed)) == sorted(
+        ["time.perf_counter", "datetime.now", "from time import monotonic"])
 
 
 def test_scheduler_svc_reads_the_clock_only_through_clock_py():

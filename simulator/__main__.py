@@ -76,8 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--model", required=True, help="as EXECUTOR_MODEL: a built-in name or a checkpoint directory")
     c.add_argument("--executor-env", action="append", default=[], metavar="K=V")
     c.add_argument("--address", default=None, help="an executor already serving (default: start one)")
-    c.add_argument("--rounds", type=int, default=5, help="passes over the grid, each in a new order")
-    c.add_argument("--steps", type=int, default=2, help="steps measured per grid point and round")
+    c.add_argument("--rounds", type=int, default=10, help="passes over the grid, each in a new order")
+    c.add_argument("--steps", type=int, default=3, help="steps measured per grid point and round")
     c.add_argument("--host", action="store_true",
                    help="also start the scheduler and measure its own time per step (HostCost)")
     c.add_argument("--name", default=None, help="the profile's name (default: model-device)")

@@ -305,7 +305,7 @@ def git_commit() -> str | None:
 
 
 def calibrate(model: str, executor_env: dict[str, str], out: Path, *, address: str | None = None,
-              rounds: int = 5, steps: int = 2, grid: list[GridPoint] | None = None, name: str | None = None,
+              rounds: int = 10, steps: int = 3, grid: list[GridPoint] | None = None, name: str | None = None,
               host: bool = False, log=print) -> Profile:
     services = None
     env = {"EXECUTOR_MODEL": model, "EXECUTOR_NUM_THREADS": "1", **executor_env}

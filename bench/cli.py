@@ -21,7 +21,7 @@ import grpc
 from bench import traces as tr
 from bench import workloads as wl
 from bench.baselines import BASELINES, STATIC_BATCH_SIZE, cb_limits_from_env, compare_outputs, describe
-from bench.client import drained_server_info, run_requests, server_info
+from bench.client import drained_server_info, run_requests, run_sessions, server_info
 from bench.openai_client import run_openai_requests, served_model
 from bench.report import baseline_record, format_table, request_record, summarize, write_json
 
@@ -50,8 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--vocab-size", type=int, default=None, help="override the vocab the random prompts draw from")
 
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["mixed", "shared-prefix", "overload", "trace"], default="mixed",
-                   help="trace: replay --trace (../shared/traces/README.md) at its own arrival times")
+    g.add_argument("--workload", choices=["mixed", "shared-prefix", "overload", "multi-turn", "trace"], default="mixed",
+                   help="multi-turn: sessions whose every turn re-sends the history and a new question; trace: "
+                        "replay --trace (../shared/traces/README.md) at its own arrival times")
     g.add_argument("--dataset", type=Path, default=None, help="JSONL of {prompt | prompt_token_ids, max_tokens}")
     g.add_argument("--num-requests", type=int, default=None, help="mixed: 256, shared-prefix: 128, dataset: all")
     g.add_argument("--seed", type=int, default=0)
@@ -65,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--prefix-len", type=int, default=None, help="shared-prefix: prefix tokens (512)")
     g.add_argument("--suffix-len", type=int, default=None, help="shared-prefix: unique suffix tokens (32)")
     g.add_argument("--shared-output-len", type=int, default=None, help="shared-prefix: output tokens (64)")
+    g.add_argument("--num-sessions", type=int, default=None, help="multi-turn: sessions (32)")
+    g.add_argument("--num-turns", type=int, default=None, help="multi-turn: turns per session (4)")
 
     add_trace_arguments(p)
 
@@ -105,6 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.workload == "trace" and (args.dataset is not None or not math.isinf(args.request_rate)):
         p.error("a trace brings its own requests and arrival times: scale them with --rate-scale or "
                 "--capacity-from, not --dataset or --request-rate")
+    if args.workload in ("multi-turn", "trace") and args.baseline:
+        p.error(f"--baseline is not implemented for --workload {args.workload}: its prompts are "
+                + ("the answers of earlier turns" if args.workload == "multi-turn" else "timed by the trace"))
+    if args.workload == "multi-turn" and args.endpoint != ["grpc"]:
+        p.error("--workload multi-turn needs --endpoint grpc: each turn sends the previous answers' token ids")
     return args
 
 
@@ -224,6 +232,9 @@ def build_workload(args: argparse.Namespace, vocab_size: int, rate: float | None
         work = wl.from_jsonl(args.dataset, args.num_requests)
     elif args.workload == "mixed":
         work = wl.mixed(args.num_requests or 256, vocab_size, args.seed, prompt, output)
+    elif args.workload == "multi-turn":
+        spec = wl.MultiTurnSpec(num_sessions=args.num_sessions or 32, num_turns=args.num_turns or 4)
+        return wl.multi_turn(vocab_size, args.seed, spec.scaled(args.prompt_len_scale, args.output_len_scale))
     elif args.workload == "shared-prefix":
         spec = wl.SharedPrefixSpec(num_requests=args.num_requests or 128)
         spec = spec.scaled(args.prompt_len_scale, args.output_len_scale)
@@ -356,7 +367,19 @@ def main(argv: list[str] | None = None) -> int:
         expected = Path(args.model).name
         if served != expected:
             _say(f"warning: the server serves {served!r}, not {expected!r}: prompts and baselines assume --model")
-        if clipped := wl.fit_to_context(requests, max_model_len):
+        if work.name == "multi-turn":
+            longest = work.params["last_prompt_len"] + work.params["answer_len"]
+            if longest > max_model_len:
+                raise SystemExit(f"error: a session's last turn ends at {longest} tokens, past max_model_len="
+                                 f"{max_model_len}: fewer --num-turns, or lower --prompt-len-scale / "
+                                 "--output-len-scale")
+            clipped = 0
+        else:
+            # A trace is clamped to the context as it is read (bench/traces.py),
+            # to the model's figure; the server's then shortens what still
+            # does not fit.
+            clipped = wl.fit_to_context(requests, max_model_len)
+        if clipped:
             _say(f"note: {clipped} requests shortened to fit max_model_len={max_model_len}")
         if k:
             _warm_up(address, wl.warmup_requests(requests[:k], vocab_size, args.seed), args)
@@ -379,7 +402,11 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"timed run: {len(requests)} requests, {mode}"
              + (f" at {rate:.3g} req/s" if rate else "")
              + (f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""))
-        if kind == "grpc":
+        if work.name == "multi-turn":
+            run = asyncio.run(run_sessions(address, requests, tag=f"bench-{os.getpid()}",
+                                           timeout_s=args.request_timeout, show_progress=not args.no_progress,
+                                           desc=work.name))
+        elif kind == "grpc":
             run = asyncio.run(run_requests(address, requests, tag=f"bench-{os.getpid()}",
                                            max_concurrency=args.max_concurrency, timeout_s=args.request_timeout,
                                            show_progress=not args.no_progress, desc=work.name))

@@ -48,6 +48,9 @@ class RequestResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # Multi-turn: the session and turn (bench.workloads.multi_turn).
+    session: int | None = None
+    turn: int = 0
 
     @property
     def ok(self) -> bool:
@@ -61,13 +64,15 @@ class RunResult:
     started_unix: float  # wall clock at t=0, to line the run up with server logs
 
 
-def to_proto(req: BenchRequest, request_id: str) -> spb.GenerateRequest:
+def to_proto(req: BenchRequest, request_id: str, history: list[int] | None = None) -> spb.GenerateRequest:
     # Greedy and ignore_eos: every engine then produces exactly max_tokens
     # tokens, the same ones, so throughput compares equal work.
     # A constrained request's EOS waits until its grammar allows nothing
     # else (see GenerateRequest.structured), so it too runs to max_tokens.
     sampling = spb.SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
     msg = spb.GenerateRequest(request_id=request_id, sampling=sampling, structured=req.structured)
+    if history:
+        msg.prompt_token_ids.extend(history)
     if req.prompt_token_ids is not None:
         msg.prompt_token_ids.extend(req.prompt_token_ids)
     else:
@@ -76,10 +81,10 @@ def to_proto(req: BenchRequest, request_id: str) -> spb.GenerateRequest:
 
 
 async def _one(stub: spb_grpc.SchedulerStub, req: BenchRequest, res: RequestResult, t0: float,
-               timeout_s: float | None, progress: Progress | None) -> None:
+               timeout_s: float | None, progress: Progress | None, history: list[int] | None = None) -> None:
     res.send_s = time.perf_counter() - t0
     try:
-        call = stub.Generate(to_proto(req, res.request_id), timeout=timeout_s)
+        call = stub.Generate(to_proto(req, res.request_id, history), timeout=timeout_s)
         async for resp in call:
             now = time.perf_counter() - t0
             if resp.token_ids:
@@ -141,6 +146,47 @@ async def run_requests(address: str, requests: Sequence[BenchRequest], *, tag: s
         ticker = asyncio.create_task(_ticker(progress)) if show_progress else None
         try:
             await asyncio.gather(*(send(q, r) for q, r in zip(requests, results)))
+        finally:
+            if ticker is not None:
+                ticker.cancel()
+            progress.close()
+    ends = [r.end_s for r in results if not math.isnan(r.end_s)]
+    return RunResult(results, max(ends, default=0.0), started_unix)
+
+
+async def run_sessions(address: str, requests: Sequence[BenchRequest], *, tag: str = "bench",
+                       timeout_s: float | None = None, show_progress: bool = True, desc: str = "bench") -> RunResult:
+    """Multi-turn: every session starts at once, and each turn is sent as
+    soon as the session's previous turn has been answered, with the whole
+    history (every earlier prompt and answer) before its new question. A
+    turn that fails ends its session; its later turns count as failed."""
+    progress = Progress(len(requests), desc=desc, enabled=show_progress)
+    results = [RequestResult(r.index, f"{tag}-{r.index}", 0.0, r.max_tokens, None, session=r.session, turn=r.turn)
+               for r in requests]
+    sessions: dict[int, list[tuple[BenchRequest, RequestResult]]] = {}
+    for req, res in zip(requests, results):
+        sessions.setdefault(req.session, []).append((req, res))
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = spb_grpc.SchedulerStub(channel)
+        t0 = time.perf_counter()
+        started_unix = time.time()
+
+        async def session(turns: list[tuple[BenchRequest, RequestResult]]) -> None:
+            history: list[int] = []
+            for req, res in sorted(turns, key=lambda t: t[0].turn):
+                res.arrival_s = time.perf_counter() - t0
+                res.prompt_len = len(history) + len(req.prompt_token_ids)
+                await _one(stub, req, res, t0, timeout_s, progress, history)
+                if not res.ok:
+                    for _, later in turns:
+                        if later.status == "pending":
+                            later.status, later.error = "failed", f"turn {res.turn} of the session failed"
+                    return
+                history = history + req.prompt_token_ids + res.output_ids
+
+        ticker = asyncio.create_task(_ticker(progress)) if show_progress else None
+        try:
+            await asyncio.gather(*(session(turns) for turns in sessions.values()))
         finally:
             if ticker is not None:
                 ticker.cancel()

@@ -29,7 +29,7 @@ def request_record(r: RequestResult) -> dict:
         "index": r.index, "request_id": r.request_id, "status": r.status, "error": r.error,
         "finish_reason": r.finish_reason, "prompt_len": r.prompt_len, "max_tokens": r.max_tokens,
         "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "output_tokens": n,
-        "cached_prompt_tokens": r.cached_prompt_tokens,
+        "cached_prompt_tokens": r.cached_prompt_tokens, "session": r.session, "turn": r.turn,
         "arrival_s": _round(r.arrival_s), "send_s": _round(r.send_s), "end_s": _round(r.end_s),
         "ttft_s": _round(ttft(r.send_s, r.chunk_times)), "tpot_s": _round(tpot(r.send_s, r.chunk_times, n)),
         "e2e_s": _round(r.end_s - r.send_s),
@@ -74,7 +74,27 @@ def summarize(run: RunResult) -> dict:
         "cached_prompt_fraction": cached / prompt_tokens if prompt_tokens else 0.0,
         **{k: asdict(Distribution.of(v).scaled(MS)) for k, v in latencies.items()},
         "timeline": {"bucket_s": bucket_s, "output_tokens_per_s": timeline},
+        **({"turns": summarize_turns(ok)} if any(r.session is not None for r in run.results) else {}),
     }
+
+
+def summarize_turns(ok: list[RequestResult]) -> dict:
+    """Multi-turn: per turn, and over turns >= 2 (those with a history to
+    reuse), the prompt tokens the server computed (prompt - cached; a
+    preempted request's recompute is not in it: see the server figures)
+    and the mean TTFT."""
+
+    def figures(rs: list[RequestResult]) -> dict:
+        ttfts = [v for r in rs if (v := ttft(r.send_s, r.chunk_times)) is not None]
+        prompt = sum(r.prompt_tokens for r in rs)
+        cached = sum(r.cached_prompt_tokens for r in rs)
+        return {"requests": len(rs), "prompt_tokens": prompt, "cached_prompt_tokens": cached,
+                "computed_prompt_tokens": prompt - cached,
+                "ttft_mean_ms": sum(ttfts) / len(ttfts) * MS if ttfts else math.nan}
+
+    turns = sorted({r.turn for r in ok})
+    return {"per_turn": {t: figures([r for r in ok if r.turn == t]) for t in turns},
+            "turns_2_on": figures([r for r in ok if r.turn >= 1])}
 
 
 def baseline_record(b: BaselineResult, ours: dict, agreement: dict | None) -> dict:
@@ -120,10 +140,24 @@ def format_table(report: dict) -> str:
         d = s[key]
         lines.append(f"{label:<12}" + "".join(f"{_num(d[k]):>10}" for k in ("mean", "p50", "p90", "p99"))
                      + f"{_num(d['max']):>12}")
+    if turns := s.get("turns"):
+        title("multi-turn (turn 1 = the first)")
+        lines.append(f"{'turn':<12}{'requests':>10}{'prompt':>10}{'cached':>10}{'computed':>10}{'TTFT ms':>12}")
+        for label, t in [*((str(k + 1), v) for k, v in turns["per_turn"].items()), (">= 2", turns["turns_2_on"])]:
+            lines.append(f"{label:<12}{t['requests']:>10}{t['prompt_tokens']:>10}{t['cached_prompt_tokens']:>10}"
+                         f"{t['computed_prompt_tokens']:>10}{_num(t['ttft_mean_ms']):>12}")
     server = report.get("server") or {}
     if server.get("after"):
         title("server")
         row("Preemptions during run", server.get("preemptions", "?"))
+        if server.get("after", {}).get("num_host_kv_blocks"):
+            row("Preemptions by swap / recompute", f"{server.get('preemptions_swap', 0):.0f} / "
+                f"{server.get('preemptions_recompute', 0):.0f}")
+            row("Prefix hits, device / host tier (tokens)", f"{server.get('prefix_hit_tokens_device', 0):.0f} / "
+                f"{server.get('prefix_hit_tokens_host', 0):.0f}")
+            row("Blocks swapped out / in", f"{server.get('swapped_blocks_out', 0):.0f} / "
+                f"{server.get('swapped_blocks_in', 0):.0f}")
+        row("Tokens recomputed after a KV loss", f"{server.get('recomputed_tokens', 0):.0f}")
         row("KV blocks held after drain (must be 0)", server.get("kv_blocks_held_after", "?"))
         for key, label in (("p6_kv_utilisation", "P6 KV utilisation (tokens held / slots)"),
                            ("p7_executor_idle_fraction", "P7 executor idle fraction between steps")):

@@ -1,5 +1,6 @@
 """Seeded, reproducible workloads (../shared/BENCHMARKS.md): mixed,
-shared-prefix, overload, and JSONL datasets.
+shared-prefix, overload, multi-turn sessions, and JSONL datasets (traces:
+bench/traces.py).
 
 Every request is drawn in turn from one seeded RNG (lengths, then token
 ids), so the first k requests of a 32-request run are the first k of the
@@ -42,6 +43,12 @@ class BenchRequest:
     arrival_s: float = 0.0
     # A constraint on the output (GenerateRequest.structured); None = free.
     structured: object | None = None
+    # Multi-turn: the session this turn belongs to (None for a lone
+    # request). prompt_token_ids is then only the new question: the client
+    # sends the session's history (every earlier prompt and answer) before
+    # it, once the previous turn has been answered.
+    session: int | None = None
+    turn: int = 0
 
     @property
     def prompt_len(self) -> int | None:
@@ -140,6 +147,47 @@ def overload(rate: float, duration_s: float, vocab_size: int, seed: int = 0, pro
     work.name = "overload"
     work.params.update(request_rate=rate, duration_s=duration_s)
     return work
+
+
+@dataclass(frozen=True, slots=True)
+class MultiTurnSpec:
+    """Sessions of chat turns: the first question, then each turn a new
+    question after the whole history. The defaults fit stories260K's 512
+    positions: the fourth turn sends 432 tokens and ends at 496."""
+
+    num_sessions: int = 32
+    num_turns: int = 4
+    first_len: int = 96
+    question_len: int = 48
+    answer_len: int = 64
+
+    def history_len(self, turns: int) -> int:
+        """Tokens in a session after `turns` answered turns."""
+        if turns == 0:
+            return 0
+        return self.first_len + (turns - 1) * self.question_len + turns * self.answer_len
+
+    def scaled(self, prompt_factor: float, output_factor: float) -> "MultiTurnSpec":
+        return replace(self, first_len=max(1, round(self.first_len * prompt_factor)),
+                       question_len=max(1, round(self.question_len * prompt_factor)),
+                       answer_len=max(1, round(self.answer_len * output_factor)))
+
+
+def multi_turn(vocab_size: int, seed: int = 0, spec: MultiTurnSpec = MultiTurnSpec()) -> Workload:
+    """Every session starts at once; a session's next turn is sent as soon
+    as its previous answer is complete (bench.client.run_sessions). The
+    requests are in turn order (turn 0 of every session, then turn 1...),
+    and hold only each turn's new question."""
+    rng = random.Random(seed)
+    questions = [[random_token_ids(rng, spec.first_len if t == 0 else spec.question_len, vocab_size)
+                  for t in range(spec.num_turns)] for _ in range(spec.num_sessions)]
+    requests = [BenchRequest(t * spec.num_sessions + s, spec.answer_len, prompt_token_ids=questions[s][t], session=s,
+                             turn=t)
+                for t in range(spec.num_turns) for s in range(spec.num_sessions)]
+    params = {"num_sessions": spec.num_sessions, "num_turns": spec.num_turns, "first_len": spec.first_len,
+              "question_len": spec.question_len, "answer_len": spec.answer_len, "seed": seed,
+              "vocab_size": vocab_size, "last_prompt_len": spec.history_len(spec.num_turns - 1) + spec.question_len}
+    return Workload("multi-turn", requests, params)
 
 
 def with_poisson_arrivals(work: Workload, rate: float, seed: int) -> Workload:

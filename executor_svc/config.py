@@ -41,6 +41,14 @@ class ExecutorSettings(BaseSettings):
         default=512, ge=1, description="KV pool budget in MiB when `EXECUTOR_NUM_KV_BLOCKS` is 0 (per rank, over "
         "its KV heads, under tensor parallelism). A pool larger than free memory (CUDA free memory, or "
         "`MemAvailable` on CPU) is refused at start-up.")
+    # Pinned memory on CUDA cannot be swapped, and on the CPU an oversized
+    # pool would be OOM-killed when written: refused at start-up instead.
+    host_kv_cache_memory_mb: int = Field(
+        default=0, ge=0, description="A KV tier in host memory, in MiB (per rank under tensor parallelism); 0 = "
+        "off. The scheduler copies cached prefix blocks that the device pool evicts into it, finds them there "
+        "again, and can preempt a request by swapping its blocks out instead of recomputing it "
+        "(`SCHEDULER_PREEMPTION_MODE`). Pinned memory on CUDA. Refused at start-up when this node's ranks together "
+        "would need more than `MemAvailable`.")
     max_model_len: int = Field(
         default=0, ge=0, description="Longest prompt + generation, in tokens; 0 = the model's "
         "`max_position_embeddings`.")
@@ -89,6 +97,10 @@ class ExecutorSettings(BaseSettings):
     debug_fail_on_token: int = Field(
         default=-1, description="Fault injection for tests: a step whose batch holds this token id fails with an "
         "exception, as a broken forward pass would. -1 = off.")
+    debug_fail_swap_every: int = Field(
+        default=0, ge=0, description="Fault injection for tests: every n-th block copy between the device pool and "
+        "the host KV tier fails, counted over the process's life (the step's result names it in `failed_swap_outs` / "
+        "`failed_swap_ins`). 0 = off.")
     tls_cert: str = Field(
         default="", description="PEM certificate file: TLS on the step channel (with `EXECUTOR_TLS_KEY`).")
     tls_key: str = Field(default="", description="PEM private key file of `EXECUTOR_TLS_CERT`.")

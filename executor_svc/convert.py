@@ -40,6 +40,10 @@ def step_from_proto(plan: pb.StepPlan) -> StepInput:
         new_block_handles=list(plan.new_block_handles),
         new_block_ids=list(plan.new_block_ids),
         finished_handles=list(plan.finished_handles),
+        swap_out_device_blocks=list(plan.swap_out_device_blocks),
+        swap_out_host_blocks=list(plan.swap_out_host_blocks),
+        swap_in_host_blocks=list(plan.swap_in_host_blocks),
+        swap_in_device_blocks=list(plan.swap_in_device_blocks),
     )
 
 
@@ -57,4 +61,8 @@ def result_to_proto(out: StepOutput) -> pb.StepResult:
             result.logprobs.add(logprob=lp, top_token_ids=top_ids, top_logprobs=top_lps)
     for handle, message in out.request_errors:
         result.request_errors.add(handle=handle, message=message)
+    if out.swaps is not None:
+        result.swap_ns = out.swaps.swap_ns
+        result.failed_swap_outs.extend(out.swaps.failed_outs)
+        result.failed_swap_ins.extend(out.swaps.failed_ins)
     return result

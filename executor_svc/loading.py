@@ -14,6 +14,7 @@ from executor_svc.attention import make_backend
 from executor_svc.checkpoint import Checkpoint, load_checkpoint
 from executor_svc.config import ExecutorSettings
 from executor_svc.constraints import ConstraintMatchers
+from executor_svc.host_kv import HostKVPool, host_pool_num_blocks
 from executor_svc.kv_cache import KVCachePool, pool_num_blocks
 from executor_svc.families import build_model, read_config
 from executor_svc.model_config import ModelConfig
@@ -66,6 +67,7 @@ class LoadedModel:
     dtype: torch.dtype
     max_model_len: int
     pool: KVCachePool
+    host_kv: HostKVPool | None
     runner: ModelRunner
     cuda_graphs: bool
     torch_compile: bool
@@ -102,6 +104,12 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         num_blocks = tp.min_over_ranks(num_blocks)
     pool = KVCachePool(cfg, num_blocks, settings.block_size, device, dtype, shard)
     log.info("KV pool: %s", pool.describe())
+    # After the device pool: on the CPU it took from the same MemAvailable.
+    num_host_blocks = host_pool_num_blocks(cfg, settings.block_size, dtype, settings.host_kv_cache_memory_mb, shard,
+                                           int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if tp else 1)
+    if tp:
+        num_host_blocks = tp.min_over_ranks(num_host_blocks)
+    host_kv = HostKVPool(pool, num_host_blocks, device, settings.debug_fail_swap_every) if num_host_blocks else None
     backend = make_backend(settings.attention_backend, device)
     if backend.name == "triton" and use_triton_moe(model):
         log.info("mixture-of-experts layers run the triton fused-MoE kernel (kernels/fused_moe.py)")
@@ -110,7 +118,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     constraints = None if tp and tp.rank != 0 else ConstraintMatchers(ckpt.tokenizer_json, cfg.vocab_size,
                                                                        list(cfg.eos_token_ids))
     runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp,
-                       constraints=constraints)
+                       constraints=constraints, host_kv=host_kv)
     try:
         runner = ModelRunner(model, pool, backend, device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
                              **runner_args)
@@ -124,4 +132,4 @@ def load(settings: ExecutorSettings) -> LoadedModel:
                       "CUDA graph capture" if cuda_graphs else "compiling the decode step")
         cuda_graphs = torch_compile = False
         runner = ModelRunner(model, pool, backend, device, **runner_args)
-    return LoadedModel(ckpt, cfg, device, dtype, max_model_len, pool, runner, cuda_graphs, torch_compile, tp)
+    return LoadedModel(ckpt, cfg, device, dtype, max_model_len, pool, host_kv, runner, cuda_graphs, torch_compile, tp)

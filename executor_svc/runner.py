@@ -21,6 +21,7 @@ from executor_svc.compiled_decode import STEPS as COMPILED_STEPS
 from executor_svc.compiled_decode import CompiledDecode
 from executor_svc.constraints import ConstraintMatchers, MaskJob
 from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.host_kv import HostKVPool, SwapResult
 from executor_svc.host_memory import retain_freed_memory, to_device
 from executor_svc.kv_cache import KVCachePool
 from executor_svc.model import CausalLM
@@ -54,6 +55,15 @@ class StepInput:
     new_block_handles: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
     finished_handles: list[int] = field(default_factory=list)
+    # Copies between the device pool and the host tier, as parallel lists.
+    swap_out_device_blocks: list[int] = field(default_factory=list)
+    swap_out_host_blocks: list[int] = field(default_factory=list)
+    swap_in_host_blocks: list[int] = field(default_factory=list)
+    swap_in_device_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def has_swaps(self) -> bool:
+        return bool(self.swap_out_host_blocks or self.swap_in_host_blocks)
 
 
 @dataclass(slots=True)
@@ -67,13 +77,18 @@ class StepOutput:
     sample_ns: int
     # (handle, why) for requests whose constraint failed this step.
     request_errors: list[tuple[int, str]] = field(default_factory=list)
+    # The step's copies between the tiers (None without any).
+    swaps: SwapResult | None = None
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
                  fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False,
-                 torch_compile: bool = False, tp=None, constraints: ConstraintMatchers | None = None):
+                 torch_compile: bool = False, tp=None, constraints: ConstraintMatchers | None = None,
+                 host_kv: HostKVPool | None = None):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
+        # The host KV tier (host_kv.py); None when EXECUTOR_HOST_KV_CACHE_MEMORY_MB is 0.
+        self.host_kv = host_kv
         # Constraint matchers of constrained requests (constraints.py); None
         # on ranks other than 0, which do not sample.
         self.constraints = constraints
@@ -149,12 +164,26 @@ class ModelRunner:
         if len(rows) > 1 and (rows[1:] == rows[:-1]).any():  # rows are sorted
             raise PlanError("plan schedules a request twice in one step")
 
+    def _swap(self, step: StepInput) -> SwapResult | None:
+        """The plan's copies between the tiers, before anything reads or
+        writes the blocks they touch (on CUDA, issued on a side stream that
+        the forward waits for)."""
+        if not step.has_swaps:
+            return None
+        if self.host_kv is None:
+            raise PlanError("plan swaps blocks, but this executor has no host KV tier")
+        return self.host_kv.swap(self.pool.storage, step.swap_out_device_blocks, step.swap_out_host_blocks,
+                                 step.swap_in_host_blocks, step.swap_in_device_blocks)
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        swaps = self._swap(step)  # timed on its own (SwapResult.swap_ns)
         t0 = time.perf_counter_ns()
         rows, q = self._apply_diffs(step)  # [n] each
         if not len(rows):
-            return StepOutput(step.step_id, [], [], None, time.perf_counter_ns() - t0, 0, 0)
+            if swaps is not None:
+                self.host_kv.finish(swaps)
+            return StepOutput(step.step_id, [], [], None, time.perf_counter_ns() - t0, 0, 0, swaps=swaps)
         # The batch runs in row order: when its rows are contiguous, as in a
         # steady decode, the block table is a view of the persistent one.
         order = np.argsort(rows, kind="stable")
@@ -236,8 +265,10 @@ class ModelRunner:
             r.token_ids[sample_rows, n_known] = tokens
             r.num_tokens[sample_rows] = n_known + 1
             r.num_output[sample_rows] += 1
+        if swaps is not None:
+            self.host_kv.finish(swaps)  # long done: the forward waited for them
         t3 = time.perf_counter_ns()
-        return StepOutput(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2, errors)
+        return StepOutput(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2, errors, swaps)
 
     def _run_compiled(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Logits from the compiled decode graph; None (and eager from now on)

@@ -15,7 +15,7 @@ from executor_svc.config import ExecutorSettings
 from executor_svc.convert import result_to_proto, step_from_proto
 from executor_svc.loading import LoadedModel
 from executor_svc.model_config import SLIDING
-from executor_svc.telemetry import StepTelemetry
+from executor_svc.telemetry import StepTelemetry, SwapStats
 from executor_svc.tensor_parallel import HEARTBEAT, RESET, STEP
 from llmsched.tracing import Tracing
 from llmsched.v1 import executor_pb2 as pb
@@ -39,6 +39,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.chat_template = load_chat_template(settings.model)
         self.max_model_len = loaded.max_model_len
         self.pool, self.runner, self.cuda_graphs = loaded.pool, loaded.runner, loaded.cuda_graphs
+        self.host_kv = loaded.host_kv
         # Rank 0 of a tensor-parallel group forwards plans and resets to the
         # other ranks (tensor_parallel.py); None on one device.
         self.tp = loaded.tp
@@ -83,12 +84,16 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.stopping = False
         log.info(
             "executor %s: model=%s architecture=%s rope=%s sliding_window=%s device=%s dtype=%s kv_blocks=%d "
-            "block_size=%d max_model_len=%d tensor_parallel_size=%d",
+            "host_kv_blocks=%d block_size=%d max_model_len=%d tensor_parallel_size=%d",
             self.instance_id, self.model_name, self.cfg.architecture, self.cfg.rope_description(),
             self.cfg.sliding_window if SLIDING in self.cfg.layer_types else None, self.device, self.dtype,
-            self.pool.num_blocks, settings.block_size, self.max_model_len, self.tp_size,
+            self.pool.num_blocks, self.num_host_kv_blocks, settings.block_size, self.max_model_len, self.tp_size,
         )
         log.info("config.json keys ignored: %s", "; ".join(f"{k} ({why})" for k, why in self.cfg.ignored.items()))
+
+    @property
+    def num_host_kv_blocks(self) -> int:
+        return self.host_kv.num_blocks if self.host_kv is not None else 0
 
     async def Handshake(self, request, context):
         eos = list(self.cfg.eos_token_ids)
@@ -113,6 +118,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             tensor_parallel_size=self.tp_size,
             kv_bytes_per_token=self.pool.bytes_per_token,
             supports_constraints=True,
+            num_host_kv_blocks=self.num_host_kv_blocks,
         )
 
     def _reset(self) -> None:
@@ -170,8 +176,15 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         if self._decode_only(step):
             self._last_decode_s = ended - started
         num_tokens = sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(plan.cached_num_scheduled_tokens)
+        swaps = None
+        if self.host_kv is not None and (plan.swap_out_host_blocks or plan.swap_in_host_blocks):
+            swaps = SwapStats(len(plan.swap_out_host_blocks) - len(result.failed_swap_outs),
+                              len(plan.swap_in_host_blocks) - len(result.failed_swap_ins),
+                              self.host_kv.block_bytes * self.tp_size,
+                              len(result.failed_swap_outs) + len(result.failed_swap_ins), result.swap_ns)
         self.telemetry.record(plan.traceparent, plan.step_id, plan.after_idle, started_wall, started, ended,
-                              result.prepare_ns, result.forward_ns, result.sample_ns, num_tokens, result.error or None)
+                              result.prepare_ns, result.forward_ns, result.sample_ns, num_tokens, result.error or None,
+                              swaps)
         return result
 
     async def Step(self, request_iterator, context):

@@ -62,8 +62,11 @@ async def serve(settings: SchedulerSettings) -> int:
     stop_wait = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
+    refused = None  # a StartupError: main() prints it as its one line
     if start in done and start.exception() is None:
         await stop_wait  # health follows the engine's connection from here
+    elif start in done and isinstance(start.exception(), StartupError):
+        refused, code = start.exception(), 1
     elif start in done:
         log.error("could not start: %s", start.exception())
         code = 1
@@ -87,6 +90,8 @@ async def serve(settings: SchedulerSettings) -> int:
                       CLOSE_TIMEOUT_S, _task_stacks())
         finally:
             srv.exit_now(code)
+    if refused is not None:
+        raise refused
     return code
 
 

@@ -31,16 +31,24 @@ class Overloaded(Exception):
         self.retry_after_ms = min(max(1, retry_after_ms), MAX_RETRY_AFTER_MS)
 
 
+def _ewma(old: float, new: float) -> float:
+    return new if old == 0.0 else (1 - EWMA_ALPHA) * old + EWMA_ALPHA * new
+
+
 @dataclass(slots=True)
 class StepTimeEstimator:
     """Recent step duration (plan sent to result back) and requests finished
-    per step, smoothed."""
+    per step, smoothed. Also what preempting by swap and by recompute cost
+    (Scheduler's SwapCost): seconds per token of steps that prefill, and
+    per block copied between the device pool and the host tier."""
 
     step_s: float = 0.0
     finished_per_step: float = 0.0
     num_steps: int = 0
+    prefill_token_s: float = 0.0
+    swap_block_s: float = 0.0
 
-    def observe(self, seconds: float, num_finished: int = 0) -> None:
+    def observe(self, seconds: float, num_finished: int = 0, num_tokens: int = 0, num_requests: int = 0) -> None:
         if seconds <= 0:
             return
         if self.num_steps == 0:
@@ -49,6 +57,20 @@ class StepTimeEstimator:
             self.step_s = (1 - EWMA_ALPHA) * self.step_s + EWMA_ALPHA * seconds
             self.finished_per_step = (1 - EWMA_ALPHA) * self.finished_per_step + EWMA_ALPHA * num_finished
         self.num_steps += 1
+        if num_tokens > num_requests:  # some prefill: what recomputing costs
+            self.prefill_token_s = _ewma(self.prefill_token_s, seconds / num_tokens)
+
+    def observe_swaps(self, seconds: float, num_blocks: int) -> None:
+        if seconds > 0 and num_blocks > 0:
+            self.swap_block_s = _ewma(self.swap_block_s, seconds / num_blocks)
+
+    def swap_is_cheaper(self, num_blocks: int, num_tokens: int) -> bool:
+        """Copying num_blocks out and back in beats recomputing num_tokens.
+        Until both are measured, a copy is taken to be cheaper: it moves
+        the blocks' bytes, where a recompute runs the model on every token."""
+        if not self.prefill_token_s or not self.swap_block_s:
+            return True
+        return 2 * num_blocks * self.swap_block_s < num_tokens * self.prefill_token_s
 
     def predict_wait_s(self, num_tokens_ahead: int, num_running: int, token_budget: int,
                        num_requests_ahead: int = 0, max_num_seqs: int | None = None) -> float | None:

@@ -8,11 +8,15 @@ A block is in exactly one of three states:
 - free: ref_count == 0 and no hash.
 Free and cached-free blocks share one LRU queue; a block is only evicted
 (its hash dropped) when it is handed out again.
+
+The scheduler keeps one pool for the device's blocks and, with a host KV
+tier, a second one for the host's (host_tier.py).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 BlockHash = bytes
 
@@ -43,8 +47,10 @@ class BlockPool:
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
-        """Takes n blocks from the LRU end, evicting their cached hashes."""
+    def allocate(self, n: int, on_evict: Callable[[int, BlockHash], None] | None = None) -> list[int]:
+        """Takes n blocks from the LRU end, evicting their cached hashes;
+        on_evict(block, hash) hears of each eviction while the block still
+        holds that content (the host tier copies it out then)."""
         if n > len(self._free):
             raise RuntimeError(f"allocate({n}) with {len(self._free)} free: callers must check can_allocate")
         blocks = []
@@ -54,6 +60,8 @@ class BlockPool:
             if h is not None:
                 del self.cached[h]
                 self.block_hashes[b] = None
+                if on_evict is not None:
+                    on_evict(b, h)
             self.ref_counts[b] = 1
             blocks.append(b)
         self.num_allocated += n
@@ -77,6 +85,13 @@ class BlockPool:
         if self.block_hashes[block] is None and h not in self.cached:
             self.block_hashes[block] = h
             self.cached[h] = block
+
+    def uncache(self, block: int) -> None:
+        """Drops a block's hash (its content can no longer be trusted)."""
+        h = self.block_hashes[block]
+        if h is not None:
+            del self.cached[h]
+            self.block_hashes[block] = None
 
     def reset_cache(self) -> None:
         """Drops every cached hash (the KV content is gone)."""

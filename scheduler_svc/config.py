@@ -71,6 +71,12 @@ class SchedulerSettings(BaseSettings):
         "prompts. A request's `cache_salt` overrides either: only requests with the same salt share.")
     enable_prefix_caching: bool = Field(
         default=True, description="Reuse the KV of full blocks shared with earlier requests.")
+    preemption_mode: Literal["auto", "recompute", "swap"] = Field(
+        default="auto", description="How a request preempted for lack of KV blocks leaves the device pool, when the "
+        "executor has a host KV tier (`EXECUTOR_HOST_KV_CACHE_MEMORY_MB`): `swap` copies its blocks to the host tier "
+        "and back when it resumes; `recompute` frees them and recomputes its tokens; `auto` swaps when the host tier "
+        "has room and the copy, at the measured seconds per block, is cheaper than recomputing at the measured "
+        "seconds per prefill token. Without room in the host tier, or without one, it recomputes.")
     max_queued_requests: int = Field(
         default=4096, ge=1, description="Backpressure: most requests waiting for admission; more are refused with "
         "RESOURCE_EXHAUSTED.")

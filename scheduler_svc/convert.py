@@ -41,6 +41,11 @@ def plan_to_proto(out: SchedulerOutput) -> epb.StepPlan:
         finished_handles=out.finished_handles,
         epoch=out.executor_epoch,
     )
+    if out.swaps is not None:
+        plan.swap_out_device_blocks.extend(out.swaps.out_device)
+        plan.swap_out_host_blocks.extend(out.swaps.out_host)
+        plan.swap_in_host_blocks.extend(out.swaps.in_host)
+        plan.swap_in_device_blocks.extend(out.swaps.in_device)
     for n in out.new_requests:
         plan.new_requests.append(
             epb.NewRequest(
@@ -70,7 +75,8 @@ def request_errors_from_proto(result: epb.StepResult) -> list[tuple[int, str]]:
 def outcome_from_proto(result: epb.StepResult) -> StepOutcome:
     return StepOutcome(sampled=sampled_from_proto(result), request_errors=request_errors_from_proto(result),
                        error=result.error, discarded=result.discarded, forward_ns=result.forward_ns,
-                       sample_ns=result.sample_ns)
+                       sample_ns=result.sample_ns, failed_swap_outs=list(result.failed_swap_outs),
+                       failed_swap_ins=list(result.failed_swap_ins), swap_ns=result.swap_ns)
 
 
 def sampled_from_proto(result: epb.StepResult) -> list[tuple[int, int, tuple | None]]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from tokenizers import Tokenizer
 
+from llmsched.errors import StartupError
 from llmsched.llguidance_tokenizer import make_tokenizer
 from llmsched.security import channel_credentials
 from llmsched.tracing import Tracing, traceparent_of
@@ -35,7 +36,8 @@ from scheduler_svc import telemetry
 from scheduler_svc.backpressure import AdmissionLimits
 from scheduler_svc.clock import SYSTEM_CLOCK, Clock
 from scheduler_svc.config import SchedulerSettings
-from scheduler_svc.engine_core import CoreLimits, CoreListener, EngineCore, InFlightStep, StepOutcome, TurnKind
+from scheduler_svc.engine_core import (CoreLimits, CoreListener, EngineCore, InFlightStep, PlanCounts, StepOutcome,
+                                       TurnKind)
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.output_processor import RequestDelta, RequestOutputState
 from scheduler_svc.plan import SampledToken, SchedulerOutput
@@ -85,9 +87,9 @@ def core_limits(settings: SchedulerSettings) -> CoreLimits:
 
 
 def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size: int,
-                     max_model_len: int) -> SchedulerConfig:
+                     max_model_len: int, num_host_blocks: int = 0) -> SchedulerConfig:
     """The scheduler's configuration: the executor's KV geometry (from its
-    handshake) and the SCHEDULER_* settings."""
+    handshake: device pool, host tier) and the SCHEDULER_* settings."""
     return SchedulerConfig(
         num_kv_blocks=num_kv_blocks,
         block_size=block_size,
@@ -97,6 +99,8 @@ def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size
         max_prefill_chunk=settings.max_prefill_chunk,
         policy=settings.policy,
         enable_prefix_caching=settings.enable_prefix_caching,
+        num_host_blocks=num_host_blocks,
+        preemption_mode=settings.preemption_mode,
         prompt_token_weight=settings.prompt_token_weight,
         output_token_weight=settings.output_token_weight,
         tenant_weights=tuple(parse_weights(settings.tenant_weights).items()),
@@ -146,6 +150,9 @@ class Engine(CoreListener):
         telemetry.TenantLabels.limit = settings.max_tenant_labels
         # Per tenant, the (prompt, output) tokens served already published.
         self._tenants_published: dict[str, tuple[int, int]] = {}
+        # Per cause, the tokens recomputed already published (the scheduler
+        # counts them; planned() publishes what grew).
+        self._recomputed_published: dict[str, int] = {}
 
     @property
     def scheduler(self) -> Scheduler | None:
@@ -154,7 +161,7 @@ class Engine(CoreListener):
     # ----- lifecycle -------------------------------------------------------
 
     async def start(self) -> None:
-        await self._connect(self.settings.executor_connect_timeout_s)
+        await self._connect(self.settings.executor_connect_timeout_s, check=self._refuse_unsupported)
         self._task = asyncio.create_task(self._run(), name="engine-loop")
         self._watchdog = asyncio.create_task(self._watch_progress(), name="engine-watchdog")
 
@@ -207,14 +214,31 @@ class Engine(CoreListener):
                 self.stalled = stalled
                 self._update_health()
 
-    async def _connect(self, timeout_s: float) -> None:
-        info = await self.client.connect(timeout_s)
+    def _refuse_unsupported(self, info: epb.HandshakeResponse) -> None:
+        """At start-up: settings this executor cannot serve are refused by
+        name, rather than quietly served otherwise."""
+        if self.settings.preemption_mode == "swap" and not info.num_host_kv_blocks:
+            raise StartupError(f"SCHEDULER_PREEMPTION_MODE=swap: the executor at {self.settings.executor_address} "
+                               "has no host KV tier (EXECUTOR_HOST_KV_CACHE_MEMORY_MB=0); give it one, or use "
+                               "auto or recompute")
+
+    async def _connect(self, timeout_s: float, check: Callable[[epb.HandshakeResponse], None] | None = None) -> None:
+        info = await self.client.connect(timeout_s, check)
         if self.scheduler is not None and self.info is not None and _geometry(info) != _geometry(self.info):
             self._fail_all("UNAVAILABLE", "the executor came back with a different model or KV geometry")
             self.core.scheduler = None
         if self.scheduler is None:
             self.core.scheduler = Scheduler(
-                scheduler_config(self.settings, info.num_kv_blocks, info.block_size, info.max_model_len))
+                scheduler_config(self.settings, info.num_kv_blocks, info.block_size, info.max_model_len,
+                                 info.num_host_kv_blocks),
+                swap_cost=self.core.step_time,
+            )
+            self._recomputed_published = {}
+            if self.settings.preemption_mode == "swap" and not info.num_host_kv_blocks and self.info is not None:
+                # At start-up this is refused (start()); an executor that comes
+                # back without its host tier is served, recomputing victims.
+                log.warning("SCHEDULER_PREEMPTION_MODE=swap, but the executor has no host KV tier "
+                            "(EXECUTOR_HOST_KV_CACHE_MEMORY_MB=0): preempted requests recompute")
             self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
             # Bounds the characters a prompt of max_model_len tokens can have.
             self.max_token_chars = max(1, max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)))
@@ -232,9 +256,9 @@ class Engine(CoreListener):
         self._last_progress = self.clock.monotonic()
         self._update_health()
         log.info(
-            "connected to executor %s (%s): model=%s kv_blocks=%d block_size=%d max_model_len=%d",
-            info.instance_id, self.settings.executor_address, info.model, info.num_kv_blocks, info.block_size,
-            info.max_model_len,
+            "connected to executor %s (%s): model=%s kv_blocks=%d host_kv_blocks=%d block_size=%d max_model_len=%d",
+            info.instance_id, self.settings.executor_address, info.model, info.num_kv_blocks, info.num_host_kv_blocks,
+            info.block_size, info.max_model_len,
         )
 
     # ----- called by gRPC handlers ----------------------------------------
@@ -324,18 +348,23 @@ class Engine(CoreListener):
     def plan_started(self) -> int:
         return self.clock.time_ns()
 
-    def planned(self, step: InFlightStep, started: int | None, num_queried_blocks: int,
-                num_hit_blocks: int) -> trace.Span:
+    def planned(self, step: InFlightStep, started: int | None, counts: PlanCounts) -> trace.Span:
         out = step.out
         span = self._step_span(out, self.clock.time_ns() if started is None else started)
         if started is None:
             return span  # a plan of forgets alone
-        # Admissions look up the prefix cache while planning.
-        block_size = self.scheduler.config.block_size
-        telemetry.PREFIX_QUERIES.inc(num_queried_blocks * block_size)
-        telemetry.PREFIX_HITS.inc(num_hit_blocks * block_size)
+        sched = self.scheduler
+        block_size = sched.config.block_size
+        telemetry.PREFIX_QUERIES.inc(counts.num_queried_blocks * block_size)
+        telemetry.PREFIX_HITS.labels("device").inc(counts.num_hit_blocks * block_size)
+        telemetry.PREFIX_HITS.labels("host").inc(counts.num_host_hit_blocks * block_size)
+        # Recomputes counted since the last plan: this one's preemptions,
+        # and copies that failed in the results applied since.
+        for cause, n in sched.num_recomputed_tokens.items():
+            telemetry.RECOMPUTED_TOKENS.labels(cause).inc(n - self._recomputed_published.get(cause, 0))
+        self._recomputed_published = dict(sched.num_recomputed_tokens)
         for req in out.preempted:
-            self._streams[req.request_id].telemetry.on_preempted()
+            self._streams[req.request_id].telemetry.on_preempted(req.preempted_by)
         if out.is_empty:
             span.end()
             return span
@@ -360,9 +389,16 @@ class Engine(CoreListener):
         self._last_progress = self.clock.monotonic()
         telemetry.DROPPED_TOKENS.inc(num_dropped)
         self._emit(tokens)
+        sched = self.scheduler
+        if sched.kv.host is not None:
+            telemetry.HOST_KV_USAGE.set(1.0 - sched.num_free_host_blocks / sched.kv.host.num_blocks)
+
+    def swaps_applied(self, step: InFlightStep, outcome: StepOutcome) -> None:
+        telemetry.record_swaps(step.out.swaps, len(outcome.failed_swap_outs) + len(outcome.failed_swap_ins))
 
     def step_applied(self, step: InFlightStep, outcome: StepOutcome, elapsed: float) -> None:
         sched, out, step_span = self.scheduler, step.out, step.span
+        swaps = out.swaps
         telemetry.STEP_DURATION.observe(elapsed)
         block_size = sched.config.block_size
         tables = sched.kv.block_tables
@@ -386,6 +422,10 @@ class Engine(CoreListener):
                 "llmsched.num_preempted": out.num_preempted,
                 "llmsched.blocks_allocated": step.blocks_allocated,
                 "llmsched.blocks_freed": step.blocks_freed,
+                "llmsched.blocks_swapped_out": len(swaps.out_host) if swaps else 0,
+                "llmsched.blocks_swapped_in": len(swaps.in_host) if swaps else 0,
+                "llmsched.swap_failures": len(outcome.failed_swap_outs) + len(outcome.failed_swap_ins),
+                "llmsched.executor.swap_ms": outcome.swap_ns / 1e6,
                 "llmsched.executor.forward_ms": outcome.forward_ns / 1e6,
                 "llmsched.executor.sample_ms": outcome.sample_ns / 1e6,
             })
@@ -505,7 +545,9 @@ class Engine(CoreListener):
         self._lost_reason = None  # the watch may have noted the same loss
         self._end_in_flight(reason)
         if self.scheduler is not None:
-            self.scheduler.reset_executor_state()
+            # Whether the same process answers again or not, what it holds
+            # cannot be trusted: its host tier counts as gone too.
+            self.scheduler.reset_executor_state(host_lost=True)
         try:
             await self._connect(self.settings.executor_reconnect_timeout_s)
         except ExecutorUnavailable as exc:
@@ -540,6 +582,8 @@ class Engine(CoreListener):
             "block_size": info.block_size,
             "num_kv_blocks": info.num_kv_blocks,
             "num_free_kv_blocks": sched.num_free_blocks,
+            "num_host_kv_blocks": info.num_host_kv_blocks,
+            "num_free_host_kv_blocks": sched.num_free_host_blocks,
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting) + self.core.num_pending_adds,
             "executor_instance_id": info.instance_id,
@@ -554,7 +598,8 @@ class Engine(CoreListener):
 
 
 def _geometry(info: epb.HandshakeResponse) -> tuple:
-    return (info.model, info.block_size, info.num_kv_blocks, info.max_model_len, info.vocab_size)
+    return (info.model, info.block_size, info.num_kv_blocks, info.max_model_len, info.vocab_size,
+            info.num_host_kv_blocks)
 
 
 def _error_delta(code: str, message: str) -> RequestDelta:

@@ -59,6 +59,20 @@ class StepOutcome:
     discarded: bool = False
     forward_ns: int = 0
     sample_ns: int = 0
+    # Copies of the plan's swaps (SwapPlan) that failed on the executor,
+    # and the time its copies took.
+    failed_swap_outs: list[int] = field(default_factory=list)
+    failed_swap_ins: list[int] = field(default_factory=list)
+    swap_ns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCounts:
+    """What planning one step did to the prefix cache, in blocks."""
+
+    num_queried_blocks: int = 0
+    num_hit_blocks: int = 0
+    num_host_hit_blocks: int = 0
 
 
 class TurnKind(enum.Enum):
@@ -81,12 +95,15 @@ class CoreListener:
     def plan_started(self) -> Any:
         """Just before schedule(); the value comes back in planned()."""
 
-    def planned(self, step: InFlightStep, started: Any, num_queried_blocks: int, num_hit_blocks: int) -> Any:
+    def planned(self, step: InFlightStep, started: Any, counts: PlanCounts) -> Any:
         """A step was scheduled (possibly empty: then it is not sent).
         Returns the step's span."""
 
     def tokens(self, tokens: list[SampledToken], num_dropped: int) -> None:
         """A result's new tokens, matched to their requests."""
+
+    def swaps_applied(self, step: InFlightStep, outcome: StepOutcome) -> None:
+        """A result whose plan copied blocks between the tiers was applied."""
 
     def step_applied(self, step: InFlightStep, outcome: StepOutcome, elapsed: float) -> None:
         """A result that ran requests was applied; elapsed is its step time."""
@@ -217,7 +234,7 @@ class EngineCore:
         forgets = sched.flush_forgets()
         if forgets is not None:
             step = InFlightStep(forgets, None, 0.0, 0, 0)
-            step.span = self.listener.planned(step, None, 0, 0)
+            step.span = self.listener.planned(step, None, PlanCounts())
             self.in_flight.append(step)
             return Turn(TurnKind.SEND, step)
         return self._wait(TurnKind.WAIT)
@@ -229,14 +246,16 @@ class EngineCore:
     def _plan(self, sched: Scheduler) -> InFlightStep:
         """Schedules the next step. An empty one is not sent: what it must
         tell the executor to forget waits for the next plan."""
-        pool = sched.kv.pool
-        allocated, released = pool.num_allocated, pool.num_released
-        queried, hits = sched.kv.num_queried_blocks, sched.kv.num_hit_blocks
+        kv = sched.kv
+        allocated, released = kv.pool.num_allocated, kv.pool.num_released
+        queried, hits, host_hits = kv.num_queried_blocks, kv.num_hit_blocks, kv.num_host_hit_blocks
         started = self.listener.plan_started()
         out = sched.schedule()
-        step = InFlightStep(out, None, 0.0, pool.num_allocated - allocated, pool.num_released - released)
-        step.span = self.listener.planned(step, started, sched.kv.num_queried_blocks - queried,
-                                          sched.kv.num_hit_blocks - hits)
+        step = InFlightStep(out, None, 0.0, kv.pool.num_allocated - allocated, kv.pool.num_released - released)
+        # Admissions look up the prefix cache while planning.
+        counts = PlanCounts(kv.num_queried_blocks - queried, kv.num_hit_blocks - hits,
+                            kv.num_host_hit_blocks - host_hits)
+        step.span = self.listener.planned(step, started, counts)
         if not out.is_empty:
             self.in_flight.append(step)
         return step
@@ -272,11 +291,18 @@ class EngineCore:
             self._fail_constrained(sched, out, outcome.request_errors)
             live_before = len(sched.requests)
             dropped = sched.num_dropped_tokens
-            tokens = sched.update_from_output(out, outcome.sampled)
+            tokens = sched.update_from_output(out, outcome.sampled, outcome.failed_swap_outs, outcome.failed_swap_ins)
             self.listener.tokens(tokens, sched.num_dropped_tokens - dropped)
+            swaps = out.swaps
+            if swaps is not None:
+                # What a copy costs decides between swapping and recomputing
+                # (Scheduler.swap_cost is this estimator).
+                self.step_time.observe_swaps(outcome.swap_ns / 1e9, len(swaps.out_host) + len(swaps.in_host))
+                self.listener.swaps_applied(step, outcome)
             if not out.entries:
-                return step  # a plan of forgets alone (Scheduler.flush_forgets): no step to time
-            self.step_time.observe(elapsed, num_finished=live_before - len(sched.requests))
+                return step  # a plan of forgets (Scheduler.flush_forgets) or of copies alone: no step to time
+            self.step_time.observe(elapsed, num_finished=live_before - len(sched.requests),
+                                   num_tokens=out.total_num_scheduled_tokens, num_requests=len(out.entries))
             self.listener.step_applied(step, outcome, elapsed)
             return step
         finally:
@@ -307,7 +333,8 @@ class EngineCore:
             req.num_failed_steps += 1
             if req.num_failed_steps >= 2 and sched.finish_request(req.request_id, RequestStatus.FINISHED_ERROR):
                 self.listener.request_failed(req.request_id, "INTERNAL", f"executor step failed twice: {error}")
-        sched.reset_executor_state()
+        # The executor process lives on, and with it what its host tier holds.
+        sched.reset_executor_state(host_lost=False)
 
     def drop_in_flight(self) -> list[InFlightStep]:
         """The executor is gone: results of plans in flight will never come."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -50,12 +51,15 @@ class ExecutorClient:
         self._channel: grpc.aio.Channel | None = None
         self._call = None
 
-    async def connect(self, timeout_s: float) -> pb.HandshakeResponse:
+    async def connect(self, timeout_s: float,
+                      check: Callable[[pb.HandshakeResponse], None] | None = None) -> pb.HandshakeResponse:
         """Handshakes and opens a fresh step stream, retrying with capped
         exponential backoff until timeout_s. The executor serves one
         scheduler at a time and refuses a second stream with
         FAILED_PRECONDITION; that is retried too, so a standby scheduler
-        takes over once the first one is gone."""
+        takes over once the first one is gone. `check` sees the handshake
+        before the stream is asked for, and may refuse the executor by
+        raising."""
         await self.close()
         deadline = self.clock.monotonic() + timeout_s
         delay = 0.05
@@ -68,6 +72,13 @@ class ExecutorClient:
             stub = pb_grpc.ExecutorStub(self._channel)
             try:
                 info = await stub.Handshake(pb.HandshakeRequest(), timeout=max(0.1, min(5.0, deadline - self.clock.monotonic())))
+                if check is not None:
+                    try:
+                        check(info)
+                    except BaseException:
+                        await self._channel.close()
+                        self._channel = None
+                        raise
                 self._call = stub.Step()
                 # The executor sends initial metadata once it has accepted
                 # this stream as its only one.

@@ -4,8 +4,13 @@ SchedulerOutput into the StepPlan proto; nothing here knows protobuf."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from scheduler_svc.block_pool import BlockHash
 from scheduler_svc.request import Request
+
+if TYPE_CHECKING:
+    from scheduler_svc.host_tier import SwappedOut
 
 
 @dataclass(slots=True)
@@ -54,6 +59,27 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class SwapPlan:
+    """One plan's block copies between the device pool and the host tier
+    (StepPlan.swap_out / swap_in), with what each copy is for, so that the
+    step's result can confirm or fail each one."""
+
+    out_device: list[int] = field(default_factory=list)
+    out_host: list[int] = field(default_factory=list)
+    # Per swap_out pair: the hash of a spilled prefix block, or the
+    # swapped-out request the host block now holds KV of.
+    out_for: list[BlockHash | SwappedOut] = field(default_factory=list)
+    in_host: list[int] = field(default_factory=list)
+    in_device: list[int] = field(default_factory=list)
+    # Per swap_in pair: the request whose table it fills, and the host
+    # block's hash for a prefix hit (None for a request resumed from swap).
+    in_for: list[tuple[Request, BlockHash | None]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.out_host or self.in_host)
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     step_id: int
     # Scheduler.executor_epoch when planned (see StepPlan.epoch).
@@ -67,8 +93,10 @@ class SchedulerOutput:
     new_block_ids: list[int] = field(default_factory=list)
     # Handles the executor must forget before this step.
     finished_handles: list[int] = field(default_factory=list)
-    # Requests preempted while building this step.
+    # Requests preempted while building this step (see Request.preempted_by).
     preempted: list[Request] = field(default_factory=list)
+    # Copies between the tiers, run before the forward; None when none.
+    swaps: SwapPlan | None = None
     # Every scheduled request, in scheduling order, keyed by handle: results
     # are matched against the step's own requests, never against whoever
     # holds a handle by the time the result arrives.
@@ -84,7 +112,10 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.new_requests and not self.cached_requests
+        """Nothing for the executor to do. A plan that only copies blocks
+        (a victim swapped out while nothing else could run) is not empty:
+        it must be sent, or the host blocks would never be written."""
+        return not self.new_requests and not self.cached_requests and not self.swaps
 
     def scheduled(self) -> list[tuple[Request, int]]:
         """(request, tokens scheduled) for every request in the step."""

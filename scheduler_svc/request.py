@@ -70,6 +70,14 @@ class Request:
     # before first scheduling and after a preemption.
     on_executor: bool = False
     num_preemptions: int = 0
+    # How the last preemption took it off the executor: "swap" (its KV
+    # copied to the host tier) or "recompute".
+    preempted_by: str = ""
+    # Tokens whose KV was computed once and then lost, and why ("recompute",
+    # "swap" when a swapped-out copy was lost, "reset"): computing them
+    # again counts as recompute (Scheduler.num_recomputed_tokens).
+    num_lost_tokens: int = 0
+    lost_cause: str = ""
     # Executor steps this request was in that failed; from 1 on it is
     # retried in a step of its own.
     num_failed_steps: int = 0

@@ -11,14 +11,23 @@ that the next step computes: the executor appends what it samples to its
 own copy of the request, so no plan needs a token the scheduler has not
 seen. A result is matched against the step's own entries; an entry whose
 request was preempted, reset or finished since is stale and dropped.
+
+A victim of preemption either recomputes later (its blocks are freed) or,
+with a host KV tier, is swapped out: the plan copies its computed KV to
+host blocks, and the plan that resumes it copies them back in before its
+forward (host_tier.py). Plans run in order on the executor, so a swap_out
+reads what every earlier plan wrote, including the victim's steps still in
+flight: a swapped-out victim keeps their tokens.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
+from scheduler_svc.host_tier import SwappedOut
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_needed
 from scheduler_svc.plan import NewRequestData, SampledToken, ScheduledRequest, SchedulerOutput
 from scheduler_svc.request import Request, RequestStatus
@@ -47,12 +56,33 @@ class SchedulerConfig:
     prompt_token_weight: float = 1.0
     output_token_weight: float = 2.0
     tenant_weights: tuple[tuple[str, float], ...] = ()
+    # Blocks in the executor's host KV tier; 0 = none.
+    num_host_blocks: int = 0
+    # How a victim is preempted: swap its KV out to the host tier, or drop
+    # it and recompute. auto swaps when the host tier has room and the
+    # copy is cheaper (SwapCost); swap whenever the host tier has room.
+    preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
+
+
+class SwapCost(Protocol):
+    def swap_is_cheaper(self, num_blocks: int, num_tokens: int) -> bool:
+        """Copying num_blocks out and back in costs less than recomputing
+        num_tokens tokens."""
+
+
+class _AlwaysSwap:
+    def swap_is_cheaper(self, num_blocks: int, num_tokens: int) -> bool:
+        return True
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, swap_cost: SwapCost | None = None):
         self.config = config
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.num_host_blocks)
+        # Without measurements, a copy is taken to be cheaper: it moves the
+        # block's bytes, where recomputing runs the whole model on its tokens.
+        self.swap_cost = swap_cost or _AlwaysSwap()
         self.policy = make_policy(config.policy, config.prompt_token_weight, config.output_token_weight,
                                   dict(config.tenant_weights))
         self.waiting = self.policy.make_queue()
@@ -74,6 +104,11 @@ class Scheduler:
         # flight are ignored when their results arrive.
         self.executor_epoch = 0
         self.num_preemptions = 0
+        self.num_preemptions_by_mode: Counter[str] = Counter()
+        # Tokens whose KV had been computed, was lost (preemption by
+        # recompute, a swap that failed, an executor reset) and was computed
+        # again, by Request.lost_cause.
+        self.num_recomputed_tokens: Counter[str] = Counter()
         # Sampled tokens dropped because their request had finished, been
         # preempted or reset while the step was in flight.
         self.num_dropped_tokens = 0
@@ -174,6 +209,8 @@ class Scheduler:
         cached prefix. Returns the tokens scheduled, or None when the pool
         cannot hold them (nothing changes then)."""
         req = self.waiting.peek()
+        if not self.kv.can_resume(req):
+            return None  # swapped out by a plan whose result is still to come
         hit = self.kv.find_cached_prefix(req)
         req.num_computed_tokens = hit.num_tokens
         n = self._num_tokens_to_schedule(req, budget)
@@ -202,6 +239,7 @@ class Scheduler:
         return self._finish_plan(out, send_empty=True)
 
     def _finish_plan(self, out: SchedulerOutput, send_empty: bool = False) -> SchedulerOutput:
+        out.swaps = self.kv.end_plan()
         if out.is_empty and not send_empty:
             return out  # not sent: its forgets wait for the next plan
         out.finished_handles, self._to_forget = self._to_forget, []
@@ -236,6 +274,8 @@ class Scheduler:
             out.new_requests.append(NewRequestData.from_request(req, self.kv.get_block_table(req), n))
             req.on_executor = True
         start = req.num_computed_tokens
+        if start < req.num_lost_tokens:
+            self.num_recomputed_tokens[req.lost_cause] += min(start + n, req.num_lost_tokens) - start
         samples = start + n == req.num_tokens_with_placeholders
         out.entries[req.handle] = ScheduledRequest(req, n, start, samples, req.epoch)
         self.policy.charge(req, start, n, samples)
@@ -244,24 +284,58 @@ class Scheduler:
             req.num_output_placeholders += 1
 
     def _preempt(self, req: Request) -> None:
-        """Frees the request's blocks and puts it at the front of the queue;
-        it resumes by recomputing prompt + output so far."""
+        """Takes the request off the executor and puts it back in the queue,
+        swapped out (this plan copies its computed KV to the host tier, and
+        the plan that resumes it copies it back) or, when the mode, the host
+        tier's room or the cost say no, with its blocks freed, to recompute
+        prompt + output so far."""
         self.running.remove(req)
+        swapped = self._should_swap(req) and self.kv.swap_out(req, req.num_computed_tokens)
         self.kv.free(req)
         self._forget_on_executor(req)
-        self._drop_executor_progress(req)
+        if swapped:
+            # Its steps in flight stand: their tokens count when their results
+            # arrive, and it resumes only after that (its copy is confirmed
+            # by a later result). It holds no device block meanwhile.
+            req.num_computed_tokens = 0
+        else:
+            self._drop_executor_progress(req, "recompute")
+        req.preempted_by = "swap" if swapped else "recompute"
+        self.num_preemptions_by_mode[req.preempted_by] += 1
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(req)
 
+    def _should_swap(self, req: Request) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or self.kv.host is None or req.num_computed_tokens == 0:
+            return False
+        if mode == "swap":
+            return True
+        return self.swap_cost.swap_is_cheaper(blocks_needed(req.num_computed_tokens, self.config.block_size),
+                                              req.num_computed_tokens)
+
     @staticmethod
-    def _drop_executor_progress(req: Request) -> None:
+    def _drop_executor_progress(req: Request, cause: str) -> None:
         """The executor no longer holds the request: what is in flight for
         it is stale, and it recomputes from its known tokens."""
+        req.num_lost_tokens = max(req.num_lost_tokens, min(req.num_computed_tokens, req.num_tokens))
+        req.lost_cause = cause
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0
         req.epoch += 1
+
+    def _lose_swapped(self, record: SwappedOut) -> None:
+        """A swapped-out request's copy is gone (a swap that failed, the
+        executor's loss): it recomputes. Its steps in flight, if any, are
+        void too (the executor dropped them)."""
+        req = record.request
+        req.num_lost_tokens = max(req.num_lost_tokens, record.num_tokens)
+        req.lost_cause = "swap"
+        if req.num_output_placeholders:
+            req.num_output_placeholders = 0
+            req.epoch += 1
 
     def _forget_on_executor(self, req: Request) -> bool:
         """Queues the executor-side cleanup; True if there was state to drop."""
@@ -271,11 +345,15 @@ class Scheduler:
         req.on_executor = False
         return True
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[tuple[int, int, tuple | None]]) -> list[SampledToken]:
-        """Applies a step's result, in step order: turns placeholders into
-        the sampled tokens, makes newly computed full blocks findable, and
-        finishes requests that hit a token-level stop (EOS, stop token,
-        max_tokens, max_model_len). Tokens of stale entries are dropped."""
+    def update_from_output(self, out: SchedulerOutput, sampled: list[tuple[int, int, tuple | None]],
+                           failed_swap_outs: list[int] = (), failed_swap_ins: list[int] = ()) -> list[SampledToken]:
+        """Applies a step's result, in step order: confirms its swaps,
+        turns placeholders into the sampled tokens, makes newly computed
+        full blocks findable, and finishes requests that hit a token-level
+        stop (EOS, stop token, max_tokens, max_model_len). Tokens of stale
+        entries are dropped."""
+        if out.swaps is not None:
+            self._complete_swaps(out, set(failed_swap_outs), set(failed_swap_ins))
         for e in out.entries.values():
             if not e.is_stale:
                 e.request.num_failed_steps = 0
@@ -300,6 +378,29 @@ class Scheduler:
         while self._releasing and self._releasing[0][0] <= out.step_id:
             self._free_handles.extend(self._releasing.pop(0)[1])
         return results
+
+    def _complete_swaps(self, out: SchedulerOutput, failed_outs: set[int], failed_ins: set[int]) -> None:
+        lost, failed = self.kv.complete_swaps(out.swaps, failed_outs, failed_ins)
+        for record in lost:
+            self._lose_swapped(record)
+        for req in failed:
+            # Its blocks from the host tier hold garbage, and so does what
+            # this step and any later one computed for it: it recomputes,
+            # like a failed step's requests, and nobody else is touched.
+            e = out.entries.get(req.handle)
+            if e is None or e.request is not req or e.is_stale:
+                continue  # finished, or preempted by recompute, since
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+                self.kv.free(req)
+                self._forget_on_executor(req)
+                self.waiting.push(req)
+            else:
+                # Swapped out by a later plan: that copy is garbage too.
+                record = self.kv.host.drop(req, keep_cached=False)
+                req.num_lost_tokens = max(req.num_lost_tokens, record.num_tokens if record else 0)
+            self._drop_executor_progress(req, "swap")
+            req.status = RequestStatus.WAITING
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         s = req.sampling
@@ -333,19 +434,23 @@ class Scheduler:
             self._releasing.append((self._step_id - 1, [req.handle]))
         return req
 
-    def reset_executor_state(self) -> None:
+    def reset_executor_state(self, host_lost: bool = True) -> None:
         """The executor lost every request (restart or failed step): free all
-        blocks and requeue the running requests, in order, for recompute."""
+        blocks and requeue the running requests, in order, for recompute.
+        Swapped-out requests keep their confirmed copies unless the host
+        tier is lost too (host_lost: the executor process is gone)."""
         for req in self.running:
             self.kv.free(req)
             req.on_executor = False
-            self._drop_executor_progress(req)
+            self._drop_executor_progress(req, "reset")
             req.status = RequestStatus.WAITING
             self.waiting.push(req)
         self.running.clear()
         self.executor_epoch += 1
-        # The KV content is gone, so nothing cached can be trusted.
-        self.kv.reset_prefix_cache()
+        # The device's KV content is gone, so nothing cached there can be
+        # trusted; nor can any copy of a plan in flight.
+        for record in self.kv.reset_executor(host_lost):
+            self._lose_swapped(record)
         # The executor forgot everything and results of plans in flight are
         # ignored: pending forgets are moot and every handle is reusable.
         self._to_forget.clear()
@@ -360,3 +465,7 @@ class Scheduler:
     @property
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.kv.host.num_free_blocks if self.kv.host is not None else 0

@@ -35,9 +35,21 @@ DROPPED_TOKENS = Counter("llmsched_dropped_tokens",
 NUM_RUNNING = Gauge("llmsched_num_requests_running", "Requests in the running set")
 NUM_WAITING = Gauge("llmsched_num_requests_waiting", "Requests waiting for admission")
 KV_USAGE = Gauge("llmsched_kv_cache_usage_ratio", "Share of KV blocks held by live requests")
-PREEMPTIONS = Counter("llmsched_num_preemptions", "Requests preempted (recomputed later)")
+PREEMPTIONS = Counter("llmsched_num_preemptions",
+                      "Requests preempted, by mode: swap (KV copied to the host tier) or recompute", ["mode"])
+RECOMPUTED_TOKENS = Counter("llmsched_recomputed_tokens",
+                            "Tokens computed a second time because their KV was lost, by cause: recompute "
+                            "(preempted by recompute), swap (a swapped-out copy lost or failed), reset (a failed "
+                            "step or a lost executor)", ["cause"])
 PREFIX_QUERIES = Counter("llmsched_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-PREFIX_HITS = Counter("llmsched_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+PREFIX_HITS = Counter("llmsched_prefix_cache_hits", "Prompt tokens found in the prefix cache, by tier (device, host)",
+                      ["tier"])
+HOST_KV_USAGE = Gauge("llmsched_host_kv_cache_usage_ratio",
+                      "Share of host KV tier blocks held by swapped-out requests or being written")
+SWAPPED_BLOCKS = Counter("llmsched_kv_swapped_blocks",
+                         "KV blocks planned to copy between the tiers, by direction (out, in) and reason (spill: an "
+                         "evicted prefix block; preemption; prefix_hit; resume)", ["direction", "reason"])
+SWAP_FAILURES = Counter("llmsched_kv_swap_failures", "Block copies between the tiers the executor reported failed")
 KV_TOKENS_HELD = Counter("llmsched_kv_tokens_held", "Tokens with KV in running requests' blocks, summed over steps")
 KV_SLOTS_ALLOCATED = Counter("llmsched_kv_slots_allocated",
                              "Token slots in running requests' blocks, summed over steps (P6 = held / allocated)")
@@ -45,6 +57,17 @@ FINISHED = Counter("llmsched_request_success", "Requests finished, by reason", [
 REJECTED = Counter("llmsched_request_rejected", "Requests refused at admission, by reason", ["reason"])
 
 FINISH_LABELS = {2: "stop", 3: "length", 4: "abort", 5: "error"}
+
+# Every label value exported from the start, at 0, so that dashboards and
+# rate() see the series before the first event.
+for _mode in ("swap", "recompute"):
+    PREEMPTIONS.labels(_mode)
+for _cause in ("recompute", "swap", "reset"):
+    RECOMPUTED_TOKENS.labels(_cause)
+for _tier in ("device", "host"):
+    PREFIX_HITS.labels(_tier)
+for _direction, _reason in (("out", "spill"), ("out", "preemption"), ("in", "prefix_hit"), ("in", "resume")):
+    SWAPPED_BLOCKS.labels(_direction, _reason)
 
 # Per tenant; the label is TenantLabels'.
 TENANT_SERVED = Counter("llmsched_tenant_served_tokens", "Tokens served per tenant: prompt tokens computed, "
@@ -139,10 +162,10 @@ class RequestTelemetry:
             self.span.add_link(step_span.get_span_context(), {"step_index": self.num_steps})
         self.num_steps += 1
 
-    def on_preempted(self) -> None:
-        PREEMPTIONS.inc()
+    def on_preempted(self, mode: str) -> None:
+        PREEMPTIONS.labels(mode).inc()
         if self.tracing:
-            self.span.add_event("preempted", {"steps_so_far": self.num_steps})
+            self.span.add_event("preempted", {"steps_so_far": self.num_steps, "mode": mode})
 
     def on_tokens(self, num_tokens: int) -> None:
         now = self.clock.monotonic()
@@ -188,6 +211,17 @@ def record_rejected(span: trace.Span, tracing: bool, reason: str, message: str) 
     REJECTED.labels(reason).inc()
     if tracing:
         span.add_event("rejected", {"reason": reason, "message": message})
+
+
+def record_swaps(swaps, num_failed: int) -> None:
+    """A plan's copies (plan.SwapPlan), once its result is back."""
+    spilled = sum(1 for w in swaps.out_for if isinstance(w, bytes))
+    hits = sum(1 for _, h in swaps.in_for if h is not None)
+    SWAPPED_BLOCKS.labels("out", "spill").inc(spilled)
+    SWAPPED_BLOCKS.labels("out", "preemption").inc(len(swaps.out_for) - spilled)
+    SWAPPED_BLOCKS.labels("in", "prefix_hit").inc(hits)
+    SWAPPED_BLOCKS.labels("in", "resume").inc(len(swaps.in_for) - hits)
+    SWAP_FAILURES.inc(num_failed)
 
 
 def record_load(num_running: int, num_waiting: int, num_free_blocks: int, num_blocks: int,

@@ -343,7 +343,7 @@ def calibrate(model: str, executor_env: dict[str, str], out: Path, *, address: s
             services.stop()
     profile = Profile(
         name or f"{Path(model).name}-{provenance['device']}", True, provenance,
-        Geometry(info.block_size, info.num_kv_blocks, info.max_model_len, info.vocab_size),
+        Geometry(info.block_size, info.num_kv_blocks, info.max_model_len, info.vocab_size, info.num_host_kv_blocks),
         result.profile_cost, host_cost,
         {"rounds": rounds, "steps_per_round": steps, "num_steps": len(ms), "train_points": result.train_points,
          "holdout_points": result.holdout_points, "holdout_every": HOLDOUT_EVERY,

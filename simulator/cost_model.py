@@ -52,9 +52,11 @@ class StepShape:
     @classmethod
     def of_plan(cls, out) -> "StepShape":
         """From a scheduler_svc SchedulerOutput: each entry's scheduled
-        tokens and where they start."""
+        tokens and where they start, and the blocks its swaps copy (out to
+        the host tier and in from it)."""
+        swaps = out.swaps
         return cls(tuple((e.num_tokens, e.start) for e in out.entries.values()),
-                   getattr(out, "num_swapped_blocks", 0))
+                   len(swaps.out_host) + len(swaps.in_host) if swaps is not None else 0)
 
     def features(self) -> tuple[float, ...]:
         prefill = attn = decode = decode_ctx = prefill_rows = 0

@@ -29,6 +29,9 @@ class Geometry:
     num_kv_blocks: int
     max_model_len: int
     vocab_size: int
+    # The executor's host KV tier (EXECUTOR_HOST_KV_CACHE_MEMORY_MB), in
+    # blocks; 0: none.
+    num_host_kv_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,12 +30,15 @@ def mode_of(profile: Profile) -> str:
     return SIMULATED if profile.calibrated else UNCALIBRATED
 
 
-def _server_info(result: SimResult, free_blocks: int, running: int, waiting: int) -> dict:
+def _server_info(result: SimResult, free_blocks: int, running: int, waiting: int, free_host: int | None = None
+                 ) -> dict:
     g, p = result.profile.geometry, result.profile.provenance
     values = {
         "model": Path(str(p.get("model", ""))).name, "max_model_len": g.max_model_len, "block_size": g.block_size,
         "num_kv_blocks": g.num_kv_blocks, "num_free_kv_blocks": free_blocks, "num_running": running,
         "num_waiting": waiting, "executor_instance_id": result.profile.label,
+        "num_host_kv_blocks": g.num_host_kv_blocks,
+        "num_free_host_kv_blocks": g.num_host_kv_blocks if free_host is None else free_host,
         "tensor_parallel_size": int(p.get("tensor_parallel_size") or 1),
     }
     # Every field of the real ServerInfo, so the keys match a real report's.
@@ -71,7 +74,7 @@ def build_report(result: SimResult, bench_args: argparse.Namespace, profile_path
         "summary": summary,
         "server": {
             "before": _server_info(result, g.num_kv_blocks, 0, 0),
-            "after": _server_info(result, server.num_free_kv_blocks, 0, 0),
+            "after": _server_info(result, server.num_free_kv_blocks, 0, 0, server.num_free_host_kv_blocks),
             "drained": True,
             "kv_blocks_held_after": g.num_kv_blocks - server.num_free_kv_blocks,
             "preemptions": server.num_preemptions,
@@ -79,6 +82,14 @@ def build_report(result: SimResult, bench_args: argparse.Namespace, profile_path
             "p7_executor_idle_fraction": idle / (idle + busy) if idle + busy else None,
             "executor_busy_s": busy,
             "executor_idle_s": idle,
+            "prefix_hit_tokens_device": server.prefix_hit_tokens_device,
+            "prefix_hit_tokens_host": server.prefix_hit_tokens_host,
+            "preemptions_swap": server.num_preemptions_swap,
+            "preemptions_recompute": server.num_preemptions_recompute,
+            "recomputed_tokens": server.recomputed_tokens,
+            "swapped_blocks_out": server.swapped_blocks_out,
+            "swapped_blocks_in": server.swapped_blocks_in,
+            "swap_s": server.swap_s,
         },
         "correctness": {"checked": 0, "per_baseline": {}},
         "baselines": [],

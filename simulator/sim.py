@@ -55,6 +55,7 @@ class ServerFigures:
 
     num_preemptions: int = 0
     num_free_kv_blocks: int = 0
+    num_free_host_kv_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
     kv_tokens_held: int = 0
@@ -62,6 +63,14 @@ class ServerFigures:
     executor_busy_s: float = 0.0
     executor_idle_s: float = 0.0
     num_steps: int = 0
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    prefix_hit_tokens_device: int = 0
+    prefix_hit_tokens_host: int = 0
+    recomputed_tokens: int = 0
+    swapped_blocks_out: int = 0
+    swapped_blocks_in: int = 0
+    swap_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -81,7 +90,11 @@ class Simulation(CoreListener):
         self.settings = settings
         self.trace = trace
         self.core = EngineCore(core_limits(settings), self)
-        self.core.scheduler = Scheduler(scheduler_config(settings, g.num_kv_blocks, g.block_size, g.max_model_len))
+        # The scheduler weighs a swap against a recompute with the step times
+        # the core measures, here the cost model's: as in the engine.
+        self.core.scheduler = Scheduler(
+            scheduler_config(settings, g.num_kv_blocks, g.block_size, g.max_model_len, g.num_host_kv_blocks),
+            swap_cost=self.core.step_time)
         self.maker = PromptMaker(g.vocab_size, trace.options.seed, max(r.prompt_len for r in trace.records))
         self.now = 0.0
         self.results = [RequestResult(r.index, f"trace-{r.index}", r.arrival_s, r.output_len, r.prompt_len)
@@ -117,7 +130,11 @@ class Simulation(CoreListener):
                 start = max(self.now, executor_free_at)
                 if not after_idle and start > executor_free_at:
                     self.server.executor_idle_s += start - executor_free_at
-                seconds = cost.step_seconds(StepShape.of_plan(step.out)) if step.out.entries else 0.0
+                out = step.out
+                # A plan of forgets alone costs nothing; one of copies alone
+                # costs its copies.
+                shape = StepShape.of_plan(out)
+                seconds = cost.step_seconds(shape) if out.entries else self._swap_seconds(shape)
                 self.server.executor_busy_s += seconds
                 executor_free_at = start + seconds
                 done_at.append(executor_free_at)
@@ -145,7 +162,13 @@ class Simulation(CoreListener):
                     break
                 self.now = max(self.now, records[next_arrival].arrival_s)
         self.server.num_preemptions = sched.num_preemptions
+        self.server.num_preemptions_swap = sched.num_preemptions_by_mode["swap"]
+        self.server.num_preemptions_recompute = sched.num_preemptions_by_mode["recompute"]
+        self.server.prefix_hit_tokens_device = sched.kv.num_hit_blocks * sched.config.block_size
+        self.server.prefix_hit_tokens_host = sched.kv.num_host_hit_blocks * sched.config.block_size
+        self.server.recomputed_tokens = sum(sched.num_recomputed_tokens.values())
         self.server.num_free_kv_blocks = sched.num_free_blocks
+        self.server.num_free_host_kv_blocks = sched.num_free_host_blocks
         ends = [r.end_s for r in self.results if r.end_s == r.end_s]
         run = RunResult(self.results, max(ends, default=0.0), 0.0)
         return SimResult(run, self.server, self.settings, self.profile, self.trace, self.trace.num_clamped)
@@ -171,9 +194,21 @@ class Simulation(CoreListener):
         res.prompt_tokens = req.num_prompt_tokens
         self._by_request_id[res.request_id] = res
 
+    def _swap_seconds(self, shape: StepShape) -> float:
+        return self.profile.step_cost.as_dict()["swapped_blocks"] * shape.swapped_blocks
+
     def _outcome(self, step: InFlightStep) -> StepOutcome:
-        """What the executor answers: a token for every row that samples."""
-        return StepOutcome(sampled=[(h, SAMPLED_TOKEN, None) for h in step.out.sampling_handles()])
+        """What the executor answers: a token for every row that samples,
+        every copy done, in the cost model's time for the copies."""
+        out = step.out
+        swap_s = 0.0
+        if out.swaps is not None:
+            self.server.swapped_blocks_out += len(out.swaps.out_host)
+            self.server.swapped_blocks_in += len(out.swaps.in_host)
+            swap_s = self._swap_seconds(StepShape.of_plan(out))
+            self.server.swap_s += swap_s
+        return StepOutcome(sampled=[(h, SAMPLED_TOKEN, None) for h in out.sampling_handles()],
+                           swap_ns=round(swap_s * 1e9))
 
     # ----- CoreListener -------------------------------------------------------
 

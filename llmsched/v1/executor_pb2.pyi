@@ -11,7 +11,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("model", "tokenizer_json", "block_size", "num_kv_blocks", "max_model_len", "instance_id", "vocab_size", "eos_token_ids", "max_logprobs", "device", "chat_template", "bos_token", "eos_token", "architecture", "rope_type", "tensor_parallel_size", "supports_constraints", "kv_bytes_per_token")
+    __slots__ = ("model", "tokenizer_json", "block_size", "num_kv_blocks", "max_model_len", "instance_id", "vocab_size", "eos_token_ids", "max_logprobs", "device", "chat_template", "bos_token", "eos_token", "architecture", "rope_type", "tensor_parallel_size", "supports_constraints", "kv_bytes_per_token", "num_host_kv_blocks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class HandshakeResponse(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_CONSTRAINTS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer_json: str
     block_size: int
@@ -48,7 +49,8 @@ class HandshakeResponse(_message.Message):
     tensor_parallel_size: int
     supports_constraints: bool
     kv_bytes_per_token: int
-    def __init__(self, model: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., supports_constraints: _Optional[bool] = ..., kv_bytes_per_token: _Optional[int] = ...) -> None: ...
+    num_host_kv_blocks: int
+    def __init__(self, model: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., supports_constraints: _Optional[bool] = ..., kv_bytes_per_token: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class StepSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "logprobs")
@@ -95,7 +97,7 @@ class Constraint(_message.Message):
     def __init__(self, grammar: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_handles", "cached_num_scheduled_tokens", "new_block_handles", "new_block_ids", "finished_handles", "traceparent", "epoch", "after_idle")
+    __slots__ = ("step_id", "new_requests", "cached_handles", "cached_num_scheduled_tokens", "new_block_handles", "new_block_ids", "finished_handles", "traceparent", "epoch", "after_idle", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_HANDLES_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +108,10 @@ class StepPlan(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     AFTER_IDLE_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_handles: _containers.RepeatedScalarFieldContainer[int]
@@ -116,7 +122,11 @@ class StepPlan(_message.Message):
     traceparent: str
     epoch: int
     after_idle: bool
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_handles: _Optional[_Iterable[int]] = ..., cached_num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_handles: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_handles: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ..., epoch: _Optional[int] = ..., after_idle: _Optional[bool] = ...) -> None: ...
+    swap_out_device_blocks: _containers.RepeatedScalarFieldContainer[int]
+    swap_out_host_blocks: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_host_blocks: _containers.RepeatedScalarFieldContainer[int]
+    swap_in_device_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_handles: _Optional[_Iterable[int]] = ..., cached_num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_handles: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_handles: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ..., epoch: _Optional[int] = ..., after_idle: _Optional[bool] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampledLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -129,7 +139,7 @@ class SampledLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_handles", "sampled_token_ids", "logprobs", "prepare_ns", "forward_ns", "sample_ns", "error", "discarded", "request_errors")
+    __slots__ = ("step_id", "sampled_handles", "sampled_token_ids", "logprobs", "prepare_ns", "forward_ns", "sample_ns", "error", "discarded", "request_errors", "swap_ns", "failed_swap_outs", "failed_swap_ins")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_HANDLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +150,9 @@ class StepResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_NS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_SWAP_OUTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_SWAP_INS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_handles: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -150,7 +163,10 @@ class StepResult(_message.Message):
     error: str
     discarded: bool
     request_errors: _containers.RepeatedCompositeFieldContainer[RequestError]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., error: _Optional[str] = ..., discarded: _Optional[bool] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
+    swap_ns: int
+    failed_swap_outs: _containers.RepeatedScalarFieldContainer[int]
+    failed_swap_ins: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., error: _Optional[str] = ..., discarded: _Optional[bool] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., swap_ns: _Optional[int] = ..., failed_swap_outs: _Optional[_Iterable[int]] = ..., failed_swap_ins: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("handle", "message")

@@ -153,3 +153,15 @@ def test_from_jsonl_reads_a_file_and_honours_num_requests(tmp_path):
     path.write_text("".join(json.dumps({"prompt_token_ids": [3 + i], "max_tokens": 2}) + "\n" for i in range(5)))
     work = wl.from_jsonl(path, num_requests=3)
     assert work.name == "dataset" and [r.prompt_token_ids for r in work.requests] == [[3], [4], [5]]
+
+
+def test_multi_turn_sessions_fit_stories260k_and_hold_only_each_new_question():
+    spec = wl.MultiTurnSpec()
+    work = wl.multi_turn(512, seed=1, spec=spec)
+    assert len(work.requests) == 32 * 4
+    assert [r.turn for r in work.requests[:33]] == [0] * 32 + [1]
+    assert {len(r.prompt_token_ids) for r in work.requests if r.turn == 0} == {spec.first_len}
+    assert {len(r.prompt_token_ids) for r in work.requests if r.turn > 0} == {spec.question_len}
+    # The fourth turn's prompt is three answered turns and its question.
+    assert work.params["last_prompt_len"] == 432 and 432 + spec.answer_len <= 512
+    assert _ids(work) == _ids(wl.multi_turn(512, seed=1, spec=spec))

@@ -95,6 +95,9 @@ CASES = {
         "'teamB' must be a finite number > 0"),
     "bad-tenant-in-an-api-key-entry": lambda pair, tmp, ckpt: BadStart(
         "scheduler_svc", {"SCHEDULER_API_KEYS": "team A:secret"}, "SCHEDULER_API_KEYS: tenant 'team A'"),
+    "swap-preemption-without-a-host-tier": lambda pair, tmp, ckpt: BadStart(
+        "scheduler_svc", {"SCHEDULER_EXECUTOR_ADDRESS": pair.executor_address, "SCHEDULER_PREEMPTION_MODE": "swap"},
+        "SCHEDULER_PREEMPTION_MODE=swap: the executor at"),
     "second-scheduler-on-a-port-in-use": lambda pair, tmp, ckpt: BadStart(
         "scheduler_svc", {"SCHEDULER_PORT": str(pair.scheduler_port)},
         f"SCHEDULER_PORT={pair.scheduler_port}: address already in use"),

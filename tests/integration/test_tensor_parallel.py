@@ -21,7 +21,7 @@ from llmsched.launch import free_port, launch, wait_serving
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 from tests.families import CASES, make_checkpoint
-from tests.integration.conftest import assert_32_concurrent_mixed_requests_match_hf, start_services
+from tests.integration.conftest import assert_32_concurrent_mixed_requests_match_hf, scheduler_metric, start_services
 from tests.integration.test_reliability import Streams, wait_until
 from tests.oracle import hf_greedy
 
@@ -36,7 +36,11 @@ def ranks_of(executor: subprocess.Popen) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tp2(stories_path):
-    services, client = start_services(str(stories_path), executor_env=TP2)
+    # With a device pool too small for the 32 concurrent requests and a host
+    # tier, they are preempted by swap: each rank copies its slice.
+    services, client = start_services(
+        str(stories_path), executor_env={**TP2, "EXECUTOR_NUM_KV_BLOCKS": "64", "EXECUTOR_HOST_KV_CACHE_MEMORY_MB": "2"},
+        scheduler_env={"SCHEDULER_PREEMPTION_MODE": "swap"})
     yield services, client
     client.channel.close()
     services.stop()
@@ -48,10 +52,14 @@ def test_server_info_reports_the_tensor_parallel_size(tp2):
     assert len(ranks_of(services.executor)) == 1, "rank 0 starts one other rank"
 
 
-def test_32_concurrent_mixed_requests_match_hf_greedy_at_tp2(tp2):
-    _, client = tp2
+def test_32_concurrent_mixed_requests_match_hf_greedy_at_tp2_swapping_to_the_host_tier(tp2):
+    services, client = tp2
+    swapped = scheduler_metric(services, 'llmsched_num_preemptions_total{mode="swap"}')
     base = [1, 403, 407, 261, 378, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309] * 5
     assert_32_concurrent_mixed_requests_match_hf(client, base)
+    assert scheduler_metric(services, 'llmsched_num_preemptions_total{mode="swap"}') > swapped, (
+        "the device pool was meant to be too small: nothing was swapped out")
+    assert scheduler_metric(services, "llmsched_recomputed_tokens_total") == 0
 
 
 def test_sampling_with_logprobs_and_a_seed_repeats_at_tp2(tp2):

@@ -22,10 +22,11 @@ REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO.parent / "shared" / "traces"
 
 
-def profile(step_s=0.01, per_token=0.0, host=HostCost(), num_kv_blocks=256, max_model_len=512) -> Profile:
+def profile(step_s=0.01, per_token=0.0, host=HostCost(), num_kv_blocks=256, max_model_len=512, host_blocks=0,
+            swap_s=0.0) -> Profile:
     return Profile("test", True, {"model": "test-model", "device": "cpu", "tensor_parallel_size": 1},
-                   Geometry(16, num_kv_blocks, max_model_len, 512),
-                   LinearCostModel((step_s, per_token, 0.0, per_token, 0.0, 0.0)), host)
+                   Geometry(16, num_kv_blocks, max_model_len, 512, host_blocks),
+                   LinearCostModel((step_s, per_token, 0.0, per_token, 0.0, swap_s)), host)
 
 
 def trace(*records: tuple[float, int, int]) -> Trace:
@@ -79,6 +80,25 @@ def test_admission_control_and_a_small_pool_behave_as_in_the_server():
     r = simulate(profile(num_kv_blocks=12), scheduler_settings({}), trace(*records))
     assert all(x.status == "ok" and x.completion_tokens == 40 for x in r.run.results)
     assert r.server.num_preemptions > 0
+
+
+def test_a_host_tier_swaps_victims_out_and_in_and_the_copies_cost_time():
+    records = [(0.0, 60, 40) for _ in range(8)]
+    swap = scheduler_settings({"SCHEDULER_PREEMPTION_MODE": "swap"})
+    r = simulate(profile(num_kv_blocks=12, host_blocks=64, swap_s=1e-3), swap, trace(*records))
+    assert all(x.status == "ok" and x.completion_tokens == 40 for x in r.run.results)
+    s = r.server
+    assert s.num_preemptions_swap > 0 and s.num_preemptions_recompute == 0 and s.recomputed_tokens == 0
+    # Out: the victims and the prefix blocks the device pool evicts (spills);
+    # in: the victims.
+    assert s.swapped_blocks_out > s.swapped_blocks_in > 0
+    assert s.swap_s == pytest.approx(1e-3 * (s.swapped_blocks_out + s.swapped_blocks_in))
+    assert s.num_free_host_kv_blocks == 64
+    # The same work recomputing its victims instead: the copies' time is
+    # what separates the two runs' executor time.
+    free = simulate(profile(num_kv_blocks=12, host_blocks=64, swap_s=0.0), swap, trace(*records))
+    assert free.server.swapped_blocks_out == s.swapped_blocks_out
+    assert s.executor_busy_s == pytest.approx(free.server.executor_busy_s + s.swap_s)
 
 
 def test_an_unknown_or_misspelt_setting_is_refused_by_name():

@@ -1,22 +1,32 @@
 """Hypothesis drives the scheduler with random arrivals, shared prefixes,
 cancels, stop-string finishes, executor resets, tiny KV pools and tiny
-budgets, and checks the block invariants after every step."""
+budgets, with and without a host KV tier (spills, swap preemption, swaps
+that fail), and checks the block invariants of both tiers after every step.
+
+An executor mirror runs every plan as the executor would, down to what
+each device and host block slot holds: the identity of the token prefix
+its KV was computed from. So a step that reads KV that a swap never
+brought, a copy that was overwritten, or a block cached before its copy
+came back, fails the run."""
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from scheduler_svc.kv_cache_manager import ROOT_HASH, hash_block
 from scheduler_svc.request import RequestStatus
-from tests.factories import EOS, make_request, make_scheduler
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from tests.factories import EOS, make_request
 
 PREFIXES = [[], [101, 102, 103, 104, 105, 106], [101, 102, 103, 104, 201, 202, 203]]
 
 
-# Tiny pools, block sizes and budgets, both policies, caching on and off.
+# Tiny pools, block sizes and budgets, both policies, caching on and off,
+# no host tier or a host tier from tiny to roomy, every preemption mode.
 SCHEDULER_SHAPES = dict(
     num_blocks=st.integers(4, 24),
     block_size=st.sampled_from([1, 2, 4]),
@@ -25,50 +35,211 @@ SCHEDULER_SHAPES = dict(
     chunk=st.integers(1, 16),
     policy=st.sampled_from(["fcfs", "priority"]),
     caching=st.booleans(),
+    host_blocks=st.sampled_from([0, 3, 16, 64]),
+    preemption_mode=st.sampled_from(["auto", "recompute", "swap"]),
 )
 
 
-def shaped_scheduler(num_blocks, block_size, max_num_seqs, budget, chunk, policy, caching):
-    return make_scheduler(
+class ParityCost:
+    """auto's cost model: swaps half of the victims, either way."""
+
+    def swap_is_cheaper(self, num_blocks: int, num_tokens: int) -> bool:
+        return num_tokens % 2 == 0
+
+
+# Requests there from the start: hypothesis draws many short runs, which
+# would otherwise rarely get as far as pressing the pool.
+FIRST_ARRIVALS = st.lists(st.fixed_dictionaries(dict(
+    prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(300, 310), max_size=8),
+    max_tokens=st.integers(1, 10), priority=st.integers(0, 3), copies=st.integers(1, 3))), max_size=3)
+
+
+def shaped_scheduler(num_blocks, block_size, max_num_seqs, budget, chunk, policy, caching, host_blocks,
+                     preemption_mode):
+    return Scheduler(SchedulerConfig(
         num_kv_blocks=num_blocks, block_size=block_size, max_model_len=64, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget, max_prefill_chunk=chunk, policy=policy, enable_prefix_caching=caching,
-    )
+        num_host_blocks=host_blocks, preemption_mode=preemption_mode,
+    ), swap_cost=ParityCost())
 
 
 def assert_drained(sched, admitted) -> None:
-    """After teardown ran the scheduler dry: everyone finished, nothing leaked."""
+    """After teardown ran the scheduler dry: everyone finished, nothing
+    leaked, and both free lists are whole."""
     assert not sched.has_work, "every admitted request finishes"
     assert all(r.status.is_finished for r in admitted)
     assert sched.num_free_blocks == sched.config.num_kv_blocks, "nothing leaks"
     assert not sched.kv.block_tables
+    host = sched.kv.host
+    if host is not None:
+        assert not host.swapped and not host._pending_spills and not host._in_flight
+        assert host.num_free_blocks == host.num_blocks, "nothing leaks from the host tier"
+
+
+class Row:
+    """The executor's copy of one request."""
+
+    def __init__(self, token_ids, num_computed, block_ids, mirror):
+        self.tokens, self.computed, self.table = [], num_computed, list(block_ids)
+        self.ids: list[int] = []  # per known token: the identity of the prefix ending there
+        self.poisoned = False  # a swap_in of its failed: what it computes is garbage
+        self.mirror = mirror
+        for t in token_ids:
+            self.append(t)
+
+    def append(self, token: int) -> None:
+        parent = self.ids[-1] if self.ids else 0
+        pid = hash((parent, token, len(self.tokens)))
+        self.tokens.append(token)
+        self.ids.append(pid)
+        self.mirror.parent[pid] = parent
+        bs = self.mirror.block_size
+        if len(self.tokens) % bs == 0:  # a full block: what the scheduler calls it
+            i = len(self.tokens) // bs - 1
+            prev = self.mirror.block_hash.get(self.ids[i * bs - 1], ROOT_HASH) if i else ROOT_HASH
+            self.mirror.block_hash[pid] = hash_block(prev, self.tokens[i * bs:])
+
+
+class ExecutorMirror:
+    """What the executor holds per handle, and what every device and host
+    block slot holds (a prefix identity, or None: never written, or
+    garbage), updated by plans in the order the executor runs them. It
+    checks that each plan is consistent with what came before it, that each
+    step reads exactly the KV of its request's tokens, and that it samples
+    exactly where the scheduler placed placeholders."""
+
+    def __init__(self, sched):
+        cfg = sched.config
+        self.block_size = cfg.block_size
+        self.requests: dict[int, Row] = {}
+        self.device = [[None] * cfg.block_size for _ in range(cfg.num_kv_blocks)]
+        self.host = [[None] * cfg.block_size for _ in range(cfg.num_host_blocks)]
+        self.parent: dict[int, int] = {}
+        self.block_hash: dict[int, bytes] = {}
+
+    def forget_all(self, host_lost: bool) -> None:
+        """The executor dropped its request state (a failed step) or died
+        (every block's content gone, the host tier's too)."""
+        self.requests.clear()
+        if host_lost:
+            self.device = [[None] * self.block_size for _ in self.device]
+            self.host = [[None] * self.block_size for _ in self.host]
+
+    def run(self, out, token=lambda i: 7, failed_outs=frozenset(), failed_ins=frozenset(), forward=True) -> list:
+        """Runs a plan; returns (handle, token) for every row that samples."""
+        bs = self.block_size
+        for h in out.finished_handles:
+            self.requests.pop(h, None)
+        poisoned = set()
+        if out.swaps is not None:
+            sw = out.swaps
+            for i, (d, hb) in enumerate(zip(sw.out_device, sw.out_host)):
+                self.host[hb] = [None] * bs if i in failed_outs else list(self.device[d])
+            for i, (hb, d) in enumerate(zip(sw.in_host, sw.in_device)):
+                self.device[d] = [None] * bs if i in failed_ins else list(self.host[hb])
+                if i in failed_ins:
+                    poisoned.add(sw.in_for[i][0].handle)
+        if not forward:
+            return []
+        for new in out.new_requests:
+            assert new.handle not in self.requests, f"handle {new.handle} added while the executor still holds it"
+            self.requests[new.handle] = Row(new.token_ids, new.num_computed_tokens, new.block_ids, self)
+        for h, b in zip(out.new_block_handles, out.new_block_ids):
+            self.requests[h].table.append(b)
+        sampled = []
+        for h, e in out.entries.items():
+            row = self.requests.get(h)
+            assert row is not None, f"step {out.step_id} names handle {h}, which the executor does not hold"
+            assert row.computed == e.start, f"handle {h}: executor computed {row.computed}, plan starts at {e.start}"
+            end = e.start + e.num_tokens
+            assert end <= len(row.tokens), f"handle {h}: plan computes past the tokens the executor knows"
+            assert len(row.table) * bs >= end, "table must cover the step"
+            row.poisoned |= h in poisoned
+            if not row.poisoned:
+                for p in range(e.start):  # attention reads every earlier position
+                    got = self.device[row.table[p // bs]][p % bs]
+                    assert got == row.ids[p], f"handle {h} reads wrong KV at position {p} (block {row.table[p // bs]})"
+            for p in range(e.start, end):
+                self.device[row.table[p // bs]][p % bs] = None if row.poisoned else row.ids[p]
+            row.computed = end
+            if end == len(row.tokens):
+                t = token(len(sampled))
+                row.append(t)
+                sampled.append((h, t))
+        assert sorted(h for h, _ in sampled) == sorted(out.sampling_handles()), (
+            "executor and scheduler disagree on who samples")
+        return sampled
+
+    def holds(self, slots, h: bytes) -> bool:
+        """A block's slots hold, in order, the KV of the prefix block named h."""
+        if any(s is None for s in slots) or self.block_hash.get(slots[-1]) != h:
+            return False
+        return all(self.parent[slots[k]] == slots[k - 1] for k in range(1, len(slots)))
+
+
+def live_in_arrival_order(sched) -> list[str]:
+    """Request ids come from a counter shared by every test, so sorting
+    them would order a replayed run differently (req-998 after req-1001)."""
+    return [r.request_id for r in sorted(sched.requests.values(), key=lambda r: r.arrival_seq)]
+
+
+def note_swaps(out) -> None:
+    """What a plan moved, for --hypothesis-show-statistics."""
+    for req in out.preempted:
+        event(f"preempted by {req.preempted_by}")
+    if out.swaps is None:
+        return
+    kinds = {"spill" if isinstance(w, bytes) else "swap out" for w in out.swaps.out_for}
+    kinds |= {"host hit" if h is not None else "swap in" for _, h in out.swaps.in_for}
+    for kind in sorted(kinds):
+        event(kind)
+
+
+def drawn_failures(data, out) -> tuple[frozenset, frozenset]:
+    """Swap pairs of a plan that the executor fails to copy, when any."""
+    if out.swaps is None or not data.draw(st.integers(0, 3), label="fail swaps") == 0:
+        return frozenset(), frozenset()
+    n_out, n_in = len(out.swaps.out_host), len(out.swaps.in_host)
+    fo = data.draw(st.frozensets(st.integers(0, n_out - 1), max_size=2) if n_out else st.just(frozenset()))
+    fi = data.draw(st.frozensets(st.integers(0, n_in - 1), max_size=2) if n_in else st.just(frozenset()))
+    if fo or fi:
+        event("a swap failed")
+    return fo, fi
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(**SCHEDULER_SHAPES)
-    def setup(self, **shape):
+    @initialize(first=FIRST_ARRIVALS, **SCHEDULER_SHAPES)
+    def setup(self, first, **shape):
         self.sched = shaped_scheduler(**shape)
         self.admitted = []
+        self.executor = ExecutorMirror(self.sched)
+        for arrival in first:
+            self.arrive(**arrival)
 
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(300, 310), max_size=8),
-          max_tokens=st.integers(1, 10), priority=st.integers(0, 3))
-    def arrive(self, prefix, suffix, max_tokens, priority):
-        prompt = prefix + suffix or [999]
-        if self.sched.fits(len(prompt), max_tokens) is not None:
-            return
-        req = make_request(prompt=prompt, max_tokens=max_tokens, priority=priority)
-        self.sched.add_request(req)
-        self.admitted.append(req)
+          max_tokens=st.integers(1, 10), priority=st.integers(0, 3), copies=st.integers(1, 3))
+    def arrive(self, prefix, suffix, max_tokens, priority, copies):
+        """One request, or a few alike (the same prefix, then a suffix of
+        their own), as a burst of traffic would bring."""
+        for i in range(copies):
+            prompt = prefix + suffix + [320 + i] * (i > 0) or [999]
+            if self.sched.fits(len(prompt), max_tokens) is not None:
+                return
+            req = make_request(prompt=prompt, max_tokens=max_tokens, priority=priority)
+            self.sched.add_request(req)
+            self.admitted.append(req)
 
     @precondition(lambda self: self.sched.requests)
     @rule(data=st.data())
     def cancel(self, data):
-        request_id = data.draw(st.sampled_from(sorted(self.sched.requests)))
+        request_id = data.draw(st.sampled_from(live_in_arrival_order(self.sched)))
         req = self.sched.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         assert req is not None and req.request_id not in self.sched.kv.block_tables
         assert self.sched.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is None, "cancel is idempotent"
 
-    @rule(tokens=st.lists(st.sampled_from([EOS, 7, 8, 9]), min_size=8, max_size=8), stop_one=st.booleans())
-    def step(self, tokens, stop_one):
+    @rule(tokens=st.lists(st.sampled_from([EOS, 7, 8, 9]), min_size=8, max_size=8), stop_one=st.booleans(),
+          data=st.data())
+    def step(self, tokens, stop_one, data):
         sched = self.sched
         was_idle = not sched.running and bool(sched.waiting)
         out = sched.schedule()
@@ -83,15 +254,29 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert e.start + e.num_tokens <= e.request.num_tokens_with_placeholders
             table = sched.kv.get_block_table(e.request)
             assert len(table) * sched.config.block_size >= e.start + e.num_tokens, "table must cover the step"
-        sampled = [(h, tokens[i % len(tokens)], None) for i, h in enumerate(out.sampling_handles())]
-        sched.update_from_output(out, sampled)
+        note_swaps(out)
+        failed_outs, failed_ins = drawn_failures(data, out)
+        sampled = self.executor.run(out, lambda i: tokens[i % len(tokens)], failed_outs, failed_ins)
+        sched.update_from_output(out, [(h, t, None) for h, t in sampled], failed_outs, failed_ins)
         if stop_one and sched.running:  # a stop string matched in the output processor
             sched.finish_request(sched.running[0].request_id, RequestStatus.FINISHED_STOPPED)
 
+    @rule(num_steps=st.integers(2, 8))
+    def run(self, num_steps):
+        """Several steps in a row, none finishing early: outputs grow, and so
+        does the pressure on the pool."""
+        for _ in range(num_steps):
+            out = self.sched.schedule()
+            note_swaps(out)
+            self.sched.update_from_output(out, [(h, t, None) for h, t in self.executor.run(out)])
+
     @rule()
     def executor_restart(self):
-        self.sched.reset_executor_state()
+        """The executor process dies: its host tier with it."""
+        self.sched.reset_executor_state(host_lost=True)
+        self.executor.forget_all(host_lost=True)
         assert not self.sched.running and self.sched.num_free_blocks == self.sched.config.num_kv_blocks
+        assert self.sched.kv.host is None or not self.sched.kv.host.swapped
 
     @precondition(lambda self: not self.sched.has_work)
     @rule()
@@ -102,6 +287,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if out is not None:
             live = {r.handle for r in self.sched.requests.values()}
             assert out.is_empty and out.finished_handles and not set(out.finished_handles) & live
+            assert out.swaps is None
+            self.executor.run(out)
             assert self.sched.update_from_output(out, []) == []
         assert self.sched.flush_forgets() is None, "everything was forgotten"
 
@@ -131,6 +318,42 @@ class SchedulerMachine(RuleBasedStateMachine):
                     assert len(set(table)) == len(table), "a table holds a block twice"
 
     @invariant()
+    def host_blocks_are_each_in_exactly_one_place(self):
+        """Free (cached or not), pending a spill copy, or held by one
+        swapped-out request: reference counts say which, and balance."""
+        host = self.sched.kv.host
+        if host is None:
+            return
+        pool = host.pool
+        holders = Counter(b for r in host.swapped.values() for b in r.host_blocks)
+        holders.update(host._pending_spills.values())
+        for b in range(pool.num_blocks):
+            assert holders[b] <= 1, f"host block {b} has {holders[b]} holders"
+            assert pool.ref_counts[b] == holders[b], (
+                f"host block {b}: ref_count {pool.ref_counts[b]}, {holders[b]} holders")
+            if holders[b]:
+                assert pool.block_hashes[b] is None, f"host block {b} is cached while a copy into it is pending"
+        assert pool.num_free_blocks + sum(holders.values()) == pool.num_blocks, "free + held = total"
+        for h, b in pool.cached.items():
+            assert pool.block_hashes[b] == h
+        for rid, record in host.swapped.items():
+            req = record.request
+            assert rid in self.sched.requests and req.status == RequestStatus.WAITING, "only waiting requests swap"
+            assert not record.confirmed or req.num_output_placeholders == 0, "a confirmed copy has no token in flight"
+
+    @invariant()
+    def no_block_is_cached_before_its_copy_is_confirmed(self):
+        """Every block either tier names by a hash holds that prefix block's
+        KV, in what the executor has run so far: plans in flight cannot
+        have made it so."""
+        sched, mirror = self.sched, self.executor
+        for h, b in sched.kv.pool.cached.items():
+            assert mirror.holds(mirror.device[b], h), f"device block {b} cached, but does not hold its content"
+        if sched.kv.host is not None:
+            for h, b in sched.kv.host.pool.cached.items():
+                assert mirror.holds(mirror.host[b], h), f"host block {b} cached before its copy came back"
+
+    @invariant()
     def only_live_requests_hold_blocks(self):
         sched = self.sched
         running = {r.request_id for r in sched.running}
@@ -149,8 +372,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not sched.has_work:
                 break
             out = sched.schedule()
-            sampled = [(h, 7, None) for h in out.sampling_handles()]
-            sched.update_from_output(out, sampled)
+            sampled = self.executor.run(out)
+            sched.update_from_output(out, [(h, t, None) for h, t in sampled])
         assert_drained(sched, self.admitted)
 
 
@@ -160,59 +383,32 @@ SchedulerMachine.TestCase.settings = settings(
 test_scheduler_state_machine = SchedulerMachine.TestCase
 
 
-class ExecutorMirror:
-    """What the executor holds per handle (known tokens, computed tokens),
-    updated by plans in the order it runs them, as executor_svc does. It
-    checks that each plan is consistent with what came before it and that it
-    samples exactly where the scheduler placed placeholders."""
-
-    def __init__(self):
-        self.requests: dict[int, list[int]] = {}  # handle -> [num_tokens, num_computed]
-
-    def run(self, out) -> list[int]:
-        for h in out.finished_handles:
-            self.requests.pop(h, None)
-        for new in out.new_requests:
-            assert new.handle not in self.requests, f"handle {new.handle} added while the executor still holds it"
-            self.requests[new.handle] = [len(new.token_ids), new.num_computed_tokens]
-        sampled = []
-        for h, e in out.entries.items():
-            state = self.requests.get(h)
-            assert state is not None, f"step {out.step_id} names handle {h}, which the executor does not hold"
-            assert state[1] == e.start, f"handle {h}: executor computed {state[1]}, plan starts at {e.start}"
-            state[1] += e.num_tokens
-            assert state[1] <= state[0], f"handle {h}: plan computes past the tokens the executor knows"
-            if state[1] == state[0]:
-                state[0] += 1
-                sampled.append(h)
-        assert sorted(sampled) == sorted(out.sampling_handles()), "executor and scheduler disagree on who samples"
-        return sampled
-
-
 class PipelinedSchedulerMachine(RuleBasedStateMachine):
     """The scheduler as the engine drives it with 2 plans in flight: plans
     are built before earlier results arrive, results come back in order,
-    requests are cancelled, stopped and preempted with tokens in flight,
-    and the executor fails steps. Besides the block invariants it checks
-    that no dropped token is ever streamed and that no handle is reused
-    while a plan in flight names it."""
+    requests are cancelled, stopped, preempted and swapped out with tokens
+    in flight, swaps fail, and the executor fails steps or dies. Besides
+    the block invariants it checks that no dropped token is ever streamed
+    and that no handle is reused while a plan in flight names it."""
 
     MAX_IN_FLIGHT = 2
 
-    @initialize(**SCHEDULER_SHAPES)
-    def setup(self, **shape):
+    @initialize(first=FIRST_ARRIVALS, **SCHEDULER_SHAPES)
+    def setup(self, first, **shape):
         self.sched = shaped_scheduler(**shape)
         self.admitted = []
         self.in_flight = []
-        self.executor = ExecutorMirror()
+        self.executor = ExecutorMirror(self.sched)
         self.streamed: dict[str, list[int]] = defaultdict(list)
+        for arrival in first:
+            self.arrive(**arrival)
 
     arrive = SchedulerMachine.arrive
 
     @precondition(lambda self: self.sched.requests)
     @rule(data=st.data())
     def cancel(self, data):
-        request_id = data.draw(st.sampled_from(sorted(self.sched.requests)))
+        request_id = data.draw(st.sampled_from(live_in_arrival_order(self.sched)))
         assert self.sched.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
 
     @precondition(lambda self: len(self.in_flight) < PipelinedSchedulerMachine.MAX_IN_FLIGHT)
@@ -223,13 +419,16 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
             self.in_flight.append(out)
 
     @precondition(lambda self: self.in_flight)
-    @rule(tokens=st.lists(st.sampled_from([EOS, 7, 8, 9]), min_size=8, max_size=8), stop_one=st.booleans())
-    def complete(self, tokens, stop_one):
+    @rule(tokens=st.lists(st.sampled_from([EOS, 7, 8, 9]), min_size=8, max_size=8), stop_one=st.booleans(),
+          data=st.data())
+    def complete(self, tokens, stop_one, data):
         sched = self.sched
         out = self.in_flight.pop(0)
-        sampled = self.executor.run(out)
+        note_swaps(out)
+        failed_outs, failed_ins = drawn_failures(data, out)
+        sampled = self.executor.run(out, lambda i: tokens[i % len(tokens)], failed_outs, failed_ins)
         finished_before = {r.request_id for r in self.admitted if r.status.is_finished}
-        results = sched.update_from_output(out, [(h, tokens[i % len(tokens)], None) for i, h in enumerate(sampled)])
+        results = sched.update_from_output(out, [(h, t, None) for h, t in sampled], failed_outs, failed_ins)
         for t in results:
             rid = t.request.request_id
             assert rid not in finished_before, f"token streamed for {rid} after it finished"
@@ -239,33 +438,57 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
         if stop_one and sched.running:  # a stop string matched in the output processor
             sched.finish_request(sched.running[0].request_id, RequestStatus.FINISHED_STOPPED)
 
+    @rule(num_steps=st.integers(2, 8))
+    def run(self, num_steps):
+        """Several steps as the engine runs them, two plans in flight, none
+        finishing early: outputs grow, and so does the pressure on the pool."""
+        for _ in range(num_steps):
+            while len(self.in_flight) < self.MAX_IN_FLIGHT and not (out := self.sched.schedule()).is_empty:
+                self.in_flight.append(out)
+            if not self.in_flight:
+                return
+            out = self.in_flight.pop(0)
+            note_swaps(out)
+            results = self.sched.update_from_output(out, [(h, t, None) for h, t in self.executor.run(out)])
+            for t in results:
+                self.streamed[t.request.request_id].append(t.token_id)
+
     @precondition(lambda self: self.in_flight)
-    @rule()
-    def step_fails(self):
-        """The oldest plan fails on the executor: it forgets everything and
-        discards the rest of that epoch; the scheduler recomputes."""
+    @rule(host_lost=st.booleans())
+    def step_fails(self, host_lost):
+        """The oldest plan fails on the executor (after its swaps ran, or
+        not): it forgets everything and discards the rest of that epoch;
+        the scheduler recomputes. Or the executor dies, host tier and all."""
+        self.executor.run(self.in_flight[0], forward=False)
         self.in_flight.clear()
-        self.executor = ExecutorMirror()
-        self.sched.reset_executor_state()
+        self.executor.forget_all(host_lost)
+        self.sched.reset_executor_state(host_lost=host_lost)
         assert not self.sched.running and self.sched.num_free_blocks == self.sched.config.num_kv_blocks
+        host = self.sched.kv.host
+        if host is not None:
+            assert not host._pending_spills and not host._in_flight
+            assert all(r.confirmed for r in host.swapped.values())
+            assert not host_lost or not host.swapped
 
     @invariant()
     def placeholders_match_steps_in_flight(self):
         if not hasattr(self, "sched"):
             return
         expected = Counter()
-        computed = Counter()
         for out in self.in_flight:
             for e in out.entries.values():
                 if not e.is_stale:
                     expected[e.request.request_id] += e.samples
-        for req in self.sched.running:
+        for req in self.sched.requests.values():
+            # A request swapped out with a step in flight still expects its token.
             assert req.num_output_placeholders == expected[req.request_id], (
                 f"{req.request_id}: {req.num_output_placeholders} placeholders, {expected[req.request_id]} in flight")
             assert len(req.output_token_ids) + req.num_output_placeholders <= req.sampling.max_tokens, (
                 "scheduled past max_tokens")
         for req in self.sched.waiting:
-            assert req.num_output_placeholders == 0 and req.num_computed_tokens == 0
+            assert req.num_computed_tokens == 0
+            if self.sched.kv.host is None or req.request_id not in self.sched.kv.host.swapped:
+                assert req.num_output_placeholders == 0
 
     @invariant()
     def no_handle_reused_while_a_plan_in_flight_names_it(self):
@@ -278,6 +501,8 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
                     assert live[h] is e.request, f"handle {h} reused while step {out.step_id} in flight names it"
 
     blocks_are_owned_consistently = SchedulerMachine.blocks_are_owned_consistently
+    host_blocks_are_each_in_exactly_one_place = SchedulerMachine.host_blocks_are_each_in_exactly_one_place
+    no_block_is_cached_before_its_copy_is_confirmed = SchedulerMachine.no_block_is_cached_before_its_copy_is_confirmed
     only_live_requests_hold_blocks = SchedulerMachine.only_live_requests_hold_blocks
 
     def teardown(self):
@@ -294,7 +519,7 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
                 self.in_flight.append(out)
             if self.in_flight:
                 out = self.in_flight.pop(0)
-                sched.update_from_output(out, [(h, 7, None) for h in self.executor.run(out)])
+                sched.update_from_output(out, [(h, t, None) for h, t in self.executor.run(out)])
         assert_drained(sched, self.admitted)
 
 

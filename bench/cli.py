@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 
+from bench import traces as tr
 from bench import workloads as wl
 from bench.baselines import BASELINES, STATIC_BATCH_SIZE, cb_limits_from_env, compare_outputs, describe
 from bench.client import drained_server_info, run_requests, run_sessions, server_info
@@ -51,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=["mixed", "shared-prefix", "overload", "multi-turn", "trace"], default="mixed",
                    help="multi-turn: sessions whose every turn re-sends the history and a new question; trace: "
-                        "replay of the Mooncake conversation trace (--trace)")
+                        "replay --trace (../shared/traces/README.md) at its own arrival times")
     g.add_argument("--dataset", type=Path, default=None, help="JSONL of {prompt | prompt_token_ids, max_tokens}")
     g.add_argument("--num-requests", type=int, default=None, help="mixed: 256, shared-prefix: 128, dataset: all")
     g.add_argument("--seed", type=int, default=0)
@@ -67,12 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--shared-output-len", type=int, default=None, help="shared-prefix: output tokens (64)")
     g.add_argument("--num-sessions", type=int, default=None, help="multi-turn: sessions (32)")
     g.add_argument("--num-turns", type=int, default=None, help="multi-turn: turns per session (4)")
-    g.add_argument("--trace", type=Path, default=wl.DEFAULT_TRACE,
-                   help="trace: a Mooncake trace JSONL (timestamp, input_length, output_length, hash_ids), read "
-                        "in place")
-    g.add_argument("--trace-block-tokens", type=int, default=16,
-                   help="trace: tokens each 512-token hash block becomes; lengths scale by this / 512")
-    g.add_argument("--trace-speedup", type=float, default=1.0, help="trace: replay this many times faster")
+
+    add_trace_arguments(p)
 
     g = p.add_argument_group("arrivals")
     g.add_argument("--request-rate", type=float, default=math.inf,
@@ -106,12 +103,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-concurrency must be at least 1")
     if args.dataset is not None and args.workload == "overload":
         p.error("--dataset replaces the workload; use --request-rate for online arrivals")
+    if (args.workload == "trace") != (args.trace is not None):
+        p.error("--workload trace and --trace FILE go together")
+    if args.workload == "trace" and (args.dataset is not None or not math.isinf(args.request_rate)):
+        p.error("a trace brings its own requests and arrival times: scale them with --rate-scale or "
+                "--capacity-from, not --dataset or --request-rate")
     if args.workload in ("multi-turn", "trace") and args.baseline:
         p.error(f"--baseline is not implemented for --workload {args.workload}: its prompts are "
                 + ("the answers of earlier turns" if args.workload == "multi-turn" else "timed by the trace"))
     if args.workload == "multi-turn" and args.endpoint != ["grpc"]:
         p.error("--workload multi-turn needs --endpoint grpc: each turn sends the previous answers' token ids")
     return args
+
+
+def add_trace_arguments(p: argparse.ArgumentParser) -> None:
+    """The trace options, shared with `python -m simulator` (bench/traces.py)."""
+    g = p.add_argument_group("trace (--workload trace)")
+    g.add_argument("--trace", type=Path, default=None,
+                   help="an Azure LLM inference CSV or a Mooncake JSONL (format from the suffix)")
+    g.add_argument("--trace-window", default="0:", metavar="START:END",
+                   help="seconds from the trace's first arrival, e.g. 600:900 (END empty: to the end)")
+    g.add_argument("--rate-scale", type=float, default=1.0,
+                   help="arrivals come this many times as fast (with --capacity-from: set from it instead)")
+    g.add_argument("--length-scale", type=float, default=1.0,
+                   help="prompt and output lengths (and Mooncake's 512-token blocks) times this")
+    g.add_argument("--clamp-context", type=int, default=None, metavar="N",
+                   help="shrink prompt + output to fit N tokens, keeping their ratio (default: the server's "
+                        "max_model_len)")
+    g.add_argument("--trace-max-requests", type=int, default=None, help="at most this many requests of the window")
+    g.add_argument("--trace-offline", action="store_true",
+                   help="send every request of the window at t=0 (to measure capacity)")
+
+
+def trace_options(args: argparse.Namespace, max_model_len: int | None, rate_scale: float | None = None
+                  ) -> tr.TraceOptions:
+    return tr.TraceOptions(window=tr.parse_window(args.trace_window), rate_scale=rate_scale or args.rate_scale,
+                           length_scale=args.length_scale, max_model_len=args.clamp_context or max_model_len,
+                           max_requests=args.trace_max_requests, seed=args.seed)
+
+
+def read_trace(args: argparse.Namespace, max_model_len: int | None) -> tr.Trace:
+    """The trace as the options say. With --capacity-from, the rate scale
+    makes the window's mean arrival rate --rate-factor (default 0.7) x the
+    capacity that report measured."""
+    trace = tr.read_trace(args.trace, trace_options(args, max_model_len))
+    if args.trace_offline:
+        for rec in trace.records:
+            rec.arrival_s = 0.0
+        return trace
+    if args.capacity_from is not None:
+        capacity = json.loads(args.capacity_from.read_text())["summary"]["request_throughput"]
+        native = tr.mean_rate(trace) * args.rate_scale
+        target = capacity * (args.rate_factor or 0.7)
+        trace = tr.read_trace(args.trace, trace_options(args, max_model_len, rate_scale=target / native))
+    return trace
 
 
 def parse_env_pairs(pairs: list[str]) -> dict[str, str]:
@@ -139,6 +184,24 @@ def vocab_size_for(model: str, override: int | None) -> int:
     return BUILTIN_MODELS[model].vocab_size
 
 
+def context_for(model: str, executor_env: dict[str, str]) -> int | None:
+    """The context the launched executor will serve (its max_model_len),
+    as far as it is known before it starts: EXECUTOR_MAX_MODEL_LEN, else
+    the checkpoint's max_position_embeddings. None when unknown; the
+    server's own figure then shortens what does not fit (fit_to_context)."""
+    if int(executor_env.get("EXECUTOR_MAX_MODEL_LEN", "0") or 0):
+        return int(executor_env["EXECUTOR_MAX_MODEL_LEN"])
+    path = Path(model)
+    if path.is_dir():
+        return json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    try:
+        from executor_svc.builtin import BUILTIN_MODELS
+    except ImportError:  # a scheduler-only install has no torch
+        return None
+    spec = BUILTIN_MODELS.get(model)
+    return spec.max_position_embeddings if spec is not None else None
+
+
 def _lengths(args: argparse.Namespace, kind: str, base: wl.LengthDist) -> wl.LengthDist:
     d = base.scaled(getattr(args, f"{kind}_len_scale"))
     median = getattr(args, f"{kind}_median") or d.median
@@ -148,7 +211,10 @@ def _lengths(args: argparse.Namespace, kind: str, base: wl.LengthDist) -> wl.Len
 
 
 def resolve_rate(args: argparse.Namespace) -> float | None:
-    """Requests/s for online mode, None for offline."""
+    """Requests/s for online mode, None for offline. A trace's rate is
+    known once it is read (trace_rate)."""
+    if args.workload == "trace":
+        return None
     if args.capacity_from is not None:
         capacity = json.loads(args.capacity_from.read_text())["summary"]["request_throughput"]
         factor = args.rate_factor or (2.0 if args.workload == "overload" else 0.7)
@@ -169,9 +235,6 @@ def build_workload(args: argparse.Namespace, vocab_size: int, rate: float | None
     elif args.workload == "multi-turn":
         spec = wl.MultiTurnSpec(num_sessions=args.num_sessions or 32, num_turns=args.num_turns or 4)
         return wl.multi_turn(vocab_size, args.seed, spec.scaled(args.prompt_len_scale, args.output_len_scale))
-    elif args.workload == "trace":
-        return wl.mooncake_trace(args.trace, vocab_size, args.seed, args.trace_block_tokens, args.num_requests,
-                                 args.trace_speedup)
     elif args.workload == "shared-prefix":
         spec = wl.SharedPrefixSpec(num_requests=args.num_requests or 128)
         spec = spec.scaled(args.prompt_len_scale, args.output_len_scale)
@@ -223,9 +286,10 @@ def _info_dict(info) -> dict:
 def _environment(num_threads: int) -> dict:
     env = {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
            "num_threads": num_threads}
+    # Every key in every report (None: not loaded by this run), so that
+    # reports compare key for key (a simulated one too).
     for mod in ("torch", "transformers", "grpc"):
-        if mod in sys.modules:
-            env[f"{mod}_version"] = getattr(sys.modules[mod], "__version__", "?")
+        env[f"{mod}_version"] = getattr(sys.modules[mod], "__version__", "?") if mod in sys.modules else None
     try:
         env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                            cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
@@ -248,7 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     rate = resolve_rate(args)
     mode = "offline" if rate is None else "online"
     vocab_size = vocab_size_for(args.model, args.vocab_size)
-    work = build_workload(args, vocab_size, rate)
+    if args.workload == "trace":
+        trace = read_trace(args, context_for(args.model, executor_env))
+        work = tr.trace_workload(trace, vocab_size)
+        if not args.trace_offline:
+            mode, rate = "online", tr.mean_rate(trace)
+    else:
+        work = build_workload(args, vocab_size, rate)
     requests = work.requests
     if not requests:
         raise SystemExit("the workload has no requests (overload: raise --duration or --request-rate)")
@@ -304,10 +374,10 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{max_model_len}: fewer --num-turns, or lower --prompt-len-scale / "
                                  "--output-len-scale")
             clipped = 0
-        elif work.name == "trace":
-            clipped = wl.clamp_to_context(requests, max_model_len)
-            work.params.update(max_model_len=max_model_len, num_clamped=clipped)
         else:
+            # A trace is clamped to the context as it is read (bench/traces.py),
+            # to the model's figure; the server's then shortens what still
+            # does not fit.
             clipped = wl.fit_to_context(requests, max_model_len)
         if clipped:
             _say(f"note: {clipped} requests shortened to fit max_model_len={max_model_len}")

@@ -10,7 +10,11 @@
    TP=2 against TP=1 on bench-small, only where torch sees at least two
    CUDA devices; elsewhere summary.json records it as skipped, and why;
 5. the fused-MoE and MLA-decode kernels against their torch paths and a
-   dense GEMM of the same FLOPs (python -m bench.moe_kernels --quick).
+   dense GEMM of the same FLOPs (python -m bench.moe_kernels --quick);
+6. the simulator's calibration on this GPU (python -m simulator calibrate,
+   bench-small, Triton): a measured profile, profile_bench-small.json,
+   which replaces a roofline estimate for what this GPU runs; summary.json
+   carries its held-out step-time error.
 
 Each part has its own time limit, so one that hangs cannot eat the others'
 time; summary.json records what each part did. Exits 2 at once, saying so,
@@ -29,8 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # Seconds per part; the sum stays under 9 minutes. pytest_gpu includes the
 # two-GPU tensor-parallel tests (two service launches) where they run.
-LIMITS = {"pytest_gpu": 150, "kernels_p8": 110, "e2e_graphs_auto": 75, "e2e_graphs_off": 75,
-          "tensor_parallel_p13": 80, "moe_mla_kernels": 50}
+LIMITS = {"pytest_gpu": 140, "kernels_p8": 100, "e2e_graphs_auto": 70, "e2e_graphs_off": 70,
+          "tensor_parallel_p13": 75, "moe_mla_kernels": 50, "calibrate_sim": 35}
+CALIBRATED_PROFILE = "profile_bench-small.json"
 # P13 needs this many devices (one per rank).
 P13_DEVICES = 2
 
@@ -66,6 +71,11 @@ def parts(out: Path, num_requests: int) -> dict[str, list[str]]:
                                 "EXECUTOR_CUDA_GRAPHS=off", "--out", str(out / "tensor_parallel_p13.json")],
         "moe_mla_kernels": [sys.executable, "-m", "bench.moe_kernels", "--quick", "--out",
                             str(out / "moe_mla_kernels.json")],
+        # Two passes over the grid: GPU steps take milliseconds, loading
+        # bench-small most of the time.
+        "calibrate_sim": [sys.executable, "-m", "simulator", "calibrate", "--model", "bench-small", "--rounds", "2",
+                          "--executor-env", "EXECUTOR_ATTENTION_BACKEND=triton", "--out",
+                          str(out / CALIBRATED_PROFILE)],
     }
 
 
@@ -124,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         summary["parts"]["moe_mla_kernels"].update({
             kind: [{k: row[k] for k in ("tokens", "batch", "context", "ms", "triton_vs_dense", "ok") if k in row}
                    for row in r[kind]] for kind in ("fused_moe", "mla_decode")})
+    profile = args.out_dir / CALIBRATED_PROFILE
+    if summary["parts"]["calibrate_sim"].get("returncode") == 0 and profile.exists():
+        fit = json.loads(profile.read_text())["fit"]
+        summary["parts"]["calibrate_sim"].update(profile=str(profile), model=fit.get("model"),
+                                                 holdout_mape_points_pct=fit["holdout_mape_points_pct"])
+        print(f"gpu-check: calibrate_sim: held-out step-time MAPE {fit['holdout_mape_points_pct']:.1f}%, "
+              f"profile {profile}")
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"gpu-check: wrote {args.out_dir / 'summary.json'}; {'FAILED: ' + ', '.join(failed) if failed else 'all passed'}")
     return 1 if failed else 0

@@ -26,9 +26,12 @@ STORIES = str(Path(__file__).resolve().parents[2] / "shared" / "models" / "stori
 # host tier (3,276 blocks) holds them all.
 P16 = dict(device_blocks=128, host_mb=64, args=["--workload", "multi-turn"])
 # Mooncake conversation trace: 1,000 requests at 10x speed, each 512-token
-# hash block as 16 tokens (lengths x 1/32), clamped to 512 positions.
+# hash block as 16 tokens (lengths x 1/32), clamped to 512 positions
+# (bench/traces.py, the reader the simulator shares).
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 P17 = dict(device_blocks=256, host_mb=64,
-           args=["--workload", "trace", "--num-requests", "1000", "--trace-speedup", "10"])
+           args=["--workload", "trace", "--trace", str(MOONCAKE), "--trace-max-requests", "1000",
+                 "--rate-scale", "10", "--length-scale", repr(16 / 512)])
 # mixed-64, whose working set fits the default device pool (512 MiB).
 NO_REGRESSION = dict(device_blocks=0, host_mb=64,
                      args=["--num-requests", "64", "--scheduler-env", "SCHEDULER_MAX_QUEUE_DELAY_MS=0"])

@@ -1,6 +1,6 @@
 """Seeded, reproducible workloads (../shared/BENCHMARKS.md): mixed,
-shared-prefix, overload, multi-turn sessions, the Mooncake conversation
-trace, and JSONL datasets.
+shared-prefix, overload, multi-turn sessions, and JSONL datasets (traces:
+bench/traces.py).
 
 Every request is drawn in turn from one seeded RNG (lengths, then token
 ids), so the first k requests of a 32-request run are the first k of the
@@ -188,66 +188,6 @@ def multi_turn(vocab_size: int, seed: int = 0, spec: MultiTurnSpec = MultiTurnSp
               "question_len": spec.question_len, "answer_len": spec.answer_len, "seed": seed,
               "vocab_size": vocab_size, "last_prompt_len": spec.history_len(spec.num_turns - 1) + spec.question_len}
     return Workload("multi-turn", requests, params)
-
-
-# Tokens per hash_id in the Mooncake trace: each names one 512-token block.
-MOONCAKE_BLOCK_TOKENS = 512
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
-
-
-def mooncake_trace(path: str | Path, vocab_size: int, seed: int = 0, block_tokens: int = 16,
-                   num_requests: int | None = None, speedup: float = 1.0) -> Workload:
-    """Replays the Mooncake conversation trace (read in place, never
-    copied): request i arrives at its timestamp / speedup, with its lengths
-    scaled by block_tokens / 512. Each hash_id maps to one fixed block of
-    block_tokens random token ids (seeded by the id), so requests that
-    share a prefix in the trace share it here, block for block: with
-    block_tokens equal to the KV block size, a shared hash_id is a shared
-    KV block. clamp_to_context then fits them to the model."""
-    scale = block_tokens / MOONCAKE_BLOCK_TOKENS
-    requests: list[BenchRequest] = []
-    blocks: dict[int, list[int]] = {}
-    path = Path(path)
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if num_requests is not None and len(requests) >= num_requests:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                ts, n_in, n_out, hash_ids = row["timestamp"], row["input_length"], row["output_length"], row["hash_ids"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a Mooncake trace row ({exc})") from None
-            prompt: list[int] = []
-            for h in hash_ids:
-                if h not in blocks:
-                    blocks[h] = random_token_ids(random.Random(seed * 1_000_003 + h), block_tokens, vocab_size)
-                prompt += blocks[h]
-            prompt_len = max(1, min(len(prompt), math.ceil(n_in * scale)))
-            max_tokens = max(1, round(n_out * scale))
-            requests.append(BenchRequest(len(requests), max_tokens, prompt_token_ids=prompt[:prompt_len],
-                                         arrival_s=ts / 1000.0 / speedup))
-    if not requests:
-        raise ValueError(f"{path}: no requests")
-    params = {"path": str(path), "num_requests": len(requests), "block_tokens": block_tokens,
-              "length_scale": scale, "speedup": speedup, "seed": seed, "vocab_size": vocab_size}
-    return Workload("trace", requests, params)
-
-
-def clamp_to_context(requests: list[BenchRequest], max_model_len: int) -> int:
-    """A trace's fit to a short context: the output keeps at most a quarter
-    of it, the prompt its leading tokens (so shared prefixes stay shared).
-    Returns how many were shortened."""
-    changed = 0
-    for req in requests:
-        max_tokens = min(req.max_tokens, max(1, max_model_len // 4))
-        keep = max_model_len - max_tokens
-        if max_tokens != req.max_tokens or len(req.prompt_token_ids) > keep:
-            req.max_tokens = max_tokens
-            del req.prompt_token_ids[keep:]
-            changed += 1
-    return changed
 
 
 def with_poisson_arrivals(work: Workload, rate: float, seed: int) -> Workload:

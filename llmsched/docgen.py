@@ -4,7 +4,9 @@ they cannot drift from it:
 - docs/configuration.md: every SCHEDULER_*, EXECUTOR_* and GATEWAY_* setting
   (name, type, default, description) from the pydantic-settings classes;
 - docs/grpc-api.md: the public API from the comments in
-  protos/llmsched/v1/scheduler.proto.
+  protos/llmsched/v1/scheduler.proto;
+- docs/capacity-planning.md: the simulator's shipped roofline profiles
+  (simulator/roofline.py).
 
 The pages are hand-written prose around regions that start with
 `<!-- generated: NAME -->` and end with `<!-- end generated: NAME -->`; only
@@ -14,7 +16,8 @@ from what this renders.
 Run: python -m llmsched.docgen           (make docs-gen: rewrites the pages)
      python -m llmsched.docgen --check   (exit 1 when a page is stale)
 
-Nothing here imports torch: the settings modules are torch-free.
+Nothing here imports torch: the settings modules and the simulator are
+torch-free.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DOCS = REPO_ROOT / "docs"
 CONFIG_PAGE = DOCS / "configuration.md"
 API_PAGE = DOCS / "grpc-api.md"
+CAPACITY_PAGE = DOCS / "capacity-planning.md"
 PUBLIC_PROTO = "llmsched/v1/scheduler.proto"  # under protos/
 REGENERATE = "python -m llmsched.docgen (make docs-gen)"
 
@@ -210,7 +214,14 @@ def regions(classes: list[tuple[str, type]] | None = None, proto_file=None) -> d
         classes = [(name, settings_class(module, cls)) for name, module, cls in SETTINGS_CLASSES]
     out: dict[str, Callable[[], str]] = {name: (lambda c=cls: settings_table(c)) for name, cls in classes}
     out["grpc-api"] = lambda: api_reference(proto_file if proto_file is not None else proto_descriptor())
+    out["roofline-profiles"] = _roofline_profiles
     return out
+
+
+def _roofline_profiles() -> str:
+    from simulator.roofline import profiles_table
+
+    return profiles_table()
 
 
 def render(text: str, renderers: dict[str, Callable[[], str]]) -> str:
@@ -229,7 +240,7 @@ def region_names(text: str) -> list[str]:
     return [m.group("name") for m in _REGION.finditer(text)]
 
 
-PAGES = (CONFIG_PAGE, API_PAGE)
+PAGES = (CONFIG_PAGE, API_PAGE, CAPACITY_PAGE)
 
 
 def stale_pages(renderers: dict[str, Callable[[], str]] | None = None) -> list[Path]:

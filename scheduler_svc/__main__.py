@@ -12,7 +12,7 @@ from llmsched.security import ApiKeyInterceptor, load_api_keys, server_credentia
 from llmsched.tracing import setup_tracing
 from llmsched.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerSettings
-from scheduler_svc.engine import Engine
+from scheduler_svc.engine import Engine, make_executor_client
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.tenants import ApiKeys
 
@@ -37,7 +37,7 @@ async def serve(settings: SchedulerSettings) -> int:
 
     tracing = setup_tracing("scheduler")
     srv.start_metrics_server(settings.metrics_port, settings.host, "SCHEDULER_METRICS_PORT")
-    engine = Engine(settings, tracing, on_serving_change)
+    engine = Engine(settings, tracing, make_executor_client(settings), on_serving_change)
     entries = load_api_keys(settings.api_keys, settings.api_keys_file)
     api_keys = ApiKeys.parse(entries) if entries else None
     service = SchedulerService(engine, tracing, api_keys=api_keys)

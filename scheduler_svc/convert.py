@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from llmsched.v1 import executor_pb2 as epb
 from llmsched.v1 import scheduler_pb2 as spb
+from scheduler_svc.engine_core import StepOutcome
 from scheduler_svc.output_processor import RequestDelta
 from scheduler_svc.plan import SchedulerOutput
 from scheduler_svc.request import Request, RequestStatus, SamplingParams
@@ -69,6 +70,13 @@ def constraint_to_proto(req: Request) -> epb.Constraint | None:
 
 def request_errors_from_proto(result: epb.StepResult) -> list[tuple[int, str]]:
     return [(e.handle, e.message) for e in result.request_errors]
+
+
+def outcome_from_proto(result: epb.StepResult) -> StepOutcome:
+    return StepOutcome(sampled=sampled_from_proto(result), request_errors=request_errors_from_proto(result),
+                       error=result.error, discarded=result.discarded, forward_ns=result.forward_ns,
+                       sample_ns=result.sample_ns, failed_swap_outs=list(result.failed_swap_outs),
+                       failed_swap_ins=list(result.failed_swap_ins), swap_ns=result.swap_ns)
 
 
 def sampled_from_proto(result: epb.StepResult) -> list[tuple[int, int, tuple | None]]:

@@ -9,14 +9,18 @@ stream: it sends the plan for step N+1 before the result of step N
 arrives, so the executor finds its next plan waiting when a step ends, and
 detokenizing and streaming to clients happen while it computes. The
 executor applies plans and returns results strictly in order.
+
+What to send when, admission and what a result does are decided by the
+synchronous EngineCore (engine_core.py), which the simulator drives too;
+this module adds the I/O: the step stream, request streams, reconnection,
+tracing and metrics. It reads time only through its Clock (clock.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,9 +32,12 @@ from llmsched.llguidance_tokenizer import make_tokenizer
 from llmsched.security import channel_credentials
 from llmsched.tracing import Tracing, traceparent_of
 from llmsched.v1 import executor_pb2 as epb
-from scheduler_svc import convert, telemetry
-from scheduler_svc.backpressure import AdmissionLimits, Overloaded, StepTimeEstimator, check_admission
+from scheduler_svc import telemetry
+from scheduler_svc.backpressure import AdmissionLimits
+from scheduler_svc.clock import SYSTEM_CLOCK, Clock
 from scheduler_svc.config import SchedulerSettings
+from scheduler_svc.engine_core import (CoreLimits, CoreListener, EngineCore, InFlightStep, PlanCounts, StepOutcome,
+                                       TurnKind)
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.output_processor import RequestDelta, RequestOutputState
 from scheduler_svc.plan import SampledToken, SchedulerOutput
@@ -58,50 +65,70 @@ class RequestStream:
     queue: asyncio.Queue[RequestDelta] = field(default_factory=asyncio.Queue)
 
 
-@dataclass(slots=True)
-class InFlightStep:
-    """A plan sent whose result has not been applied yet."""
+def make_executor_client(settings: SchedulerSettings, clock: Clock = SYSTEM_CLOCK) -> ExecutorClient:
+    return ExecutorClient(
+        settings.executor_address,
+        settings.max_message_bytes,
+        channel_credentials(settings.executor_tls_ca, settings.executor_tls_cert, settings.executor_tls_key),
+        keepalive_s=settings.executor_keepalive_s,
+        clock=clock,
+    )
 
-    out: SchedulerOutput
-    span: trace.Span
-    sent_at: float  # perf_counter
-    blocks_allocated: int
-    blocks_freed: int
+
+def core_limits(settings: SchedulerSettings) -> CoreLimits:
+    return CoreLimits(
+        max_plans_in_flight=settings.max_plans_in_flight,
+        admission=AdmissionLimits(
+            settings.max_queued_requests, settings.max_queued_tokens, settings.max_queue_delay_ms,
+            token_budget=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
+        ),
+        max_queued_requests_per_tenant=settings.max_queued_requests_per_tenant,
+    )
 
 
-class Engine:
+def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size: int,
+                     max_model_len: int, num_host_blocks: int = 0) -> SchedulerConfig:
+    """The scheduler's configuration: the executor's KV geometry (from its
+    handshake: device pool, host tier) and the SCHEDULER_* settings."""
+    return SchedulerConfig(
+        num_kv_blocks=num_kv_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_prefill_chunk=settings.max_prefill_chunk,
+        policy=settings.policy,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        num_host_blocks=num_host_blocks,
+        preemption_mode=settings.preemption_mode,
+        prompt_token_weight=settings.prompt_token_weight,
+        output_token_weight=settings.output_token_weight,
+        tenant_weights=tuple(parse_weights(settings.tenant_weights).items()),
+    )
+
+
+class Engine(CoreListener):
     def __init__(
         self,
         settings: SchedulerSettings,
         tracing: Tracing,
+        client: ExecutorClient,
         on_serving_change: Callable[[bool], None] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ):
         self.settings = settings
         self.tracing = tracing
-        self.client = ExecutorClient(
-            settings.executor_address,
-            settings.max_message_bytes,
-            channel_credentials(settings.executor_tls_ca, settings.executor_tls_cert, settings.executor_tls_key),
-            keepalive_s=settings.executor_keepalive_s,
-        )
-        self.scheduler: Scheduler | None = None
+        self.client = client
+        self.clock = clock
+        self.core = EngineCore(core_limits(settings), self)
         self.info: epb.HandshakeResponse | None = None
         self.tokenizer: Tokenizer | None = None
         # Compiles `structured` constraints against the model's tokenizer.
         self.constraints: ConstraintCompiler | None = None
         self.max_token_chars = 1
         self._streams: dict[str, RequestStream] = {}
-        self._pending_adds: list[Request] = []
-        self._pending_aborts: list[str] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._in_flight: deque[InFlightStep] = deque()
-        # When the executor last answered a step, to time each step from
-        # when the executor could start it.
-        self._last_result_at = 0.0
-        # True from a wait with no work until the next plan is sent, which
-        # then carries StepPlan.after_idle (see executor.proto).
-        self._waited_idle = True
         # Set (with the reason) when the executor is found gone; the loop
         # then recovers at its next turn.
         self._lost_reason: str | None = None
@@ -115,19 +142,21 @@ class Engine:
         self._idle.set()
         # Progress watchdog: when work is pending but no step completed for
         # stall_timeout_s, health reports NOT_SERVING.
-        self._last_progress = time.monotonic()
+        self._last_progress = clock.monotonic()
         self.stalled = False
         self._watchdog: asyncio.Task | None = None
-        self.step_time = StepTimeEstimator()
         # SCHEDULER_POLICY=fair's tenant weights; a bad value stops the start.
         self.tenant_weights = parse_weights(settings.tenant_weights)
         telemetry.TenantLabels.limit = settings.max_tenant_labels
         # Per tenant, the (prompt, output) tokens served already published.
         self._tenants_published: dict[str, tuple[int, int]] = {}
-        self._admission = AdmissionLimits(
-            settings.max_queued_requests, settings.max_queued_tokens, settings.max_queue_delay_ms,
-            token_budget=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
-        )
+        # Per cause, the tokens recomputed already published (the scheduler
+        # counts them; planned() publishes what grew).
+        self._recomputed_published: dict[str, int] = {}
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        return self.core.scheduler
 
     # ----- lifecycle -------------------------------------------------------
 
@@ -179,7 +208,7 @@ class Engine:
             await asyncio.sleep(timeout / 4)
             sched = self.scheduler
             busy = sched is not None and sched.has_work
-            stalled = busy and time.monotonic() - self._last_progress > timeout
+            stalled = busy and self.clock.monotonic() - self._last_progress > timeout
             if stalled != self.stalled:
                 log.warning("no step completed for %.0fs with work pending" if stalled else "progress resumed", timeout)
                 self.stalled = stalled
@@ -197,26 +226,14 @@ class Engine:
         info = await self.client.connect(timeout_s, check)
         if self.scheduler is not None and self.info is not None and _geometry(info) != _geometry(self.info):
             self._fail_all("UNAVAILABLE", "the executor came back with a different model or KV geometry")
-            self.scheduler = None
+            self.core.scheduler = None
         if self.scheduler is None:
-            self.scheduler = Scheduler(
-                SchedulerConfig(
-                    num_kv_blocks=info.num_kv_blocks,
-                    block_size=info.block_size,
-                    max_model_len=info.max_model_len,
-                    max_num_seqs=self.settings.max_num_seqs,
-                    max_num_batched_tokens=self.settings.max_num_batched_tokens,
-                    max_prefill_chunk=self.settings.max_prefill_chunk,
-                    policy=self.settings.policy,
-                    enable_prefix_caching=self.settings.enable_prefix_caching,
-                    num_host_blocks=info.num_host_kv_blocks,
-                    preemption_mode=self.settings.preemption_mode,
-                    prompt_token_weight=self.settings.prompt_token_weight,
-                    output_token_weight=self.settings.output_token_weight,
-                    tenant_weights=tuple(self.tenant_weights.items()),
-                ),
-                swap_cost=self.step_time,
+            self.core.scheduler = Scheduler(
+                scheduler_config(self.settings, info.num_kv_blocks, info.block_size, info.max_model_len,
+                                 info.num_host_kv_blocks),
+                swap_cost=self.core.step_time,
             )
+            self._recomputed_published = {}
             if self.settings.preemption_mode == "swap" and not info.num_host_kv_blocks and self.info is not None:
                 # At start-up this is refused (start()); an executor that comes
                 # back without its host tier is served, recomputing victims.
@@ -234,9 +251,9 @@ class Engine:
                                                   self.settings.constraint_cache_size)
         self.info = info
         self.connected = True
-        self._last_result_at = time.perf_counter()
+        self.core.last_result_at = self.clock.perf_counter()
         self._health_watch = asyncio.create_task(self._watch_executor(), name="executor-health-watch")
-        self._last_progress = time.monotonic()
+        self._last_progress = self.clock.monotonic()
         self._update_health()
         log.info(
             "connected to executor %s (%s): model=%s kv_blocks=%d host_kv_blocks=%d block_size=%d max_model_len=%d",
@@ -260,36 +277,16 @@ class Engine:
             raise Unavailable("no executor is connected")
         if request.request_id in self._streams:
             raise ValueError(f"request_id {request.request_id!r} is already live")
-        reason = sched.fits(request.num_prompt_tokens, request.sampling.max_tokens)
-        if reason:
-            raise ValueError(reason)
-        pending_tokens = sum(r.num_tokens for r in self._pending_adds)
-        requests_ahead, tokens_ahead = sched.waiting.ahead_for(request)
-        per_tenant = self.settings.max_queued_requests_per_tenant
-        if per_tenant:
-            queued = sched.waiting.num_waiting_of(request.tenant) + sum(
-                1 for r in self._pending_adds if r.tenant == request.tenant)
-            if queued + 1 > per_tenant:
-                raise Overloaded(f"tenant {request.tenant!r} has {queued} requests waiting, its limit "
-                                 "(SCHEDULER_MAX_QUEUED_REQUESTS_PER_TENANT)", 1000)
-        check_admission(
-            self._admission,
-            self.step_time,
-            num_queued_requests=len(sched.waiting) + len(self._pending_adds),
-            num_queued_tokens=tokens_ahead + pending_tokens,
-            num_requests_ahead=requests_ahead + len(self._pending_adds),
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_running=len(sched.running),
-        )
+        self.core.check(request)
         stream = RequestStream(
             state=RequestOutputState(request, self.tokenizer),
-            telemetry=telemetry.RequestTelemetry(span, self.tracing.enabled, request.tenant),
+            telemetry=telemetry.RequestTelemetry(span, self.tracing.enabled, request.tenant, self.clock),
             owner=owner,
         )
         stream.telemetry.on_queued(request.num_prompt_tokens)
         self._streams[request.request_id] = stream
         self._idle.clear()
-        self._pending_adds.append(request)
+        self.core.enqueue(request)
         self._wakeup.set()
         return stream
 
@@ -300,7 +297,7 @@ class Engine:
         stream = self._streams.get(request_id)
         if stream is None or stream.owner != owner:
             return False
-        self._pending_aborts.append(request_id)
+        self.core.abort(request_id)
         self._wakeup.set()
         return True
 
@@ -320,79 +317,60 @@ class Engine:
                 self._executor_lost("internal scheduler error")
 
     async def _turn(self) -> None:
-        """One turn: send a plan while fewer than the limit are in flight,
-        else apply the oldest result, else wait for new work."""
-        self._apply_pending()
+        """One turn, as EngineCore.next_turn decides: send a plan, apply the
+        oldest result, or wait for new work."""
+        self.core.apply_pending()
         if self._lost_reason is not None:
             await self._recover(self._lost_reason)
             return
-        sched = self.scheduler
-        if sched is None:
-            await self._wait_for_input()
-            return
-        if len(self._in_flight) < self.settings.max_plans_in_flight and sched.has_work:
-            out = self._plan(sched)
-            if not out.is_empty:
-                await self._send(out)
-                return
-            if self._in_flight:
-                await self._receive(sched)
-                return
-            if out.num_preempted:
-                return  # what it freed lets the next plan run
-            # Nothing runnable and nothing in flight: cannot happen while
-            # every admitted request fits the pool alone; waiting here
-            # instead of spinning keeps it visible.
+        turn = self.core.next_turn()
+        if turn.kind is TurnKind.SEND:
+            await self._send(turn.step)
+        elif turn.kind is TurnKind.RECEIVE:
+            await self._receive()
+        elif turn.kind is TurnKind.STUCK:
+            # Nothing runnable and nothing in flight: waiting here instead
+            # of spinning keeps it visible.
             log.error("scheduler has work but scheduled nothing; waiting for new input")
             await self._wait_for_input()
-            return
-        if self._in_flight:
-            await self._receive(sched)
-            return
-        forgets = sched.flush_forgets()
-        if forgets is not None:
-            self._track(forgets, self._step_span(forgets, time.time_ns()))
-            await self._send(forgets)
-            return
-        await self._wait_for_input()
-        self._last_progress = time.monotonic()
+        elif turn.kind is TurnKind.WAIT:
+            await self._wait_for_input()
+            self._last_progress = self.clock.monotonic()
+        # TurnKind.AGAIN: what the plan freed lets the next one run.
 
     async def _wait_for_input(self) -> None:
-        # Only ever reached with nothing in flight (see _turn).
-        self._waited_idle = True
+        # Only ever reached with nothing in flight (see EngineCore.next_turn).
         self._wakeup.clear()
         await self._wakeup.wait()
 
-    def _plan(self, sched: Scheduler) -> SchedulerOutput:
-        """Schedules the next step. An empty one is not sent: what it must
-        tell the executor to forget waits for the next plan."""
-        kv = sched.kv
-        allocated, released = kv.pool.num_allocated, kv.pool.num_released
-        queried, hits, host_hits = kv.num_queried_blocks, kv.num_hit_blocks, kv.num_host_hit_blocks
-        recomputed = dict(sched.num_recomputed_tokens)
-        started_ns = time.time_ns()
-        out = sched.schedule()
-        span = self._step_span(out, started_ns)
-        # Admissions look up the prefix cache while planning.
+    # ----- what the core tells the engine (CoreListener) -------------------
+
+    def plan_started(self) -> int:
+        return self.clock.time_ns()
+
+    def planned(self, step: InFlightStep, started: int | None, counts: PlanCounts) -> trace.Span:
+        out = step.out
+        span = self._step_span(out, self.clock.time_ns() if started is None else started)
+        if started is None:
+            return span  # a plan of forgets alone
+        sched = self.scheduler
         block_size = sched.config.block_size
-        telemetry.PREFIX_QUERIES.inc((kv.num_queried_blocks - queried) * block_size)
-        telemetry.PREFIX_HITS.labels("device").inc((kv.num_hit_blocks - hits) * block_size)
-        telemetry.PREFIX_HITS.labels("host").inc((kv.num_host_hit_blocks - host_hits) * block_size)
+        telemetry.PREFIX_QUERIES.inc(counts.num_queried_blocks * block_size)
+        telemetry.PREFIX_HITS.labels("device").inc(counts.num_hit_blocks * block_size)
+        telemetry.PREFIX_HITS.labels("host").inc(counts.num_host_hit_blocks * block_size)
+        # Recomputes counted since the last plan: this one's preemptions,
+        # and copies that failed in the results applied since.
         for cause, n in sched.num_recomputed_tokens.items():
-            telemetry.RECOMPUTED_TOKENS.labels(cause).inc(n - recomputed.get(cause, 0))
+            telemetry.RECOMPUTED_TOKENS.labels(cause).inc(n - self._recomputed_published.get(cause, 0))
+        self._recomputed_published = dict(sched.num_recomputed_tokens)
         for req in out.preempted:
             self._streams[req.request_id].telemetry.on_preempted(req.preempted_by)
         if out.is_empty:
             span.end()
-            return out
+            return span
         for req, _ in out.scheduled():
             self._streams[req.request_id].telemetry.on_scheduled(span)
-        self._track(out, span, kv.pool.num_allocated - allocated, kv.pool.num_released - released)
-        return out
-
-    def _track(self, out: SchedulerOutput, span: trace.Span, blocks_allocated: int = 0, blocks_freed: int = 0) -> None:
-        """Puts a plan about to be sent in flight."""
-        self._in_flight.append(InFlightStep(out, span, 0.0, blocks_allocated, blocks_freed))
+        return span
 
     def _step_span(self, out: SchedulerOutput, started_ns: int) -> trace.Span:
         """A step serves many requests, so every request's Generate span
@@ -407,80 +385,21 @@ class Engine:
                 parent = trace.set_span_in_context(stream.telemetry.span)
         return self.tracing.tracer.start_span("scheduler.step", context=parent, start_time=started_ns)
 
-    async def _send(self, out: SchedulerOutput) -> None:
-        step = self._in_flight[-1]
-        plan = convert.plan_to_proto(out)
-        plan.after_idle, self._waited_idle = self._waited_idle, False
-        if self.tracing.enabled:
-            plan.traceparent = traceparent_of(step.span)
-        try:
-            await asyncio.wait_for(self.client.send(plan), self.settings.step_timeout_s)
-        except (ExecutorUnavailable, asyncio.TimeoutError) as exc:
-            self._executor_lost(str(exc) or f"could not send a step within {self.settings.step_timeout_s}s")
-            return
-        step.sent_at = time.perf_counter()
-
-    async def _receive(self, sched: Scheduler) -> None:
-        try:
-            result = await asyncio.wait_for(self.client.receive(), self.settings.step_timeout_s)
-        except (ExecutorUnavailable, asyncio.TimeoutError) as exc:
-            # A timeout (the executor stopped answering) has an empty message.
-            self._executor_lost(str(exc) or f"no step result within {self.settings.step_timeout_s}s")
-            return
-        step = self._in_flight.popleft()
-        out, step_span = step.out, step.span
-        now = time.perf_counter()
-        # The executor could start this step once it was sent and the one
-        # before it was done.
-        elapsed = now - max(step.sent_at, self._last_result_at)
-        self._last_result_at = now
-        try:
-            if out.executor_epoch != sched.executor_epoch or result.discarded:
-                # Planned before the executor's state was reset: its
-                # requests have been requeued for recompute already.
-                step_span.add_event("discarded")
-                return
-            if result.error:
-                step_span.set_status(trace.Status(trace.StatusCode.ERROR, result.error))
-                self._on_step_error(out, result.error)
-                return
-            self._fail_constrained(sched, out, convert.request_errors_from_proto(result))
-            self._apply_result(sched, step, result, elapsed)
-        finally:
-            step_span.end()
-
-    def _fail_constrained(self, sched: Scheduler, out: SchedulerOutput, errors: list[tuple[int, str]]) -> None:
-        """Ends the requests whose constraint failed on the executor (their
-        tokens of this step are then stale and dropped)."""
-        for handle, message in errors:
-            e = out.entries.get(handle)
-            if e is None or e.is_stale:
-                continue
-            log.error("constraint of request %s failed on the executor: %s", e.request.request_id, message)
-            if sched.finish_request(e.request.request_id, RequestStatus.FINISHED_ERROR):
-                self._end_stream(e.request.request_id, _error_delta("INTERNAL", f"constraint failed: {message}"))
-
-    def _apply_result(self, sched: Scheduler, step: InFlightStep, result: epb.StepResult, elapsed: float) -> None:
-        out, step_span = step.out, step.span
-        self._last_progress = time.monotonic()
-        live_before = len(sched.requests)
-        dropped = sched.num_dropped_tokens
-        recomputed = dict(sched.num_recomputed_tokens)
-        tokens = sched.update_from_output(out, convert.sampled_from_proto(result), result.failed_swap_outs,
-                                          result.failed_swap_ins)
-        telemetry.DROPPED_TOKENS.inc(sched.num_dropped_tokens - dropped)
+    def tokens(self, tokens: list[SampledToken], num_dropped: int) -> None:
+        self._last_progress = self.clock.monotonic()
+        telemetry.DROPPED_TOKENS.inc(num_dropped)
         self._emit(tokens)
-        swaps = out.swaps
-        if swaps is not None:
-            self.step_time.observe_swaps(result.swap_ns / 1e9, len(swaps.out_host) + len(swaps.in_host))
-            telemetry.record_swaps(swaps, len(result.failed_swap_outs) + len(result.failed_swap_ins))
+        sched = self.scheduler
         if sched.kv.host is not None:
             telemetry.HOST_KV_USAGE.set(1.0 - sched.num_free_host_blocks / sched.kv.host.num_blocks)
-        if not out.entries:
-            return  # a plan of forgets (Scheduler.flush_forgets) or of copies alone: no step to time
+
+    def swaps_applied(self, step: InFlightStep, outcome: StepOutcome) -> None:
+        telemetry.record_swaps(step.out.swaps, len(outcome.failed_swap_outs) + len(outcome.failed_swap_ins))
+
+    def step_applied(self, step: InFlightStep, outcome: StepOutcome, elapsed: float) -> None:
+        sched, out, step_span = self.scheduler, step.out, step.span
+        swaps = out.swaps
         telemetry.STEP_DURATION.observe(elapsed)
-        self.step_time.observe(elapsed, num_finished=live_before - len(sched.requests),
-                               num_tokens=out.total_num_scheduled_tokens, num_requests=len(out.entries))
         block_size = sched.config.block_size
         tables = sched.kv.block_tables
         telemetry.record_load(
@@ -505,11 +424,47 @@ class Engine:
                 "llmsched.blocks_freed": step.blocks_freed,
                 "llmsched.blocks_swapped_out": len(swaps.out_host) if swaps else 0,
                 "llmsched.blocks_swapped_in": len(swaps.in_host) if swaps else 0,
-                "llmsched.swap_failures": len(result.failed_swap_outs) + len(result.failed_swap_ins),
-                "llmsched.executor.swap_ms": result.swap_ns / 1e6,
-                "llmsched.executor.forward_ms": result.forward_ns / 1e6,
-                "llmsched.executor.sample_ms": result.sample_ns / 1e6,
+                "llmsched.swap_failures": len(outcome.failed_swap_outs) + len(outcome.failed_swap_ins),
+                "llmsched.executor.swap_ms": outcome.swap_ns / 1e6,
+                "llmsched.executor.forward_ms": outcome.forward_ns / 1e6,
+                "llmsched.executor.sample_ms": outcome.sample_ns / 1e6,
             })
+
+    def step_discarded(self, step: InFlightStep) -> None:
+        step.span.add_event("discarded")
+
+    def step_failed(self, step: InFlightStep, error: str) -> None:
+        step.span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+
+    def step_done(self, step: InFlightStep) -> None:
+        step.span.end()
+
+    def request_failed(self, request_id: str, code: str, message: str) -> None:
+        self._end_stream(request_id, _error_delta(code, message))
+
+    def aborted(self, request: Request) -> None:
+        self._finish_stream(request, RequestDelta())
+
+    # ----- the step stream --------------------------------------------------
+
+    async def _send(self, step: InFlightStep) -> None:
+        after_idle = self.core.take_after_idle()
+        traceparent = traceparent_of(step.span) if self.tracing.enabled else ""
+        try:
+            await asyncio.wait_for(self.client.send(step.out, after_idle, traceparent), self.settings.step_timeout_s)
+        except (ExecutorUnavailable, asyncio.TimeoutError) as exc:
+            self._executor_lost(str(exc) or f"could not send a step within {self.settings.step_timeout_s}s")
+            return
+        self.core.on_sent(step, self.clock.perf_counter())
+
+    async def _receive(self) -> None:
+        try:
+            outcome = await asyncio.wait_for(self.client.receive(), self.settings.step_timeout_s)
+        except (ExecutorUnavailable, asyncio.TimeoutError) as exc:
+            # A timeout (the executor stopped answering) has an empty message.
+            self._executor_lost(str(exc) or f"no step result within {self.settings.step_timeout_s}s")
+            return
+        self.core.on_result(outcome, self.clock.perf_counter())
 
     def _executor_lost(self, reason: str) -> None:
         """Noted here, handled by the loop's next turn (see _recover)."""
@@ -524,24 +479,9 @@ class Engine:
         self._executor_lost(reason)
 
     def _end_in_flight(self, reason: str) -> None:
-        for step in self._in_flight:
+        for step in self.core.drop_in_flight():
             step.span.add_event("executor_lost", {"error": reason})
             step.span.end()
-        self._in_flight.clear()
-
-    def _apply_pending(self) -> None:
-        sched = self.scheduler
-        adds, self._pending_adds = self._pending_adds, []
-        for req in adds:
-            if sched is None:
-                self._end_stream(req.request_id, _error_delta("UNAVAILABLE", "no executor is connected"))
-                continue
-            sched.add_request(req)
-        aborts, self._pending_aborts = self._pending_aborts, []
-        for request_id in aborts:
-            req = sched.finish_request(request_id, RequestStatus.FINISHED_ABORTED) if sched else None
-            if req is not None:
-                self._finish_stream(req, RequestDelta())
 
     def _emit(self, tokens: list[SampledToken]) -> None:
         by_request: dict[str, list[SampledToken]] = {}
@@ -588,23 +528,6 @@ class Engine:
             )
             stream.queue.put_nowait(delta)
 
-    def _on_step_error(self, out: SchedulerOutput, error: str) -> None:
-        """The executor failed this step and dropped all request state.
-        Every request is recomputed; the step's requests become suspects and
-        are retried in steps of their own, so only a request that fails
-        again, alone, ends with INTERNAL."""
-        log.error("step %d failed on the executor: %s", out.step_id, error)
-        sched = self.scheduler
-        for e in out.entries.values():
-            if e.is_stale:
-                continue
-            req = e.request
-            req.num_failed_steps += 1
-            if req.num_failed_steps >= 2 and sched.finish_request(req.request_id, RequestStatus.FINISHED_ERROR):
-                self._end_stream(req.request_id, _error_delta("INTERNAL", f"executor step failed twice: {error}"))
-        # The executor process lives on, and with it what its host tier holds.
-        sched.reset_executor_state(host_lost=False)
-
     async def _recover(self, reason: str) -> None:
         """The executor is gone: keep every request, reconnect, recompute.
         Results of plans in flight will never come; their requests are
@@ -644,9 +567,8 @@ class Engine:
             if sched is not None:
                 sched.finish_request(request_id, RequestStatus.FINISHED_ERROR)
             self._end_stream(request_id, _error_delta(code, message))
-        self._pending_adds.clear()
+        self.core.clear_pending()
         self._idle.set()
-        self._pending_aborts.clear()
 
     # ----- introspection ---------------------------------------------------
 
@@ -663,7 +585,7 @@ class Engine:
             "num_host_kv_blocks": info.num_host_kv_blocks,
             "num_free_host_kv_blocks": sched.num_free_host_blocks,
             "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting) + len(self._pending_adds),
+            "num_waiting": len(sched.waiting) + self.core.num_pending_adds,
             "executor_instance_id": info.instance_id,
             "num_preemptions": sched.num_preemptions,
             "chat_template": info.chat_template,

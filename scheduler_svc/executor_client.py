@@ -1,12 +1,15 @@
 """The scheduler's side of the step channel: handshake, then one
 bidirectional stream on which each plan gets exactly one result, in order.
-Plans may be sent before earlier results are read (pipelining)."""
+Plans may be sent before earlier results are read (pipelining).
+
+Plans go out and results come back as the plain dataclasses the engine
+core uses (SchedulerOutput, StepOutcome): protobuf stays in this module and
+convert.py."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 
 import grpc
@@ -14,6 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmsched.v1 import executor_pb2 as pb
 from llmsched.v1 import executor_pb2_grpc as pb_grpc
+from scheduler_svc import convert
+from scheduler_svc.clock import SYSTEM_CLOCK, Clock
+from scheduler_svc.engine_core import StepOutcome
+from scheduler_svc.plan import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +31,9 @@ class ExecutorUnavailable(Exception):
 
 class ExecutorClient:
     def __init__(self, address: str, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None,
-                 keepalive_s: float = 10.0):
+                 keepalive_s: float = 10.0, clock: Clock = SYSTEM_CLOCK):
         self.address = address
+        self.clock = clock
         self._credentials = credentials
         ms = int(keepalive_s * 1000)
         self._options = [
@@ -53,7 +61,7 @@ class ExecutorClient:
         before the stream is asked for, and may refuse the executor by
         raising."""
         await self.close()
-        deadline = time.monotonic() + timeout_s
+        deadline = self.clock.monotonic() + timeout_s
         delay = 0.05
         last_refusal = None
         while True:
@@ -63,7 +71,7 @@ class ExecutorClient:
                 self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
             stub = pb_grpc.ExecutorStub(self._channel)
             try:
-                info = await stub.Handshake(pb.HandshakeRequest(), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                info = await stub.Handshake(pb.HandshakeRequest(), timeout=max(0.1, min(5.0, deadline - self.clock.monotonic())))
                 if check is not None:
                     try:
                         check(info)
@@ -74,7 +82,7 @@ class ExecutorClient:
                 self._call = stub.Step()
                 # The executor sends initial metadata once it has accepted
                 # this stream as its only one.
-                await asyncio.wait_for(self._call.initial_metadata(), max(0.1, min(5.0, deadline - time.monotonic())))
+                await asyncio.wait_for(self._call.initial_metadata(), max(0.1, min(5.0, deadline - self.clock.monotonic())))
                 if self._call.done():  # ended before accepting: refused or broken
                     code, details = await self._call.code(), await self._call.details()
                 else:
@@ -91,13 +99,20 @@ class ExecutorClient:
             if code == grpc.StatusCode.FAILED_PRECONDITION and details != last_refusal:
                 log.warning("executor at %s refused the step stream: %s; retrying", self.address, details)
                 last_refusal = details
-            if time.monotonic() + delay > deadline:
+            if self.clock.monotonic() + delay > deadline:
                 raise ExecutorUnavailable(f"executor at {self.address} unavailable: {details}")
             log.debug("executor not ready (%s); retrying in %.2fs", code, delay)
             await asyncio.sleep(delay)  # backoff between connection attempts, not a poll for work
             delay = min(delay * 2, 1.0)
 
-    async def send(self, plan: pb.StepPlan) -> None:
+    async def send(self, out: SchedulerOutput, after_idle: bool = False, traceparent: str = "") -> None:
+        plan = convert.plan_to_proto(out)
+        plan.after_idle = after_idle
+        if traceparent:
+            plan.traceparent = traceparent
+        await self.send_plan(plan)
+
+    async def send_plan(self, plan: pb.StepPlan) -> None:
         if self._call is None:
             raise ExecutorUnavailable("no step stream")
         try:
@@ -105,8 +120,11 @@ class ExecutorClient:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             raise ExecutorUnavailable(f"step stream broke: {exc}") from exc
 
-    async def receive(self) -> pb.StepResult:
+    async def receive(self) -> StepOutcome:
         """The result of the oldest plan sent and not yet answered."""
+        return convert.outcome_from_proto(await self.receive_result())
+
+    async def receive_result(self) -> pb.StepResult:
         if self._call is None:
             raise ExecutorUnavailable("no step stream")
         try:

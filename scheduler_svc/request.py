@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from scheduler_svc.clock import SYSTEM_CLOCK
 
 if TYPE_CHECKING:
     from scheduler_svc.structured_output import CompiledConstraint
@@ -48,7 +49,7 @@ class Request:
     sampling: SamplingParams
     eos_token_ids: frozenset[int]
     priority: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=SYSTEM_CLOCK.monotonic)
     # Small integer naming the request on the step channel.
     handle: int = -1
     # Order of arrival at the scheduler; ties in priority go to the earlier.

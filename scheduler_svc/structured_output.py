@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from llguidance import LLMatcher
 from prometheus_client import Counter, Histogram
 
 from llmsched.v1 import scheduler_pb2 as spb
+from scheduler_svc.clock import SYSTEM_CLOCK
 from scheduler_svc.validation import InvalidRequest
 
 # JSON is written compactly unless a schema's own "x-guidance" says
@@ -163,7 +163,7 @@ class ConstraintCompiler:
         return cached
 
     def _compile_now(self, spec: ConstraintSpec) -> CompiledConstraint | Refusal:
-        started = time.perf_counter()
+        started = SYSTEM_CLOCK.perf_counter()
         try:
             grammar = grammar_of(spec)
             # Builds the parser and lexer against this vocabulary: the errors
@@ -174,7 +174,7 @@ class ConstraintCompiler:
         except ValueError as exc:
             return Refusal(spec.field, str(exc))
         finally:
-            COMPILE_SECONDS.observe(time.perf_counter() - started)
+            COMPILE_SECONDS.observe(SYSTEM_CLOCK.perf_counter() - started)
         if is_error:
             return Refusal(spec.field, "; ".join(m.strip() for m in messages) or "does not compile")
         return CompiledConstraint(spec.kind, grammar)

@@ -7,10 +7,10 @@ scheduled, first token, last token); the engine calls it at each event.
 
 from __future__ import annotations
 
-import time
-
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
+
+from scheduler_svc.clock import SYSTEM_CLOCK, Clock
 
 # Link a request span to its first steps, then to steps whose index is a
 # power of two: a 2,000-token generation gets ~19 links, not 2,000.
@@ -136,11 +136,12 @@ def is_linked_step(index: int) -> bool:
 
 
 class RequestTelemetry:
-    def __init__(self, span: trace.Span, tracing: bool, tenant: str = "default"):
+    def __init__(self, span: trace.Span, tracing: bool, tenant: str = "default", clock: Clock = SYSTEM_CLOCK):
         self.span = span
         self.tracing = tracing
         self.tenant = tenant
-        self.arrival = time.monotonic()
+        self.clock = clock
+        self.arrival = clock.monotonic()
         self.first_scheduled: float | None = None
         self.first_token: float | None = None
         self.last_token: float | None = None
@@ -151,7 +152,7 @@ class RequestTelemetry:
             self.span.add_event("queued", {"prompt_tokens": num_prompt_tokens})
 
     def on_scheduled(self, step_span: trace.Span | None) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if self.first_scheduled is None:
             self.first_scheduled = now
             QUEUE_TIME.observe(now - self.arrival)
@@ -167,7 +168,7 @@ class RequestTelemetry:
             self.span.add_event("preempted", {"steps_so_far": self.num_steps, "mode": mode})
 
     def on_tokens(self, num_tokens: int) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if self.first_token is None:
             self.first_token = now
             TIME_TO_FIRST_TOKEN.observe(now - self.arrival)
@@ -181,7 +182,7 @@ class RequestTelemetry:
         self.last_token = now
 
     def on_finished(self, status: int, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         reason = FINISH_LABELS.get(status, "unknown")
         FINISHED.labels(reason).inc()
         E2E_LATENCY.observe(now - self.arrival)

@@ -46,3 +46,16 @@ def test_a_run_where_no_request_completes_exits_1_and_says_why(tmp_path):
     [line] = error_lines(proc.stderr)
     assert "none of the 3 requests completed" in line and "INVALID_ARGUMENT" in line, line
     assert out.exists(), "the report of the failed run is still written"
+
+
+def test_trace_options_are_checked_before_anything_starts():
+    from bench.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "trace"])  # no --trace
+    with pytest.raises(SystemExit):
+        parse_args(["--trace", "x.csv"])  # a trace without --workload trace
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "trace", "--trace", "x.csv", "--request-rate", "3"])
+    args = parse_args(["--workload", "trace", "--trace", "x.csv", "--trace-window", "60:120", "--rate-scale", "2"])
+    assert (args.trace_window, args.rate_scale, args.length_scale) == ("60:120", 2.0, 1.0)

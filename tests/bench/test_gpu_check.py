@@ -30,6 +30,9 @@ def _fake_parts(monkeypatch, device_count: int) -> list[list[str]]:
             Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({
                 "median_output_throughput": {"1": 100.0, "2": 150.0}, "ratio": 1.5,
                 "greedy_agreement": [{"round": 0, "identical": 64, "compared": 64}]}))
+        if "simulator" in cmd:
+            Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"fit": {
+                "model": "extended", "holdout_mape_points_pct": 3.5}}))
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(gpu_check, "cuda_device", lambda: "Fake GPU")
@@ -88,3 +91,13 @@ def test_summary_carries_the_moe_and_mla_kernel_figures(monkeypatch, tmp_path):
     assert any("bench.moe_kernels" in cmd for cmd in ran)
     part = json.loads((tmp_path / "summary.json").read_text())["parts"]["moe_mla_kernels"]
     assert part["fused_moe"][0]["triton_vs_dense"] == 2.0 and part["mla_decode"][0]["context"] == 1024
+
+
+def test_a_gpu_calibrates_the_simulator_and_summary_carries_its_error(monkeypatch, tmp_path):
+    ran = _fake_parts(monkeypatch, device_count=1)
+    assert gpu_check.main(["--out-dir", str(tmp_path)]) == 0
+    [cmd] = [cmd for cmd in ran if "simulator" in cmd]
+    assert cmd[cmd.index("simulator") + 1] == "calibrate" and cmd[cmd.index("--model") + 1] == "bench-small"
+    part = json.loads((tmp_path / "summary.json").read_text())["parts"]["calibrate_sim"]
+    assert part["returncode"] == 0 and part["holdout_mape_points_pct"] == 3.5
+    assert part["profile"] == str(tmp_path / gpu_check.CALIBRATED_PROFILE)

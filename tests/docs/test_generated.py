@@ -106,3 +106,14 @@ def test_settings_modules_and_docgen_never_import_torch():
             "assert not bad, f'torch imported: {bad[:5]}'\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_changed_roofline_estimate_makes_the_capacity_page_stale():
+    from simulator import roofline
+
+    profiles = roofline.all_profiles()
+    name = "llama-3.1-8b_h100_tp1"
+    renderers = docgen.regions()
+    renderers["roofline-profiles"] = lambda: roofline.profiles_table({**profiles, name: None})
+    assert docgen.stale_pages(renderers) == [docgen.CAPACITY_PAGE]
+    assert f"| `roofline/{name}` | does not fit" in docgen.render(docgen.CAPACITY_PAGE.read_text(), renderers)

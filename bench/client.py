@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -62,6 +62,12 @@ class RunResult:
     results: list[RequestResult]
     duration_s: float  # start to the last request's end
     started_unix: float  # wall clock at t=0, to line the run up with server logs
+
+    @classmethod
+    def of(cls, results: list[RequestResult], started_unix: float) -> RunResult:
+        """The run's duration is the last request's end."""
+        ends = [r.end_s for r in results if not math.isnan(r.end_s)]
+        return cls(results, max(ends, default=0.0), started_unix)
 
 
 def to_proto(req: BenchRequest, request_id: str, history: list[int] | None = None) -> spb.GenerateRequest:
@@ -118,6 +124,18 @@ async def _ticker(progress: Progress, period_s: float = 0.5) -> None:
         progress.refresh()
 
 
+async def gather_with_progress(progress: Progress, show_progress: bool, sends: Iterable[Awaitable[None]]) -> None:
+    """Awaits every send, refreshing the progress display meanwhile, and
+    closes the display however the sends end."""
+    ticker = asyncio.create_task(_ticker(progress)) if show_progress else None
+    try:
+        await asyncio.gather(*sends)
+    finally:
+        if ticker is not None:
+            ticker.cancel()
+        progress.close()
+
+
 async def run_requests(address: str, requests: Sequence[BenchRequest], *, tag: str = "bench",
                        max_concurrency: int | None = None, timeout_s: float | None = None,
                        show_progress: bool = True, desc: str = "bench") -> RunResult:
@@ -143,15 +161,8 @@ async def run_requests(address: str, requests: Sequence[BenchRequest], *, tag: s
             async with gate:
                 await _one(stub, req, res, t0, timeout_s, progress)
 
-        ticker = asyncio.create_task(_ticker(progress)) if show_progress else None
-        try:
-            await asyncio.gather(*(send(q, r) for q, r in zip(requests, results)))
-        finally:
-            if ticker is not None:
-                ticker.cancel()
-            progress.close()
-    ends = [r.end_s for r in results if not math.isnan(r.end_s)]
-    return RunResult(results, max(ends, default=0.0), started_unix)
+        await gather_with_progress(progress, show_progress, (send(q, r) for q, r in zip(requests, results)))
+    return RunResult.of(results, started_unix)
 
 
 async def run_sessions(address: str, requests: Sequence[BenchRequest], *, tag: str = "bench",
@@ -184,15 +195,8 @@ async def run_sessions(address: str, requests: Sequence[BenchRequest], *, tag: s
                     return
                 history = history + req.prompt_token_ids + res.output_ids
 
-        ticker = asyncio.create_task(_ticker(progress)) if show_progress else None
-        try:
-            await asyncio.gather(*(session(turns) for turns in sessions.values()))
-        finally:
-            if ticker is not None:
-                ticker.cancel()
-            progress.close()
-    ends = [r.end_s for r in results if not math.isnan(r.end_s)]
-    return RunResult(results, max(ends, default=0.0), started_unix)
+        await gather_with_progress(progress, show_progress, (session(turns) for turns in sessions.values()))
+    return RunResult.of(results, started_unix)
 
 
 async def server_info(address: str, timeout_s: float = 10.0) -> spb.ServerInfo:

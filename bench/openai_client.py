@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections.abc import Sequence
 
 import aiohttp
 
-from bench.client import RequestResult, RunResult, _ticker
+from bench.client import RequestResult, RunResult, gather_with_progress
 from bench.progress import Progress
 from bench.workloads import BenchRequest
 
@@ -108,15 +107,9 @@ async def run_openai_requests(url: str, model: str, requests: Sequence[BenchRequ
             async with gate:
                 await _one(session, url, body, res, t0, timeout_s, progress)
 
-        ticker = asyncio.create_task(_ticker(progress)) if show_progress else None
-        try:
-            await asyncio.gather(*(send(i, q, r) for i, (q, r) in enumerate(zip(requests, results))))
-        finally:
-            if ticker is not None:
-                ticker.cancel()
-            progress.close()
-    ends = [r.end_s for r in results if not math.isnan(r.end_s)]
-    return RunResult(results, max(ends, default=0.0), started_unix)
+        await gather_with_progress(progress, show_progress,
+                                   (send(i, q, r) for i, (q, r) in enumerate(zip(requests, results))))
+    return RunResult.of(results, started_unix)
 
 
 async def served_model(url: str) -> tuple[str, int]:

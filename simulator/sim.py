@@ -169,9 +169,7 @@ class Simulation(CoreListener):
         self.server.recomputed_tokens = sum(sched.num_recomputed_tokens.values())
         self.server.num_free_kv_blocks = sched.num_free_blocks
         self.server.num_free_host_kv_blocks = sched.num_free_host_blocks
-        ends = [r.end_s for r in self.results if r.end_s == r.end_s]
-        run = RunResult(self.results, max(ends, default=0.0), 0.0)
-        return SimResult(run, self.server, self.settings, self.profile, self.trace, self.trace.num_clamped)
+        return SimResult(RunResult.of(self.results, 0.0), self.server, self.settings, self.profile, self.trace, self.trace.num_clamped)
 
     def _submit(self, rec) -> None:
         res = self.results[rec.index]

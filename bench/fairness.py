@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import sys
@@ -139,6 +140,17 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
 
 
+def ideal_wave_ratio(n: int, slots: int, share: float) -> float | None:
+    """B's TTFT p99 under the flood over alone, for n requests of equal
+    length all sent at once, when B holds `share` of `slots` under the flood
+    and all of them alone: requests run in waves, and B's last one starts
+    after (waves - 1) full waves. None when B fits one wave alone (its
+    TTFT alone is then a prefill, not a wave)."""
+    alone = math.ceil(n / slots)
+    shared = math.ceil(n / max(1, math.floor(slots * share)))
+    return (shared - 1) / (alone - 1) if alone > 1 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -146,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-b", type=int, default=50)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=32, help="SCHEDULER_MAX_NUM_SEQS: what makes tenants wait")
+    p.add_argument("--max-num-seqs", type=int, default=16,
+                   help="SCHEDULER_MAX_NUM_SEQS: what makes tenants wait (16: B waits for about 6 waves at 1:1)")
     p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every configuration, interleaved; medians")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench_results/p18_fairness.json"))
     args = p.parse_args(argv)
@@ -161,35 +175,71 @@ def main(argv: list[str] | None = None) -> int:
                ("fcfs", {"SCHEDULER_POLICY": "fcfs"}, mixed),
                ("fair 2:1", {"SCHEDULER_POLICY": "fair", "SCHEDULER_TENANT_WEIGHTS": "A=2,B=1"}, mixed),
                ("B alone", {"SCHEDULER_POLICY": "fair"}, ["B"] * args.num_b)]
-    runs = {}
-    for name, env, tenants in configs:
-        runs[name] = serve_and_run(name, args.model, {**base, **env}, tenants, prompt, args.max_tokens,
-                                   args.num_threads)
-        print(f"{name}: {runs[name].duration_s:.1f} s", file=sys.stderr, flush=True)
+    rounds: list[dict[str, Run]] = []
+    for i in range(args.rounds):
+        runs = {}
+        # Each round starts one configuration later, so that a drift of the
+        # machine's speed does not always fall on the same one.
+        for name, env, tenants in configs[i % len(configs):] + configs[:i % len(configs)]:
+            runs[name] = serve_and_run(name, args.model, {**base, **env}, tenants, prompt, args.max_tokens,
+                                       args.num_threads)
+            print(f"round {i + 1}, {name}: {runs[name].duration_s:.1f} s", file=sys.stderr, flush=True)
+        rounds.append(runs)
 
+    per_round = [figures_of(runs) for runs in rounds]
     report = {"model": args.model, "num_a": args.num_a, "num_b": args.num_b, "prompt_len": args.prompt_len,
-              "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs, "runs": {}}
-    fcfs_tput = runs["fcfs"].output_tokens / runs["fcfs"].duration_s
-    b_alone = p99(runs["B alone"].ttft["B"])
+              "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs, "rounds": per_round,
+              "medians": {name: {k: median_of([r[name][k] for r in per_round]) for k, v in per_round[0][name].items()
+                                 if not isinstance(v, dict)}
+                          for name, _, _ in configs},
+              "ideal_b_ttft_p99_vs_alone": {"fair 1:1": ideal_wave_ratio(args.num_b, args.max_num_seqs, 1 / 2),
+                                            "fair 2:1": ideal_wave_ratio(args.num_b, args.max_num_seqs, 1 / 3)}}
     print(f"P18 {Path(args.model).name}: A {args.num_a} and B {args.num_b} requests at once, {args.prompt_len} + "
-          f"{args.max_tokens} tokens each, max_num_seqs {args.max_num_seqs}")
-    print(f"{'run':10s} {'A/B service (both backlogged)':>30s} {'B TTFT p99':>11s} {'vs alone':>9s} "
-          f"{'output tok/s':>13s} {'vs fcfs':>8s}")
-    for name, run in runs.items():
-        ratio, got = share_while_both_backlogged(run.samples)
-        tput = run.output_tokens / run.duration_s
-        b99 = p99(run.ttft["B"])
-        report["runs"][name] = {"a_over_b_service": ratio, "service_while_both_backlogged": got,
-                                "b_ttft_p99_s": b99, "b_ttft_p99_vs_alone": b99 / b_alone,
-                                "a_ttft_p99_s": p99(run.ttft["A"]) if run.ttft["A"] else None,
-                                "output_throughput": tput, "throughput_vs_fcfs": tput / fcfs_tput,
-                                "duration_s": run.duration_s}
-        shown = f"{ratio:.2f}" if ratio is not None else "-"
-        print(f"{name:10s} {shown:>30s} {b99 * 1e3:9.0f} ms {b99 / b_alone:8.2f}x {tput:13.1f} {tput / fcfs_tput:7.2f}x")
+          f"{args.max_tokens} tokens each, max_num_seqs {args.max_num_seqs}; medians of {args.rounds} rounds "
+          f"(each round's value in brackets)")
+    print(f"{'run':10s} {'A/B service (both backlogged)':>30s} {'B TTFT p99 vs alone':>30s} {'ideal':>6s} "
+          f"{'output tok/s vs fcfs':>30s}")
+
+    def cell(name: str, key: str) -> str:
+        values = [r[name][key] for r in per_round]
+        med = report["medians"][name][key]
+        if med is None:
+            return "-"
+        return f"{med:.2f} [" + " ".join("-" if v is None else f"{v:.2f}" for v in values) + "]"
+
+    for name, _, _ in configs:
+        ideal = report["ideal_b_ttft_p99_vs_alone"].get(name)
+        print(f"{name:10s} {cell(name, 'a_over_b_service'):>30s} {cell(name, 'b_ttft_p99_vs_alone'):>30s} "
+              f"{'-' if ideal is None else f'{ideal:.2f}':>6s} {cell(name, 'throughput_vs_fcfs'):>30s}")
+    print("ideal: B's TTFT p99 ratio of an exact slot split, for waves of equal requests (the best a policy "
+          "giving B that share can do)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"report: {args.out}")
     return 0
+
+
+def median_of(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def figures_of(runs: dict[str, Run]) -> dict[str, dict]:
+    """One round's figures per configuration; ratios against the same
+    round's fcfs and B alone."""
+    fcfs_tput = runs["fcfs"].output_tokens / runs["fcfs"].duration_s
+    b_alone = p99(runs["B alone"].ttft["B"])
+    out = {}
+    for name, run in runs.items():
+        ratio, got = share_while_both_backlogged(run.samples)
+        tput = run.output_tokens / run.duration_s
+        b99 = p99(run.ttft["B"])
+        out[name] = {"a_over_b_service": ratio, "service_while_both_backlogged": got,
+                     "b_ttft_p99_s": b99, "b_ttft_p99_vs_alone": b99 / b_alone,
+                     "a_ttft_p99_s": p99(run.ttft["A"]) if run.ttft["A"] else None,
+                     "output_throughput": tput, "throughput_vs_fcfs": tput / fcfs_tput,
+                     "duration_s": run.duration_s}
+    return out
 
 
 if __name__ == "__main__":

@@ -144,7 +144,9 @@ class Services:
         if wait:
             wait_serving(self.executor_address, timeout_s, self.executor, self.executor_credentials)
 
-    def start_scheduler(self, timeout_s: float = 120.0) -> None:
+    def start_scheduler(self, timeout_s: float = 120.0, wait: bool = True) -> None:
+        """Starts the scheduler; with wait, returns once it serves (which
+        it does once connected to an executor)."""
         env = {
             **os.environ,
             "SCHEDULER_PORT": str(self.scheduler_port),
@@ -153,7 +155,8 @@ class Services:
             **self.scheduler_env,
         }
         self.scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc"], env=env, stdout=self.stdout, stderr=self.stdout)
-        wait_serving(self.scheduler_address, timeout_s, self.scheduler, self.scheduler_credentials)
+        if wait:
+            wait_serving(self.scheduler_address, timeout_s, self.scheduler, self.scheduler_credentials)
 
     def start_gateway(self, timeout_s: float = 60.0) -> None:
         env = {
@@ -167,8 +170,13 @@ class Services:
 
     def start(self) -> "Services":
         try:
-            self.start_executor()
-            self.start_scheduler()
+            # The scheduler starts while the executor loads and connects to
+            # it once it serves (retrying for SCHEDULER_EXECUTOR_CONNECT_TIMEOUT_S),
+            # so their start-ups overlap: a second or two of each stack.
+            self.start_executor(wait=False)
+            self.start_scheduler(wait=False)
+            wait_serving(self.executor_address, 120.0, self.executor, self.executor_credentials)
+            wait_serving(self.scheduler_address, 120.0, self.scheduler, self.scheduler_credentials)
             if self.gateway_port:
                 self.start_gateway()
         except BaseException:

@@ -93,6 +93,11 @@ class HostTier:
         """A host block holding this prefix block, confirmed."""
         return self.pool.lookup(h)
 
+    def is_spilling(self, h: BlockHash) -> bool:
+        """This prefix block is being copied out by a plan (built or in
+        flight) whose result has not confirmed it yet."""
+        return h in self._pending_spills
+
     # ----- building a plan ---------------------------------------------------
 
     def spill(self, device_block: int, h: BlockHash) -> None:

@@ -49,6 +49,9 @@ class CacheHit:
     on_host: list[bool] | None = None  # None: all on the device
     # The request's own KV, swapped out at its preemption (not a lookup).
     resumed: SwappedOut | None = None
+    # The chain stops at a block whose spill to the host tier is in flight:
+    # a step or two from now it continues from the host tier.
+    stops_at_pending_spill: bool = False
 
     @classmethod
     def make_empty(cls) -> "CacheHit":
@@ -118,7 +121,9 @@ class KVCacheManager:
             elif b is not None:
                 on_host.append(False)
             else:
-                break
+                pending = self.host is not None and self.host.is_spilling(h)
+                return CacheHit(blocks, len(blocks) * self.block_size, max_blocks,
+                                on_host if any(on_host) else None, stops_at_pending_spill=pending)
             blocks.append(b)
         return CacheHit(blocks, len(blocks) * self.block_size, max_blocks, on_host if any(on_host) else None)
 

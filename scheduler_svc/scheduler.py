@@ -219,6 +219,12 @@ class Scheduler:
         if not self.kv.can_resume(req):
             return None  # swapped out by a plan whose result is still to come
         hit = self.kv.find_cached_prefix(req)
+        if hit.stops_at_pending_spill:
+            # Its prefix goes on in a block on its way to the host tier,
+            # confirmed a step or two from now (that plan is built or in
+            # flight): waiting for it is cheaper than computing the rest.
+            # A copy that fails is dropped, and the chain then just stops.
+            return None
         req.num_computed_tokens = hit.num_tokens
         n = self._num_tokens_to_schedule(req, budget)
         new_blocks = self.kv.allocate_slots(req, n, hit)

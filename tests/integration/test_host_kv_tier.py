@@ -1,8 +1,9 @@
 """The host KV tier through both real services on stories260K, one stack
 for the module: preemption by swap recomputes nothing and keeps HF's
 tokens, an evicted prefix comes back from the host tier (and counts as
-cached), a SIGKILLed executor with requests swapped out loses none of them,
-and copies that fail fall back to recompute for their own requests.
+cached, in gRPC's usage and in OpenAI's through the gateway), a SIGKILLed
+executor with requests swapped out loses none of them, and copies that
+fail fall back to recompute for their own requests.
 `recompute` mode and the swap/recompute choice are scheduler decisions,
 tested without processes in tests/unit/test_host_tier.py."""
 
@@ -17,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from llmsched.v1 import scheduler_pb2 as spb
-from tests.integration.conftest import scheduler_metric, start_services
+from tests.integration.conftest import scheduler_metric, start_gateway_stack
 from tests.integration.test_reliability import Streams, health, wait_until
 from tests.oracle import hf_greedy
 
@@ -73,17 +74,21 @@ def restart_executor(services, client, sig: int = signal.SIGKILL, **env: str) ->
 
 
 @pytest.fixture(scope="module")
-def stack(stories_path):
+def gateway_stack(stories_path):
     # A short step timeout: should a restarted executor leave a step
     # unanswered, the scheduler reconnects instead of waiting 120 s.
-    services, client = start_services(
+    gs = start_gateway_stack(
         str(stories_path),
         executor_env={"EXECUTOR_NUM_KV_BLOCKS": str(DEVICE_BLOCKS), "EXECUTOR_HOST_KV_CACHE_MEMORY_MB": "4"},
         scheduler_env={"SCHEDULER_PREEMPTION_MODE": "swap", "SCHEDULER_EXECUTOR_RECONNECT_TIMEOUT_S": "60",
                        "SCHEDULER_STEP_TIMEOUT_S": "10"})
-    yield services, client
-    client.channel.close()
-    services.stop()
+    yield gs
+    gs.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(gateway_stack):
+    return gateway_stack.services, gateway_stack.grpc
 
 
 def test_preempted_by_swap_requests_recompute_nothing_and_return_hfs_tokens(stack):
@@ -108,13 +113,36 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_and_counts_as_cached(st
     prompt = [1] + [300 + (i * 7) % 200 for i in range(119)]
     host_hits = metric_delta(services, 'llmsched_prefix_cache_hits_total{tier="host"}')
     first, _, last1, _ = client.generate(prompt_token_ids=prompt, sampling={"max_tokens": 8, "temperature": 0})
-    for k in range(2):
-        client.generate(prompt_token_ids=[1] + [200 + k] * 170, sampling={"max_tokens": 4, "temperature": 0})
+    evict_from_the_device_pool(client)
     second, _, last2, _ = client.generate(prompt_token_ids=prompt, sampling={"max_tokens": 8, "temperature": 0})
     assert last1.usage.cached_prompt_tokens == 0
     assert host_hits() == 7 * 16, "every block of the prefix came back from the host tier"
     assert last2.usage.cached_prompt_tokens == 7 * 16, "usage counts the host tier's hits as cached"
     assert second == first == hf_greedy(client.model, prompt, 8)
+    assert_both_pools_whole(client)
+
+
+def evict_from_the_device_pool(client) -> None:
+    """Prompts that take every device block, so that blocks cached before
+    are evicted from the device pool (and spilled to the host tier)."""
+    for k in range(2):
+        client.generate(prompt_token_ids=[1] + [200 + k] * 170, sampling={"max_tokens": 4, "temperature": 0})
+
+
+def test_openai_usage_counts_the_host_tiers_hits_as_cached_tokens(gateway_stack):
+    services, client = gateway_stack.services, gateway_stack.grpc
+    prompt = [1] + [250 + (i * 11) % 200 for i in range(103)]  # 6 full blocks and 8 tokens
+    host_hits = metric_delta(services, 'llmsched_prefix_cache_hits_total{tier="host"}')
+    first = gateway_stack.openai.completions.create(model=gateway_stack.model, prompt=prompt, max_tokens=6,
+                                                    temperature=0)
+    evict_from_the_device_pool(client)
+    second = gateway_stack.openai.completions.create(model=gateway_stack.model, prompt=prompt, max_tokens=6,
+                                                     temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert host_hits() == 6 * 16, "the prefix was meant to come back from the host tier"
+    assert second.usage.prompt_tokens_details.cached_tokens == 6 * 16, (
+        "usage.prompt_tokens_details.cached_tokens counts the host tier's hits")
+    assert second.choices[0].text == first.choices[0].text
     assert_both_pools_whole(client)
 
 

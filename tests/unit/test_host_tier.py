@@ -67,6 +67,43 @@ def test_a_spilled_block_is_found_only_once_its_copy_is_confirmed():
     assert sched.kv.find_cached_prefix(again).num_host_blocks == len(out.swaps.out_host)
 
 
+def test_a_request_whose_prefix_is_being_spilled_waits_for_the_copy_instead_of_recomputing():
+    sched = evicting_scheduler()
+    sched.add_request(make_request(prompt=PREFIX + [1], max_tokens=1))
+    drain(sched)
+    sched.add_request(make_request(prompt=list(range(500, 547)), max_tokens=1))
+    out = sched.schedule()  # evicts (and spills) the prefix's last blocks; the result is not back yet
+    assert out.swaps is not None and out.swaps.out_host
+    again = make_request(prompt=PREFIX + [7], max_tokens=1)
+    sched.add_request(again)
+    waiting = sched.schedule()
+    assert again.status == RequestStatus.WAITING, "admitted while its prefix was still on its way to the host"
+    assert not waiting.new_requests
+    for plan in (out, waiting):  # results come back in order
+        sched.update_from_output(plan, FakeExecutor().run(plan))
+    plans = drain(sched)
+    admitted = [n for p in plans for n in p.new_requests if n.request is again]
+    assert admitted[0].num_computed_tokens == 32, "the whole prefix came from the host tier"
+    assert again.num_cached_prompt_tokens == 32
+
+
+def test_a_request_waits_for_a_spill_only_until_it_fails():
+    sched = evicting_scheduler()
+    sched.add_request(make_request(prompt=PREFIX + [1], max_tokens=1))
+    drain(sched)
+    sched.add_request(make_request(prompt=list(range(500, 547)), max_tokens=1))
+    out = sched.schedule()
+    again = make_request(prompt=PREFIX + [7], max_tokens=1)
+    sched.add_request(again)
+    every_spill_fails = lambda out: (range(len(out.swaps.out_host)) if out.swaps else (), ())  # noqa: E731
+    sched.update_from_output(out, FakeExecutor().run(out), *every_spill_fails(out))
+    plans = drain(sched, failed=every_spill_fails)
+    admitted = [n for p in plans for n in p.new_requests if n.request is again]
+    assert again.status == RequestStatus.FINISHED_LENGTH, "a failed copy is not waited for forever"
+    assert admitted[0].num_computed_tokens < 32, "the blocks whose copy failed are computed"
+    assert sched.kv.host.pool.num_cached_blocks == 0
+
+
 def test_a_failed_spill_is_never_cached():
     sched = evicting_scheduler()
     sched.add_request(make_request(prompt=PREFIX + [1], max_tokens=1))

@@ -113,7 +113,7 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_and_counts_as_cached(st
     prompt = [1] + [300 + (i * 7) % 200 for i in range(119)]
     host_hits = metric_delta(services, 'llmsched_prefix_cache_hits_total{tier="host"}')
     first, _, last1, _ = client.generate(prompt_token_ids=prompt, sampling={"max_tokens": 8, "temperature": 0})
-    evict_from_the_device_pool(client)
+    evict_from_the_device_pool(client, 200)
     second, _, last2, _ = client.generate(prompt_token_ids=prompt, sampling={"max_tokens": 8, "temperature": 0})
     assert last1.usage.cached_prompt_tokens == 0
     assert host_hits() == 7 * 16, "every block of the prefix came back from the host tier"
@@ -122,11 +122,13 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier_and_counts_as_cached(st
     assert_both_pools_whole(client)
 
 
-def evict_from_the_device_pool(client) -> None:
+def evict_from_the_device_pool(client, token: int) -> None:
     """Prompts that take every device block, so that blocks cached before
-    are evicted from the device pool (and spilled to the host tier)."""
+    are evicted from the device pool (and spilled to the host tier). Each
+    caller gives its own token, so that these prompts are never prefix hits
+    themselves."""
     for k in range(2):
-        client.generate(prompt_token_ids=[1] + [200 + k] * 170, sampling={"max_tokens": 4, "temperature": 0})
+        client.generate(prompt_token_ids=[1] + [token + k] * 170, sampling={"max_tokens": 4, "temperature": 0})
 
 
 def test_openai_usage_counts_the_host_tiers_hits_as_cached_tokens(gateway_stack):
@@ -135,7 +137,7 @@ def test_openai_usage_counts_the_host_tiers_hits_as_cached_tokens(gateway_stack)
     host_hits = metric_delta(services, 'llmsched_prefix_cache_hits_total{tier="host"}')
     first = gateway_stack.openai.completions.create(model=gateway_stack.model, prompt=prompt, max_tokens=6,
                                                     temperature=0)
-    evict_from_the_device_pool(client)
+    evict_from_the_device_pool(client, 210)
     second = gateway_stack.openai.completions.create(model=gateway_stack.model, prompt=prompt, max_tokens=6,
                                                      temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0

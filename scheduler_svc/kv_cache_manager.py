@@ -114,6 +114,7 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[int] = []
         on_host: list[bool] = []
+        pending = False
         for h in self._hashes(request, max_blocks):
             b = self.pool.lookup(h)
             if b is None and self.host is not None and (b := self.host.lookup(h)) is not None:
@@ -122,10 +123,10 @@ class KVCacheManager:
                 on_host.append(False)
             else:
                 pending = self.host is not None and self.host.is_spilling(h)
-                return CacheHit(blocks, len(blocks) * self.block_size, max_blocks,
-                                on_host if any(on_host) else None, stops_at_pending_spill=pending)
+                break
             blocks.append(b)
-        return CacheHit(blocks, len(blocks) * self.block_size, max_blocks, on_host if any(on_host) else None)
+        return CacheHit(blocks, len(blocks) * self.block_size, max_blocks, on_host if any(on_host) else None,
+                        stops_at_pending_spill=pending)
 
     def record_hit(self, hit: CacheHit) -> None:
         """Counts a lookup that led to an admission."""

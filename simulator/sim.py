@@ -169,7 +169,8 @@ class Simulation(CoreListener):
         self.server.recomputed_tokens = sum(sched.num_recomputed_tokens.values())
         self.server.num_free_kv_blocks = sched.num_free_blocks
         self.server.num_free_host_kv_blocks = sched.num_free_host_blocks
-        return SimResult(RunResult.of(self.results, 0.0), self.server, self.settings, self.profile, self.trace, self.trace.num_clamped)
+        return SimResult(RunResult.of(self.results, 0.0), self.server, self.settings, self.profile, self.trace,
+                         self.trace.num_clamped)
 
     def _submit(self, rec) -> None:
         res = self.results[rec.index]

@@ -15,11 +15,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from grpc_health.v1 import health_pb2
 
+from llmsched.launch import wait_serving
 from llmsched.v1 import scheduler_pb2 as spb
 from tests.integration.conftest import scheduler_metric, start_gateway_stack
-from tests.integration.test_reliability import Streams, health, wait_until
+from tests.integration.test_reliability import Streams
 from tests.oracle import hf_greedy
 
 # One worker for the whole module: its tests share a stack and run in order
@@ -62,7 +62,7 @@ def metric_delta(services, name: str):
     return lambda: scheduler_metric(services, name) - before
 
 
-def restart_executor(services, client, sig: int = signal.SIGKILL, **env: str) -> None:
+def restart_executor(services, sig: int = signal.SIGKILL, **env: str) -> None:
     """Stops the executor and starts it again (with env added), and returns
     once the scheduler has reconnected to it: until then a new request is
     refused with UNAVAILABLE."""
@@ -70,7 +70,7 @@ def restart_executor(services, client, sig: int = signal.SIGKILL, **env: str) ->
     services.executor.wait(30)
     services.executor_env.update(env)
     services.start_executor()
-    wait_until(lambda: health(client) == health_pb2.HealthCheckResponse.SERVING, 60, "the scheduler to reconnect")
+    wait_serving(services.scheduler_address, 60, services.scheduler)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_sigkill_with_requests_swapped_out_loses_no_request(stack):
     streams.when_total_exceeds(NUM_KILLED * 8, kill)
     streams.start()
     assert killed.wait(120), f"never swapped: {streams.describe()}"
-    restart_executor(services, client)
+    restart_executor(services)
     streams.join()
     assert unfinished_at_kill[0] > 0, "the kill landed after every stream had finished"
     assert streams.errors == [None] * NUM_KILLED, streams.describe()
@@ -184,7 +184,7 @@ def test_sigkill_with_requests_swapped_out_loses_no_request(stack):
 def test_failed_copies_fall_back_to_recompute_for_their_own_requests(stack):
     services, client = stack
     # Every third block copy fails, either way.
-    restart_executor(services, client, EXECUTOR_DEBUG_FAIL_SWAP_EVERY="3")
+    restart_executor(services, EXECUTOR_DEBUG_FAIL_SWAP_EVERY="3")
     failures = metric_delta(services, "llmsched_kv_swap_failures_total")
     lost_swaps = metric_delta(services, 'llmsched_recomputed_tokens_total{cause="swap"}')
     got = long_generations(client)

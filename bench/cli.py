@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--shared-output-len", type=int, default=None, help="shared-prefix: output tokens (64)")
     g.add_argument("--num-sessions", type=int, default=None, help="multi-turn: sessions (32)")
     g.add_argument("--num-turns", type=int, default=None, help="multi-turn: turns per session (4)")
+    g.add_argument("--think-time", type=float, default=0.0,
+                   help="multi-turn: mean seconds (exponential) a session waits after an answer before its next turn; "
+                   "0 sends it at once")
 
     add_trace_arguments(p)
 
@@ -113,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 + ("the answers of earlier turns" if args.workload == "multi-turn" else "timed by the trace"))
     if args.workload == "multi-turn" and args.endpoint != ["grpc"]:
         p.error("--workload multi-turn needs --endpoint grpc: each turn sends the previous answers' token ids")
+    if args.think_time < 0 or (args.think_time and args.workload != "multi-turn"):
+        p.error(f"--think-time must be >= 0 and is for --workload multi-turn only, got {args.think_time}")
     return args
 
 
@@ -233,7 +238,8 @@ def build_workload(args: argparse.Namespace, vocab_size: int, rate: float | None
     elif args.workload == "mixed":
         work = wl.mixed(args.num_requests or 256, vocab_size, args.seed, prompt, output)
     elif args.workload == "multi-turn":
-        spec = wl.MultiTurnSpec(num_sessions=args.num_sessions or 32, num_turns=args.num_turns or 4)
+        spec = wl.MultiTurnSpec(num_sessions=args.num_sessions or 32, num_turns=args.num_turns or 4,
+                                think_time_s=args.think_time)
         return wl.multi_turn(vocab_size, args.seed, spec.scaled(args.prompt_len_scale, args.output_len_scale))
     elif args.workload == "shared-prefix":
         spec = wl.SharedPrefixSpec(num_requests=args.num_requests or 128)

@@ -167,10 +167,10 @@ async def run_requests(address: str, requests: Sequence[BenchRequest], *, tag: s
 
 async def run_sessions(address: str, requests: Sequence[BenchRequest], *, tag: str = "bench",
                        timeout_s: float | None = None, show_progress: bool = True, desc: str = "bench") -> RunResult:
-    """Multi-turn: every session starts at once, and each turn is sent as
-    soon as the session's previous turn has been answered, with the whole
-    history (every earlier prompt and answer) before its new question. A
-    turn that fails ends its session; its later turns count as failed."""
+    """Multi-turn: every session starts at once, and each turn is sent its
+    think_s after the session's previous turn has been answered, with the
+    whole history (every earlier prompt and answer) before its new question.
+    A turn that fails ends its session; its later turns count as failed."""
     progress = Progress(len(requests), desc=desc, enabled=show_progress)
     results = [RequestResult(r.index, f"{tag}-{r.index}", 0.0, r.max_tokens, None, session=r.session, turn=r.turn)
                for r in requests]
@@ -185,6 +185,8 @@ async def run_sessions(address: str, requests: Sequence[BenchRequest], *, tag: s
         async def session(turns: list[tuple[BenchRequest, RequestResult]]) -> None:
             history: list[int] = []
             for req, res in sorted(turns, key=lambda t: t[0].turn):
+                if req.think_s:
+                    await asyncio.sleep(req.think_s)  # the workload's pause, not a wait for an event
                 res.arrival_s = time.perf_counter() - t0
                 res.prompt_len = len(history) + len(req.prompt_token_ids)
                 await _one(stub, req, res, t0, timeout_s, progress, history)

@@ -49,6 +49,9 @@ class BenchRequest:
     # it, once the previous turn has been answered.
     session: int | None = None
     turn: int = 0
+    # Multi-turn: seconds the session waits after the previous turn's answer
+    # before sending this turn (a user reading and typing; 0 for turn 0).
+    think_s: float = 0.0
 
     @property
     def prompt_len(self) -> int | None:
@@ -160,6 +163,9 @@ class MultiTurnSpec:
     first_len: int = 96
     question_len: int = 48
     answer_len: int = 64
+    # Mean of the exponential pause between an answer and the next turn; 0
+    # sends every next turn at once (a closed loop that saturates the server).
+    think_time_s: float = 0.0
 
     def history_len(self, turns: int) -> int:
         """Tokens in a session after `turns` answered turns."""
@@ -174,18 +180,23 @@ class MultiTurnSpec:
 
 
 def multi_turn(vocab_size: int, seed: int = 0, spec: MultiTurnSpec = MultiTurnSpec()) -> Workload:
-    """Every session starts at once; a session's next turn is sent as soon
-    as its previous answer is complete (bench.client.run_sessions). The
-    requests are in turn order (turn 0 of every session, then turn 1...),
+    """Every session starts at once; a session's next turn is sent
+    think_s after its previous answer is complete (bench.client.run_sessions).
+    The requests are in turn order (turn 0 of every session, then turn 1...),
     and hold only each turn's new question."""
     rng = random.Random(seed)
     questions = [[random_token_ids(rng, spec.first_len if t == 0 else spec.question_len, vocab_size)
                   for t in range(spec.num_turns)] for _ in range(spec.num_sessions)]
+    # Its own stream, so a think time leaves the questions of a seed as they were.
+    think_rng = random.Random(f"think-{seed}")
+    think = [[think_rng.expovariate(1 / spec.think_time_s) if t and spec.think_time_s else 0.0
+              for t in range(spec.num_turns)] for _ in range(spec.num_sessions)]
     requests = [BenchRequest(t * spec.num_sessions + s, spec.answer_len, prompt_token_ids=questions[s][t], session=s,
-                             turn=t)
+                             turn=t, think_s=think[s][t])
                 for t in range(spec.num_turns) for s in range(spec.num_sessions)]
     params = {"num_sessions": spec.num_sessions, "num_turns": spec.num_turns, "first_len": spec.first_len,
-              "question_len": spec.question_len, "answer_len": spec.answer_len, "seed": seed,
+              "question_len": spec.question_len, "answer_len": spec.answer_len, "think_time_s": spec.think_time_s,
+              "seed": seed,
               "vocab_size": vocab_size, "last_prompt_len": spec.history_len(spec.num_turns - 1) + spec.question_len}
     return Workload("multi-turn", requests, params)
 

@@ -59,3 +59,13 @@ def test_trace_options_are_checked_before_anything_starts():
         parse_args(["--workload", "trace", "--trace", "x.csv", "--request-rate", "3"])
     args = parse_args(["--workload", "trace", "--trace", "x.csv", "--trace-window", "60:120", "--rate-scale", "2"])
     assert (args.trace_window, args.rate_scale, args.length_scale) == ("60:120", 2.0, 1.0)
+
+
+def test_think_time_is_checked_before_anything_starts():
+    from bench.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "multi-turn", "--think-time", "-1"])
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "mixed", "--think-time", "2"])  # no sessions to pause
+    assert parse_args(["--workload", "multi-turn", "--think-time", "2"]).think_time == 2.0

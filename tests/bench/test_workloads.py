@@ -165,3 +165,19 @@ def test_multi_turn_sessions_fit_stories260k_and_hold_only_each_new_question():
     # The fourth turn's prompt is three answered turns and its question.
     assert work.params["last_prompt_len"] == 432 and 432 + spec.answer_len <= 512
     assert _ids(work) == _ids(wl.multi_turn(512, seed=1, spec=spec))
+
+
+def test_multi_turn_think_times_are_exponential_with_the_mean_asked_and_leave_the_questions_alone():
+    paced = wl.multi_turn(512, seed=1, spec=wl.MultiTurnSpec(num_sessions=500, think_time_s=2.0))
+    at_once = wl.multi_turn(512, seed=1, spec=wl.MultiTurnSpec(num_sessions=500))
+    assert _ids(paced) == _ids(at_once), "a think time changed the questions of a seed"
+    assert all(r.think_s == 0 for r in at_once.requests)
+    assert all(r.think_s == 0 for r in paced.requests if r.turn == 0), "a first turn waited"
+    later = [r.think_s for r in paced.requests if r.turn > 0]
+    assert len(later) == 1500 and min(later) > 0
+    # Exponential: the mean is the asked one (1,500 draws: standard error 0.05 s) and about 63% fall below it.
+    assert abs(sum(later) / len(later) - 2.0) < 0.2
+    assert 0.58 < sum(t < 2.0 for t in later) / len(later) < 0.68
+    assert [r.think_s for r in paced.requests] == [
+        r.think_s for r in wl.multi_turn(512, seed=1, spec=wl.MultiTurnSpec(num_sessions=500, think_time_s=2.0)).requests]
+    assert paced.params["think_time_s"] == 2.0

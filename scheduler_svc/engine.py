@@ -227,6 +227,15 @@ class Engine(CoreListener):
         if self.scheduler is not None and self.info is not None and _geometry(info) != _geometry(self.info):
             self._fail_all("UNAVAILABLE", "the executor came back with a different model or KV geometry")
             self.core.scheduler = None
+        elif self.scheduler is not None and self.info is not None \
+                and info.num_host_kv_blocks != self.info.num_host_kv_blocks:
+            # _recover emptied the host tier already (the process is gone
+            # with its memory), so only its size changes: requests go on,
+            # recomputing what they lost as after any restart.
+            log.warning("the executor came back with a host KV tier of %d blocks (was %d)",
+                        info.num_host_kv_blocks, self.info.num_host_kv_blocks)
+            self.scheduler.replace_host_tier(info.num_host_kv_blocks)
+            self._warn_swap_without_host(info)
         if self.scheduler is None:
             self.core.scheduler = Scheduler(
                 scheduler_config(self.settings, info.num_kv_blocks, info.block_size, info.max_model_len,
@@ -234,11 +243,7 @@ class Engine(CoreListener):
                 swap_cost=self.core.step_time,
             )
             self._recomputed_published = {}
-            if self.settings.preemption_mode == "swap" and not info.num_host_kv_blocks and self.info is not None:
-                # At start-up this is refused (start()); an executor that comes
-                # back without its host tier is served, recomputing victims.
-                log.warning("SCHEDULER_PREEMPTION_MODE=swap, but the executor has no host KV tier "
-                            "(EXECUTOR_HOST_KV_CACHE_MEMORY_MB=0): preempted requests recompute")
+            self._warn_swap_without_host(info)
             self.tokenizer = Tokenizer.from_str(info.tokenizer_json)
             # Bounds the characters a prompt of max_model_len tokens can have.
             self.max_token_chars = max(1, max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)))
@@ -260,6 +265,13 @@ class Engine(CoreListener):
             info.instance_id, self.settings.executor_address, info.model, info.num_kv_blocks, info.num_host_kv_blocks,
             info.block_size, info.max_model_len,
         )
+
+    def _warn_swap_without_host(self, info: epb.HandshakeResponse) -> None:
+        # At start-up this is refused (start()); an executor that comes back
+        # without its host tier is served, recomputing victims.
+        if self.settings.preemption_mode == "swap" and not info.num_host_kv_blocks and self.info is not None:
+            log.warning("SCHEDULER_PREEMPTION_MODE=swap, but the executor has no host KV tier "
+                        "(EXECUTOR_HOST_KV_CACHE_MEMORY_MB=0): preempted requests recompute")
 
     # ----- called by gRPC handlers ----------------------------------------
 
@@ -598,8 +610,9 @@ class Engine(CoreListener):
 
 
 def _geometry(info: epb.HandshakeResponse) -> tuple:
-    return (info.model, info.block_size, info.num_kv_blocks, info.max_model_len, info.vocab_size,
-            info.num_host_kv_blocks)
+    """What the live requests' state depends on. Not the host tier's size:
+    it comes back empty after a restart anyway."""
+    return (info.model, info.block_size, info.num_kv_blocks, info.max_model_len, info.vocab_size)
 
 
 def _error_delta(code: str, message: str) -> RequestDelta:

@@ -241,6 +241,14 @@ class KVCacheManager:
             return []
         return self.host.reset() if host_lost else self.host.void_in_flight()
 
+    def replace_host_tier(self, num_host_blocks: int) -> None:
+        """A restarted executor brought a host tier of another size (or none).
+        Only after reset_executor(host_lost=True), which emptied the old one:
+        nothing it held is referred to any more."""
+        if self.host is not None and (self.host.swapped or self.host.num_free_blocks != self.host.num_blocks):
+            raise RuntimeError("the host tier is replaced while it still holds blocks")
+        self.host = HostTier(num_host_blocks) if num_host_blocks > 0 else None
+
     def get_block_table(self, request: Request) -> list[int]:
         return self.block_tables.get(request.request_id, [])
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from scheduler_svc.host_tier import SwappedOut
@@ -472,6 +472,13 @@ class Scheduler:
         for _, handles in self._releasing:
             self._free_handles.extend(handles)
         self._releasing.clear()
+
+    def replace_host_tier(self, num_host_blocks: int) -> None:
+        """The executor came back (after reset_executor_state(host_lost=True))
+        with a host tier of another size: live requests stay, and the tier
+        starts empty at its new size."""
+        self.kv.replace_host_tier(num_host_blocks)
+        self.config = replace(self.config, num_host_blocks=num_host_blocks)
 
     # ----- introspection ---------------------------------------------------
 

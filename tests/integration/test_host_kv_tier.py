@@ -2,8 +2,9 @@
 for the module: preemption by swap recomputes nothing and keeps HF's
 tokens, an evicted prefix comes back from the host tier (and counts as
 cached, in gRPC's usage and in OpenAI's through the gateway), a SIGKILLed
-executor with requests swapped out loses none of them, and copies that
-fail fall back to recompute for their own requests.
+executor with requests swapped out loses none of them (though it comes back
+with another host tier size), and copies that fail fall back to recompute
+for their own requests.
 `recompute` mode and the swap/recompute choice are scheduler decisions,
 tested without processes in tests/unit/test_host_tier.py."""
 
@@ -171,8 +172,11 @@ def test_sigkill_with_requests_swapped_out_loses_no_request(stack):
     streams.when_total_exceeds(NUM_KILLED * 8, kill)
     streams.start()
     assert killed.wait(120), f"never swapped: {streams.describe()}"
-    restart_executor(services)
+    host_blocks = client.info().num_host_kv_blocks
+    # It comes back with twice the host tier: a new size, not a new geometry.
+    restart_executor(services, EXECUTOR_HOST_KV_CACHE_MEMORY_MB="8")
     streams.join()
+    assert client.info().num_host_kv_blocks in (2 * host_blocks, 2 * host_blocks + 1)  # whole blocks of each size
     assert unfinished_at_kill[0] > 0, "the kill landed after every stream had finished"
     assert streams.errors == [None] * NUM_KILLED, streams.describe()
     assert lost_swaps() > 0, "requests swapped out when the executor died recompute"

@@ -3,6 +3,8 @@ found again, preemption by swap, and what a failed or lost copy costs."""
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler_svc import convert
 from scheduler_svc.request import RequestStatus
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -251,3 +253,27 @@ def test_a_plan_without_swaps_costs_no_extra_bytes():
         assert out.swaps is None and out2.swaps is None
         sizes.append((convert.plan_to_proto(out).ByteSize(), convert.plan_to_proto(out2).ByteSize()))
     assert sizes[0] == sizes[1]
+
+
+def test_an_executor_back_with_another_host_tier_size_keeps_every_request():
+    sched, (early, late) = long_generations("swap")
+    while not late.num_preemptions:
+        run_step(sched)
+    run_step(sched)  # confirms the swap-out
+    with pytest.raises(RuntimeError, match="still holds blocks"):
+        sched.replace_host_tier(16)  # never before the lost executor's tier is emptied
+    sched.reset_executor_state(host_lost=True)
+    sched.replace_host_tier(16)
+    assert sched.kv.host.num_blocks == sched.kv.host.num_free_blocks == 16
+    assert sched.config.num_host_blocks == 16
+    plans = drain(sched)
+    assert len(early.output_token_ids) == len(late.output_token_ids) == 20
+    assert any(p.swaps is not None for p in plans), "the new tier is used"
+    assert sched.kv.host.num_free_blocks == 16 and sched.num_free_blocks == sched.config.num_kv_blocks
+    sched.reset_executor_state(host_lost=True)
+    sched.replace_host_tier(0)
+    assert sched.kv.host is None
+    again = make_request(prompt=PREFIX + [1], max_tokens=2)
+    sched.add_request(again)
+    drain(sched)
+    assert len(again.output_token_ids) == 2

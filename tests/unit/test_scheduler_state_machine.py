@@ -117,13 +117,15 @@ class ExecutorMirror:
         self.parent: dict[int, int] = {}
         self.block_hash: dict[int, bytes] = {}
 
-    def forget_all(self, host_lost: bool) -> None:
+    def forget_all(self, host_lost: bool, num_host_blocks: int | None = None) -> None:
         """The executor dropped its request state (a failed step) or died
-        (every block's content gone, the host tier's too)."""
+        (every block's content gone, the host tier's too; it may come back
+        with num_host_blocks)."""
         self.requests.clear()
         if host_lost:
             self.device = [[None] * self.block_size for _ in self.device]
-            self.host = [[None] * self.block_size for _ in self.host]
+            self.host = [[None] * self.block_size for _ in range(len(self.host) if num_host_blocks is None
+                                                                   else num_host_blocks)]
 
     def run(self, out, token=lambda i: 7, failed_outs=frozenset(), failed_ins=frozenset(), forward=True) -> list:
         """Runs a plan; returns (handle, token) for every row that samples."""
@@ -270,11 +272,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             note_swaps(out)
             self.sched.update_from_output(out, [(h, t, None) for h, t in self.executor.run(out)])
 
-    @rule()
-    def executor_restart(self):
-        """The executor process dies: its host tier with it."""
+    @rule(host_blocks=st.sampled_from([None, 0, 4, 32]))
+    def executor_restart(self, host_blocks):
+        """The executor process dies, its host tier with it, and comes back
+        with the same host tier (None) or one of another size."""
         self.sched.reset_executor_state(host_lost=True)
-        self.executor.forget_all(host_lost=True)
+        if host_blocks is not None:
+            self.sched.replace_host_tier(host_blocks)
+        self.executor.forget_all(host_lost=True, num_host_blocks=host_blocks)
         assert not self.sched.running and self.sched.num_free_blocks == self.sched.config.num_kv_blocks
         assert self.sched.kv.host is None or not self.sched.kv.host.swapped
 

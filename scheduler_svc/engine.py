@@ -137,6 +137,12 @@ class Engine(CoreListener):
         self._serving: bool | None = None
         self.connected = False
         self.draining = False
+        # Set by stop(): the loop ends at its next turn instead of recovering.
+        # Cancelling it is not enough on its own: a cancellation delivered
+        # while the loop awaits the step stream can come back from gRPC aio as
+        # a broken stream instead (seen in about a third of stops on 2 cores),
+        # and the loop would then reconnect and wait for input for good.
+        self._stopping = False
         # Set whenever no request is live; drain() waits on it.
         self._idle = asyncio.Event()
         self._idle.set()
@@ -166,14 +172,17 @@ class Engine(CoreListener):
         self._watchdog = asyncio.create_task(self._watch_progress(), name="engine-watchdog")
 
     async def stop(self) -> None:
-        for task in (self._task, self._watchdog, self._health_watch):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+        self._stopping = True
+        self._wakeup.set()
+        tasks = [t for t in (self._task, self._watchdog, self._health_watch) if t is not None]
+        for task in tasks:
+            task.cancel()
+        # Closing the executor's channel ends the step and health streams, so
+        # a task that gRPC kept from its cancellation returns with an error
+        # (and the loop, seeing _stopping, ends).
         await self.client.close()
+        if tasks:
+            await asyncio.wait(tasks)
         if self.constraints is not None:
             self.constraints.close()
 
@@ -257,7 +266,8 @@ class Engine(CoreListener):
         self.info = info
         self.connected = True
         self.core.last_result_at = self.clock.perf_counter()
-        self._health_watch = asyncio.create_task(self._watch_executor(), name="executor-health-watch")
+        if not self._stopping:  # a reconnect that stop() overtook leaves no watch behind
+            self._health_watch = asyncio.create_task(self._watch_executor(), name="executor-health-watch")
         self._last_progress = self.clock.monotonic()
         self._update_health()
         log.info(
@@ -316,10 +326,12 @@ class Engine(CoreListener):
     # ----- the loop --------------------------------------------------------
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self._turn()
             except Exception:
+                if self._stopping:
+                    return  # the step stream closed under it
                 # A bug must not leave every stream hanging: fail what is
                 # live (blocks are freed and the executor told) and go on.
                 log.exception("engine step crashed; failing live requests")
@@ -544,15 +556,17 @@ class Engine(CoreListener):
         """The executor is gone: keep every request, reconnect, recompute.
         Results of plans in flight will never come; their requests are
         requeued with everything else."""
+        if self._stopping:
+            return  # stop() closed the connection: nothing to recover
         log.warning("executor lost: %s", reason)
         self.connected = False
         self._update_health()
         if self._health_watch is not None:
             self._health_watch.cancel()
-            try:
-                await self._health_watch
-            except asyncio.CancelledError:
-                pass
+            # asyncio.wait, not `await task` in a try: a CancelledError caught
+            # there could be this loop's own (stop() cancelling it), and
+            # swallowing it would leave the loop running past its stop.
+            await asyncio.wait({self._health_watch})
             self._health_watch = None
         self._lost_reason = None  # the watch may have noted the same loss
         self._end_in_flight(reason)
@@ -567,7 +581,7 @@ class Engine(CoreListener):
             self._fail_all("UNAVAILABLE", f"executor unavailable: {exc}")
             # Keep trying in the background; new requests get UNAVAILABLE
             # meanwhile (connected is False).
-            while not self.connected:
+            while not self.connected and not self._stopping:
                 try:
                     await self._connect(self.settings.executor_reconnect_timeout_s)
                 except ExecutorUnavailable:

@@ -80,18 +80,20 @@ def test_openai_endpoint_refuses_baselines_it_cannot_check():
     assert proc.returncode != 0 and "--baseline needs --endpoint grpc" in proc.stderr
 
 
-@pytest.mark.xdist_group("compiles-stories260K")  # with test_oracle's compiled test: one compile, one cache hit
 @pytest.mark.slow
 def test_single_stream_reports_each_configuration_against_hf_with_equal_tokens(tmp_path, stories_path):
+    # Compile off only: the compiled decode steps' tokens are checked against
+    # HF by test_oracle and test_compiled_decode, and a compile here cost
+    # this test most of its 40-60 s.
     out = tmp_path / "single.json"
     cmd = [sys.executable, "-m", "bench.single_stream", "--model", str(stories_path), "--tokens", "6",
-           "--repeats", "1", "--plans-in-flight", "2", "--torch-compile", "off", "--torch-compile", "on",
+           "--repeats", "1", "--plans-in-flight", "1", "--plans-in-flight", "2", "--torch-compile", "off",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["hf_generate_ms_per_token"] > 0
-    assert set(report["ours"]) == {"2-in-flight-compile-off", "2-in-flight-compile-on"}
+    assert set(report["ours"]) == {"1-in-flight-compile-off", "2-in-flight-compile-off"}
     for name, run in report["ours"].items():
         assert run["tokens_equal_hf"], name
         assert run["ms_per_token"] > 0 and len(run["runs_ms"]) == 1, name

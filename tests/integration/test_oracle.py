@@ -55,9 +55,6 @@ def test_32_concurrent_mixed_requests_each_match_their_solo_hf_output(client):
     assert_32_concurrent_mixed_requests_match_hf(client, encode(client, " ".join(PROMPTS)))
 
 
-# One worker runs both stories260K compilations in turn (the other is the
-# single-stream bench's), so the second loads the graph from inductor's cache.
-@pytest.mark.xdist_group("compiles-stories260K")
 @pytest.mark.slow  # the executor compiles its decode step at start-up
 def test_compiled_cpu_decode_steps_match_hf_greedy_alone_and_32_concurrent(stories_path):
     services, client = start_services(str(stories_path), executor_env={"EXECUTOR_TORCH_COMPILE": "on"})

@@ -138,10 +138,11 @@ class Engine(CoreListener):
         self.connected = False
         self.draining = False
         # Set by stop(): the loop ends at its next turn instead of recovering.
-        # Cancelling it is not enough on its own: a cancellation delivered
-        # while the loop awaits the step stream can come back from gRPC aio as
-        # a broken stream instead (seen in about a third of stops on 2 cores),
-        # and the loop would then reconnect and wait for input for good.
+        # Cancelling it is not enough on its own: Python 3.11's
+        # asyncio.wait_for drops a cancellation when the awaited result
+        # arrives at the same moment (fixed in 3.12), and a loop that was
+        # waiting for a step's result then went on, found the stream closed,
+        # reconnected and waited for input until CLOSE_TIMEOUT_S.
         self._stopping = False
         # Set whenever no request is live; drain() waits on it.
         self._idle = asyncio.Event()
@@ -178,8 +179,8 @@ class Engine(CoreListener):
         for task in tasks:
             task.cancel()
         # Closing the executor's channel ends the step and health streams, so
-        # a task that gRPC kept from its cancellation returns with an error
-        # (and the loop, seeing _stopping, ends).
+        # a task that missed its cancellation returns with an error (and the
+        # loop, seeing _stopping, ends).
         await self.client.close()
         if tasks:
             await asyncio.wait(tasks)

@@ -234,18 +234,18 @@ class Engine(CoreListener):
 
     async def _connect(self, timeout_s: float, check: Callable[[epb.HandshakeResponse], None] | None = None) -> None:
         info = await self.client.connect(timeout_s, check)
-        if self.scheduler is not None and self.info is not None and _geometry(info) != _geometry(self.info):
-            self._fail_all("UNAVAILABLE", "the executor came back with a different model or KV geometry")
-            self.core.scheduler = None
-        elif self.scheduler is not None and self.info is not None \
-                and info.num_host_kv_blocks != self.info.num_host_kv_blocks:
-            # _recover emptied the host tier already (the process is gone
-            # with its memory), so only its size changes: requests go on,
-            # recomputing what they lost as after any restart.
-            log.warning("the executor came back with a host KV tier of %d blocks (was %d)",
-                        info.num_host_kv_blocks, self.info.num_host_kv_blocks)
-            self.scheduler.replace_host_tier(info.num_host_kv_blocks)
-            self._warn_swap_without_host(info)
+        if self.scheduler is not None and self.info is not None:  # a reconnect
+            if _geometry(info) != _geometry(self.info):
+                self._fail_all("UNAVAILABLE", "the executor came back with a different model or KV geometry")
+                self.core.scheduler = None
+            elif info.num_host_kv_blocks != self.info.num_host_kv_blocks:
+                # _recover emptied the host tier already (the process is gone
+                # with its memory), so only its size changes: requests go on,
+                # recomputing what they lost as after any restart.
+                log.warning("the executor came back with a host KV tier of %d blocks (was %d)",
+                            info.num_host_kv_blocks, self.info.num_host_kv_blocks)
+                self.scheduler.replace_host_tier(info.num_host_kv_blocks)
+                self._warn_swap_without_host(info)
         if self.scheduler is None:
             self.core.scheduler = Scheduler(
                 scheduler_config(self.settings, info.num_kv_blocks, info.block_size, info.max_model_len,

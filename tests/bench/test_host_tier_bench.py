@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from bench import workloads as wl
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -34,7 +36,6 @@ def test_multi_turn_with_the_tier_off_and_on_gives_the_same_outputs_from_fewer_c
     assert [r["turn"] for r in on_report["requests"]] == [0] * 4 + [1] * 4
     # Each second turn is sent its drawn pause after the session's first answer.
     first_end = {r["session"]: r["end_s"] for r in on_report["requests"] if r["turn"] == 0}
-    from bench import workloads as wl
     drawn = {r.session: r.think_s for r in wl.multi_turn(512, 0, wl.MultiTurnSpec(num_sessions=4, num_turns=2,
                                                                                    think_time_s=0.2)).requests
              if r.turn == 1}

@@ -37,13 +37,14 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.attention import AttentionMetadata, TorchAttentionBackend
+from llmsched.assets import STORIES260K
 
 BLOCK_SIZE = 16
 SHAPES = {  # name: (num_heads, num_kv_heads, head_dim)
     "stories260K": (8, 4, 8),
     "bench-small": (8, 4, 32),
 }
-STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
+STORIES = STORIES260K
 
 
 class GatherBackend(TorchAttentionBackend):
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per point (median reported)")
     p.add_argument("--step-context", type=int, default=8192, help="context of the ModelRunner step")
     p.add_argument("--no-step", action="store_true", help="skip the ModelRunner step")
-    p.add_argument("--model-path", type=Path, default=STORIES, help="stories260K, read in place")
+    p.add_argument("--model-path", type=Path, default=STORIES, help="stories260K (assets/models)")
     p.add_argument("--out", type=Path, default=Path("bench_results/attention.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 """Hugging Face transformers baselines on the very same weights, prompts and
-output lengths as the measured run (../shared/BENCHMARKS.md, P3).
+output lengths as the measured run (docs/performance.md, P3).
 
 - hf-static: `generate` in static batches of 16, left padded; a batch runs
   until its longest request is done, which is exactly the waste continuous

@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=["mixed", "shared-prefix", "overload", "multi-turn", "trace"], default="mixed",
                    help="multi-turn: sessions whose every turn re-sends the history and a new question; trace: "
-                        "replay --trace (../shared/traces/README.md) at its own arrival times")
+                        "replay --trace (assets/README.md) at its own arrival times")
     g.add_argument("--dataset", type=Path, default=None, help="JSONL of {prompt | prompt_token_ids, max_tokens}")
     g.add_argument("--num-requests", type=int, default=None, help="mixed: 256, shared-prefix: 128, dataset: all")
     g.add_argument("--seed", type=int, default=0)

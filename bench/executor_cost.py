@@ -39,9 +39,10 @@ from executor_svc import sampler as sampler_mod
 from executor_svc.attention import TorchAttentionBackend
 from executor_svc.runner import ModelRunner, NewRequestData, StepInput
 from executor_svc.sampler import SamplingSettings
+from llmsched.assets import STORIES260K
 
 BLOCK_SIZE = 16
-STORIES = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
+STORIES = STORIES260K
 TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with her "
         "friends. One day, she saw a big red ball under a tree. She wanted to play with it, but it was too high. "
         "Her mom said, \"Let's ask the man for help.\" The man was kind and gave Lily the ball. ")

@@ -4,7 +4,7 @@ with the same prompt and output lengths, through API keys `A:...` and
 `B:...`. One set of services per configuration (the policy is a scheduler
 setting):
 
-    python -m bench.fairness --model ../shared/models/stories260K
+    python -m bench.fairness --model assets/models/stories260K
 
 - fair, weights 1:1; fcfs; fair with A weighing 2;
 - B's 50 alone (under fair), for B's TTFT without the flood.
@@ -32,12 +32,13 @@ from pathlib import Path
 
 import grpc
 
+from llmsched.assets import STORIES260K
 from llmsched.launch import launch
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 
 KEYS = {"A": "tenant-a-key", "B": "tenant-b-key"}
-DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K")
+DEFAULT_MODEL = str(STORIES260K)
 
 
 @dataclass

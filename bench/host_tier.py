@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 
 from bench import cli
+from llmsched.assets import MOONCAKE_CONV, STORIES260K
 
-STORIES = str(Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K")
+STORIES = str(STORIES260K)
 
 # Sized for stories260K (20 KiB per 16-token block): 128 device blocks hold
 # 4 of the 32 multi-turn histories (of up to 31 blocks each), 64 MiB of
@@ -28,9 +29,8 @@ P16 = dict(device_blocks=128, host_mb=64, args=["--workload", "multi-turn"])
 # Mooncake conversation trace: 1,000 requests at 10x speed, each 512-token
 # hash block as 16 tokens (lengths x 1/32), clamped to 512 positions
 # (bench/traces.py, the reader the simulator shares).
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 P17 = dict(device_blocks=256, host_mb=64,
-           args=["--workload", "trace", "--trace", str(MOONCAKE), "--trace-max-requests", "1000",
+           args=["--workload", "trace", "--trace", str(MOONCAKE_CONV), "--trace-max-requests", "1000",
                  "--rate-scale", "10", "--length-scale", repr(16 / 512)])
 # mixed-64, whose working set fits the default device pool (512 MiB).
 NO_REGRESSION = dict(device_blocks=0, host_mb=64,

@@ -2,7 +2,7 @@
 round_robin, on a shared-prefix workload with more distinct prefixes than
 one replica's KV pool holds.
 
-    python -m bench.replicas --model ../shared/models/stories260K --rounds 2
+    python -m bench.replicas --model assets/models/stories260K --rounds 2
 
 Each policy gets fresh replicas (empty prefix caches). The prompts are text
 (the router refuses token ids): random token ids decoded with the model's
@@ -24,6 +24,7 @@ from bench import workloads as wl
 from bench.cli import decoded_prompts, vocab_size_for
 from bench.openai_client import run_openai_requests
 from bench.report import summarize
+from llmsched.assets import STORIES260K
 from llmsched.router import Router, launch_replicas
 
 
@@ -41,7 +42,7 @@ def multi_prefix_workload(num_prefixes: int, per_prefix: int, prefix_len: int, s
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=str(Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"))
+    p.add_argument("--model", default=str(STORIES260K))
     p.add_argument("--num-prefixes", type=int, default=12)
     p.add_argument("--per-prefix", type=int, default=8)
     # Random ids decoded to text re-tokenize to ~1.7x as many tokens

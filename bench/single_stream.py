@@ -1,5 +1,5 @@
 """P12: single-stream time per output token, against HF `generate` on the
-same weights, measured in the same run (../shared/BENCHMARKS.md).
+same weights, measured in the same run (docs/performance.md, P12).
 
     python -m bench.single_stream                      # stories260K, 200 greedy tokens
     python -m bench.single_stream --model bench-small --repeats 3
@@ -25,10 +25,11 @@ from pathlib import Path
 
 import grpc
 
+from llmsched.assets import STORIES260K
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 
-DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent.parent / "shared" / "models" / "stories260K")
+DEFAULT_MODEL = str(STORIES260K)
 PROMPT = [1, 403, 407, 261, 378]  # "Once upon a time" in stories260K's tokenizer; any ids work
 
 

@@ -1,4 +1,4 @@
-"""Production request traces (../shared/traces/README.md), read in place:
+"""Production request traces (assets/README.md), read in place:
 the Azure LLM inference CSV (arrival times and lengths) and the Mooncake
 JSONL (arrival times, lengths and prefix-block ids). The same readers drive
 `python -m bench --workload trace` against the real services and

@@ -1,4 +1,4 @@
-"""Seeded, reproducible workloads (../shared/BENCHMARKS.md): mixed,
+"""Seeded, reproducible workloads (docs/performance.md): mixed,
 shared-prefix, overload, multi-turn sessions, and JSONL datasets (traces:
 bench/traces.py).
 

@@ -39,7 +39,7 @@ class BuiltinSpec:
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     # Default for `make serve`: small enough to start in a second on a laptop.
     "tiny-random": BuiltinSpec(512, 64, 128, 2, 4, 2, 2048, tie_word_embeddings=False, seed=0),
-    # ../shared/BENCHMARKS.md: compute per step big enough that overhead and
+    # docs/performance.md: compute per step big enough that overhead and
     # batching both show.
     "bench-small": BuiltinSpec(8192, 256, 704, 4, 8, 4, 2048, tie_word_embeddings=False, seed=0),
     # bench-small's scale with Qwen3-MoE layers: 8 experts, 2 active per

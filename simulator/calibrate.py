@@ -1,7 +1,7 @@
 """Calibration: measure a real executor's step times over a grid of
 synthetic plans, fit the step-cost model, and write a profile.
 
-    python -m simulator calibrate --model ../shared/models/stories260K --out profile.json
+    python -m simulator calibrate --model assets/models/stories260K --out profile.json
 
 The executor is started here (or reached at --address) and driven over its
 own Step stream, exactly as the scheduler drives it: two plans in flight,

@@ -33,8 +33,9 @@ import sys
 import time
 from pathlib import Path
 
+from llmsched.assets import AZURE_CONV, MOONCAKE_CONV, STORIES260K
+
 REPO = Path(__file__).resolve().parents[1]
-TRACES = REPO.parent / "shared" / "traces"
 
 
 def _say(msg: str) -> None:
@@ -92,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m simulator.validate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", type=Path, required=True)
-    ap.add_argument("--model", default=str(REPO.parent / "shared" / "models" / "stories260K"))
+    ap.add_argument("--model", default=str(STORIES260K))
     ap.add_argument("--out-dir", type=Path, required=True)
-    ap.add_argument("--azure", type=Path, default=TRACES / "azure_llm_2023_conv.csv")
+    ap.add_argument("--azure", type=Path, default=AZURE_CONV)
     ap.add_argument("--window", default="1800:", help="the Azure slice (seconds from the trace's start)")
     ap.add_argument("--length-scale", type=float, default=0.25)
     ap.add_argument("--requests", type=int, default=300, help="requests of the slice")
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank-setting", default="SCHEDULER_MAX_NUM_BATCHED_TOKENS")
     ap.add_argument("--rank-values", nargs="*", default=["256", "1024", "2048"])
     ap.add_argument("--rank-factor", type=float, default=None, help="default: the last of --factors")
-    ap.add_argument("--mooncake", type=Path, default=TRACES / "mooncake_conversation.jsonl")
+    ap.add_argument("--mooncake", type=Path, default=MOONCAKE_CONV)
     ap.add_argument("--mooncake-window", default="0:")
     ap.add_argument("--mooncake-length-scale", type=float, default=1 / 32)
     ap.add_argument("--mooncake-requests", type=int, default=200)

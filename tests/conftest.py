@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from llmsched.assets import STORIES260K
 from tests.xdist_scheduling import (  # noqa: F401 (pytest hooks, registered by name)
     pytest_runtest_protocol,
     pytest_xdist_make_scheduler,
@@ -18,7 +19,7 @@ from tests.xdist_scheduling import (  # noqa: F401 (pytest hooks, registered by 
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-STORIES = REPO_ROOT.parent / "shared" / "models" / "stories260K"
+STORIES = STORIES260K
 
 
 def _has_cuda() -> bool:
@@ -49,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def stories_path() -> Path:
     if not (STORIES / "model.safetensors").exists():
-        pytest.fail(f"stories260K checkpoint missing at {STORIES}: it is read in place from ../shared")
+        pytest.fail(f"stories260K checkpoint missing at {STORIES}: the repository carries it in assets/")
     return STORIES
 
 

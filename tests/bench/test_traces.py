@@ -3,15 +3,14 @@ formats, and the window, rate, length and context options."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from bench.traces import (PromptMaker, TraceOptions, mean_rate, parse_window, read_trace, trace_workload)
+from llmsched.assets import AZURE_CONV, MOONCAKE_CONV
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.request import Request, SamplingParams
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
 2023-11-16 18:15:50.9951690,396,109
@@ -105,11 +104,10 @@ def test_bad_input_is_refused_naming_what_is_wrong(tmp_path, azure):
         read_trace(tmp_path / "x.txt")
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")
-def test_the_shared_traces_read_in_place():
-    conv = read_trace(TRACES / "azure_llm_2023_conv.csv", TraceOptions(window=(0, 60)))
+def test_the_carried_trace_slices_read_in_place():
+    conv = read_trace(AZURE_CONV, TraceOptions(window=(0, 60)))
     assert 150 < len(conv.records) < 250
-    moon = read_trace(TRACES / "mooncake_conversation.jsonl",
+    moon = read_trace(MOONCAKE_CONV,
                       TraceOptions(window=(0, 30), length_scale=1 / 32, max_model_len=512))
     assert all(r.prompt_len + r.output_len <= 512 for r in moon.records)
     assert all(len(r.hash_ids) * r.block_tokens >= r.prompt_len for r in moon.records)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.traces import Trace, TraceOptions, TraceRecord, read_trace
+from llmsched.assets import AZURE_CONV, MOONCAKE_CONV
 from simulator.__main__ import main as sim_main
 from simulator.__main__ import scheduler_settings
 from simulator.cost_model import LinearCostModel
@@ -19,7 +20,6 @@ from simulator.profile import Geometry, HostCost, Profile, load_profile
 from simulator.sim import simulate
 
 REPO = Path(__file__).resolve().parents[2]
-TRACES = REPO.parent / "shared" / "traces"
 
 
 def profile(step_s=0.01, per_token=0.0, host=HostCost(), num_kv_blocks=256, max_model_len=512, host_blocks=0,
@@ -106,9 +106,8 @@ def test_an_unknown_or_misspelt_setting_is_refused_by_name():
         scheduler_settings({"SCHEDULER_MAX_BATCHED_TOKENS": "1"})
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")
 def test_mooncake_prefixes_are_cached_as_the_trace_shares_them():
-    moon = read_trace(TRACES / "mooncake_conversation.jsonl",
+    moon = read_trace(MOONCAKE_CONV,
                       TraceOptions(window=(0, 60), length_scale=1 / 32, max_model_len=512))
     r = simulate(profile(num_kv_blocks=4096), scheduler_settings({}), moon)
     done = [x for x in r.run.results if x.ok]
@@ -127,7 +126,7 @@ def test_mooncake_prefixes_are_cached_as_the_trace_shares_them():
 def _run_cli(tmp_path, name, extra=(), env=None):
     out = tmp_path / f"{name}.json"
     argv = ["run", "--profile", "roofline/llama-3.1-8b_h100_tp1", "--trace",
-            str(TRACES / "azure_llm_2023_conv.csv"), "--trace-window", "0:40", "--length-scale", "0.5",
+            str(AZURE_CONV), "--trace-window", "0:40", "--length-scale", "0.5",
             "--out", str(out), *extra]
     if env is None:
         assert sim_main(argv) == 0
@@ -139,7 +138,6 @@ def _run_cli(tmp_path, name, extra=(), env=None):
     return out
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")
 def test_runs_are_bit_for_bit_repeatable_and_labelled_uncalibrated(tmp_path):
     # Two processes with different hash seeds (set and dict orders differ).
     first = _run_cli(tmp_path, "a", ["--no-plots"], env={"PYTHONHASHSEED": "1"})
@@ -153,7 +151,6 @@ def test_runs_are_bit_for_bit_repeatable_and_labelled_uncalibrated(tmp_path):
     assert s["completed"] == s["num_requests"] > 50 and s["ttft_ms"]["p99"] > 0
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")
 def test_bench_plots_draw_a_simulated_report(tmp_path):
     pytest.importorskip("matplotlib")
     out = _run_cli(tmp_path, "plotted", ["--trace-max-requests", "30"])
@@ -162,11 +159,10 @@ def test_bench_plots_draw_a_simulated_report(tmp_path):
     assert json.loads(out.read_text())["summary"]["completed"] == 30
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="../shared/traces is not here")
 def test_sweep_finds_the_highest_rate_meeting_the_target(tmp_path):
     out = tmp_path / "sweep.json"
     assert sim_main(["sweep", "--profile", "roofline/llama-3.1-8b_h100_tp1", "--trace",
-                     str(TRACES / "azure_llm_2023_conv.csv"), "--trace-window", "0:20", "--length-scale", "0.5",
+                     str(AZURE_CONV), "--trace-window", "0:20", "--length-scale", "0.5",
                      "--setting", "SCHEDULER_MAX_NUM_SEQS", "--values", "2", "16", "--target", "ttft_ms.p99<=150",
                      "--iterations", "2", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]

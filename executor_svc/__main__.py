@@ -11,6 +11,7 @@ from executor_svc.model_config import UnsupportedConfig
 from executor_svc.service import ExecutorService
 from executor_svc.tensor_parallel import is_worker_rank
 from executor_svc.tp_worker import run_worker
+from llmsched import logs
 from llmsched import server as srv
 from llmsched.errors import StartupError, exit_with, load_settings
 from llmsched.security import server_credentials
@@ -72,9 +73,10 @@ async def serve(settings: ExecutorSettings) -> None:
 
 
 def main() -> None:
+    logs.setup("executor", fmt=logs.format_from_env("EXECUTOR"))
     try:
         settings = load_settings(ExecutorSettings)
-        srv.setup_logging(settings.log_level)
+        logs.setup("executor", settings.log_level, settings.log_format)
         if is_worker_rank(settings):
             run_worker(load(settings))  # tensor-parallel rank > 0: no gRPC, no metrics
         else:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from llmsched.logs import LOG_LEVEL_HELP, LogFormat, LogLevel, log_format_help
 
 
 class ExecutorSettings(BaseSettings):
@@ -107,4 +109,7 @@ class ExecutorSettings(BaseSettings):
     tls_client_ca: str = Field(
         default="", description="With TLS: the scheduler must present a certificate signed by this CA (mutual "
         "TLS).")
-    log_level: str = Field(default="INFO", description="Python log level.")
+    log_level: LogLevel = Field(default="INFO", description=LOG_LEVEL_HELP)
+    log_format: LogFormat = Field(
+        default="text", validation_alias=AliasChoices("EXECUTOR_LOG_FORMAT", "LOG_FORMAT"),
+        description=log_format_help("executor"))

@@ -6,13 +6,18 @@ import uvicorn
 
 from gateway_svc.app import create_app
 from gateway_svc.config import GatewaySettings
-from llmsched import server as srv
+from llmsched import logs
+from llmsched.errors import StartupError, exit_with, load_settings
 from llmsched.tracing import setup_tracing
 
 
 def main() -> None:
-    settings = GatewaySettings()
-    srv.setup_logging(settings.log_level)
+    logs.setup("gateway", fmt=logs.format_from_env("GATEWAY"))
+    try:
+        settings = load_settings(GatewaySettings)
+    except StartupError as exc:
+        exit_with("gateway", exc)
+    logs.setup("gateway", settings.log_level, settings.log_format)
     tracing = setup_tracing("gateway")
     interceptors = None
     if tracing.enabled:
@@ -29,8 +34,10 @@ def main() -> None:
     try:
         # uvicorn handles SIGTERM and SIGINT itself: it stops accepting,
         # lets live responses finish, then runs the app's shutdown.
+        # log_config=None: its loggers go through the handler set up above
+        # (text or JSON) instead of uvicorn's own.
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                    access_log=False)
+                    access_log=False, log_config=None)
     finally:
         tracing.shutdown()
 

@@ -10,7 +10,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from gateway_svc.errors import error_body, error_response, from_rpc_error
 from gateway_svc.openai_format import ChatFormat, CompletionFormat, Sample, usage
 from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError, param_of
 from gateway_svc.reasoning import PARSERS as REASONING_PARSERS
+from gateway_svc.request_log import RequestLogMiddleware, RequestRecord, record_of
 from gateway_svc.scheduler_client import ModelInfo, SchedulerClient
 from gateway_svc.structured import Constraint
 from llmsched.v1 import scheduler_pb2 as spb
@@ -36,6 +36,8 @@ log = logging.getLogger("gateway_svc")
 # the budget when a chat request sets neither max_tokens field.
 DEFAULT_CHAT_MAX_TOKENS = 256
 SEED_MODULUS = 2**64
+# The tenant the scheduler served a call as (its trailing metadata).
+TENANT_TRAILER = "llmsched-tenant"
 
 
 @dataclass(slots=True)
@@ -48,6 +50,7 @@ class Job:
     model: str
     fmt: CompletionFormat | ChatFormat
     include_usage: bool
+    record: RequestRecord
     constraint: Constraint | None = None
     samples: list[Sample] = field(default_factory=list)
 
@@ -56,7 +59,32 @@ class Job:
             s.call.cancel()
 
     def rpc_error(self, exc: grpc.aio.AioRpcError) -> RequestError:
+        self.record.tenant = self.record.tenant or _tenant_of(exc.trailing_metadata())
         return from_rpc_error(exc, self.fmt.fields, self.constraint)
+
+    async def note_outcome(self) -> None:
+        """Tokens, finish reasons and tenant for the request log, once the
+        calls have ended (or been cancelled)."""
+        counts = usage(self.samples)
+        rec = self.record
+        rec.prompt_tokens, rec.output_tokens = counts["prompt_tokens"], counts["completion_tokens"]
+        rec.cached_tokens = counts["prompt_tokens_details"]["cached_tokens"]
+        reasons = [s.finish_reason or "abort" for s in self.samples]
+        rec.finish_reason = reasons[0] if len(set(reasons)) == 1 else ",".join(reasons)
+        if rec.tenant is None and self.samples and self.samples[0].call.done():
+            try:
+                rec.tenant = _tenant_of(await self.samples[0].call.trailing_metadata())
+            except grpc.aio.AioRpcError:  # a call that never reached the scheduler
+                pass
+
+
+def _tenant_of(trailers) -> str | None:
+    return dict(trailers or ()).get(TENANT_TRAILER)
+
+
+def _call_ids(request_id: str, count: int) -> list[str]:
+    """The scheduler's request id of each Generate call of one HTTP request."""
+    return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
 
 
 def _auth_metadata(request: Request) -> tuple:
@@ -82,9 +110,10 @@ async def _parse(request: Request, model: type[BaseModel]):
     return parsed
 
 
-def _check_model(requested: str | None, info: ModelInfo) -> None:
-    if requested is not None and requested != info.model:
-        raise RequestError("model", f"the model {requested!r} does not exist; this server serves {info.model!r}",
+def _check_model(requested: str | None, names: list[str]) -> None:
+    if requested is not None and requested not in names:
+        served = ", ".join(repr(n) for n in names)
+        raise RequestError("model", f"the model {requested!r} does not exist; this server serves {served}",
                            status=404, code="model_not_found", type_="not_found_error")
 
 
@@ -117,6 +146,11 @@ class Gateway:
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
+    def served_names(self, info: ModelInfo) -> list[str]:
+        """GATEWAY_SERVED_MODEL_NAME, else the scheduler's model name; the
+        first is the one responses carry."""
+        return self.settings.served_model_names or [info.model]
+
     async def _prepare(self, request: Request, model: type[BaseModel]):
         """What both endpoints do first: the body parsed and checked, the
         model facts, the caller's metadata."""
@@ -126,12 +160,14 @@ class Gateway:
         constraint = structured.from_request(body)
         metadata = _auth_metadata(request)
         info = await self._info(metadata)
-        _check_model(body.model, info)
+        _check_model(body.model, self.served_names(info))
         return body, constraint, metadata, info
 
     async def _start(self, job: Job, requests: list[tuple[int, spb.GenerateRequest]], metadata) -> list:
         """Starts every call and waits for each one's first response, so that
         a refusal (400, 429, 503) is still an HTTP status, not a stream."""
+        for (_, r), request_id in zip(requests, _call_ids(job.record.request_id, len(requests))):
+            r.request_id = request_id
         job.samples = [Sample(i, sub, self.client.generate(r, metadata)) for i, (sub, r) in enumerate(requests)]
         for sample in job.samples:
             job.fmt.start(sample)
@@ -161,8 +197,10 @@ class Gateway:
                 if constraint is not None:
                     r.structured.CopyFrom(constraint.structured)
                 requests.append((sub, r))
-        job = Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), info.model, CompletionFormat(body.logprobs),
-                  bool(body.stream_options and body.stream_options.include_usage), constraint)
+        record = record_of(request)
+        job = Job(f"cmpl-{record.request_id}", int(time.time()), self.served_names(info)[0],
+                  CompletionFormat(body.logprobs), bool(body.stream_options and body.stream_options.include_usage),
+                  record, constraint)
         return await self._respond(request, job, requests, body.stream, metadata)
 
     async def chat(self, request: Request) -> Response:
@@ -196,8 +234,9 @@ class Gateway:
         # split off it.
         reasoning = REASONING_PARSERS.get(self.settings.reasoning_parser) if constraint is None else None
         fmt = ChatFormat(num_logprobs, plan.parser, reasoning, plan.parallel, self.settings.tool_call_parser)
-        job = Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), info.model, fmt,
-                  bool(body.stream_options and body.stream_options.include_usage), constraint)
+        record = record_of(request)
+        job = Job(f"chatcmpl-{record.request_id}", int(time.time()), self.served_names(info)[0], fmt,
+                  bool(body.stream_options and body.stream_options.include_usage), record, constraint)
         return await self._respond(request, job, requests, body.stream, metadata)
 
     async def _respond(self, request: Request, job: Job, requests, stream: bool, metadata) -> Response:
@@ -222,6 +261,7 @@ class Gateway:
         except grpc.aio.AioRpcError as exc:
             job.cancel()
             raise job.rpc_error(exc) from None
+        await job.note_outcome()
         return {"id": job.id, "object": job.fmt.object, "created": job.created, "model": job.model,
                 "choices": [job.fmt.choice(s) for s in job.samples], "usage": usage(job.samples)}
 
@@ -240,6 +280,7 @@ class Gateway:
                 async for sample, item in responses:
                     if isinstance(item, grpc.aio.AioRpcError):
                         err = job.rpc_error(item)
+                        job.record.reason = err.message
                         yield f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
                         failed = True
                         break
@@ -253,6 +294,7 @@ class Gateway:
             # Normal end, an error, or the client went away: the calls still
             # running are cancelled and the scheduler frees their blocks.
             job.cancel()
+            await job.note_outcome()
 
 
 async def _responses(job: Job, firsts: list) -> AsyncIterator[tuple[Sample, object]]:
@@ -326,14 +368,22 @@ def create_app(settings: GatewaySettings, client_interceptors: list | None = Non
 
     app = FastAPI(title="llmsched OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(metrics.MetricsMiddleware)
+    # Added last, so it runs first: every response, metrics' included, has its id.
+    app.add_middleware(RequestLogMiddleware, enabled=settings.request_log)
 
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError):
+        record = record_of(request)
+        if record is not None:
+            record.reason = exc.message
         return error_response(exc)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):
         log.exception("unexpected error on %s", request.url.path)
+        record = record_of(request)
+        if record is not None:
+            record.reason = f"internal error: {type(exc).__name__}"
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_error"), status_code=500)
 
     @app.get("/health")
@@ -351,8 +401,11 @@ def create_app(settings: GatewaySettings, client_interceptors: list | None = Non
             info = await state["gw"].client.server_info(_auth_metadata(request))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
-        return {"object": "list", "data": [{"id": info.model, "object": "model", "created": 0,
-                                             "owned_by": "llmsched", "max_model_len": info.max_model_len}]}
+        names = state["gw"].settings.served_model_names or [info.model]
+        # `root` is the model the names stand for, as vLLM reports it.
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "llmsched",
+                                             "root": info.model, "max_model_len": info.max_model_len}
+                                            for name in names]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

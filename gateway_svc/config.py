@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from llmsched.logs import LOG_LEVEL_HELP, LogFormat, LogLevel, log_format_help
 
 
 class GatewaySettings(BaseSettings):
@@ -32,6 +34,11 @@ class GatewaySettings(BaseSettings):
     scheduler_tls_cert: str = Field(
         default="", description="Client certificate the gateway presents to a scheduler that requires mutual TLS.")
     scheduler_tls_key: str = Field(default="", description="Private key of `GATEWAY_SCHEDULER_TLS_CERT`.")
+    served_model_name: str = Field(
+        default="", description="The names clients use for the model, comma-separated (e.g. "
+        "`meta-llama/Llama-3.1-8B-Instruct,llama-8b`): `/v1/models` lists each, a request naming any of them is "
+        "served, and responses carry the first. Empty = the scheduler's model name: the checkpoint directory's "
+        "name (`EXECUTOR_MODEL`'s last path component), or the built-in model's name (`tiny-random`).")
     max_n: int = Field(
         default=16, ge=1, description="Most completions one request may ask for with `n` (each is one `Generate` "
         "call); more is a 400 naming `n`.")
@@ -48,4 +55,17 @@ class GatewaySettings(BaseSettings):
         "`reasoning_content` on chat responses. `qwen3`: only an output that opens with `<think>` thinks; "
         "`deepseek_r1`: the output starts inside the thought (the template opened it), up to `</think>`. "
         "Empty = off: the text is returned as the model wrote it.")
-    log_level: str = Field(default="INFO", description="Python log level.")
+    log_level: LogLevel = Field(default="INFO", description=LOG_LEVEL_HELP)
+    log_format: LogFormat = Field(
+        default="text", validation_alias=AliasChoices("GATEWAY_LOG_FORMAT", "LOG_FORMAT"),
+        description=log_format_help("gateway"))
+    request_log: bool = Field(
+        default=False, description="One log line per HTTP request when its response ends: `request_id` (the "
+        "`X-Request-Id` response header), `tenant`, `route`, `status` (the HTTP status), `latency_ms`, "
+        "`prompt_tokens`, `cached_tokens`, `output_tokens`, `finish_reason`, and `reason` for a refusal. Logger "
+        "`requests`, level INFO; `/health` and `/metrics` are not logged.")
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """GATEWAY_SERVED_MODEL_NAME as a list; empty = the scheduler's name."""
+        return [name.strip() for name in self.served_model_name.split(",") if name.strip()]

@@ -4,7 +4,11 @@ Anything else keeps its traceback, because it is a bug."""
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
+
+from llmsched import logs
 
 
 class StartupError(Exception):
@@ -14,7 +18,10 @@ class StartupError(Exception):
 
 def exit_with(service: str, exc: StartupError) -> None:
     one_line = " ".join(str(exc).split())
-    print(f"{service}: cannot start: {one_line}", file=sys.stderr, flush=True)
+    if logs.is_json():
+        logging.getLogger(service).critical("cannot start: %s", one_line)
+    else:
+        print(f"{service}: cannot start: {one_line}", file=sys.stderr, flush=True)
     raise SystemExit(1)
 
 
@@ -26,7 +33,19 @@ def load_settings(cls):
     try:
         return cls()
     except ValidationError as exc:
-        prefix = cls.model_config.get("env_prefix", "")
-        problems = [f"{prefix}{'_'.join(map(str, e['loc'])).upper()}={e.get('input')!r}: {e['msg']}"
-                    for e in exc.errors()]
+        problems = [f"{_variable(cls, e['loc'])}={e.get('input')!r}: {e['msg']}" for e in exc.errors()]
         raise StartupError("; ".join(problems)) from None
+
+
+def _variable(cls, loc: tuple) -> str:
+    """The environment variable behind an error's location. A field with
+    several names (SCHEDULER_LOG_FORMAT, else LOG_FORMAT) is reported by
+    the one that is set."""
+    prefix = cls.model_config.get("env_prefix", "")
+    name = "_".join(map(str, loc)).upper()
+    for field in cls.model_fields.values():
+        choices = getattr(field.validation_alias, "choices", None)
+        if choices and name in (str(c).upper() for c in choices):
+            set_ = [str(c).upper() for c in choices if str(c).upper() in {k.upper() for k in os.environ}]
+            return set_[0] if set_ else name
+    return name if name.startswith(prefix) else f"{prefix}{name}"

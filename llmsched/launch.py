@@ -3,6 +3,10 @@ as processes and stops them together. Used by `make serve`, the integration
 tests and the benchmarks.
 
     python -m llmsched.launch            # tiny-random on 50051/50052, OpenAI API on 8080
+
+It reads the services' own variables (ports, TLS) and one of its own:
+LLMSCHED_START_TIMEOUT_S, how long each service may take to start (120 s;
+a large checkpoint on a slow disk needs more).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from llmsched.security import channel_credentials
 # get there, and meanwhile the kernel would happily hand the same port to
 # another process's bind(0), e.g. another pytest-xdist worker.
 PORT_RESERVATION_S = 120.0
+DEFAULT_START_TIMEOUT_S = 120.0
+START_TIMEOUT_SETTING = "LLMSCHED_START_TIMEOUT_S"
 _PORT_REGISTRY = Path(tempfile.gettempdir()) / f"llmsched-ports-{os.getuid()}.json"
 
 
@@ -119,6 +125,8 @@ class Services:
     # For the start-up health probes when a service uses TLS.
     scheduler_credentials: grpc.ChannelCredentials | None = None
     executor_credentials: grpc.ChannelCredentials | None = None
+    # How long start() waits for each service to serve.
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
 
     @property
     def scheduler_address(self) -> str:
@@ -174,9 +182,13 @@ class Services:
             # it once it serves (retrying for SCHEDULER_EXECUTOR_CONNECT_TIMEOUT_S),
             # so their start-ups overlap: a second or two of each stack.
             self.start_executor(wait=False)
+            connect = "SCHEDULER_EXECUTOR_CONNECT_TIMEOUT_S"
+            if self.start_timeout_s > DEFAULT_START_TIMEOUT_S and connect not in os.environ:
+                # The scheduler waits as long for the executor, unless told otherwise.
+                self.scheduler_env.setdefault(connect, str(self.start_timeout_s))
             self.start_scheduler(wait=False)
-            wait_serving(self.executor_address, 120.0, self.executor, self.executor_credentials)
-            wait_serving(self.scheduler_address, 120.0, self.scheduler, self.scheduler_credentials)
+            wait_serving(self.executor_address, self.start_timeout_s, self.executor, self.executor_credentials)
+            wait_serving(self.scheduler_address, self.start_timeout_s, self.scheduler, self.scheduler_credentials)
             if self.gateway_port:
                 self.start_gateway()
         except BaseException:
@@ -254,6 +266,19 @@ def gateway_tls_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in tls.items() if not env.get(k)}
 
 
+def start_timeout_from_env() -> float:
+    raw = os.environ.get(START_TIMEOUT_SETTING, "")
+    if not raw:
+        return DEFAULT_START_TIMEOUT_S
+    try:
+        timeout = float(raw)
+    except ValueError:
+        timeout = 0.0
+    if not timeout > 0:
+        raise SystemExit(f"launch: {START_TIMEOUT_SETTING}={raw!r}: not a positive number of seconds")
+    return timeout
+
+
 def port_from_env(name: str, default: int) -> int:
     """A service port for main(). 0 means any free port, as it does for the
     services themselves; the launcher picks one here because it must know
@@ -298,6 +323,7 @@ def main() -> int:
         executor_credentials=probe_credentials(os.environ, "EXECUTOR"),
         gateway_port=port_from_env("GATEWAY_PORT", 8080),
         gateway_env=gateway_tls_env(os.environ),
+        start_timeout_s=start_timeout_from_env(),
     )
     try:
         services.start()

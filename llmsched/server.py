@@ -117,13 +117,6 @@ def install_stop_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
-
 def exit_now(code: int) -> NoReturn:
     """os._exit(code) once the log handlers are flushed: for a process that
     must not run interpreter teardown (it would wait on a peer or a task

@@ -6,6 +6,7 @@ import asyncio
 import io
 import logging
 
+from llmsched import logs
 from llmsched import server as srv
 from llmsched.errors import StartupError, exit_with, load_settings
 from llmsched.security import ApiKeyInterceptor, load_api_keys, server_credentials
@@ -40,7 +41,7 @@ async def serve(settings: SchedulerSettings) -> int:
     engine = Engine(settings, tracing, make_executor_client(settings), on_serving_change)
     entries = load_api_keys(settings.api_keys, settings.api_keys_file)
     api_keys = ApiKeys.parse(entries) if entries else None
-    service = SchedulerService(engine, tracing, api_keys=api_keys)
+    service = SchedulerService(engine, tracing, api_keys=api_keys, request_log=settings.request_log)
     server, port, health = srv.create_server(
         f"{settings.host}:{settings.port}",
         "SCHEDULER_PORT",
@@ -111,9 +112,12 @@ def _task_stacks() -> str:
 
 
 def main() -> None:
+    # Configured from the environment first, so that a settings error is
+    # already in the format asked for.
+    logs.setup("scheduler", fmt=logs.format_from_env("SCHEDULER"))
     try:
         settings = load_settings(SchedulerSettings)
-        srv.setup_logging(settings.log_level)
+        logs.setup("scheduler", settings.log_level, settings.log_format)
         code = asyncio.run(serve(settings))
     except StartupError as exc:
         exit_with("scheduler", exc)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from llmsched.logs import LOG_LEVEL_HELP, LogFormat, LogLevel, log_format_help
 
 
 class SchedulerSettings(BaseSettings):
@@ -127,4 +129,11 @@ class SchedulerSettings(BaseSettings):
     api_keys_file: str = Field(
         default="", description="File of API keys (or `tenant:key` entries), one per line; adds to "
         "`SCHEDULER_API_KEYS`.")
-    log_level: str = Field(default="INFO", description="Python log level.")
+    log_level: LogLevel = Field(default="INFO", description=LOG_LEVEL_HELP)
+    log_format: LogFormat = Field(
+        default="text", validation_alias=AliasChoices("SCHEDULER_LOG_FORMAT", "LOG_FORMAT"),
+        description=log_format_help("scheduler"))
+    request_log: bool = Field(
+        default=False, description="One log line per `Generate` call when it ends: `request_id`, `tenant`, "
+        "`route`, `status` (a gRPC code name), `latency_ms`, `prompt_tokens`, `cached_tokens`, `output_tokens`, "
+        "`finish_reason`, and `reason` for a refusal. Logger `requests`, level INFO.")

@@ -20,6 +20,11 @@ FINISH_REASONS = {
 }
 
 
+def finish_reason_name(status: RequestStatus) -> str:
+    """`stop`, `length` or `abort`, as the request log and the OpenAI API say it."""
+    return spb.FinishReason.Name(FINISH_REASONS[status]).removeprefix("FINISH_REASON_").lower()
+
+
 def step_sampling(s: SamplingParams) -> epb.StepSampling:
     return epb.StepSampling(
         temperature=s.temperature,

@@ -6,16 +6,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
 
+from llmsched.logs import REQUESTS, log_request
 from llmsched.security import api_key_owner
 from llmsched.tracing import Tracing, context_from_metadata
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 from scheduler_svc import convert, telemetry
 from scheduler_svc.backpressure import Overloaded
+from scheduler_svc.clock import SYSTEM_CLOCK
 from scheduler_svc.detokenizer import token_text_decoder
 from scheduler_svc.engine import Engine, Unavailable
 from scheduler_svc.output_processor import RequestDelta
@@ -25,19 +28,46 @@ from scheduler_svc.tenants import DEFAULT_TENANT, MAX_CACHE_SALT_CHARS, TENANT_N
 from scheduler_svc.validation import InvalidRequest, Limits, sampling_from_proto, validate_prompt
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger(REQUESTS)
+# The tenant a call was served as, in its trailing metadata: a front end
+# (the gateway) logs it beside its own request id.
+TENANT_TRAILER = "llmsched-tenant"
 
 # Prompts up to this many characters are tokenized inline (a few hundred
 # microseconds); longer ones in a worker thread.
 INLINE_TOKENIZE_CHARS = 4096
 
 
+@dataclass(slots=True)
+class CallOutcome:
+    """How one Generate call ended, for its request-log line."""
+
+    request_id: str
+    started: float
+    tenant: str | None = None
+    status: str = "OK"  # a grpc.StatusCode name
+    reason: str | None = None  # why it was refused or failed
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int | None = None
+    finish_reason: str | None = None
+
+    def fields(self, now: float) -> dict[str, object]:
+        return {"request_id": self.request_id, "tenant": self.tenant, "route": "Generate", "status": self.status,
+                "latency_ms": round((now - self.started) * 1000, 1), "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "output_tokens": self.output_tokens,
+                "finish_reason": self.finish_reason, "reason": self.reason}
+
+
 class SchedulerService(spb_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, tracing: Tracing, api_keys: ApiKeys | None = None):
+    def __init__(self, engine: Engine, tracing: Tracing, api_keys: ApiKeys | None = None,
+                 request_log: bool = False):
         self.engine = engine
         self.tracing = tracing
         # With API keys on, a request belongs to the key that created it and
         # only that key can Abort it; its tenant is the key's.
         self.api_keys = api_keys
+        self.request_log = request_log
 
     def _owner(self, context: grpc.aio.ServicerContext) -> str | None:
         return api_key_owner(context.invocation_metadata()) if self.api_keys else None
@@ -64,13 +94,12 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             max_stop_token_ids=s.max_stop_token_ids,
         )
 
-    async def _build_request(self, msg: spb.GenerateRequest, context: grpc.aio.ServicerContext) -> Request:
+    async def _build_request(self, msg: spb.GenerateRequest, tenant: str, request_id: str) -> Request:
         engine = self.engine
         if engine.info is None or engine.tokenizer is None:
             raise Unavailable("no executor is connected")
         limits = self._limits()
         validate_prompt(msg, limits)
-        tenant = self._tenant(msg, context)
         cache_salt = msg.cache_salt if msg.HasField("cache_salt") else None
         if cache_salt is not None and not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS:
             raise InvalidRequest("cache_salt", f"1-{MAX_CACHE_SALT_CHARS} characters when set, got {len(cache_salt)}")
@@ -101,7 +130,6 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             prompt_ids = list(msg.prompt_token_ids)
         if not prompt_ids:
             raise InvalidRequest("prompt", "tokenizes to no tokens")
-        request_id = msg.request_id or uuid.uuid4().hex
         if engine.is_live(request_id):
             raise InvalidRequest("request_id", f"{request_id!r} is already live")
         return Request(
@@ -119,22 +147,36 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         span = self.tracing.tracer.start_span(
             "Generate", context=context_from_metadata(context.invocation_metadata()), kind=trace.SpanKind.SERVER
         )
+        outcome = CallOutcome(request.request_id or uuid.uuid4().hex, SYSTEM_CLOCK.monotonic())
         try:
-            async for response in self._generate(request, context, span):
+            async for response in self._generate(request, context, span, outcome):
                 yield response
+        except asyncio.CancelledError:
+            # The client cancelled, went away or ran out of its deadline.
+            outcome.status, outcome.finish_reason = "CANCELLED", outcome.finish_reason or "abort"
+            raise
         finally:
             span.end()
+            if self.request_log:
+                log_request(request_log, outcome.fields(SYSTEM_CLOCK.monotonic()))
 
-    async def _reject(self, context, span, code: grpc.StatusCode, reason: str, message: str) -> None:
+    async def _reject(self, context, span, outcome: CallOutcome, code: grpc.StatusCode, reason: str,
+                      message: str) -> None:
         telemetry.record_rejected(span, self.tracing.enabled, reason, message)
         span.set_status(trace.Status(trace.StatusCode.ERROR, message))
+        outcome.status, outcome.reason = code.name, message
         await context.abort(code, message)
 
-    async def _generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext, span: trace.Span):
+    async def _generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext, span: trace.Span,
+                        outcome: CallOutcome):
         req_tenant = request.tenant or DEFAULT_TENANT
+        trailers: tuple = ()
         try:
-            req = await self._build_request(request, context)
-            req_tenant = req.tenant
+            req_tenant = outcome.tenant = self._tenant(request, context)
+            trailers = ((TENANT_TRAILER, req_tenant),)
+            context.set_trailing_metadata(trailers)
+            req = await self._build_request(request, req_tenant, outcome.request_id)
+            outcome.prompt_tokens = req.num_prompt_tokens
             if self.tracing.enabled:
                 span.set_attributes({
                     "gen_ai.operation.name": "text_completion",
@@ -151,17 +193,19 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             owner = self._owner(context)
             stream = self.engine.submit(req, span, owner)
         except InvalidRequest as exc:
-            await self._reject(context, span, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
+            await self._reject(context, span, outcome, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
         except PermissionDenied as exc:
-            await self._reject(context, span, grpc.StatusCode.PERMISSION_DENIED, "permission_denied", str(exc))
+            await self._reject(context, span, outcome, grpc.StatusCode.PERMISSION_DENIED, "permission_denied",
+                               str(exc))
         except Unavailable as exc:
-            await self._reject(context, span, grpc.StatusCode.UNAVAILABLE, "unavailable", str(exc))
+            await self._reject(context, span, outcome, grpc.StatusCode.UNAVAILABLE, "unavailable", str(exc))
         except Overloaded as exc:
-            context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+            context.set_trailing_metadata((*trailers, ("retry-after-ms", str(exc.retry_after_ms))))
             telemetry.record_shed(req_tenant)
-            await self._reject(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", f"overloaded: {exc}")
+            await self._reject(context, span, outcome, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded",
+                               f"overloaded: {exc}")
         except ValueError as exc:  # can never fit, or a duplicate id
-            await self._reject(context, span, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
+            await self._reject(context, span, outcome, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
 
         want_logprobs = req.sampling.logprobs > 0
         # Logprob entries carry token text, for HTTP front ends without a tokenizer.
@@ -174,11 +218,17 @@ class SchedulerService(spb_grpc.SchedulerServicer):
                 while not stream.queue.empty():
                     delta.merge(stream.queue.get_nowait())
                 finished = delta.finish_status is not None
+                if delta.usage is not None:
+                    outcome.cached_tokens = delta.usage.cached_prompt_tokens
+                    outcome.output_tokens = delta.usage.completion_tokens
+                if finished:
+                    outcome.finish_reason = convert.finish_reason_name(delta.finish_status)
                 if delta.error is not None:
                     if delta.token_ids or delta.text:
                         yield convert.delta_to_response(req.request_id, _without_finish(delta), want_logprobs, decode)
                     code, message = delta.error
                     span.set_status(trace.Status(trace.StatusCode.ERROR, message))
+                    outcome.status, outcome.reason = code, message
                     await context.abort(getattr(grpc.StatusCode, code), message)
                 yield convert.delta_to_response(req.request_id, delta, want_logprobs, decode)
         finally:

@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import openai
@@ -268,14 +269,103 @@ def test_gateway_metrics_count_requests(gw):
 # ----- overload, API keys, no executor: a small deployment of its own -------
 
 @pytest.fixture(scope="module")
-def strict():
-    # One running request and one queued at most: a third is shed.
-    services, grpc_client = _deploy("tiny-random", scheduler_env={
-        "SCHEDULER_MAX_NUM_SEQS": "1", "SCHEDULER_MAX_QUEUED_REQUESTS": "1", "SCHEDULER_API_KEYS": "sesame",
-        "SCHEDULER_EXECUTOR_RECONNECT_TIMEOUT_S": "2"})
-    yield services, grpc_client
-    grpc_client.channel.close()
-    services.stop()
+def strict(tmp_path_factory):
+    """One running request and one queued at most: a third is shed. JSON
+    logs with both request logs on, written to the file `services.stdout`;
+    the model is served under two names."""
+    log = tmp_path_factory.mktemp("strict") / "services.log"
+    json_logs = {"LOG_FORMAT": "json"}
+    services = launch(
+        executor_env={"EXECUTOR_MODEL": "tiny-random", "EXECUTOR_NUM_THREADS": "1", **json_logs},
+        scheduler_env={"SCHEDULER_MAX_NUM_SEQS": "1", "SCHEDULER_MAX_QUEUED_REQUESTS": "1",
+                       "SCHEDULER_API_KEYS": "sesame", "SCHEDULER_EXECUTOR_RECONNECT_TIMEOUT_S": "2",
+                       "SCHEDULER_REQUEST_LOG": "on", **json_logs},
+        gateway_env={"GATEWAY_REQUEST_LOG": "on", "GATEWAY_SERVED_MODEL_NAME": "tiny-random, org/tiny",
+                     **json_logs},
+        with_gateway=True)
+    with open(log, "w") as out:
+        services.stdout = out
+        services.start()
+        channel = grpc.insecure_channel(services.scheduler_address)
+        yield services, Client(services.scheduler_address, "tiny-random", channel, spb_grpc.SchedulerStub(channel))
+        channel.close()
+        services.stop()
+
+
+def request_lines(services, request_id: str, count: int, timeout_s: float = 10.0) -> list[dict]:
+    """The request-log lines (both services) whose id is request_id or one
+    of its calls' (`<id>-<i>`), once count of them are in the log."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [line for line in map(json.loads, Path(services.stdout.name).read_text().splitlines())
+                 if line.get("logger") == "requests"
+                 and (line["request_id"] == request_id or line["request_id"].startswith(f"{request_id}-"))]
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def test_served_names_are_listed_and_each_is_served(strict):
+    services, _ = strict
+    client = openai.OpenAI(base_url=services.gateway_url + "/v1", api_key="sesame", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny-random", "org/tiny"]
+    for name in ("tiny-random", "org/tiny"):
+        out = client.completions.create(model=name, prompt="Hi", max_tokens=2)
+        assert out.usage.completion_tokens == 2 and out.model == "tiny-random"  # responses carry the first name
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+
+
+def test_the_request_log_has_one_line_per_request_in_each_service_with_the_header_id(strict):
+    services, _ = strict
+    client = openai.OpenAI(base_url=services.gateway_url + "/v1", api_key="sesame", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="org/tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    chat, rid = raw.parse(), raw.headers["x-request-id"]
+    assert chat.id == f"chatcmpl-{rid}"
+    gateway, scheduler = sorted(request_lines(services, rid, 2), key=lambda line: line["service"])
+    assert (gateway["service"], scheduler["service"]) == ("gateway", "scheduler")
+    assert gateway["request_id"] == scheduler["request_id"] == rid
+    assert gateway["route"] == "POST /v1/chat/completions" and scheduler["route"] == "Generate"
+    assert (gateway["status"], scheduler["status"]) == (200, "OK")
+    for line in (gateway, scheduler):
+        assert line["tenant"].startswith("key-"), line  # a bare API key is a tenant of its own
+        assert line["prompt_tokens"] == chat.usage.prompt_tokens and line["output_tokens"] == 3
+        assert line["cached_tokens"] == 0 and line["finish_reason"] == "length" and line["latency_ms"] > 0
+    # A client's own id is kept; a refusal by the scheduler (a token id
+    # outside the vocabulary) is one line in each, with its reason.
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="tiny-random", prompt=[10**6], max_tokens=2,
+                                  extra_headers={"X-Request-Id": "client-id-1"})
+    assert exc.value.response.headers["x-request-id"] == "client-id-1"
+    gateway, scheduler = sorted(request_lines(services, "client-id-1", 2), key=lambda line: line["service"])
+    assert (gateway["status"], scheduler["status"]) == (400, "INVALID_ARGUMENT")
+    assert gateway["reason"] == exc.value.body["message"] and "prompt" in scheduler["reason"]
+    # Refused by the gateway itself: one line, there.
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="tiny-random", prompt="Hi", max_tokens=2, temperature=-1)
+    [line] = request_lines(services, exc.value.response.headers["x-request-id"], 1)
+    assert line["status"] == 400 and "temperature" in line["reason"]
+    # Not an id the gateway can pass on: a fresh one instead.
+    bad = urllib.request.Request(services.gateway_url + "/v1/models", headers={"X-Request-Id": "a b",
+                                                                               "Authorization": "Bearer sesame"})
+    with urllib.request.urlopen(bad) as resp:
+        assert resp.headers["x-request-id"] not in ("", "a b")
+
+
+def test_every_line_the_services_print_with_json_logs_is_json(strict):
+    services, _ = strict
+    lines = Path(services.stdout.name).read_text().splitlines()
+    assert len(lines) > 10
+    not_json = []
+    for line in lines:
+        try:
+            assert isinstance(json.loads(line), dict)
+        except (ValueError, AssertionError):
+            not_json.append(line)
+    assert not not_json, f"lines that are not JSON objects: {not_json[:5]}"
+    services_seen = {json.loads(line)["service"] for line in lines}
+    assert services_seen == {"gateway", "scheduler", "executor"}
 
 
 def test_api_key_is_forwarded_and_a_wrong_one_gets_401(strict):
@@ -312,6 +402,11 @@ def test_overload_gives_429_with_retry_after(strict):
         running.close()
     assert exc.value.status_code == 429 and int(exc.value.response.headers["retry-after"]) >= 1
     assert exc.value.body["type"] == "rate_limit_error"
+    gateway, scheduler = sorted(request_lines(services, exc.value.response.headers["x-request-id"], 2),
+                                key=lambda line: line["service"])
+    assert (gateway["status"], scheduler["status"]) == (429, "RESOURCE_EXHAUSTED")
+    assert gateway["tenant"] == scheduler["tenant"] and gateway["tenant"].startswith("key-")
+    assert "overloaded" in gateway["reason"] and "overloaded" in scheduler["reason"]
 
 
 def test_without_an_executor_requests_and_health_answer_503(strict):

@@ -1,7 +1,7 @@
 """The gateway's HTTP span is the parent of the scheduler's Generate span
 in one trace, which also holds the scheduler step that admitted the request
 and the executor's step under it; Generate links to every step span that
-ran it. All exported by the real processes to the in-test OTLP receiver."""
+ran it; both the HTTP and the Generate span carry the X-Request-Id. All exported by the real processes to the in-test OTLP receiver."""
 
 from __future__ import annotations
 
@@ -31,9 +31,10 @@ def test_http_span_is_the_parent_of_generate_which_links_to_scheduler_and_execut
                       scheduler_env=otel, gateway_env=otel, with_gateway=True).start()
     try:
         client = openai.OpenAI(base_url=services.gateway_url + "/v1", api_key="unused", max_retries=0)
-        out = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=5,
-                                        temperature=0, stream=True)
-        assert len("".join(c.choices[0].text for c in out)) > 0
+        raw = client.completions.with_raw_response.create(model="stories260K", prompt="Once upon a time",
+                                                          max_tokens=5, temperature=0, stream=True)
+        request_id = raw.headers["x-request-id"]
+        assert len("".join(c.choices[0].text for c in raw.parse())) > 0
         assert wait_for(lambda: receiver.named("Generate") and receiver.named("executor.step")
                         and [s for svc, s in receiver.spans if svc == "gateway" and
                              s.kind == trace_pb2.Span.SPAN_KIND_SERVER]), "spans never arrived"
@@ -46,6 +47,10 @@ def test_http_span_is_the_parent_of_generate_which_links_to_scheduler_and_execut
     in_trace = {s.span_id: (svc, s) for svc, s in receiver.spans if s.trace_id == trace_id}
     generate = [s for svc, s in in_trace.values() if svc == "scheduler" and s.name == "Generate"]
     assert len(generate) == 1, "the scheduler's Generate span must be in the HTTP request's trace"
+    # The id the client sees in X-Request-Id is the one both spans carry.
+    for span in (http[0], generate[0]):
+        attrs = {a.key: a.value.string_value for a in span.attributes}
+        assert attrs.get("llmsched.request_id") == request_id, f"{span.name}: {attrs}"
     # Generate's parent is the gateway's gRPC client span, whose parent chain reaches the HTTP span.
     parent = generate[0].parent_span_id
     chain = []

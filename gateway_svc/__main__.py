@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import uvicorn
 
 from gateway_svc.app import create_app
 from gateway_svc.config import GatewaySettings
 from llmsched import logs
+from llmsched import server as srv
 from llmsched.errors import StartupError, exit_with, load_settings
 from llmsched.tracing import setup_tracing
 
@@ -18,6 +21,10 @@ def main() -> None:
     except StartupError as exc:
         exit_with("gateway", exc)
     logs.setup("gateway", settings.log_level, settings.log_format)
+    try:
+        listener = srv.listen_tcp(settings.host, settings.port, "GATEWAY_PORT")
+    except StartupError as exc:
+        exit_with("gateway", exc)
     tracing = setup_tracing("gateway")
     interceptors = None
     if tracing.enabled:
@@ -36,8 +43,10 @@ def main() -> None:
         # lets live responses finish, then runs the app's shutdown.
         # log_config=None: its loggers go through the handler set up above
         # (text or JSON) instead of uvicorn's own.
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                    access_log=False, log_config=None)
+        logging.getLogger("gateway_svc").info("gateway listening on %s:%d; scheduler at %s", settings.host,
+                                              listener.getsockname()[1], settings.scheduler_address)
+        config = uvicorn.Config(app, log_level=settings.log_level.lower(), access_log=False, log_config=None)
+        uvicorn.Server(config).run(sockets=[listener])
     finally:
         tracing.shutdown()
 

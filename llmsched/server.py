@@ -92,6 +92,23 @@ def _describe(exc: OSError) -> str:
     return "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
 
 
+def listen_tcp(host: str, port: int, port_setting: str) -> socket.socket:
+    """A listening TCP socket for an HTTP server (the gateway's uvicorn),
+    bound here so that a clash is the same one-line StartupError naming
+    the setting as the gRPC services give, not the server's own message."""
+    bare = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in bare else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: no wait after a restart
+    try:
+        sock.bind((bare, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"{port_setting}={port}: {_describe(exc)} ({host}:{port})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def start_metrics_server(port: int, host: str, port_setting: str) -> None:
     """The Prometheus /metrics endpoint; port 0 turns it off."""
     if not port:

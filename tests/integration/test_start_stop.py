@@ -56,7 +56,7 @@ def checkpoint_without(tmp_path: Path, stories: Path, missing: str, replace: dic
 
 @dataclass
 class BadStart:
-    service: str  # executor_svc | scheduler_svc
+    service: str  # executor_svc | scheduler_svc | gateway_svc
     env: dict[str, str]
     names: str  # what the one-line error must name
 
@@ -90,6 +90,9 @@ CASES = {
     "second-executor-on-a-port-in-use": lambda pair, tmp, ckpt: BadStart(
         "executor_svc", {"EXECUTOR_PORT": str(pair.executor_port)},
         f"EXECUTOR_PORT={pair.executor_port}: address already in use"),
+    "gateway-on-a-port-in-use": lambda pair, tmp, ckpt: BadStart(
+        "gateway_svc", {"GATEWAY_PORT": str(pair.scheduler_metrics_port)},
+        f"GATEWAY_PORT={pair.scheduler_metrics_port}: address already in use"),
     "bad-tenant-weight": lambda pair, tmp, ckpt: BadStart(
         "scheduler_svc", {"SCHEDULER_TENANT_WEIGHTS": "teamA=2,teamB=0"}, "SCHEDULER_TENANT_WEIGHTS: the weight of "
         "'teamB' must be a finite number > 0"),

@@ -1,6 +1,7 @@
 """The documentation site builds offline with no warning (mkdocs --strict
 turns a broken link or anchor, or a page missing from the nav, into a
-failure), and every measured figure has one home: docs/performance.md."""
+failure), and every measured figure has one home: docs/performance.md
+(the README's headline table repeats some, checked against it)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.docs.markdown import github_anchor
+
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 PERFORMANCE = DOCS / "performance.md"
+README = REPO / "README.md"
 # Material prints a banner about its end of life on every build; it is not
 # a build warning, and this turns it off. `make docs` sets it too.
 QUIET = {"NO_MKDOCS_2_WARNING": "1"}
@@ -46,12 +50,66 @@ def figures(text: str) -> set[str]:
     return {m.group(0) for m in FIGURE.finditer(text)} - set(NOT_FIGURES)
 
 
+def sections(text: str) -> dict[str, str]:
+    """The page's `##` sections by their anchor (as mkdocs and GitHub make
+    it), each with its text up to the next `##` heading."""
+    out: dict[str, str] = {}
+    for part in re.split(r"^(?=## )", text, flags=re.MULTILINE):
+        if part.startswith("## "):
+            heading, _, body = part.partition("\n")
+            out[github_anchor(heading[3:])] = body
+    return out
+
+
+def headline_rows(readme: str) -> list[str]:
+    """The table rows of the README's "Headline figures" section."""
+    section = sections(readme).get("headline-figures", "")
+    return [line for line in section.splitlines() if line.startswith("|") and not line.startswith("|---")]
+
+
+PERFORMANCE_LINK = re.compile(r"\]\(docs/performance\.md#(?P<anchor>[\w-]+)\)")
+
+
+def test_the_readme_headline_figures_are_the_performance_page_s():
+    """Each figure in the README's headline table links to its section of
+    docs/performance.md and appears there verbatim, so that a figure
+    re-measured on that page and left stale in the README fails here."""
+    performance = sections(PERFORMANCE.read_text())
+    rows = headline_rows(README.read_text())
+    assert len(rows) > 3, f"README.md has no Headline figures table: {rows}"
+    problems = []
+    for row in rows[1:]:  # the first row is the header
+        links = [m.group("anchor") for m in PERFORMANCE_LINK.finditer(row)]
+        shown = figures(row)
+        if not links:
+            problems.append(f"no link to a section of docs/performance.md: {row}")
+            continue
+        if not shown:
+            problems.append(f"a link without its figure (show the number): {row}")
+            continue
+        for anchor in links:
+            if anchor not in performance:
+                problems.append(f"docs/performance.md has no section #{anchor}: {row}")
+                continue
+            stale = sorted(shown - figures(performance[anchor]))
+            if stale:
+                problems.append(f"{stale} not in docs/performance.md#{anchor} (stale or mistyped?): {row}")
+    assert not problems, "README.md's Headline figures disagree with docs/performance.md:\n" + "\n".join(problems)
+
+
 def test_no_figure_on_the_performance_page_appears_elsewhere():
-    """The README and the other pages link to the performance page for a
-    figure instead of repeating it, so that it has one copy to update."""
+    """Other pages link to the performance page for a figure instead of
+    repeating it, so that it has one copy to update. The README repeats the
+    headline ones in its Headline figures table, checked against the page
+    by the test above, and nowhere else."""
     measured = figures(PERFORMANCE.read_text())
     assert len(measured) > 50, sorted(measured)  # the pattern still finds the page's figures
-    others = [REPO / "README.md", *(p for p in DOCS.rglob("*.md") if p != PERFORMANCE)]
-    repeated = {str(p.relative_to(REPO)): sorted(figures(p.read_text()) & measured) for p in others}
+    readme = README.read_text()
+    readme_elsewhere = readme
+    for row in headline_rows(readme):
+        readme_elsewhere = readme_elsewhere.replace(row, "")
+    others = {README: readme_elsewhere, **{p: p.read_text() for p in DOCS.rglob("*.md") if p != PERFORMANCE}}
+    repeated = {str(p.relative_to(REPO)): sorted(figures(text) & measured) for p, text in others.items()}
     repeated = {page: found for page, found in repeated.items() if found}
-    assert not repeated, f"figures from docs/performance.md repeated elsewhere: {repeated}"
+    assert not repeated, ("figures from docs/performance.md repeated elsewhere (link to the page instead; the "
+                          f"README may show them only in its Headline figures table): {repeated}")

@@ -65,10 +65,13 @@ class Job:
     async def note_outcome(self) -> None:
         """Tokens, finish reasons and tenant for the request log, once the
         calls have ended (or been cancelled)."""
-        counts = usage(self.samples)
         rec = self.record
-        rec.prompt_tokens, rec.output_tokens = counts["prompt_tokens"], counts["completion_tokens"]
-        rec.cached_tokens = counts["prompt_tokens_details"]["cached_tokens"]
+        if any(s.usage is not None for s in self.samples):  # else no call got as far as its end
+            counts = usage(self.samples)
+            rec.prompt_tokens = counts["prompt_tokens"]
+            rec.cached_tokens = counts["prompt_tokens_details"]["cached_tokens"]
+        rec.output_tokens = sum(s.usage.completion_tokens if s.usage is not None else s.num_tokens
+                                for s in self.samples)
         reasons = [s.finish_reason or "abort" for s in self.samples]
         rec.finish_reason = reasons[0] if len(set(reasons)) == 1 else ",".join(reasons)
         if rec.tenant is None and self.samples and self.samples[0].call.done():
@@ -146,7 +149,7 @@ class Gateway:
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
-    def served_names(self, info: ModelInfo) -> list[str]:
+    def served_names(self, info: ModelInfo | spb.ServerInfo) -> list[str]:
         """GATEWAY_SERVED_MODEL_NAME, else the scheduler's model name; the
         first is the one responses carry."""
         return self.settings.served_model_names or [info.model]
@@ -401,11 +404,10 @@ def create_app(settings: GatewaySettings, client_interceptors: list | None = Non
             info = await state["gw"].client.server_info(_auth_metadata(request))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
-        names = state["gw"].settings.served_model_names or [info.model]
         # `root` is the model the names stand for, as vLLM reports it.
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "llmsched",
                                              "root": info.model, "max_model_len": info.max_model_len}
-                                            for name in names]}
+                                            for name in state["gw"].served_names(info)]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -34,8 +34,10 @@ class Sample:
     finish_reason: str | None = None
     usage: spb.Usage | None = None
     output: ChatOutput | None = None  # chat only: reasoning, content and calls read from the text
+    num_tokens: int = 0  # received so far: the count of a call cut short, which has no usage
 
     def add(self, resp: spb.GenerateResponse) -> None:
+        self.num_tokens += len(resp.token_ids)
         self.text += resp.text
         self.logprobs.extend(resp.logprobs)
         if resp.finish_reason:

@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmsched import logs
 from llmsched.security import channel_credentials
 
 
@@ -292,6 +293,16 @@ def port_from_env(name: str, default: int) -> int:
     return port or free_port()
 
 
+def _say(message: str, error: bool = False) -> None:
+    """The launcher's own lines, among the services' on the same terminal:
+    JSON objects too when LOG_FORMAT=json, so that a collector reading
+    `make serve`'s output parses every line."""
+    if logs.format_from_env("LLMSCHED") == "json":
+        message = json.dumps({"ts": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              "level": "ERROR" if error else "INFO", "service": "launch", "msg": message})
+    print(message, file=sys.stderr if error else sys.stdout, flush=True)
+
+
 class _Stop(Exception):
     """SIGINT or SIGTERM reached main()."""
 
@@ -328,8 +339,8 @@ def main() -> int:
     try:
         services.start()
         openai = f" and the OpenAI API on {services.gateway_url}/v1" if services.gateway is not None else ""
-        print(f"serving llmsched.v1.Scheduler on {services.scheduler_address}{openai} "
-              f"(executor on {services.executor_address}; Ctrl-C stops)", flush=True)
+        _say(f"serving llmsched.v1.Scheduler on {services.scheduler_address}{openai} "
+             f"(executor on {services.executor_address}; Ctrl-C stops)")
         children = {"scheduler": services.scheduler, "executor": services.executor, "gateway": services.gateway}
         children = {name: proc for name, proc in children.items() if proc is not None}
         while all(proc.poll() is None for proc in children.values()):
@@ -339,12 +350,12 @@ def main() -> int:
                 pass
         for name, proc in children.items():
             if proc.poll() is not None:
-                print(f"launch: the {name} exited with code {proc.returncode}", file=sys.stderr, flush=True)
+                _say(f"launch: the {name} exited with code {proc.returncode}", error=True)
         return 1
     except _Stop:
         return 0
     except (RuntimeError, TimeoutError) as exc:  # from start(): the service's own error is above it
-        print(f"launch: {exc}", file=sys.stderr, flush=True)
+        _say(f"launch: {exc}", error=True)
         return 1
     finally:
         _ignore_stop_signals()

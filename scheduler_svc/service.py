@@ -28,7 +28,7 @@ from scheduler_svc.tenants import DEFAULT_TENANT, MAX_CACHE_SALT_CHARS, TENANT_N
 from scheduler_svc.validation import InvalidRequest, Limits, sampling_from_proto, validate_prompt
 
 log = logging.getLogger(__name__)
-request_log = logging.getLogger(REQUESTS)
+request_logger = logging.getLogger(REQUESTS)
 # The tenant a call was served as, in its trailing metadata: a front end
 # (the gateway) logs it beside its own request id.
 TENANT_TRAILER = "llmsched-tenant"
@@ -151,14 +151,19 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         try:
             async for response in self._generate(request, context, span, outcome):
                 yield response
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             # The client cancelled, went away or ran out of its deadline.
             outcome.status, outcome.finish_reason = "CANCELLED", outcome.finish_reason or "abort"
+            raise
+        except grpc.aio.AbortError:  # context.abort: the status is already noted
+            raise
+        except Exception as exc:  # a bug: gRPC answers UNKNOWN
+            outcome.status, outcome.reason = "UNKNOWN", f"internal error: {type(exc).__name__}"
             raise
         finally:
             span.end()
             if self.request_log:
-                log_request(request_log, outcome.fields(SYSTEM_CLOCK.monotonic()))
+                log_request(request_logger, outcome.fields(SYSTEM_CLOCK.monotonic()))
 
     async def _reject(self, context, span, outcome: CallOutcome, code: grpc.StatusCode, reason: str,
                       message: str) -> None:
@@ -218,6 +223,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
                 while not stream.queue.empty():
                     delta.merge(stream.queue.get_nowait())
                 finished = delta.finish_status is not None
+                outcome.output_tokens = (outcome.output_tokens or 0) + len(delta.token_ids)
                 if delta.usage is not None:
                     outcome.cached_tokens = delta.usage.cached_prompt_tokens
                     outcome.output_tokens = delta.usage.completion_tokens

@@ -407,6 +407,13 @@ def test_overload_gives_429_with_retry_after(strict):
     assert (gateway["status"], scheduler["status"]) == (429, "RESOURCE_EXHAUSTED")
     assert gateway["tenant"] == scheduler["tenant"] and gateway["tenant"].startswith("key-")
     assert "overloaded" in gateway["reason"] and "overloaded" in scheduler["reason"]
+    # The stream the client closed: cancelled in the scheduler, cut short in the gateway.
+    gateway, scheduler = sorted(request_lines(services, running.response.headers["x-request-id"], 2),
+                                key=lambda line: line["service"])
+    assert (gateway["status"], scheduler["status"]) == (200, "CANCELLED")
+    assert gateway["finish_reason"] == scheduler["finish_reason"] == "abort"
+    assert 0 < gateway["output_tokens"] <= scheduler["output_tokens"] < 1500  # what reached each before the close
+    assert gateway["prompt_tokens"] is None  # the usage comes with the last response, which never came
 
 
 def test_without_an_executor_requests_and_health_answer_503(strict):

@@ -100,3 +100,14 @@ def test_a_longer_start_timeout_is_waited_for_and_given_to_the_scheduler(monkeyp
     services = launch.Services(1, 2, start_timeout_s=launch.start_timeout_from_env()).start()
     assert waited == [900.0, 900.0]
     assert services.scheduler_env["SCHEDULER_EXECUTOR_CONNECT_TIMEOUT_S"] == "900.0"
+
+
+def test_the_launcher_s_own_lines_are_json_too_under_log_format_json(monkeypatch, capsys):
+    monkeypatch.setenv("LOG_FORMAT", "json")
+    launch._say("serving llmsched.v1.Scheduler on 127.0.0.1:50051")
+    launch._say("launch: the executor exited with code 1", error=True)
+    out, err = capsys.readouterr()
+    assert json.loads(out)["msg"].startswith("serving") and json.loads(err)["level"] == "ERROR"
+    monkeypatch.delenv("LOG_FORMAT")
+    launch._say("serving")
+    assert capsys.readouterr().out == "serving\n"

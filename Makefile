@@ -34,7 +34,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
 
 protos: $(STAMP)
-	$(BIN)/python -m llmsched.genproto
+	$(BIN)/python -m devtools.genproto
 
 # Port 8800: 8000 and 8001 are the services' metrics ports. The variable
 # turns off mkdocs-material's end-of-life banner, which is not a build warning.
@@ -45,7 +45,7 @@ docs: $(STAMP)
 # classes) and docs/grpc-api.md (from scheduler.proto's comments); a test
 # fails when they are stale.
 docs-gen: $(STAMP)
-	$(BIN)/python -m llmsched.docgen
+	$(BIN)/python -m devtools.docgen
 
 bench-kernels: $(STAMP)
 	$(BIN)/python -m bench.kernels

@@ -30,7 +30,6 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from torch import nn

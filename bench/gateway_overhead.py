@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from bench import workloads as wl
-from bench.cli import vocab_size_for
+from bench.common import vocab_size_for
 from bench.client import run_requests
 from bench.openai_client import run_openai_requests
 from bench.report import summarize

@@ -134,7 +134,7 @@ def measure_ranks(directory: Path, dtype: str, size: int = 1, timeout_s: float =
     gloo group each (one plain process at size 1); returns each rank's
     figures, by rank."""
     from executor_svc.tensor_parallel import TORCHRUN_VARS
-    from llmsched.launch import free_port
+    from llmsched.server import free_port
 
     cmd = [sys.executable, "-m", "bench.load_memory", "--child", str(directory), "--dtype", dtype]
     group = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(size),

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from bench import workloads as wl
-from bench.cli import decoded_prompts, vocab_size_for
+from bench.common import decoded_prompts, vocab_size_for
 from bench.openai_client import run_openai_requests
 from bench.report import summarize
 from llmsched.assets import STORIES260K

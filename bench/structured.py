@@ -28,7 +28,7 @@ from pathlib import Path
 from llguidance import LLMatcher
 
 from bench import workloads as wl
-from bench.cli import vocab_size_for
+from bench.common import vocab_size_for
 from bench.client import run_requests
 from bench.report import summarize
 from bench.server_metrics import scrape

@@ -1,7 +1,7 @@
 """Executor settings, read from EXECUTOR_* environment variables.
 
 Each field's description is what docs/configuration.md shows for it: that
-page is rendered from these classes (python -m llmsched.docgen), and a test
+page is rendered from these classes (python -m devtools.docgen), and a test
 fails when it is stale. Importing this module must not import torch."""
 
 from __future__ import annotations

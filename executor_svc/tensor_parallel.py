@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from executor_svc.sharding import Shard, check_size
 from llmsched.errors import StartupError
-from llmsched.launch import free_port
+from llmsched.server import free_port
 from llmsched.server import exit_now
 
 log = logging.getLogger(__name__)

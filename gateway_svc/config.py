@@ -1,7 +1,7 @@
 """Gateway settings, read from GATEWAY_* environment variables.
 
 Each field's description is what docs/configuration.md shows for it: that
-page is rendered from these classes (python -m llmsched.docgen), and a test
+page is rendered from these classes (python -m devtools.docgen), and a test
 fails when it is stale."""
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ Modules:
 * ``kernels.reference``      plain-torch references (slow, obviously correct, CPU friendly)
 * ``kernels.kv_write``       Triton ``write_kv_cache``
 * ``kernels.paged_attention`` Triton ``paged_attention``
-* ``kernels.copy_blocks``    Triton ``copy_blocks``
 
 Nothing here imports Triton at package import time: the CPU executor imports
 ``kernels.reference`` on machines where Triton is not installed.

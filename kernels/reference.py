@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["write_kv_cache", "paged_attention", "copy_blocks", "fused_moe", "mla_decode"]
+__all__ = ["write_kv_cache", "paged_attention", "fused_moe", "mla_decode"]
 
 
 def write_kv_cache(
@@ -129,21 +129,6 @@ def paged_attention(
             probs = torch.softmax(scores, dim=-1)  # [num_heads, q_len, kv_len]
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
     return out
-
-
-def copy_blocks(
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_mapping: torch.Tensor,  # [n, 2] int64 (src_block, dst_block)
-) -> None:
-    """Copy whole blocks src -> dst in both caches, in place (copy-on-write, swapping).
-
-    Pairs are applied in order; callers must not chain them (a dst that is also a
-    later src), because the Triton kernel copies all pairs in parallel.
-    """
-    for src, dst in block_mapping.tolist():
-        k_cache[dst].copy_(k_cache[src])
-        v_cache[dst].copy_(v_cache[src])
 
 
 def fused_moe(

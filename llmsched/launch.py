@@ -11,61 +11,26 @@ a large checkpoint on a slow disk needs more).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmsched import logs
 from llmsched.security import channel_credentials
+from llmsched.server import free_port
 
-
-# A port handed out by free_port stays reserved this long, host-wide: the
-# child that will bind it (an executor importing torch) may take seconds to
-# get there, and meanwhile the kernel would happily hand the same port to
-# another process's bind(0), e.g. another pytest-xdist worker.
-PORT_RESERVATION_S = 120.0
 DEFAULT_START_TIMEOUT_S = 120.0
 START_TIMEOUT_SETTING = "LLMSCHED_START_TIMEOUT_S"
-_PORT_REGISTRY = Path(tempfile.gettempdir()) / f"llmsched-ports-{os.getuid()}.json"
-
-
-def free_port() -> int:
-    """A loopback port that is free now and that no free_port call in any
-    process on this host handed out in the last PORT_RESERVATION_S."""
-    with open(_PORT_REGISTRY, "a+") as registry:
-        fcntl.flock(registry, fcntl.LOCK_EX)
-        registry.seek(0)
-        try:
-            handed_out = {int(k): t for k, t in json.loads(registry.read() or "{}").items()}
-        except (ValueError, AttributeError):
-            handed_out = {}  # a torn or foreign file: start afresh
-        now = time.time()
-        handed_out = {port: t for port, t in handed_out.items() if now - t < PORT_RESERVATION_S}
-        while True:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port not in handed_out:
-                break
-        handed_out[port] = now
-        registry.seek(0)
-        registry.truncate()
-        registry.write(json.dumps(handed_out))
-        return port
 
 
 def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None,

@@ -23,7 +23,8 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from llmsched.launch import Services, free_port, launch
+from llmsched.launch import Services, launch
+from llmsched.server import free_port
 
 
 def router_available() -> str | None:

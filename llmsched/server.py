@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
+import json
 import logging
 import os
 import signal
 import socket
+import tempfile
+import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import NoReturn
 
 import grpc
@@ -20,6 +25,38 @@ from prometheus_client import start_http_server
 from llmsched.errors import StartupError
 
 log = logging.getLogger(__name__)
+
+# A port handed out by free_port stays reserved this long, host-wide: the
+# child that will bind it (an executor importing torch) may take seconds to
+# get there, and meanwhile the kernel would happily hand the same port to
+# another process's bind(0), e.g. another pytest-xdist worker.
+PORT_RESERVATION_S = 120.0
+_PORT_REGISTRY = Path(tempfile.gettempdir()) / f"llmsched-ports-{os.getuid()}.json"
+
+
+def free_port() -> int:
+    """A loopback port that is free now and that no free_port call in any
+    process on this host handed out in the last PORT_RESERVATION_S."""
+    with open(_PORT_REGISTRY, "a+") as registry:
+        fcntl.flock(registry, fcntl.LOCK_EX)
+        registry.seek(0)
+        try:
+            handed_out = {int(k): t for k, t in json.loads(registry.read() or "{}").items()}
+        except (ValueError, AttributeError):
+            handed_out = {}  # a torn or foreign file: start afresh
+        now = time.time()
+        handed_out = {port: t for port, t in handed_out.items() if now - t < PORT_RESERVATION_S}
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in handed_out:
+                break
+        handed_out[port] = now
+        registry.seek(0)
+        registry.truncate()
+        registry.write(json.dumps(handed_out))
+        return port
 
 # Overall health is reported under the empty service name, as grpc health
 # probes expect.

@@ -7,9 +7,8 @@ from collections.abc import Callable
 
 from llmsched.v1 import executor_pb2 as epb
 from llmsched.v1 import scheduler_pb2 as spb
-from scheduler_svc.engine_core import StepOutcome
 from scheduler_svc.output_processor import RequestDelta
-from scheduler_svc.plan import SchedulerOutput
+from scheduler_svc.plan import SchedulerOutput, StepOutcome
 from scheduler_svc.request import Request, RequestStatus, SamplingParams
 
 FINISH_REASONS = {

@@ -33,16 +33,15 @@ from llmsched.security import channel_credentials
 from llmsched.tracing import Tracing, traceparent_of
 from llmsched.v1 import executor_pb2 as epb
 from scheduler_svc import telemetry
-from scheduler_svc.backpressure import AdmissionLimits
 from scheduler_svc.clock import SYSTEM_CLOCK, Clock
 from scheduler_svc.config import SchedulerSettings
-from scheduler_svc.engine_core import (CoreLimits, CoreListener, EngineCore, InFlightStep, PlanCounts, StepOutcome,
-                                       TurnKind)
+from scheduler_svc.engine_core import (CoreListener, EngineCore, InFlightStep, PlanCounts, TurnKind, core_limits,
+                                       scheduler_config)
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.output_processor import RequestDelta, RequestOutputState
-from scheduler_svc.plan import SampledToken, SchedulerOutput
+from scheduler_svc.plan import SampledToken, SchedulerOutput, StepOutcome
 from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.structured_output import ConstraintCompiler
 from scheduler_svc.tenants import parse_weights
 
@@ -72,38 +71,6 @@ def make_executor_client(settings: SchedulerSettings, clock: Clock = SYSTEM_CLOC
         channel_credentials(settings.executor_tls_ca, settings.executor_tls_cert, settings.executor_tls_key),
         keepalive_s=settings.executor_keepalive_s,
         clock=clock,
-    )
-
-
-def core_limits(settings: SchedulerSettings) -> CoreLimits:
-    return CoreLimits(
-        max_plans_in_flight=settings.max_plans_in_flight,
-        admission=AdmissionLimits(
-            settings.max_queued_requests, settings.max_queued_tokens, settings.max_queue_delay_ms,
-            token_budget=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
-        ),
-        max_queued_requests_per_tenant=settings.max_queued_requests_per_tenant,
-    )
-
-
-def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size: int,
-                     max_model_len: int, num_host_blocks: int = 0) -> SchedulerConfig:
-    """The scheduler's configuration: the executor's KV geometry (from its
-    handshake: device pool, host tier) and the SCHEDULER_* settings."""
-    return SchedulerConfig(
-        num_kv_blocks=num_kv_blocks,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_prefill_chunk=settings.max_prefill_chunk,
-        policy=settings.policy,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        num_host_blocks=num_host_blocks,
-        preemption_mode=settings.preemption_mode,
-        prompt_token_weight=settings.prompt_token_weight,
-        output_token_weight=settings.output_token_weight,
-        tenant_weights=tuple(parse_weights(settings.tenant_weights).items()),
     )
 
 
@@ -152,8 +119,9 @@ class Engine(CoreListener):
         self._last_progress = clock.monotonic()
         self.stalled = False
         self._watchdog: asyncio.Task | None = None
-        # SCHEDULER_POLICY=fair's tenant weights; a bad value stops the start.
-        self.tenant_weights = parse_weights(settings.tenant_weights)
+        # SCHEDULER_POLICY=fair's tenant weights, read at each connect: a bad
+        # value stops the start now rather than at the first connect.
+        parse_weights(settings.tenant_weights)
         telemetry.TenantLabels.limit = settings.max_tenant_labels
         # Per tenant, the (prompt, output) tokens served already published.
         self._tenants_published: dict[str, tuple[int, int]] = {}

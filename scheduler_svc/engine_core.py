@@ -24,13 +24,15 @@ from __future__ import annotations
 import enum
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from scheduler_svc.backpressure import AdmissionLimits, Overloaded, StepTimeEstimator, check_admission
-from scheduler_svc.plan import SampledToken, SchedulerOutput
+from scheduler_svc.config import SchedulerSettings
+from scheduler_svc.plan import SampledToken, SchedulerOutput, StepOutcome
 from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.tenants import parse_weights
 
 log = logging.getLogger("scheduler_svc.engine")
 
@@ -44,26 +46,6 @@ class InFlightStep:
     sent_at: float
     blocks_allocated: int
     blocks_freed: int
-
-
-@dataclass(slots=True)
-class StepOutcome:
-    """The executor's answer to one plan, out of protobuf."""
-
-    sampled: list[tuple[int, int, tuple | None]] = field(default_factory=list)
-    # (handle, message) of requests whose constraint failed on the executor.
-    request_errors: list[tuple[int, str]] = field(default_factory=list)
-    # Non-empty when the step failed; the executor dropped all request state.
-    error: str = ""
-    # The plan was not run (an earlier plan of its epoch failed).
-    discarded: bool = False
-    forward_ns: int = 0
-    sample_ns: int = 0
-    # Copies of the plan's swaps (SwapPlan) that failed on the executor,
-    # and the time its copies took.
-    failed_swap_outs: list[int] = field(default_factory=list)
-    failed_swap_ins: list[int] = field(default_factory=list)
-    swap_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,3 +323,35 @@ class EngineCore:
         steps = list(self.in_flight)
         self.in_flight.clear()
         return steps
+
+
+def core_limits(settings: SchedulerSettings) -> CoreLimits:
+    return CoreLimits(
+        max_plans_in_flight=settings.max_plans_in_flight,
+        admission=AdmissionLimits(
+            settings.max_queued_requests, settings.max_queued_tokens, settings.max_queue_delay_ms,
+            token_budget=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
+        ),
+        max_queued_requests_per_tenant=settings.max_queued_requests_per_tenant,
+    )
+
+
+def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size: int,
+                     max_model_len: int, num_host_blocks: int = 0) -> SchedulerConfig:
+    """The scheduler's configuration: the executor's KV geometry (from its
+    handshake: device pool, host tier) and the SCHEDULER_* settings."""
+    return SchedulerConfig(
+        num_kv_blocks=num_kv_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_prefill_chunk=settings.max_prefill_chunk,
+        policy=settings.policy,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        num_host_blocks=num_host_blocks,
+        preemption_mode=settings.preemption_mode,
+        prompt_token_weight=settings.prompt_token_weight,
+        output_token_weight=settings.output_token_weight,
+        tenant_weights=tuple(parse_weights(settings.tenant_weights).items()),
+    )

@@ -19,7 +19,7 @@ from llmsched.v1 import executor_pb2 as pb
 from llmsched.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_svc import convert
 from scheduler_svc.clock import SYSTEM_CLOCK, Clock
-from scheduler_svc.engine_core import StepOutcome
+from scheduler_svc.plan import StepOutcome
 from scheduler_svc.plan import SchedulerOutput
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from scheduler_svc.block_pool import BlockHash, BlockPool
-from scheduler_svc.plan import SwapPlan
 from scheduler_svc.request import Request
 
 
@@ -55,6 +54,27 @@ class SwappedOut:
     # The result of the plan that copies it out has come back: it may
     # resume (its swap_in then runs after that copy, in any case).
     confirmed: bool = False
+
+
+@dataclass(slots=True)
+class SwapPlan:
+    """One plan's block copies between the device pool and the host tier
+    (StepPlan.swap_out / swap_in), with what each copy is for, so that the
+    step's result can confirm or fail each one."""
+
+    out_device: list[int] = field(default_factory=list)
+    out_host: list[int] = field(default_factory=list)
+    # Per swap_out pair: the hash of a spilled prefix block, or the
+    # swapped-out request the host block now holds KV of.
+    out_for: list[BlockHash | SwappedOut] = field(default_factory=list)
+    in_host: list[int] = field(default_factory=list)
+    in_device: list[int] = field(default_factory=list)
+    # Per swap_in pair: the request whose table it fills, and the host
+    # block's hash for a prefix hit (None for a request resumed from swap).
+    in_for: list[tuple[Request, BlockHash | None]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.out_host or self.in_host)
 
 
 class HostTier:
@@ -84,10 +104,6 @@ class HostTier:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
-
-    @property
-    def num_pending_blocks(self) -> int:
-        return len(self._pending_spills) + sum(len(r.host_blocks) for r in self.swapped.values() if not r.confirmed)
 
     def lookup(self, h: BlockHash) -> int | None:
         """A host block holding this prefix block, confirmed."""

@@ -22,8 +22,7 @@ from array import array
 from dataclasses import dataclass
 
 from scheduler_svc.block_pool import BlockHash, BlockPool
-from scheduler_svc.host_tier import HostTier, SwappedOut
-from scheduler_svc.plan import SwapPlan
+from scheduler_svc.host_tier import HostTier, SwapPlan, SwappedOut
 from scheduler_svc.request import Request
 
 ROOT_HASH = b"llmsched-root"

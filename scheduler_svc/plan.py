@@ -4,13 +4,9 @@ SchedulerOutput into the StepPlan proto; nothing here knows protobuf."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from scheduler_svc.block_pool import BlockHash
+from scheduler_svc.host_tier import SwapPlan
 from scheduler_svc.request import Request
-
-if TYPE_CHECKING:
-    from scheduler_svc.host_tier import SwappedOut
 
 
 @dataclass(slots=True)
@@ -56,27 +52,6 @@ class ScheduledRequest:
     @property
     def is_stale(self) -> bool:
         return self.request.epoch != self.epoch or self.request.status.is_finished
-
-
-@dataclass(slots=True)
-class SwapPlan:
-    """One plan's block copies between the device pool and the host tier
-    (StepPlan.swap_out / swap_in), with what each copy is for, so that the
-    step's result can confirm or fail each one."""
-
-    out_device: list[int] = field(default_factory=list)
-    out_host: list[int] = field(default_factory=list)
-    # Per swap_out pair: the hash of a spilled prefix block, or the
-    # swapped-out request the host block now holds KV of.
-    out_for: list[BlockHash | SwappedOut] = field(default_factory=list)
-    in_host: list[int] = field(default_factory=list)
-    in_device: list[int] = field(default_factory=list)
-    # Per swap_in pair: the request whose table it fills, and the host
-    # block's hash for a prefix hit (None for a request resumed from swap).
-    in_for: list[tuple[Request, BlockHash | None]] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.out_host or self.in_host)
 
 
 @dataclass(slots=True)
@@ -133,3 +108,23 @@ class SampledToken:
     request: Request
     token_id: int
     logprobs: tuple[float, list[int], list[float]] | None = None
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """The executor's answer to one plan, out of protobuf."""
+
+    sampled: list[tuple[int, int, tuple | None]] = field(default_factory=list)
+    # (handle, message) of requests whose constraint failed on the executor.
+    request_errors: list[tuple[int, str]] = field(default_factory=list)
+    # Non-empty when the step failed; the executor dropped all request state.
+    error: str = ""
+    # The plan was not run (an earlier plan of its epoch failed).
+    discarded: bool = False
+    forward_ns: int = 0
+    sample_ns: int = 0
+    # Copies of the plan's swaps (SwapPlan) that failed on the executor,
+    # and the time its copies took.
+    failed_swap_outs: list[int] = field(default_factory=list)
+    failed_swap_ins: list[int] = field(default_factory=list)
+    swap_ns: int = 0

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from scheduler_svc.clock import SYSTEM_CLOCK
 
-if TYPE_CHECKING:
-    from scheduler_svc.structured_output import CompiledConstraint
+
+@dataclass(frozen=True, slots=True)
+class CompiledConstraint:
+    """A request's output constraint, compiled and checked by
+    structured_output.py: what the plan sends the executor's matcher."""
+
+    kind: str
+    grammar: str  # llguidance's grammar JSON, as the executor's matcher takes it
 
 
 class RequestStatus(enum.IntEnum):

@@ -23,9 +23,8 @@ from scheduler_svc.detokenizer import token_text_decoder
 from scheduler_svc.engine import Engine, Unavailable
 from scheduler_svc.output_processor import RequestDelta
 from scheduler_svc.request import Request
-from scheduler_svc.structured_output import spec_from_proto
 from scheduler_svc.tenants import DEFAULT_TENANT, MAX_CACHE_SALT_CHARS, TENANT_NAME, ApiKeys, prefix_salt
-from scheduler_svc.validation import InvalidRequest, Limits, sampling_from_proto, validate_prompt
+from scheduler_svc.validation import InvalidRequest, Limits, sampling_from_proto, spec_from_proto, validate_prompt
 
 log = logging.getLogger(__name__)
 request_logger = logging.getLogger(REQUESTS)

@@ -30,9 +30,9 @@ import llguidance
 from llguidance import LLMatcher
 from prometheus_client import Counter, Histogram
 
-from llmsched.v1 import scheduler_pb2 as spb
 from scheduler_svc.clock import SYSTEM_CLOCK
-from scheduler_svc.validation import InvalidRequest
+from scheduler_svc.request import CompiledConstraint
+from scheduler_svc.validation import ConstraintSpec, InvalidRequest
 
 # JSON is written compactly unless a schema's own "x-guidance" says
 # otherwise: with free whitespace between tokens a model can pad forever
@@ -47,54 +47,11 @@ COMPILE_CACHE_HITS = Counter("llmsched_constraint_cache_hits", "Constraints foun
 
 
 @dataclass(frozen=True, slots=True)
-class ConstraintSpec:
-    """What the client asked for: one of the StructuredOutput kinds."""
-
-    kind: str  # the oneof field's name: json_schema, json_object, regex, choice, grammar
-    text: str  # the schema, regex or grammar; choices as a JSON list; "" for json_object
-
-    @property
-    def field(self) -> str:
-        return f"structured.{self.kind}"
-
-
-@dataclass(frozen=True, slots=True)
-class CompiledConstraint:
-    kind: str
-    grammar: str  # llguidance's grammar JSON, as the executor's matcher takes it
-
-
-@dataclass(frozen=True, slots=True)
 class Refusal:
     """A constraint that does not compile, cached like one that does."""
 
     field: str
     message: str
-
-
-def spec_from_proto(msg: spb.StructuredOutput) -> ConstraintSpec:
-    """Checks the message's shape; what the constraint means is checked by
-    compiling it."""
-    kind = msg.WhichOneof("constraint")
-    if kind is None:
-        raise InvalidRequest("structured", "set one of json_schema, json_object, regex, choice, grammar")
-    field = f"structured.{kind}"
-    if kind == "json_object":
-        if not msg.json_object:
-            raise InvalidRequest(field, "must be true (it asks for any JSON object)")
-        return ConstraintSpec(kind, "")
-    if kind == "choice":
-        values = list(msg.choice.values)
-        if not values:
-            raise InvalidRequest("structured.choice.values", "needs at least one string")
-        for i, v in enumerate(values):
-            if not v:
-                raise InvalidRequest(f"structured.choice.values[{i}]", "empty string")
-        return ConstraintSpec(kind, json.dumps(values))
-    text = getattr(msg, kind)
-    if not text:
-        raise InvalidRequest(field, "empty")
-    return ConstraintSpec(kind, text)
 
 
 def grammar_of(spec: ConstraintSpec) -> str:

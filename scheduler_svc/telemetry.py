@@ -214,7 +214,7 @@ def record_rejected(span: trace.Span, tracing: bool, reason: str, message: str) 
 
 
 def record_swaps(swaps, num_failed: int) -> None:
-    """A plan's copies (plan.SwapPlan), once its result is back."""
+    """A plan's copies (host_tier.SwapPlan), once its result is back."""
     spilled = sum(1 for w in swaps.out_for if isinstance(w, bytes))
     hits = sum(1 for _, h in swaps.in_for if h is not None)
     SWAPPED_BLOCKS.labels("out", "spill").inc(spilled)

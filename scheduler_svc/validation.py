@@ -3,6 +3,7 @@ the offending field, and the caller maps it to INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -78,3 +79,40 @@ def sampling_from_proto(s: spb.SamplingParams, limits: Limits) -> SamplingParams
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ConstraintSpec:
+    """What the client asked for: one of the StructuredOutput kinds."""
+
+    kind: str  # the oneof field's name: json_schema, json_object, regex, choice, grammar
+    text: str  # the schema, regex or grammar; choices as a JSON list; "" for json_object
+
+    @property
+    def field(self) -> str:
+        return f"structured.{self.kind}"
+
+
+def spec_from_proto(msg: spb.StructuredOutput) -> ConstraintSpec:
+    """Checks the message's shape; what the constraint means is checked by
+    compiling it."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        raise InvalidRequest("structured", "set one of json_schema, json_object, regex, choice, grammar")
+    field = f"structured.{kind}"
+    if kind == "json_object":
+        if not msg.json_object:
+            raise InvalidRequest(field, "must be true (it asks for any JSON object)")
+        return ConstraintSpec(kind, "")
+    if kind == "choice":
+        values = list(msg.choice.values)
+        if not values:
+            raise InvalidRequest("structured.choice.values", "needs at least one string")
+        for i, v in enumerate(values):
+            if not v:
+                raise InvalidRequest(f"structured.choice.values[{i}]", "empty string")
+        return ConstraintSpec(kind, json.dumps(values))
+    text = getattr(msg, kind)
+    if not text:
+        raise InvalidRequest(field, "empty")
+    return ConstraintSpec(kind, text)

@@ -10,16 +10,14 @@ calibrated model of the executor (docs/capacity-planning.md).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
 import time
 from pathlib import Path
 
-from bench.cli import add_trace_arguments, parse_env_pairs
-from bench.cli import parse_args as bench_parse_args
-from bench.cli import read_trace
+from bench.common import add_trace_arguments, parse_env_pairs, read_trace
+from bench.common import parse_args as bench_parse_args
 from bench.report import format_table, write_json
 from scheduler_svc.config import SchedulerSettings
 from simulator.profile import Profile, load_profile

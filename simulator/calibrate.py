@@ -26,7 +26,6 @@ starts the scheduler too and measures the scheduler's own time per step
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -410,10 +409,6 @@ def calibrate_host(services, cost, log=print) -> tuple[HostCost, dict]:
     latency = max(0.0, min(latencies))
     return (HostCost(per_step, per_token, latency),
             {"points": points, "scheduler_bound_points": len(slow), "first_token_excess_ms": [x * 1e3 for x in latencies]})
-
-
-def load_json(path: Path) -> dict:
-    return json.loads(path.read_text())
 
 
 def _print_fit(profile: Profile, out=sys.stdout) -> None:

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from bench import traces as tr
-from bench.cli import _environment, parse_env_pairs
+from bench.common import environment, parse_env_pairs
 from bench.report import request_record, summarize
 from llmsched.v1 import scheduler_pb2 as spb
 from simulator.profile import Profile
@@ -69,7 +69,7 @@ def build_report(result: SimResult, bench_args: argparse.Namespace, profile_path
         "mode": mode_of(profile),
         "workload": {"name": "trace", **result.trace.params(), "vocab_size": g.vocab_size},
         "config": config,
-        "environment": _environment(int(profile.provenance.get("num_threads") or 1)),
+        "environment": environment(int(profile.provenance.get("num_threads") or 1)),
         "started_unix": run.started_unix,
         "summary": summary,
         "server": {

@@ -170,7 +170,7 @@ def write_all(directory: Path = PROFILES_DIR / "roofline") -> list[Path]:
 
 def profiles_table(profiles: dict[str, Profile | None] | None = None) -> str:
     """The shipped profiles as a Markdown table (docs/capacity-planning.md,
-    rendered by llmsched.docgen so that it cannot drift from this file)."""
+    rendered by devtools.docgen so that it cannot drift from this file)."""
     profiles = all_profiles() if profiles is None else profiles
     lines = ["| profile | KV tokens | step (ms) | per decode row (µs) | per prefill token (µs) "
              "| per decode context token (ns) |", "|---|---|---|---|---|---|"]

@@ -31,9 +31,8 @@ from bench.client import RequestResult, RunResult
 from bench.traces import PromptMaker, Trace
 from scheduler_svc.backpressure import Overloaded
 from scheduler_svc.config import SchedulerSettings
-from scheduler_svc.engine import core_limits, scheduler_config
-from scheduler_svc.engine_core import CoreListener, EngineCore, InFlightStep, StepOutcome, TurnKind
-from scheduler_svc.plan import SampledToken
+from scheduler_svc.engine_core import CoreListener, EngineCore, InFlightStep, TurnKind, core_limits, scheduler_config
+from scheduler_svc.plan import SampledToken, StepOutcome
 from scheduler_svc.request import Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler
 from simulator.cost_model import StepShape

@@ -1,1 +1,1 @@
-"""Generated gRPC stubs for the llmsched.v1 protos (python -m llmsched.genproto)."""
+"""Generated gRPC stubs for the llmsched.v1 protos (python -m devtools.genproto)."""

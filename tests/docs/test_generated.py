@@ -1,6 +1,6 @@
 """The reference parts of the docs are generated from the code and cannot
 drift: docs/configuration.md from the settings classes, docs/grpc-api.md
-from scheduler.proto's comments (llmsched/docgen.py)."""
+from scheduler.proto's comments (devtools/docgen.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from llmsched import docgen
+from devtools import docgen
 from llmsched.v1 import scheduler_pb2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,8 +100,8 @@ def test_the_api_reference_carries_the_proto_comments():
 
 
 def test_settings_modules_and_docgen_never_import_torch():
-    code = ("import sys, scheduler_svc.config, executor_svc.config, gateway_svc.config, llmsched.docgen\n"
-            "llmsched.docgen.regions()['executor-settings']()\n"
+    code = ("import sys, scheduler_svc.config, executor_svc.config, gateway_svc.config, devtools.docgen\n"
+            "devtools.docgen.regions()['executor-settings']()\n"
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
             "assert not bad, f'torch imported: {bad[:5]}'\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

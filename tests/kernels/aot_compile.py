@@ -42,7 +42,6 @@ except ImportError as exc:  # pragma: no cover - depends on the Triton version
     print(f"unsupported triton {triton.__version__}: {exc}", file=sys.stderr)
     sys.exit(EXIT_UNSUPPORTED)
 
-from kernels import copy_blocks as cb  # noqa: E402
 from kernels import fused_moe as fm  # noqa: E402
 from kernels import kv_write  # noqa: E402
 from kernels import mla_decode as mla  # noqa: E402
@@ -135,7 +134,6 @@ def _record_all_launches(arch: int) -> list:
     pa._paged_attention_kernel = _Recorder(pa._paged_attention_kernel, launches, "attention")
     pa._merge_splits_kernel = _Recorder(pa._merge_splits_kernel, launches, "merge_splits")
     kv_write._write_kv_cache_kernel = _Recorder(kv_write._write_kv_cache_kernel, launches, "write_kv")
-    cb._copy_blocks_kernel = _Recorder(cb._copy_blocks_kernel, launches, "copy_blocks")
     fm._grouped_gemm_kernel = _Recorder(fm._grouped_gemm_kernel, launches, "fused_moe")
     mla._mla_decode_kernel = _Recorder(mla._mla_decode_kernel, launches, "mla_decode")
     pa._num_sms = lambda device: 132  # choose tiles as on an H100/H200
@@ -169,8 +167,6 @@ def _record_all_launches(arch: int) -> list:
             torch.zeros(2, 16, kvh, hd, dtype=dtype),
             torch.zeros(4, dtype=torch.int64),
         )
-    cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
-    cb.copy_blocks(cache, cache.clone(), torch.zeros(2, 2, dtype=torch.int64))
     # gpt-oss (64/8/64, W 128): sinks in the epilogue and in the split-KV merge.
     _attention_launch(decode, 64, 8, 64, 16, torch.bfloat16, sliding_window=128, sinks=True)
     _attention_launch(prefill, 64, 8, 64, 16, torch.bfloat16, sinks=True)

@@ -188,14 +188,3 @@ def test_reference_write_kv_cache_skips_negative_slots(dtype):
     written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     written[0, 5] = written[2, 3] = True
     assert not k_cache[~written].any() and not v_cache[~written].any(), "a padding token was written"
-
-
-def test_reference_copy_blocks():
-    k_cache = torch.randn(5, 16, 2, 8)
-    v_cache = torch.randn(5, 16, 2, 8)
-    before_k, before_v = k_cache.clone(), v_cache.clone()
-    reference.copy_blocks(k_cache, v_cache, torch.tensor([[0, 3], [4, 1]], dtype=torch.int64))
-    torch.testing.assert_close(k_cache[3], before_k[0], rtol=0, atol=0)
-    torch.testing.assert_close(v_cache[1], before_v[4], rtol=0, atol=0)
-    for untouched in (0, 2, 4):
-        torch.testing.assert_close(k_cache[untouched], before_k[untouched], rtol=0, atol=0)

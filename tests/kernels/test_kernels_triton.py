@@ -32,7 +32,6 @@ from kernels import reference
 
 pa = pytest.importorskip("kernels.paged_attention")
 kv_write = pytest.importorskip("kernels.kv_write")
-cb = pytest.importorskip("kernels.copy_blocks")
 import triton  # noqa: E402  (after the importorskips: kernels.* import it first)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -459,45 +458,6 @@ def test_write_kv_cache_int64_block_offsets(device, slot_dtype):
     for token, (block, offset) in enumerate([(2, 5), (0, 1), (2, 15)]):
         torch.testing.assert_close(k_cache[block, offset], key[token], atol=0, rtol=0)
         torch.testing.assert_close(v_cache[block, offset], value[token], atol=0, rtol=0)
-
-
-# --- copy_blocks ------------------------------------------------------------------------
-
-COPY_CASES = [
-    pytest.param(torch.float32, 1, 8, 16, id="fp32-kvh1-hd8-bs16"),
-    pytest.param(torch.bfloat16, 8, 128, 32, id="bf16-kvh8-hd128-bs32"),
-    pytest.param(torch.float16, 2, 80, 16, id="fp16-kvh2-hd80-bs16"),
-]
-
-
-@pytest.mark.parametrize("dtype,num_kv_heads,head_dim,block_size", COPY_CASES)
-def test_copy_blocks(device, dtype, num_kv_heads, head_dim, block_size):
-    gen = torch.Generator().manual_seed(7)
-    k_cache = torch.randn(8, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
-    v_cache = torch.randn(8, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
-    block_mapping = torch.tensor([[0, 5], [3, 1], [7, 2], [3, 6]], dtype=torch.int64, device=device)
-    k_expected, v_expected = k_cache.clone(), v_cache.clone()
-    reference.copy_blocks(k_expected, v_expected, block_mapping)
-    cb.copy_blocks(k_cache, v_cache, block_mapping)
-    torch.testing.assert_close(k_cache, k_expected, atol=0, rtol=0)
-    torch.testing.assert_close(v_cache, v_expected, atol=0, rtol=0)
-
-
-def test_copy_blocks_int64_block_offsets(device):
-    block_size, num_kv_heads, head_dim, dtype = 16, 2, 16, torch.float16
-    k_cache = _huge_cache_or_skip(block_size, num_kv_heads, head_dim, dtype, device)
-    v_cache = _huge_cache_or_skip(block_size, num_kv_heads, head_dim, dtype, device)
-    for block in range(3):
-        k_cache[block] = torch.randn(block_size, num_kv_heads, head_dim, device=device).to(dtype)
-        v_cache[block] = torch.randn(block_size, num_kv_heads, head_dim, device=device).to(dtype)
-    k_before, v_before = k_cache.clone(), v_cache.clone()  # [3, block_size, kvh, d]
-
-    cb.copy_blocks(k_cache, v_cache, torch.tensor([[2, 1]], dtype=torch.int64, device=device))  # read past 2^31
-    torch.testing.assert_close(k_cache[1], k_before[2], atol=0, rtol=0)
-    torch.testing.assert_close(v_cache[1], v_before[2], atol=0, rtol=0)
-    cb.copy_blocks(k_cache, v_cache, torch.tensor([[0, 2]], dtype=torch.int64, device=device))  # write past 2^31
-    torch.testing.assert_close(k_cache[2], k_before[0], atol=0, rtol=0)
-    torch.testing.assert_close(v_cache[2], v_before[0], atol=0, rtol=0)
 
 
 # --- larger batches on a real GPU -------------------------------------------------------

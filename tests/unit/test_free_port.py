@@ -1,4 +1,4 @@
-"""llmsched.launch.free_port across processes: a port handed to one
+"""llmsched.server.free_port across processes: a port handed to one
 process is not handed to another while its child may still be starting,
 as happens when pytest-xdist workers start services side by side. Without
 the reservation the kernel's bind(0) repeats ports: two sets of 300 from
@@ -11,7 +11,7 @@ import sys
 
 from tests.conftest import REPO_ROOT
 
-PICK = "from llmsched.launch import free_port; print(' '.join(str(free_port()) for _ in range(300)))"
+PICK = "from llmsched.server import free_port; print(' '.join(str(free_port()) for _ in range(300)))"
 
 
 def test_two_processes_picking_ports_at_once_never_get_the_same_one():

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmsched.genproto import generate
+from devtools.genproto import generate
 
 REPO = Path(__file__).resolve().parents[2]
 

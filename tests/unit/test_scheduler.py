@@ -3,7 +3,7 @@
 import pytest
 
 from scheduler_svc.request import RequestStatus
-from scheduler_svc.structured_output import CompiledConstraint
+from scheduler_svc.request import CompiledConstraint
 from tests.factories import EOS, FakeExecutor, make_request, make_requests, make_scheduler, run_step
 
 

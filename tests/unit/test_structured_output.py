@@ -15,7 +15,7 @@ from llguidance import LLMatcher
 from llmsched.llguidance_tokenizer import make_tokenizer
 from llmsched.v1 import scheduler_pb2 as spb
 from scheduler_svc import structured_output as so
-from scheduler_svc.validation import InvalidRequest
+from scheduler_svc.validation import InvalidRequest, spec_from_proto
 from tests.conftest import STORIES
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -32,7 +32,7 @@ def compiler(tokenizer, timeout_s=10.0, cache_size=8):
 
 
 def compile_(c, **constraint):
-    return asyncio.run(c.compile(so.spec_from_proto(spb.StructuredOutput(**constraint))))
+    return asyncio.run(c.compile(spec_from_proto(spb.StructuredOutput(**constraint))))
 
 
 @pytest.mark.parametrize("constraint, field, why", [
@@ -44,7 +44,7 @@ def compile_(c, **constraint):
 ], ids=["nothing-set", "json-object-false", "empty-regex", "empty-choice", "empty-choice-string"])
 def test_a_malformed_structured_field_is_refused_naming_it(constraint, field, why):
     with pytest.raises(InvalidRequest) as exc:
-        so.spec_from_proto(spb.StructuredOutput(**constraint))
+        spec_from_proto(spb.StructuredOutput(**constraint))
     assert exc.value.field == field and why in exc.value.message
 
 

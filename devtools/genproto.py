@@ -2,7 +2,7 @@
 
 The .proto files live at protos/llmsched/v1/, mirroring their package, so
 protoc writes `from llmsched.v1 import ...` imports that need no fixing.
-Run: python -m llmsched.genproto
+Run: python -m devtools.genproto
 """
 
 from __future__ import annotations

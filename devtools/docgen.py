@@ -13,8 +13,8 @@ The pages are hand-written prose around regions that start with
 those regions are rewritten. tests/docs fails when a committed page differs
 from what this renders.
 
-Run: python -m llmsched.docgen           (make docs-gen: rewrites the pages)
-     python -m llmsched.docgen --check   (exit 1 when a page is stale)
+Run: python -m devtools.docgen           (make docs-gen: rewrites the pages)
+     python -m devtools.docgen --check   (exit 1 when a page is stale)
 
 Nothing here imports torch: the settings modules and the simulator are
 torch-free.
@@ -37,7 +37,7 @@ CONFIG_PAGE = DOCS / "configuration.md"
 API_PAGE = DOCS / "grpc-api.md"
 CAPACITY_PAGE = DOCS / "capacity-planning.md"
 PUBLIC_PROTO = "llmsched/v1/scheduler.proto"  # under protos/
-REGENERATE = "python -m llmsched.docgen (make docs-gen)"
+REGENERATE = "python -m devtools.docgen (make docs-gen)"
 
 # (region name, module, class): one table per settings class, in this order.
 SETTINGS_CLASSES = [
@@ -122,7 +122,7 @@ _SCALARS = {
 def proto_descriptor(proto: str = PUBLIC_PROTO):
     """The FileDescriptorProto of protos/<proto>, with its comments."""
     from google.protobuf import descriptor_pb2
-    from grpc_tools import protoc  # the test extra, as for llmsched.genproto
+    from grpc_tools import protoc  # the test extra, as for devtools.genproto
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "set.pb"
@@ -249,7 +249,7 @@ def stale_pages(renderers: dict[str, Callable[[], str]] | None = None) -> list[P
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmsched.docgen", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m devtools.docgen", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when a page is stale; write nothing")
     args = parser.parse_args(argv)
     renderers = regions()

@@ -13,7 +13,8 @@ from llmsched.security import ApiKeyInterceptor, load_api_keys, server_credentia
 from llmsched.tracing import setup_tracing
 from llmsched.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerSettings
-from scheduler_svc.engine import Engine, make_executor_client
+from scheduler_svc.engine import Engine
+from scheduler_svc.executor_link import make_executor_client
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.tenants import ApiKeys
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from llmsched.v1 import executor_pb2 as epb
 from llmsched.v1 import scheduler_pb2 as spb
+from scheduler_svc.model_facts import ModelFacts
 from scheduler_svc.output_processor import RequestDelta
 from scheduler_svc.plan import SchedulerOutput, StepOutcome
 from scheduler_svc.request import Request, RequestStatus, SamplingParams
@@ -17,6 +18,16 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: spb.FINISH_REASON_ABORT,
     RequestStatus.FINISHED_ERROR: spb.FINISH_REASON_ABORT,
 }
+
+
+def model_facts(h: epb.HandshakeResponse) -> ModelFacts:
+    return ModelFacts(
+        instance_id=h.instance_id, model=h.model, architecture=h.architecture, rope_type=h.rope_type, device=h.device,
+        tensor_parallel_size=h.tensor_parallel_size, tokenizer_json=h.tokenizer_json, vocab_size=h.vocab_size,
+        eos_token_ids=tuple(h.eos_token_ids), max_logprobs=h.max_logprobs, supports_constraints=h.supports_constraints,
+        chat_template=h.chat_template, bos_token=h.bos_token, eos_token=h.eos_token, block_size=h.block_size,
+        num_kv_blocks=h.num_kv_blocks, num_host_kv_blocks=h.num_host_kv_blocks, max_model_len=h.max_model_len,
+    )
 
 
 def finish_reason_name(status: RequestStatus) -> str:

@@ -106,6 +106,56 @@ class CoreListener:
         pass
 
 
+class Tee(CoreListener):
+    """Two listeners as one, `first` then `second`: a driver composes its
+    parts (the engine: metrics and spans, then streams). What planning
+    returns (the step's span) is the first one's."""
+
+    def __init__(self, first: CoreListener, second: CoreListener):
+        self.first, self.second = first, second
+
+    def plan_started(self) -> Any:
+        self.second.plan_started()
+        return self.first.plan_started()
+
+    def planned(self, step: InFlightStep, started: Any, counts: PlanCounts) -> Any:
+        span = self.first.planned(step, started, counts)
+        self.second.planned(step, started, counts)
+        return span
+
+    def tokens(self, tokens: list[SampledToken], num_dropped: int) -> None:
+        self.first.tokens(tokens, num_dropped)
+        self.second.tokens(tokens, num_dropped)
+
+    def swaps_applied(self, step: InFlightStep, outcome: StepOutcome) -> None:
+        self.first.swaps_applied(step, outcome)
+        self.second.swaps_applied(step, outcome)
+
+    def step_applied(self, step: InFlightStep, outcome: StepOutcome, elapsed: float) -> None:
+        self.first.step_applied(step, outcome, elapsed)
+        self.second.step_applied(step, outcome, elapsed)
+
+    def step_discarded(self, step: InFlightStep) -> None:
+        self.first.step_discarded(step)
+        self.second.step_discarded(step)
+
+    def step_failed(self, step: InFlightStep, error: str) -> None:
+        self.first.step_failed(step, error)
+        self.second.step_failed(step, error)
+
+    def step_done(self, step: InFlightStep) -> None:
+        self.first.step_done(step)
+        self.second.step_done(step)
+
+    def request_failed(self, request_id: str, code: str, message: str) -> None:
+        self.first.request_failed(request_id, code, message)
+        self.second.request_failed(request_id, code, message)
+
+    def aborted(self, request: Request) -> None:
+        self.first.aborted(request)
+        self.second.aborted(request)
+
+
 @dataclass(frozen=True, slots=True)
 class CoreLimits:
     max_plans_in_flight: int

@@ -3,8 +3,8 @@ bidirectional stream on which each plan gets exactly one result, in order.
 Plans may be sent before earlier results are read (pipelining).
 
 Plans go out and results come back as the plain dataclasses the engine
-core uses (SchedulerOutput, StepOutcome): protobuf stays in this module and
-convert.py."""
+core uses (SchedulerOutput, StepOutcome), and the handshake as ModelFacts:
+protobuf stays in this module and convert.py."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from llmsched.v1 import executor_pb2 as pb
 from llmsched.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_svc import convert
 from scheduler_svc.clock import SYSTEM_CLOCK, Clock
-from scheduler_svc.plan import StepOutcome
-from scheduler_svc.plan import SchedulerOutput
+from scheduler_svc.model_facts import ModelFacts
+from scheduler_svc.plan import SchedulerOutput, StepOutcome
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class ExecutorClient:
         self._call = None
 
     async def connect(self, timeout_s: float,
-                      check: Callable[[pb.HandshakeResponse], None] | None = None) -> pb.HandshakeResponse:
+                      check: Callable[[ModelFacts], None] | None = None) -> ModelFacts:
         """Handshakes and opens a fresh step stream, retrying with capped
         exponential backoff until timeout_s. The executor serves one
         scheduler at a time and refuses a second stream with
@@ -71,7 +71,9 @@ class ExecutorClient:
                 self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
             stub = pb_grpc.ExecutorStub(self._channel)
             try:
-                info = await stub.Handshake(pb.HandshakeRequest(), timeout=max(0.1, min(5.0, deadline - self.clock.monotonic())))
+                handshake = await stub.Handshake(pb.HandshakeRequest(),
+                                                 timeout=max(0.1, min(5.0, deadline - self.clock.monotonic())))
+                info = convert.model_facts(handshake)
                 if check is not None:
                     try:
                         check(info)

@@ -83,7 +83,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         return msg.tenant or DEFAULT_TENANT
 
     def _limits(self) -> Limits:
-        info, s = self.engine.info, self.engine.settings
+        info, s = self.engine.link.facts, self.engine.settings
         return Limits(
             vocab_size=info.vocab_size,
             max_model_len=info.max_model_len,
@@ -95,7 +95,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
 
     async def _build_request(self, msg: spb.GenerateRequest, tenant: str, request_id: str) -> Request:
         engine = self.engine
-        if engine.info is None or engine.tokenizer is None:
+        if engine.link.facts is None or engine.link.tokenizer is None:
             raise Unavailable("no executor is connected")
         limits = self._limits()
         validate_prompt(msg, limits)
@@ -105,14 +105,14 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         constraint = None
         if msg.HasField("structured"):
             spec = spec_from_proto(msg.structured)
-            if not engine.info.supports_constraints:
+            if not engine.link.facts.supports_constraints:
                 raise Unavailable("the connected executor does not enforce constraints (structured)")
-            constraint = await engine.constraints.compile(spec)
+            constraint = await engine.link.constraints.compile(spec)
         sampling = sampling_from_proto(msg.sampling, limits)
         if msg.prompt:
             # No token is longer than the tokenizer's longest vocabulary
             # entry, so a longer text cannot fit and is refused untokenized.
-            max_chars = limits.max_model_len * engine.max_token_chars
+            max_chars = limits.max_model_len * engine.link.max_token_chars
             if len(msg.prompt) > max_chars:
                 raise InvalidRequest("prompt", f"{len(msg.prompt)} characters cannot fit max_model_len "
                                                f"{limits.max_model_len} (at most {max_chars} characters)")
@@ -121,10 +121,11 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             if len(msg.prompt) > INLINE_TOKENIZE_CHARS:
                 # The Rust tokenizer releases the GIL: long texts are encoded
                 # off the event loop, so running streams do not stall.
-                encoding = await asyncio.to_thread(engine.tokenizer.encode, msg.prompt, add_special_tokens=add_special)
+                encoding = await asyncio.to_thread(engine.link.tokenizer.encode, msg.prompt,
+                                                   add_special_tokens=add_special)
                 prompt_ids = encoding.ids
             else:
-                prompt_ids = engine.tokenizer.encode(msg.prompt, add_special_tokens=add_special).ids
+                prompt_ids = engine.link.tokenizer.encode(msg.prompt, add_special_tokens=add_special).ids
         else:
             prompt_ids = list(msg.prompt_token_ids)
         if not prompt_ids:
@@ -135,7 +136,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             sampling=sampling,
-            eos_token_ids=frozenset(engine.info.eos_token_ids),
+            eos_token_ids=frozenset(engine.link.facts.eos_token_ids),
             priority=msg.priority,
             constraint=constraint,
             tenant=tenant,
@@ -184,7 +185,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             if self.tracing.enabled:
                 span.set_attributes({
                     "gen_ai.operation.name": "text_completion",
-                    "gen_ai.request.model": self.engine.info.model,
+                    "gen_ai.request.model": self.engine.link.facts.model,
                     "gen_ai.request.max_tokens": req.sampling.max_tokens,
                     "gen_ai.request.temperature": req.sampling.temperature,
                     "gen_ai.request.top_p": req.sampling.top_p,
@@ -213,7 +214,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
 
         want_logprobs = req.sampling.logprobs > 0
         # Logprob entries carry token text, for HTTP front ends without a tokenizer.
-        decode = token_text_decoder(self.engine.tokenizer) if want_logprobs else None
+        decode = token_text_decoder(self.engine.link.tokenizer) if want_logprobs else None
         finished = False
         try:
             while not finished:
@@ -246,10 +247,28 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         return spb.AbortResponse(found=self.engine.abort(request.request_id, self._owner(context)))
 
     async def GetServerInfo(self, request, context):
-        info = self.engine.server_info()
-        if not info:
+        sched, facts, core = self.engine.scheduler, self.engine.link.facts, self.engine.core
+        if sched is None or facts is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is connected")
-        return spb.ServerInfo(**info)
+        return spb.ServerInfo(
+            model=facts.model,
+            max_model_len=facts.max_model_len,
+            block_size=facts.block_size,
+            num_kv_blocks=facts.num_kv_blocks,
+            num_free_kv_blocks=sched.num_free_blocks,
+            num_host_kv_blocks=facts.num_host_kv_blocks,
+            num_free_host_kv_blocks=sched.num_free_host_blocks,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting) + core.num_pending_adds,
+            executor_instance_id=facts.instance_id,
+            num_preemptions=sched.num_preemptions,
+            chat_template=facts.chat_template,
+            bos_token=facts.bos_token,
+            eos_token=facts.eos_token,
+            architecture=facts.architecture,
+            rope_type=facts.rope_type,
+            tensor_parallel_size=facts.tensor_parallel_size or 1,  # 0: an executor older than the field
+        )
 
 
 class PermissionDenied(Exception):

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmsched.v1 import executor_pb2 as pb
+from scheduler_svc.model_facts import ModelFacts
 from simulator.cost_model import BASE_FEATURES, FEATURES, StepShape, fit, mape
 from simulator.profile import Geometry, HostCost, Profile
 
@@ -174,7 +175,7 @@ def scenario(w: PlanWriter, p: GridPoint, repeats: int) -> Iterator[tuple[pb.Ste
 
 
 async def measure(address: str, grid: list[GridPoint], rounds: int, steps: int, connect_timeout_s: float = 120.0,
-                  progress=None, seed: int = 0) -> tuple[pb.HandshakeResponse, list[Measurement]]:
+                  progress=None, seed: int = 0) -> tuple[ModelFacts, list[Measurement]]:
     """Runs the grid over the executor's Step stream with two plans in
     flight; returns each measured step's time."""
     from scheduler_svc.executor_client import ExecutorClient

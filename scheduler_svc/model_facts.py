@@ -1,0 +1,36 @@
+"""What the executor's handshake says of the model and its KV pool, as a
+plain record: the scheduler reads these and nothing else of the executor
+(executor_client.py converts the protobuf)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    instance_id: str  # one per executor process: a new one means a restart
+    model: str
+    architecture: str
+    rope_type: str
+    device: str
+    tensor_parallel_size: int  # 0 from an executor older than the field
+    tokenizer_json: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_logprobs: int
+    supports_constraints: bool
+    chat_template: str
+    bos_token: str
+    eos_token: str
+    # The KV pool.
+    block_size: int
+    num_kv_blocks: int
+    num_host_kv_blocks: int
+    max_model_len: int
+
+    @property
+    def geometry(self) -> tuple:
+        """What the live requests' state depends on. Not the host tier's
+        size: it comes back empty after a restart anyway."""
+        return (self.model, self.block_size, self.num_kv_blocks, self.max_model_len, self.vocab_size)

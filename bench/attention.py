@@ -97,7 +97,7 @@ class StepRow:
     gather_ms: float  # one decode step through the ModelRunner, wall time
     ours_ms: float
     speedup: float
-    gather_forward_ms: float  # of which the model's forward pass (StepOutput.forward_ns)
+    gather_forward_ms: float  # of which the model's forward pass (StepResult.forward_ns)
     ours_forward_ms: float
     forward_speedup: float
 
@@ -170,7 +170,7 @@ def bench_step(num_reqs: int, context: int, rounds: int, model_path: Path = STOR
     from executor_svc.checkpoint import load_checkpoint
     from executor_svc.kv_cache import KVCachePool
     from executor_svc.families import build_model, read_config
-    from executor_svc.runner import ModelRunner, NewRequestData, StepInput
+    from executor_svc.runner import ModelRunner, NewRequestData, StepPlan
     from executor_svc.sampler import SamplingSettings
 
     ckpt = load_checkpoint(str(model_path))
@@ -191,7 +191,7 @@ def bench_step(num_reqs: int, context: int, rounds: int, model_path: Path = STOR
         # Every request arrives with context - 1 tokens computed: the step decodes one
         # token each. The previous step's requests finish first, so the state is fresh.
         nonlocal step_id
-        plan = StepInput(step_id, finished_handles=list(range(num_reqs)), new_requests=[
+        plan = StepPlan(step_id, finished_handles=list(range(num_reqs)), new_requests=[
             NewRequestData(h, tokens[h], tables[h], context - 1, 1, greedy, 0) for h in range(num_reqs)
         ])
         step_id += 1

@@ -14,7 +14,7 @@ own seed, on the same logits (vocabulary of stories260K, 512).
 
     python -m bench.executor_cost [--requests 256] [--contexts 512 2048 8192] [--steps 200]
 
-Works against older runners with the same StepInput/StepOutput shapes, so
+Works against older runners with the same StepPlan/StepResult shapes, so
 another commit's executor_svc can be measured with this same bench, run
 from that copy's directory (python -m puts the current directory first):
 
@@ -36,7 +36,7 @@ from torch import nn
 
 from executor_svc import sampler as sampler_mod
 from executor_svc.attention import TorchAttentionBackend
-from executor_svc.runner import ModelRunner, NewRequestData, StepInput
+from executor_svc.runner import ModelRunner, NewRequestData, StepPlan
 from executor_svc.sampler import SamplingSettings
 from llmsched.assets import STORIES260K
 
@@ -132,11 +132,11 @@ def decode_steps(logits: torch.Tensor, num_requests: int, context: int, steps: i
         lengths.append(n)
         prompt = [3 + (i * 7919 + j) % 500 for j in range(n)]
         new.append(NewRequestData(i, prompt, list(range(base, base + blocks[-1])), n - 1, 1, sampling(i), 0))
-    runner.execute(StepInput(0, new_requests=new))
+    runner.execute(StepPlan(0, new_requests=new))
     handles = list(range(num_requests))
     out = []
     for s in range(1, warmup + steps + 1):
-        plan = StepInput(s, cached_handles=handles, cached_num_scheduled_tokens=[1] * num_requests)
+        plan = StepPlan(s, cached_handles=handles, cached_num_scheduled_tokens=[1] * num_requests)
         for i in range(num_requests):
             lengths[i] += 1  # the token sampled last step is computed now
             if lengths[i] > blocks[i] * BLOCK_SIZE:

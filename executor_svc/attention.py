@@ -113,7 +113,7 @@ class _Prefill:
 
 
 @dataclass(slots=True)
-class _StepPlan:
+class _AttentionLayout:
     # A decode row is one request's visible keys, or a piece of them when they
     # outgrow one chunk (split-KV): rows are sorted by length and chunked.
     row_tokens: torch.Tensor  # [num_rows] int64: each row's query in the step batch
@@ -187,7 +187,7 @@ class TorchAttentionBackend:
         return out
 
 
-def _attend_decodes(query, k_cache, v_cache, plan: _StepPlan, scale, softcap, sinks, out) -> None:
+def _attend_decodes(query, k_cache, v_cache, plan: _AttentionLayout, scale, softcap, sinks, out) -> None:
     """Writes the decodes' rows of out ([num_tokens, num_heads, head_dim]).
     Sinks join after the pieces merge: a piece's output is normalised over
     its own keys, and its log-sum-exp says how much it weighs; the sink's
@@ -306,7 +306,7 @@ def _merge_pieces(o_rows, lse_rows, row_decodes, num_decodes):
 def _plan_step(
     meta: AttentionMetadata, block_size: int, token_bytes: int, window: int | None, dtype: torch.dtype,
     device: torch.device,
-) -> _StepPlan:
+) -> _AttentionLayout:
     """Which blocks each request's queries can see, and the masks for the
     padding and window edges; shared by every layer of the step.
 
@@ -324,7 +324,7 @@ def _plan_step(
             prefills.append(_plan_prefill(meta, r, starts, q_len, seq_len, first, block_size, window, dtype, device))
         starts += q_len
     if not decodes:
-        return _StepPlan(torch.empty(0, dtype=torch.long, device=device), None, None, [], prefills, 0)
+        return _AttentionLayout(torch.empty(0, dtype=torch.long, device=device), None, None, [], prefills, 0)
 
     chunk_tokens = max(1, DECODE_CHUNK_BYTES // token_bytes)
     # Pieces of at most chunk_tokens keys: one gathered piece stays in cache.
@@ -375,7 +375,7 @@ def _plan_step(
         row_decodes = torch.tensor([p[0] for p in pieces], dtype=torch.long, device=device)
         decode_tokens = torch.tensor([start for _, start, _, _ in decodes], dtype=torch.long, device=device)
     max_gather = max((c.end - c.start) * c.num_blocks for c in chunks)
-    return _StepPlan(row_tokens, row_decodes, decode_tokens, chunks, prefills, max_gather)
+    return _AttentionLayout(row_tokens, row_decodes, decode_tokens, chunks, prefills, max_gather)
 
 
 def _plan_prefill(meta, r, start, q_len, seq_len, first_pos, block_size, window, dtype, device) -> _Prefill:

@@ -3,7 +3,7 @@ constrained request, a token mask for each of them at every step it
 samples, and the sampled token fed back to its matcher.
 
 The scheduler compiles and checks each constraint before queueing the
-request (scheduler_svc/structured_output.py) and sends the grammar once, in
+request (scheduler_svc/constraints.py) and sends the grammar once, in
 NewRequest. Matchers live here, where tokens are sampled: the mask for a
 row's next step depends on the token it sampled last, which this process
 knows at once, while the scheduler learns it only after it has sent the

@@ -4,7 +4,7 @@ step-protocol messages."""
 from __future__ import annotations
 
 from llmsched.v1 import executor_pb2 as pb
-from executor_svc.runner import NewRequestData, StepInput, StepOutput
+from executor_svc.runner import NewRequestData, StepPlan, StepResult
 from executor_svc.sampler import SamplingSettings
 
 
@@ -18,8 +18,8 @@ def sampling_from_proto(s: pb.StepSampling) -> SamplingSettings:
     )
 
 
-def step_from_proto(plan: pb.StepPlan) -> StepInput:
-    return StepInput(
+def step_from_proto(plan: pb.StepPlan) -> StepPlan:
+    return StepPlan(
         step_id=plan.step_id,
         new_requests=[
             NewRequestData(
@@ -47,7 +47,7 @@ def step_from_proto(plan: pb.StepPlan) -> StepInput:
     )
 
 
-def result_to_proto(out: StepOutput) -> pb.StepResult:
+def result_to_proto(out: StepResult) -> pb.StepResult:
     result = pb.StepResult(
         step_id=out.step_id,
         sampled_handles=out.sampled_handles,

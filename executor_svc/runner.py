@@ -47,7 +47,7 @@ class NewRequestData:
 
 
 @dataclass(slots=True)
-class StepInput:
+class StepPlan:
     step_id: int
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_handles: list[int] = field(default_factory=list)
@@ -67,7 +67,7 @@ class StepInput:
 
 
 @dataclass(slots=True)
-class StepOutput:
+class StepResult:
     step_id: int
     sampled_handles: list[int]
     sampled_token_ids: list[int]
@@ -115,7 +115,7 @@ class ModelRunner:
         if self.constraints is not None:
             self.constraints.reset()
 
-    def _apply_diffs(self, step: StepInput) -> tuple[np.ndarray, np.ndarray]:
+    def _apply_diffs(self, step: StepPlan) -> tuple[np.ndarray, np.ndarray]:
         """Updates the rows; returns the scheduled rows and their token counts."""
         rows, constraints = self.rows, self.constraints
         for h in step.finished_handles:
@@ -164,7 +164,7 @@ class ModelRunner:
         if len(rows) > 1 and (rows[1:] == rows[:-1]).any():  # rows are sorted
             raise PlanError("plan schedules a request twice in one step")
 
-    def _swap(self, step: StepInput) -> SwapResult | None:
+    def _swap(self, step: StepPlan) -> SwapResult | None:
         """The plan's copies between the tiers, before anything reads or
         writes the blocks they touch (on CUDA, issued on a side stream that
         the forward waits for)."""
@@ -176,14 +176,14 @@ class ModelRunner:
                                  step.swap_in_host_blocks, step.swap_in_device_blocks)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> StepOutput:
+    def execute(self, step: StepPlan) -> StepResult:
         swaps = self._swap(step)  # timed on its own (SwapResult.swap_ns)
         t0 = time.perf_counter_ns()
         rows, q = self._apply_diffs(step)  # [n] each
         if not len(rows):
             if swaps is not None:
                 self.host_kv.finish(swaps)
-            return StepOutput(step.step_id, [], [], None, time.perf_counter_ns() - t0, 0, 0, swaps=swaps)
+            return StepResult(step.step_id, [], [], None, time.perf_counter_ns() - t0, 0, 0, swaps=swaps)
         # The batch runs in row order: when its rows are contiguous, as in a
         # steady decode, the block table is a view of the persistent one.
         order = np.argsort(rows, kind="stable")
@@ -268,7 +268,7 @@ class ModelRunner:
         if swaps is not None:
             self.host_kv.finish(swaps)  # long done: the forward waited for them
         t3 = time.perf_counter_ns()
-        return StepOutput(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2, errors, swaps)
+        return StepResult(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2, errors, swaps)
 
     def _run_compiled(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Logits from the compiled decode graph; None (and eager from now on)

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from gateway_svc import chat_template, metrics, structured, tools
+from gateway_svc import chat_template, constraints, metrics, tools
 from gateway_svc.config import GatewaySettings
 from gateway_svc.errors import error_body, error_response, from_rpc_error
 from gateway_svc.openai_format import ChatFormat, CompletionFormat, Sample, usage
@@ -27,7 +27,7 @@ from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, Reque
 from gateway_svc.reasoning import PARSERS as REASONING_PARSERS
 from gateway_svc.request_log import RequestLogMiddleware, RequestRecord, record_of
 from gateway_svc.scheduler_client import ModelInfo, SchedulerClient
-from gateway_svc.structured import Constraint
+from gateway_svc.constraints import Constraint
 from llmsched.v1 import scheduler_pb2 as spb
 
 log = logging.getLogger("gateway_svc")
@@ -160,7 +160,7 @@ class Gateway:
         body = await _parse(request, model)
         if body.n > self.settings.max_n:
             raise RequestError("n", f"n={body.n} exceeds the most this server allows ({self.settings.max_n})")
-        constraint = structured.from_request(body)
+        constraint = constraints.from_request(body)
         metadata = _auth_metadata(request)
         info = await self._info(metadata)
         _check_model(body.model, self.served_names(info))

@@ -137,7 +137,7 @@ class _Common(BaseModel):
     # Only requests with the same salt share prefix-cache blocks; checked by
     # the scheduler (GenerateRequest.cache_salt).
     cache_salt: str | None = None
-    # Constraints (gateway_svc/structured.py): OpenAI's response_format,
+    # Constraints (gateway_svc/constraints.py): OpenAI's response_format,
     # and vLLM's structured_outputs and older guided_* extras.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

@@ -1,5 +1,5 @@
 """Tool calling on the request side: `tools`, `tool_choice` and
-`parallel_tool_calls` checked and turned into a ToolPlan: the tools the
+`parallel_tool_calls` checked and turned into a ToolChoice: the tools the
 chat template renders, the parser that reads calls back out of the output,
 and, for tool_choice `required` or a named function, the grammar that makes
 the model call (sent as `structured.grammar`, in the format of
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from gateway_svc.protocol import ChatCompletionRequest, RequestError
-from gateway_svc.structured import Constraint, json_schema_of
+from gateway_svc.constraints import Constraint, json_schema_of
 from gateway_svc.tool_parsers import PARSERS, Function
 from llmsched.v1 import scheduler_pb2 as spb
 
@@ -25,14 +25,14 @@ CHOICES = ("none", "auto", "required")
 
 
 @dataclass(frozen=True, slots=True)
-class ToolPlan:
+class ToolChoice:
     tools: list[dict] | None  # for the chat template, as the client sent them
     parser: ModuleType | None  # reads calls out of the output; None: no calls (tool_choice none)
     parallel: bool
     constraint: Constraint | None  # a forced call's grammar
 
 
-NO_TOOLS = ToolPlan(None, None, True, None)
+NO_TOOLS = ToolChoice(None, None, True, None)
 
 
 def _choice(value, names: list[str]) -> str | None:
@@ -84,7 +84,7 @@ def _functions(body: ChatCompletionRequest) -> list[Function]:
     return functions
 
 
-def plan(body: ChatCompletionRequest, parser_name: str) -> ToolPlan:
+def plan(body: ChatCompletionRequest, parser_name: str) -> ToolChoice:
     functions = _functions(body)
     names = [f.name for f in functions]
     choice = _choice(body.tool_choice, names)
@@ -98,18 +98,18 @@ def plan(body: ChatCompletionRequest, parser_name: str) -> ToolPlan:
     if choice == "none":
         # The tools are still in the prompt, as OpenAI and vLLM render them;
         # the output is returned as written.
-        return ToolPlan(tools, None, parallel, None)
+        return ToolChoice(tools, None, parallel, None)
     parser = PARSERS[parser_name]
     if choice == "auto":
-        return ToolPlan(tools, parser, parallel, None)
+        return ToolChoice(tools, parser, parallel, None)
     # A named function is called once, as vLLM and OpenAI do; `required`
     # may call several tools unless parallel_tool_calls is false.
     grammar = parser.forced_grammar(forced, False) if choice is None else parser.forced_grammar(functions, parallel)
     constraint = Constraint(spb.StructuredOutput(grammar=grammar.text), "tools", "tool_call", grammar.line_params)
-    return ToolPlan(tools, parser, parallel, constraint)
+    return ToolChoice(tools, parser, parallel, constraint)
 
 
-def check_template(template_reads: frozenset[str], plan: ToolPlan, messages: list[dict]) -> None:
+def check_template(template_reads: frozenset[str], plan: ToolChoice, messages: list[dict]) -> None:
     """A template that never reads `tools` (or `tool_calls`) would drop them
     from the prompt without a word: refused by name instead."""
     if plan.tools and "tools" not in template_reads:

@@ -9,7 +9,7 @@ from llmsched.v1 import executor_pb2 as epb
 from llmsched.v1 import scheduler_pb2 as spb
 from scheduler_svc.model_facts import ModelFacts
 from scheduler_svc.output_processor import RequestDelta
-from scheduler_svc.plan import SchedulerOutput, StepOutcome
+from scheduler_svc.plan import StepPlan, StepResult
 from scheduler_svc.request import Request, RequestStatus, SamplingParams
 
 FINISH_REASONS = {
@@ -46,7 +46,7 @@ def step_sampling(s: SamplingParams) -> epb.StepSampling:
     )
 
 
-def plan_to_proto(out: SchedulerOutput) -> epb.StepPlan:
+def plan_to_proto(out: StepPlan) -> epb.StepPlan:
     plan = epb.StepPlan(
         step_id=out.step_id,
         cached_handles=[r.handle for r in out.cached_requests],
@@ -87,8 +87,8 @@ def request_errors_from_proto(result: epb.StepResult) -> list[tuple[int, str]]:
     return [(e.handle, e.message) for e in result.request_errors]
 
 
-def outcome_from_proto(result: epb.StepResult) -> StepOutcome:
-    return StepOutcome(sampled=sampled_from_proto(result), request_errors=request_errors_from_proto(result),
+def outcome_from_proto(result: epb.StepResult) -> StepResult:
+    return StepResult(sampled=sampled_from_proto(result), request_errors=request_errors_from_proto(result),
                        error=result.error, discarded=result.discarded, forward_ns=result.forward_ns,
                        sample_ns=result.sample_ns, failed_swap_outs=list(result.failed_swap_outs),
                        failed_swap_ins=list(result.failed_swap_ins), swap_ns=result.swap_ns)

@@ -29,7 +29,7 @@ from typing import Any
 
 from scheduler_svc.backpressure import AdmissionLimits, Overloaded, StepTimeEstimator, check_admission
 from scheduler_svc.config import SchedulerSettings
-from scheduler_svc.plan import SampledToken, SchedulerOutput, StepOutcome
+from scheduler_svc.plan import SampledToken, StepPlan, StepResult
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.tenants import parse_weights
@@ -41,7 +41,7 @@ log = logging.getLogger("scheduler_svc.engine")
 class InFlightStep:
     """A plan sent whose result has not been applied yet."""
 
-    out: SchedulerOutput
+    out: StepPlan
     span: Any  # the driver's handle on the step (a tracing span; None in the simulator)
     sent_at: float
     blocks_allocated: int
@@ -84,10 +84,10 @@ class CoreListener:
     def tokens(self, tokens: list[SampledToken], num_dropped: int) -> None:
         """A result's new tokens, matched to their requests."""
 
-    def swaps_applied(self, step: InFlightStep, outcome: StepOutcome) -> None:
+    def swaps_applied(self, step: InFlightStep, outcome: StepResult) -> None:
         """A result whose plan copied blocks between the tiers was applied."""
 
-    def step_applied(self, step: InFlightStep, outcome: StepOutcome, elapsed: float) -> None:
+    def step_applied(self, step: InFlightStep, outcome: StepResult, elapsed: float) -> None:
         """A result that ran requests was applied; elapsed is its step time."""
 
     def step_discarded(self, step: InFlightStep) -> None:
@@ -127,11 +127,11 @@ class Tee(CoreListener):
         self.first.tokens(tokens, num_dropped)
         self.second.tokens(tokens, num_dropped)
 
-    def swaps_applied(self, step: InFlightStep, outcome: StepOutcome) -> None:
+    def swaps_applied(self, step: InFlightStep, outcome: StepResult) -> None:
         self.first.swaps_applied(step, outcome)
         self.second.swaps_applied(step, outcome)
 
-    def step_applied(self, step: InFlightStep, outcome: StepOutcome, elapsed: float) -> None:
+    def step_applied(self, step: InFlightStep, outcome: StepResult, elapsed: float) -> None:
         self.first.step_applied(step, outcome, elapsed)
         self.second.step_applied(step, outcome, elapsed)
 
@@ -301,7 +301,7 @@ class EngineCore:
     def on_sent(self, step: InFlightStep, now: float) -> None:
         step.sent_at = now
 
-    def on_result(self, outcome: StepOutcome, now: float) -> InFlightStep:
+    def on_result(self, outcome: StepResult, now: float) -> InFlightStep:
         """Applies the result of the oldest plan in flight."""
         sched = self.scheduler
         step = self.in_flight.popleft()
@@ -340,7 +340,7 @@ class EngineCore:
         finally:
             self.listener.step_done(step)
 
-    def _fail_constrained(self, sched: Scheduler, out: SchedulerOutput, errors: list[tuple[int, str]]) -> None:
+    def _fail_constrained(self, sched: Scheduler, out: StepPlan, errors: list[tuple[int, str]]) -> None:
         """Ends the requests whose constraint failed on the executor (their
         tokens of this step are then stale and dropped)."""
         for handle, message in errors:
@@ -351,7 +351,7 @@ class EngineCore:
             if sched.finish_request(e.request.request_id, RequestStatus.FINISHED_ERROR):
                 self.listener.request_failed(e.request.request_id, "INTERNAL", f"constraint failed: {message}")
 
-    def on_step_error(self, out: SchedulerOutput, error: str) -> None:
+    def on_step_error(self, out: StepPlan, error: str) -> None:
         """The executor failed this step and dropped all request state.
         Every request is recomputed; the step's requests become suspects and
         are retried in steps of their own, so only a request that fails

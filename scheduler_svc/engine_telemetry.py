@@ -14,7 +14,7 @@ from llmsched.tracing import Tracing
 from scheduler_svc import telemetry
 from scheduler_svc.clock import Clock
 from scheduler_svc.engine_core import CoreListener, InFlightStep, PlanCounts
-from scheduler_svc.plan import SampledToken, SchedulerOutput, StepOutcome
+from scheduler_svc.plan import SampledToken, StepPlan, StepResult
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.streams import Streams
 
@@ -64,7 +64,7 @@ class EngineTelemetry(CoreListener):
             self.streams.get(req.request_id).telemetry.on_scheduled(span)
         return span
 
-    def _step_span(self, out: SchedulerOutput, started_ns: int) -> trace.Span:
+    def _step_span(self, out: StepPlan, started_ns: int) -> trace.Span:
         """A step serves many requests, so every request's Generate span
         links to the steps that ran it. A step that admits requests is also
         the child of the first one's Generate span, so that request's trace
@@ -83,10 +83,10 @@ class EngineTelemetry(CoreListener):
         if sched.kv.host is not None:
             telemetry.HOST_KV_USAGE.set(1.0 - sched.num_free_host_blocks / sched.kv.host.num_blocks)
 
-    def swaps_applied(self, step: InFlightStep, outcome: StepOutcome) -> None:
+    def swaps_applied(self, step: InFlightStep, outcome: StepResult) -> None:
         telemetry.record_swaps(step.out.swaps, len(outcome.failed_swap_outs) + len(outcome.failed_swap_ins))
 
-    def step_applied(self, step: InFlightStep, outcome: StepOutcome, elapsed: float) -> None:
+    def step_applied(self, step: InFlightStep, outcome: StepResult, elapsed: float) -> None:
         sched, out, step_span = self.scheduler, step.out, step.span
         swaps = out.swaps
         telemetry.STEP_DURATION.observe(elapsed)

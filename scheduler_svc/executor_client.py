@@ -3,7 +3,7 @@ bidirectional stream on which each plan gets exactly one result, in order.
 Plans may be sent before earlier results are read (pipelining).
 
 Plans go out and results come back as the plain dataclasses the engine
-core uses (SchedulerOutput, StepOutcome), and the handshake as ModelFacts:
+core uses (StepPlan, StepResult), and the handshake as ModelFacts:
 protobuf stays in this module and convert.py."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from llmsched.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_svc import convert
 from scheduler_svc.clock import SYSTEM_CLOCK, Clock
 from scheduler_svc.model_facts import ModelFacts
-from scheduler_svc.plan import SchedulerOutput, StepOutcome
+from scheduler_svc.plan import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class ExecutorClient:
             await asyncio.sleep(delay)  # backoff between connection attempts, not a poll for work
             delay = min(delay * 2, 1.0)
 
-    async def send(self, out: SchedulerOutput, after_idle: bool = False, traceparent: str = "") -> None:
+    async def send(self, out: StepPlan, after_idle: bool = False, traceparent: str = "") -> None:
         plan = convert.plan_to_proto(out)
         plan.after_idle = after_idle
         if traceparent:
@@ -122,7 +122,7 @@ class ExecutorClient:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             raise ExecutorUnavailable(f"step stream broke: {exc}") from exc
 
-    async def receive(self) -> StepOutcome:
+    async def receive(self) -> StepResult:
         """The result of the oldest plan sent and not yet answered."""
         return convert.outcome_from_proto(await self.receive_result())
 

@@ -19,7 +19,7 @@ from scheduler_svc.clock import SYSTEM_CLOCK, Clock
 from scheduler_svc.config import SchedulerSettings
 from scheduler_svc.executor_client import ExecutorClient
 from scheduler_svc.model_facts import ModelFacts
-from scheduler_svc.structured_output import ConstraintCompiler
+from scheduler_svc.constraints import ConstraintCompiler
 
 log = logging.getLogger(__name__)
 

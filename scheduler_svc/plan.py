@@ -1,5 +1,7 @@
-"""What one step decides, as plain dataclasses. convert.py turns a
-SchedulerOutput into the StepPlan proto; nothing here knows protobuf."""
+"""What one step decides (StepPlan) and what the executor answers
+(StepResult), as plain dataclasses under the names of the protobuf
+messages they become and come from (convert.py); nothing here knows
+protobuf."""
 
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
-class SchedulerOutput:
+class StepPlan:
     step_id: int
     # Scheduler.executor_epoch when planned (see StepPlan.epoch).
     executor_epoch: int = 0
@@ -111,7 +113,7 @@ class SampledToken:
 
 
 @dataclass(slots=True)
-class StepOutcome:
+class StepResult:
     """The executor's answer to one plan, out of protobuf."""
 
     sampled: list[tuple[int, int, tuple | None]] = field(default_factory=list)

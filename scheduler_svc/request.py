@@ -11,7 +11,7 @@ from scheduler_svc.clock import SYSTEM_CLOCK
 @dataclass(frozen=True, slots=True)
 class CompiledConstraint:
     """A request's output constraint, compiled and checked by
-    structured_output.py: what the plan sends the executor's matcher."""
+    constraints.py: what the plan sends the executor's matcher."""
 
     kind: str
     grammar: str  # llguidance's grammar JSON, as the executor's matcher takes it
@@ -87,7 +87,7 @@ class Request:
     # retried in a step of its own.
     num_failed_steps: int = 0
     num_cached_prompt_tokens: int = 0
-    # The compiled `structured` constraint (structured_output.py), enforced
+    # The compiled `structured` constraint (constraints.py), enforced
     # by the executor; None = free generation.
     constraint: CompiledConstraint | None = None
     # Whose request this is (tenants.py), for fair share, per-tenant limits

@@ -29,7 +29,7 @@ from typing import Literal, Protocol
 
 from scheduler_svc.host_tier import SwappedOut
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_needed
-from scheduler_svc.plan import NewRequestData, SampledToken, ScheduledRequest, SchedulerOutput
+from scheduler_svc.plan import NewRequestData, SampledToken, ScheduledRequest, StepPlan
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.policy import make_policy
 
@@ -153,7 +153,7 @@ class Scheduler:
 
     # ----- the step --------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> StepPlan:
         """The rule: each request's num_computed_tokens catches up with its
         num_tokens, under a per-step token budget. Prefill, chunked prefill
         and decode are this one loop; a decode is just a request one token
@@ -163,7 +163,7 @@ class Scheduler:
         admitted in policy order, starting from their longest cached prefix,
         and only in a step that preempted nothing."""
         cfg = self.config
-        out = SchedulerOutput(step_id=self._step_id, executor_epoch=self.executor_epoch)
+        out = StepPlan(step_id=self._step_id, executor_epoch=self.executor_epoch)
         self._step_id += 1
         self.waiting.begin_step()
         budget = cfg.max_num_batched_tokens
@@ -211,7 +211,7 @@ class Scheduler:
             budget -= n
         return self._finish_plan(out)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int | None:
+    def _admit(self, out: StepPlan, budget: int) -> int | None:
         """Moves the head of the queue to running, starting from its longest
         cached prefix. Returns the tokens scheduled, or None when the pool
         cannot hold them (nothing changes then)."""
@@ -240,18 +240,18 @@ class Scheduler:
         self._record(out, req, n, new_blocks)
         return n
 
-    def flush_forgets(self) -> SchedulerOutput | None:
+    def flush_forgets(self) -> StepPlan | None:
         """A plan of forgets alone, for when nothing else will be scheduled:
         the executor then drops finished requests' state (their rows and
         constraint matchers) now, not whenever the next request arrives.
         None when there is nothing to forget."""
         if not self._to_forget:
             return None
-        out = SchedulerOutput(step_id=self._step_id, executor_epoch=self.executor_epoch)
+        out = StepPlan(step_id=self._step_id, executor_epoch=self.executor_epoch)
         self._step_id += 1
         return self._finish_plan(out, send_empty=True)
 
-    def _finish_plan(self, out: SchedulerOutput, send_empty: bool = False) -> SchedulerOutput:
+    def _finish_plan(self, out: StepPlan, send_empty: bool = False) -> StepPlan:
         out.swaps = self.kv.end_plan()
         if out.is_empty and not send_empty:
             return out  # not sent: its forgets wait for the next plan
@@ -277,7 +277,7 @@ class Scheduler:
             raise RuntimeError(f"request {req.request_id} is scheduled with nothing left to compute")
         return n
 
-    def _record(self, out: SchedulerOutput, req: Request, n: int, new_blocks: list[int]) -> None:
+    def _record(self, out: StepPlan, req: Request, n: int, new_blocks: list[int]) -> None:
         if req.on_executor:
             out.cached_requests.append(req)
             out.cached_num_scheduled_tokens.append(n)
@@ -358,7 +358,7 @@ class Scheduler:
         req.on_executor = False
         return True
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[tuple[int, int, tuple | None]],
+    def update_from_output(self, out: StepPlan, sampled: list[tuple[int, int, tuple | None]],
                            failed_swap_outs: list[int] = (), failed_swap_ins: list[int] = ()) -> list[SampledToken]:
         """Applies a step's result, in step order: confirms its swaps,
         turns placeholders into the sampled tokens, makes newly computed
@@ -392,7 +392,7 @@ class Scheduler:
             self._free_handles.extend(self._releasing.pop(0)[1])
         return results
 
-    def _complete_swaps(self, out: SchedulerOutput, failed_outs: set[int], failed_ins: set[int]) -> None:
+    def _complete_swaps(self, out: StepPlan, failed_outs: set[int], failed_ins: set[int]) -> None:
         lost, failed = self.kv.complete_swaps(out.swaps, failed_outs, failed_ins)
         for record in lost:
             self._lose_swapped(record)

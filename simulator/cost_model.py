@@ -51,7 +51,7 @@ class StepShape:
 
     @classmethod
     def of_plan(cls, out) -> "StepShape":
-        """From a scheduler_svc SchedulerOutput: each entry's scheduled
+        """From a scheduler_svc StepPlan: each entry's scheduled
         tokens and where they start, and the blocks its swaps copy (out to
         the host tier and in from it)."""
         swaps = out.swaps

@@ -32,7 +32,7 @@ from bench.traces import PromptMaker, Trace
 from scheduler_svc.backpressure import Overloaded
 from scheduler_svc.config import SchedulerSettings
 from scheduler_svc.engine_core import CoreListener, EngineCore, InFlightStep, TurnKind, core_limits, scheduler_config
-from scheduler_svc.plan import SampledToken, StepOutcome
+from scheduler_svc.plan import SampledToken, StepResult
 from scheduler_svc.request import Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler
 from simulator.cost_model import StepShape
@@ -195,7 +195,7 @@ class Simulation(CoreListener):
     def _swap_seconds(self, shape: StepShape) -> float:
         return self.profile.step_cost.as_dict()["swapped_blocks"] * shape.swapped_blocks
 
-    def _outcome(self, step: InFlightStep) -> StepOutcome:
+    def _outcome(self, step: InFlightStep) -> StepResult:
         """What the executor answers: a token for every row that samples,
         every copy done, in the cost model's time for the copies."""
         out = step.out
@@ -205,7 +205,7 @@ class Simulation(CoreListener):
             self.server.swapped_blocks_in += len(out.swaps.in_host)
             swap_s = self._swap_seconds(StepShape.of_plan(out))
             self.server.swap_s += swap_s
-        return StepOutcome(sampled=[(h, SAMPLED_TOKEN, None) for h in out.sampling_handles()],
+        return StepResult(sampled=[(h, SAMPLED_TOKEN, None) for h in out.sampling_handles()],
                            swap_ns=round(swap_s * 1e9))
 
     # ----- CoreListener -------------------------------------------------------
@@ -213,7 +213,7 @@ class Simulation(CoreListener):
     def tokens(self, tokens: list[SampledToken], num_dropped: int) -> None:
         self._pending_tokens = tokens
 
-    def step_applied(self, step: InFlightStep, outcome: StepOutcome, elapsed: float) -> None:
+    def step_applied(self, step: InFlightStep, outcome: StepResult, elapsed: float) -> None:
         sched = self.core.scheduler
         self.server.num_steps += 1
         tables = sched.kv.block_tables

@@ -15,7 +15,7 @@ import torch
 from llguidance import LLMatcher
 
 from executor_svc.constraints import MATCHERS, ConstraintMatchers
-from executor_svc.runner import NewRequestData, StepInput
+from executor_svc.runner import NewRequestData, StepPlan
 from executor_svc.sampler import SamplingSettings
 from tests.conftest import STORIES
 from tests.oracle import hf_greedy
@@ -139,7 +139,7 @@ def run(runner, requests: dict[int, tuple[list[int], str | None, SamplingSetting
     blocks = {h: list(range(24 * h, 24 * h + 24)) for h in requests}  # 96 tokens each, of 128 blocks
     live, step = set(requests), 0
     while live:
-        inp = StepInput(step_id=step)
+        inp = StepPlan(step_id=step)
         for h in sorted(live):
             prompt, grammar, sampling = requests[h]
             resend = preempt_at is not None and h == 0 and len(out[0]) == preempt_at and step > 0

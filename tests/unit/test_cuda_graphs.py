@@ -58,16 +58,16 @@ def _runners():
 def _drive(runner, batch, steps, sampling):
     """Prefill `batch` requests then decode `steps` tokens; returns each
     step's (handles, tokens)."""
-    from executor_svc.runner import NewRequestData, StepInput
+    from executor_svc.runner import NewRequestData, StepPlan
 
     g = torch.Generator().manual_seed(batch)
     new = []
     for h in range(batch):
         prompt = torch.randint(3, 8000, (5 + h % 7,), generator=g).tolist()
         new.append(NewRequestData(h, prompt, list(range(h * 4, h * 4 + 4)), 0, len(prompt), sampling, 0))
-    out = [runner.execute(StepInput(0, new_requests=new))]
+    out = [runner.execute(StepPlan(0, new_requests=new))]
     for s in range(1, steps + 1):
-        out.append(runner.execute(StepInput(s, cached_handles=list(range(batch)),
+        out.append(runner.execute(StepPlan(s, cached_handles=list(range(batch)),
                                             cached_num_scheduled_tokens=[1] * batch)))
     return [(o.sampled_handles, o.sampled_token_ids) for o in out]
 
@@ -93,7 +93,7 @@ def test_graph_decode_draws_the_eager_greedy_tokens(batch):
 def test_graph_logits_match_eager_logits_with_padding(monkeypatch):
     """5 requests replay the bucket-8 graph with 3 padding rows."""
     import executor_svc.runner as runner_mod
-    from executor_svc.runner import NewRequestData, StepInput
+    from executor_svc.runner import NewRequestData, StepPlan
     from executor_svc.sampler import SamplingSettings
 
     eager, graphed = _runners()
@@ -107,10 +107,10 @@ def test_graph_logits_match_eager_logits_with_padding(monkeypatch):
     monkeypatch.setattr(runner_mod, "sample", spy)
     logits = {}
     for name, r in (("eager", eager), ("graph", graphed)):  # same prompts and blocks, each in its own cache
-        r.execute(StepInput(0, new_requests=[NewRequestData(h, [1, 5 + h, 9, 33], [h], 0, 4, greedy, 0)
+        r.execute(StepPlan(0, new_requests=[NewRequestData(h, [1, 5 + h, 9, 33], [h], 0, 4, greedy, 0)
                                              for h in range(5)]))
         seen.clear()
-        r.execute(StepInput(1, cached_handles=list(range(5)), cached_num_scheduled_tokens=[1] * 5))
+        r.execute(StepPlan(1, cached_handles=list(range(5)), cached_num_scheduled_tokens=[1] * 5))
         logits[name] = seen[0]
     assert logits["graph"].shape == logits["eager"].shape == (5, 8192)
     torch.testing.assert_close(logits["graph"], logits["eager"], atol=1e-4, rtol=1e-4)

@@ -26,7 +26,7 @@ from executor_svc.checkpoint import load_checkpoint
 from executor_svc.families import build_model, read_config
 from executor_svc.kv_cache import KVCachePool
 from executor_svc.model_config import FULL, SLIDING, ModelConfig, RopeSpec
-from executor_svc.runner import ModelRunner, NewRequestData, StepInput
+from executor_svc.runner import ModelRunner, NewRequestData, StepPlan
 from executor_svc.sampler import SamplingSettings
 from tests.families import CASES, hf_greedy, hf_model, make_checkpoint, prompts
 from tests.unit.test_runner_vs_hf import BLOCK, generate
@@ -61,7 +61,7 @@ def runner_for(path: str, cfg: ModelConfig | None = None, drop: tuple[str, ...] 
 def next_token_logprobs(runner: ModelRunner, prompt: list[int], k: int = 5) -> tuple[list[int], list[float]]:
     settings = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=k)
     blocks = list(range(-(-len(prompt) // BLOCK)))
-    out = runner.execute(StepInput(0, [NewRequestData(0, prompt, blocks, 0, len(prompt), settings, 0)]))
+    out = runner.execute(StepPlan(0, [NewRequestData(0, prompt, blocks, 0, len(prompt), settings, 0)]))
     _, ids, lps = out.logprobs[0]
     return ids, lps
 

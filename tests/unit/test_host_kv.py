@@ -12,7 +12,7 @@ from executor_svc.checkpoint import load_checkpoint
 from executor_svc.host_kv import HostKVPool, host_pool_num_blocks
 from executor_svc.kv_cache import KVCachePool, bytes_per_block
 from executor_svc.families import build_model, read_config
-from executor_svc.runner import ModelRunner, NewRequestData, PlanError, StepInput
+from executor_svc.runner import ModelRunner, NewRequestData, PlanError, StepPlan
 from executor_svc.sampler import SamplingSettings
 from llmsched.errors import StartupError
 from tests.oracle import hf_greedy
@@ -41,7 +41,7 @@ def decode(runner, handle, num_tokens, step_id):
     """Greedy decode steps of one request already on the runner."""
     out = []
     for i in range(num_tokens):
-        res = runner.execute(StepInput(step_id + i, cached_handles=[handle], cached_num_scheduled_tokens=[1]))
+        res = runner.execute(StepPlan(step_id + i, cached_handles=[handle], cached_num_scheduled_tokens=[1]))
         out += res.sampled_token_ids
     return out
 
@@ -49,16 +49,16 @@ def decode(runner, handle, num_tokens, step_id):
 def swap_round_trip(runner, stories_path) -> None:
     """A request preempted by swap after 4 tokens, its device blocks
     overwritten, resumed from the host tier into other blocks: HF's tokens."""
-    first = runner.execute(StepInput(0, [NewRequestData(7, PROMPT, [0, 1, 2, 3], 0, len(PROMPT), GREEDY, 0)]))
+    first = runner.execute(StepPlan(0, [NewRequestData(7, PROMPT, [0, 1, 2, 3], 0, len(PROMPT), GREEDY, 0)]))
     tokens = first.sampled_token_ids + decode(runner, 7, 3, 1)  # 13 tokens computed, 14 known
     # Preempted by swap: forgotten, its 4 blocks copied out...
-    out = runner.execute(StepInput(4, finished_handles=[7], swap_out_device_blocks=[0, 1, 2, 3],
+    out = runner.execute(StepPlan(4, finished_handles=[7], swap_out_device_blocks=[0, 1, 2, 3],
                                    swap_out_host_blocks=[9, 3, 12, 0]))
     assert out.swaps.failed_outs == [] and out.sampled_handles == []
     runner.pool.storage[:, :, :4] = float("nan")  # ...and the device blocks reused
     # ...then back into other device blocks, with only its last token to compute.
     known = PROMPT + tokens
-    res = runner.execute(StepInput(5, [NewRequestData(7, known, [20, 21, 22, 23, 24, 25], 13, 1, GREEDY, len(tokens))],
+    res = runner.execute(StepPlan(5, [NewRequestData(7, known, [20, 21, 22, 23, 24, 25], 13, 1, GREEDY, len(tokens))],
                                    swap_in_host_blocks=[9, 3, 12, 0], swap_in_device_blocks=[20, 21, 22, 23]))
     assert res.swaps.swap_ns > 0
     tokens += res.sampled_token_ids + decode(runner, 7, 8, 6)
@@ -85,8 +85,8 @@ def test_on_cuda_the_pool_is_pinned_and_copies_run_on_a_side_stream(stories_path
     swap_round_trip(runner, stories_path)
     # A failed copy is reported on CUDA too, and the forward still runs.
     failing = make_runner((model, cfg), fail_every=2, device=dev)
-    failing.execute(StepInput(0, [NewRequestData(1, PROMPT, [0, 1, 2], 0, len(PROMPT), GREEDY, 0)]))
-    out = failing.execute(StepInput(1, cached_handles=[1], cached_num_scheduled_tokens=[1],
+    failing.execute(StepPlan(0, [NewRequestData(1, PROMPT, [0, 1, 2], 0, len(PROMPT), GREEDY, 0)]))
+    out = failing.execute(StepPlan(1, cached_handles=[1], cached_num_scheduled_tokens=[1],
                                     swap_out_device_blocks=[0, 1], swap_out_host_blocks=[2, 3]))
     assert out.swaps.failed_outs == [1] and out.sampled_handles == [1]
     torch.testing.assert_close(failing.host_kv.storage[2], failing.pool.storage[:, :, 0].cpu())
@@ -94,8 +94,8 @@ def test_on_cuda_the_pool_is_pinned_and_copies_run_on_a_side_stream(stories_path
 
 def test_a_copy_that_fails_is_reported_and_the_rest_of_the_step_stands(model_and_cfg):
     runner = make_runner(model_and_cfg, fail_every=2)  # the 2nd and 4th copies
-    runner.execute(StepInput(0, [NewRequestData(1, PROMPT, [0, 1, 2], 0, len(PROMPT), GREEDY, 0)]))
-    out = runner.execute(StepInput(1, cached_handles=[1], cached_num_scheduled_tokens=[1],
+    runner.execute(StepPlan(0, [NewRequestData(1, PROMPT, [0, 1, 2], 0, len(PROMPT), GREEDY, 0)]))
+    out = runner.execute(StepPlan(1, cached_handles=[1], cached_num_scheduled_tokens=[1],
                                    swap_out_device_blocks=[5, 6], swap_out_host_blocks=[2, 3],
                                    swap_in_host_blocks=[3, 4], swap_in_device_blocks=[7, 8]))
     assert out.swaps.failed_outs == [1] and out.swaps.failed_ins == [1]
@@ -107,9 +107,9 @@ def test_swaps_without_a_host_tier_or_past_its_end_are_refused(model_and_cfg):
     cpu = torch.device("cpu")
     bare = ModelRunner(model, KVCachePool(cfg, 8, BLOCK, cpu, torch.float32), make_backend("torch"), cpu)
     with pytest.raises(PlanError, match="no host KV tier"):
-        bare.execute(StepInput(0, swap_out_device_blocks=[0], swap_out_host_blocks=[0]))
+        bare.execute(StepPlan(0, swap_out_device_blocks=[0], swap_out_host_blocks=[0]))
     with pytest.raises(PlanError, match="host block 16 of 16"):
-        make_runner(model_and_cfg).execute(StepInput(0, swap_in_host_blocks=[16], swap_in_device_blocks=[0]))
+        make_runner(model_and_cfg).execute(StepPlan(0, swap_in_host_blocks=[16], swap_in_device_blocks=[0]))
 
 
 def test_a_host_tier_larger_than_memavailable_is_refused_by_name(model_and_cfg, monkeypatch):

@@ -4,7 +4,7 @@ and the checks that refuse plans contradicting them."""
 import pytest
 import torch
 
-from executor_svc.runner import NewRequestData, PlanError, StepInput
+from executor_svc.runner import NewRequestData, PlanError, StepPlan
 from executor_svc.sampler import SamplingSettings
 from tests.unit.test_runner_vs_hf import BLOCK, GREEDY, make_runner
 
@@ -34,7 +34,7 @@ class FakeScheduler:
 
     def run(self, chunk=4):
         while self.waiting or self.live:
-            inp = StepInput(step_id=self.step, finished_handles=self.finished)
+            inp = StepPlan(step_id=self.step, finished_handles=self.finished)
             for item in [w for w in self.waiting if w[0] <= self.step]:
                 self.waiting.remove(item)
                 _, h, prompt, max_new = item
@@ -94,55 +94,55 @@ def test_many_requests_joining_and_finishing_match_each_request_alone(stories_pa
 
 def test_reset_forgets_requests_and_reuses_rows(stories_path):
     runner = make_runner(str(stories_path))
-    runner.execute(StepInput(0, [NewRequestData(5, [1, 2, 3], [0], 0, 3, GREEDY, 0)]))
+    runner.execute(StepPlan(0, [NewRequestData(5, [1, 2, 3], [0], 0, 3, GREEDY, 0)]))
     runner.reset()
     with pytest.raises(PlanError, match="handle 5"):
-        runner.execute(StepInput(1, cached_handles=[5], cached_num_scheduled_tokens=[1]))
-    out = runner.execute(StepInput(2, [NewRequestData(6, [1, 2, 3], [0], 0, 3, GREEDY, 0)]))
+        runner.execute(StepPlan(1, cached_handles=[5], cached_num_scheduled_tokens=[1]))
+    out = runner.execute(StepPlan(2, [NewRequestData(6, [1, 2, 3], [0], 0, 3, GREEDY, 0)]))
     assert out.sampled_handles == [6] and runner.rows.handle_rows == {6: 0}
 
 
 def test_a_request_scheduled_twice_in_one_step_is_rejected(stories_path):
     runner = make_runner(str(stories_path))
-    runner.execute(StepInput(0, [NewRequestData(1, [1, 2, 3], [0], 0, 2, GREEDY, 0)]))
+    runner.execute(StepPlan(0, [NewRequestData(1, [1, 2, 3], [0], 0, 2, GREEDY, 0)]))
     with pytest.raises(PlanError, match="twice"):
-        runner.execute(StepInput(1, cached_handles=[1, 1], cached_num_scheduled_tokens=[1, 1]))
+        runner.execute(StepPlan(1, cached_handles=[1, 1], cached_num_scheduled_tokens=[1, 1]))
 
 
 def test_a_step_past_the_block_table_is_rejected(stories_path):
     runner = make_runner(str(stories_path))
     with pytest.raises(PlanError, match="block table of 1 blocks cannot hold 5 tokens"):
-        runner.execute(StepInput(0, [NewRequestData(1, [1, 2, 3, 4, 5], [0], 0, 5, GREEDY, 0)]))
+        runner.execute(StepPlan(0, [NewRequestData(1, [1, 2, 3, 4, 5], [0], 0, 5, GREEDY, 0)]))
 
 
 def test_a_block_for_an_unknown_request_is_rejected(stories_path):
     runner = make_runner(str(stories_path))
     with pytest.raises(PlanError, match="handle 3"):
-        runner.execute(StepInput(0, new_block_handles=[3], new_block_ids=[1]))
+        runner.execute(StepPlan(0, new_block_handles=[3], new_block_ids=[1]))
 
 
 def test_a_prompt_longer_than_max_model_len_is_rejected(stories_path):
     runner = make_runner(str(stories_path))
     n = runner.max_model_len + 1
     with pytest.raises(PlanError, match="exceed max_model_len"):
-        runner.execute(StepInput(0, [NewRequestData(1, [1] * n, list(range(-(-n // BLOCK))), 0, 1, GREEDY, 0)]))
+        runner.execute(StepPlan(0, [NewRequestData(1, [1] * n, list(range(-(-n // BLOCK))), 0, 1, GREEDY, 0)]))
 
 
 def test_a_request_at_max_model_len_is_not_computed_further(stories_path):
     runner = make_runner(str(stories_path), num_blocks=256)
     n = runner.max_model_len
     blocks = list(range(-(-(n + 1) // BLOCK)))
-    out = runner.execute(StepInput(0, [NewRequestData(1, [1] * n, blocks, n - 1, 1, GREEDY, 0)]))
+    out = runner.execute(StepPlan(0, [NewRequestData(1, [1] * n, blocks, n - 1, 1, GREEDY, 0)]))
     assert out.sampled_handles == [1], "the last position should still sample"
     with pytest.raises(PlanError, match="past max_model_len"):
-        runner.execute(StepInput(1, cached_handles=[1], cached_num_scheduled_tokens=[1]))
+        runner.execute(StepPlan(1, cached_handles=[1], cached_num_scheduled_tokens=[1]))
 
 
 def test_fault_injection_fires_on_the_token():
     runner = make_runner("tiny-random")
     runner.fail_on_token = 7
     with pytest.raises(RuntimeError, match="injected fault"):
-        runner.execute(StepInput(0, [NewRequestData(1, [1, 7, 3], [0], 0, 3, GREEDY, 0)]))
+        runner.execute(StepPlan(0, [NewRequestData(1, [1, 7, 3], [0], 0, 3, GREEDY, 0)]))
 
 
 def test_seeded_request_resent_after_preemption_continues_its_stream(stories_path):
@@ -154,17 +154,17 @@ def test_seeded_request_resent_after_preemption_continues_its_stream(stories_pat
     def decode(runner, handle, steps):
         out_tokens = []
         for s in range(steps):
-            out = runner.execute(StepInput(s + 1, cached_handles=[handle], cached_num_scheduled_tokens=[1]))
+            out = runner.execute(StepPlan(s + 1, cached_handles=[handle], cached_num_scheduled_tokens=[1]))
             out_tokens += out.sampled_token_ids
         return out_tokens
 
     blocks = list(range(8))
     a = make_runner(str(stories_path))
-    first = a.execute(StepInput(0, [NewRequestData(1, prompt, blocks, 0, len(prompt), seeded, 0)])).sampled_token_ids
+    first = a.execute(StepPlan(0, [NewRequestData(1, prompt, blocks, 0, len(prompt), seeded, 0)])).sampled_token_ids
     uninterrupted = first + decode(a, 1, 8)
 
     b = make_runner(str(stories_path))
     head = uninterrupted[:4]
     resent = NewRequestData(2, prompt + head, blocks, 0, len(prompt) + len(head), seeded, len(head))
-    tail = b.execute(StepInput(0, [resent])).sampled_token_ids + decode(b, 2, 4)
+    tail = b.execute(StepPlan(0, [resent])).sampled_token_ids + decode(b, 2, 4)
     assert head + tail == uninterrupted

@@ -7,7 +7,7 @@ from executor_svc.attention import make_backend
 from executor_svc.checkpoint import load_checkpoint
 from executor_svc.families import build_model, read_config
 from executor_svc.kv_cache import KVCachePool
-from executor_svc.runner import ModelRunner, NewRequestData, PlanError, StepInput
+from executor_svc.runner import ModelRunner, NewRequestData, PlanError, StepPlan
 from executor_svc.sampler import SamplingSettings
 from tests.oracle import hf_greedy
 
@@ -34,7 +34,7 @@ def generate(runner, prompts, max_new, chunk):
         outputs[h] = []
     step = 0
     while any(len(o) < max_new for o in outputs.values()):
-        inp = StepInput(step_id=step)
+        inp = StepPlan(step_id=step)
         for h, p in enumerate(prompts):
             st = state[h]
             if len(outputs[h]) >= max_new:
@@ -69,10 +69,10 @@ def test_batched_chunked_generation_matches_hf_greedy(model, stories_path):
 def test_plan_naming_an_unknown_handle_is_rejected(stories_path):
     runner = make_runner(str(stories_path))
     with pytest.raises(PlanError, match="handle 9"):
-        runner.execute(StepInput(step_id=0, cached_handles=[9], cached_num_scheduled_tokens=[1]))
+        runner.execute(StepPlan(step_id=0, cached_handles=[9], cached_num_scheduled_tokens=[1]))
 
 
 def test_plan_scheduling_past_known_tokens_is_rejected(stories_path):
     runner = make_runner(str(stories_path))
     with pytest.raises(PlanError, match="scheduled"):
-        runner.execute(StepInput(0, [NewRequestData(0, [1, 2], [0], 0, 3, GREEDY, 0)]))
+        runner.execute(StepPlan(0, [NewRequestData(0, [1, 2], [0], 0, 3, GREEDY, 0)]))

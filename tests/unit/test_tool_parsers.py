@@ -12,7 +12,7 @@ import pytest
 
 from executor_svc.builtin import byte_level_tokenizer_json
 from gateway_svc.chat_output import ChatOutput
-from gateway_svc.structured import Constraint
+from gateway_svc.constraints import Constraint
 from gateway_svc.tool_parsers import PARSERS, Function, hermes, llama3_json, mistral
 from llmsched.v1 import scheduler_pb2 as spb
 from tests import grammar_walk

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from executor_svc.chat_template import CHATML_TEMPLATE
-from gateway_svc import chat_template, structured, tools
+from gateway_svc import chat_template, constraints, tools
 from gateway_svc.errors import from_rpc_error
 from gateway_svc.openai_format import ChatFormat
 from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError, param_of
@@ -57,7 +57,7 @@ def _chat(**fields) -> ChatCompletionRequest:
 ])
 def test_each_field_becomes_the_one_structured_constraint(fields, kind, param, value):
     for body in (_completion(**fields), _chat(**fields)):
-        constraint = structured.from_request(body)
+        constraint = constraints.from_request(body)
         assert (constraint.kind, constraint.param) == (kind, param)
         assert constraint.structured.WhichOneof("constraint") == kind
         got = getattr(constraint.structured, kind)
@@ -69,9 +69,9 @@ def test_each_field_becomes_the_one_structured_constraint(fields, kind, param, v
 
 
 def test_no_constraint_for_text_or_nothing():
-    assert structured.from_request(_completion()) is None
-    assert structured.from_request(_completion(response_format={"type": "text"})) is None
-    assert structured.from_request(_completion(structured_outputs={"json_object": False})) is None
+    assert constraints.from_request(_completion()) is None
+    assert constraints.from_request(_completion(response_format={"type": "text"})) is None
+    assert constraints.from_request(_completion(structured_outputs={"json_object": False})) is None
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -90,7 +90,7 @@ def test_no_constraint_for_text_or_nothing():
 ])
 def test_bad_constraints_are_refused_naming_the_field(fields, param):
     with pytest.raises(RequestError) as exc:
-        structured.from_request(_completion(**fields))
+        constraints.from_request(_completion(**fields))
     assert exc.value.param == param and exc.value.message.startswith(param)
 
 
@@ -110,7 +110,7 @@ def test_shapes_we_do_not_implement_are_refused_by_name(fields, param):
 
 
 def test_the_schedulers_refusal_names_the_clients_field():
-    constraint = structured.from_request(_completion(guided_regex="a("))
+    constraint = constraints.from_request(_completion(guided_regex="a("))
     err = from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "structured.regex: unclosed group"),
                          {}, constraint)
     assert (err.status, err.param, err.message) == (400, "guided_regex", "guided_regex: unclosed group")

@@ -1,4 +1,4 @@
-"""The scheduler's half of constrained decoding (structured_output.py): the
+"""The scheduler's half of constrained decoding (scheduler_svc/constraints.py): the
 `structured` field's shape, compiling against stories260K's tokenizer,
 refusals naming the field and llguidance's reason, the time limit, and the
 cache by content. No processes, no torch."""
@@ -14,7 +14,7 @@ from llguidance import LLMatcher
 
 from llmsched.llguidance_tokenizer import make_tokenizer
 from llmsched.v1 import scheduler_pb2 as spb
-from scheduler_svc import structured_output as so
+from scheduler_svc import constraints as so
 from scheduler_svc.validation import InvalidRequest, spec_from_proto
 from tests.conftest import STORIES
 

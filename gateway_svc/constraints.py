@@ -18,7 +18,6 @@ refused here, before anything is sent.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 
 from jsonschema import Draft202012Validator, SchemaError
@@ -26,10 +25,6 @@ from jsonschema.validators import validator_for
 
 from gateway_svc.protocol import RequestError
 from llmsched.v1 import scheduler_pb2 as spb
-
-# llguidance reports where in a grammar it failed as "at LINE(COLUMN)".
-_GRAMMAR_LINE = re.compile(r"\bat (\d+)\(\d+\)")
-
 
 @dataclass(frozen=True, slots=True)
 class Constraint:
@@ -40,12 +35,10 @@ class Constraint:
     # field that line came from, e.g. a tool's parameter schema.
     line_params: dict[int, str] = field(default_factory=dict)
 
-    def param_for(self, detail: str) -> str:
-        """The request field to blame for the scheduler's compile error."""
-        found = _GRAMMAR_LINE.search(detail)
-        if found and int(found.group(1)) in self.line_params:
-            return self.line_params[int(found.group(1))]
-        return self.param
+    def param_for(self, grammar_line: int | None) -> str:
+        """The request field to blame for the scheduler's compile error, by
+        the grammar line it names (its llmsched-grammar-line detail)."""
+        return self.line_params.get(grammar_line, self.param)
 
 
 def json_schema_of(value, param: str) -> dict | bool:

@@ -13,6 +13,9 @@ from gateway_svc.protocol import RequestError
 
 # The scheduler names the GenerateRequest field; clients know the OpenAI one.
 _FIELD_NAMES = {"prompt_token_ids": "prompt", "request_id": None}
+# The scheduler's structured error details, in a refusal's trailing metadata.
+FIELD_TRAILER = "llmsched-field"
+GRAMMAR_LINE_TRAILER = "llmsched-grammar-line"
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -27,10 +30,9 @@ def error_response(err: RequestError) -> JSONResponse:
                         headers=headers)
 
 
-def _param_of(message: str, fields: Mapping[str, str | None]) -> str | None:
-    """`sampling.stop[0]: empty stop string` -> `stop`."""
-    field, sep, _ = message.partition(": ")
-    if not sep or " " in field:
+def _param_of(field: str | None, fields: Mapping[str, str | None]) -> str | None:
+    """The scheduler's refused field as the endpoint's: `sampling.stop[0]` -> `stop`."""
+    if not field:
         return None
     field = field.removeprefix("sampling.").split("[", 1)[0]
     if field in fields:
@@ -44,14 +46,16 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, fields: Mapping[str, str | None] |
     (chat: `prompt` -> `messages`); a refused `structured.*` names the
     request field the constraint came from (`constraint.param_for`)."""
     code, message = exc.code(), exc.details() or ""
+    trailers = dict(exc.trailing_metadata() or ())
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        field, sep, detail = message.partition(": ")
-        if constraint is not None and sep and field.split(".", 1)[0] == "structured":
-            param = constraint.param_for(detail)
-            return RequestError(param, f"{param}: {detail}")
-        return RequestError(_param_of(message, fields or {}), message)
+        field = trailers.get(FIELD_TRAILER)
+        if constraint is not None and field and field.split(".", 1)[0] == "structured":
+            line = trailers.get(GRAMMAR_LINE_TRAILER)
+            param = constraint.param_for(int(line) if line else None)
+            # The message is "<field>: <detail>"; the client sees its own field.
+            return RequestError(param, f"{param}: {message.removeprefix(f'{field}: ')}")
+        return RequestError(_param_of(field, fields or {}), message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        trailers = dict(exc.trailing_metadata() or ())
         retry_ms = trailers.get("retry-after-ms")
         if retry_ms is None:
             # gRPC's own message-size limit: the request itself is too big.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +45,14 @@ COMPILE_SECONDS = Histogram(
     "llmsched_constraint_compile_seconds", "Time to compile and check a constraint (cache misses only)",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 COMPILE_CACHE_HITS = Counter("llmsched_constraint_cache_hits", "Constraints found compiled in the cache")
+# llguidance reports where in a grammar it failed as "at LINE(COLUMN)".
+_GRAMMAR_LINE = re.compile(r"\bat (\d+)\(\d+\)")
+
+
+def grammar_line(message: str) -> int | None:
+    """The grammar line (1-based) llguidance's error message blames, if any."""
+    found = _GRAMMAR_LINE.search(message)
+    return int(found.group(1)) if found else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +124,7 @@ class ConstraintCompiler:
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
         if isinstance(cached, Refusal):
-            raise InvalidRequest(cached.field, cached.message)
+            raise InvalidRequest(cached.field, cached.message, grammar_line(cached.message))
         CONSTRAINED.labels(spec.kind).inc()
         return cached
 

@@ -28,9 +28,13 @@ from scheduler_svc.validation import InvalidRequest, Limits, sampling_from_proto
 
 log = logging.getLogger(__name__)
 request_logger = logging.getLogger(REQUESTS)
-# The tenant a call was served as, in its trailing metadata: a front end
-# (the gateway) logs it beside its own request id.
+# Trailing metadata, for front ends (the gateway): the tenant a call was
+# served as (logged beside the front end's request id), and for a refusal
+# the field refused and the grammar line blamed, so that nothing parses the
+# message text.
 TENANT_TRAILER = "llmsched-tenant"
+FIELD_TRAILER = "llmsched-field"
+GRAMMAR_LINE_TRAILER = "llmsched-grammar-line"
 
 # Prompts up to this many characters are tokenized inline (a few hundred
 # microseconds); longer ones in a worker thread.
@@ -198,6 +202,10 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             owner = self._owner(context)
             stream = self.engine.submit(req, span, owner)
         except InvalidRequest as exc:
+            details = ((FIELD_TRAILER, exc.field),)
+            if exc.grammar_line is not None:
+                details += ((GRAMMAR_LINE_TRAILER, str(exc.grammar_line)),)
+            context.set_trailing_metadata((*trailers, *details))
             await self._reject(context, span, outcome, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
         except PermissionDenied as exc:
             await self._reject(context, span, outcome, grpc.StatusCode.PERMISSION_DENIED, "permission_denied",

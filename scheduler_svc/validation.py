@@ -15,10 +15,14 @@ MAX_REQUEST_ID_CHARS = 256
 
 
 class InvalidRequest(ValueError):
-    def __init__(self, field: str, message: str):
+    """A refused request: the field, what is wrong with it, and for a
+    grammar that did not compile the line llguidance blamed (1-based)."""
+
+    def __init__(self, field: str, message: str, grammar_line: int | None = None):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+        self.grammar_line = grammar_line
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,8 +111,8 @@ def test_shapes_we_do_not_implement_are_refused_by_name(fields, param):
 
 def test_the_schedulers_refusal_names_the_clients_field():
     constraint = constraints.from_request(_completion(guided_regex="a("))
-    err = from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "structured.regex: unclosed group"),
-                         {}, constraint)
+    err = from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "structured.regex: unclosed group",
+                                      (("llmsched-field", "structured.regex"),)), {}, constraint)
     assert (err.status, err.param, err.message) == (400, "guided_regex", "guided_regex: unclosed group")
 
 
@@ -175,9 +175,11 @@ def test_a_forced_calls_compile_error_names_the_tool():
     plan = tools.plan(_chat(tools=[CLOCK, WEATHER], tool_choice="required"), "hermes")
     line = next(n for n, p in plan.constraint.line_params.items() if p == "tools[1].function.parameters")
     err = from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"structured.grammar: at {line}(9): Unimplemented keys: [\"not\"]"),
+                                      f"structured.grammar: at {line}(9): Unimplemented keys: [\"not\"]",
+                                      (("llmsched-field", "structured.grammar"), ("llmsched-grammar-line", str(line)))),
                          ChatFormat.fields, plan.constraint)
     assert err.param == "tools[1].function.parameters"
+    assert err.message == f"tools[1].function.parameters: at {line}(9): Unimplemented keys: [\"not\"]"
 
 
 def test_assistant_calls_and_tool_results_reach_the_template_as_transformers_expects():

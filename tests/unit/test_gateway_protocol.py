@@ -73,8 +73,12 @@ class FakeRpcError(grpc.aio.AioRpcError):
 
 
 @pytest.mark.parametrize("code, details, trailers, status, param, retry_after", [
-    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop[0]: empty stop string", (), 400, "stop", None),
-    (grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[3]: token id 9 is outside", (), 400, "prompt", None),
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop[0]: empty stop string", (("llmsched-field", "sampling.stop[0]"),),
+     400, "stop", None),
+    (grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[3]: token id 9 is outside",
+     (("llmsched-field", "prompt_token_ids[3]"),), 400, "prompt", None),
+    # No field detail (a request that can never fit): no param, whatever the text says.
+    (grpc.StatusCode.INVALID_ARGUMENT, "prompt: looks like a field", (), 400, None, None),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded: queue full", (("retry-after-ms", "1200"),), 429, None, 2),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", (("retry-after-ms", "10"),), 429, None, 1),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "message larger than max", (), 413, "prompt", None),
@@ -87,8 +91,8 @@ def test_grpc_status_maps_to_http(code, details, trailers, status, param, retry_
 
 
 def test_chat_names_its_own_fields():
-    err = from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "sampling.logprobs: at most 20, got 50"),
-                         ChatFormat.fields)
+    err = from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "sampling.logprobs: at most 20, got 50",
+                                      (("llmsched-field", "sampling.logprobs"),)), ChatFormat.fields)
     assert err.param == "top_logprobs"
 
 

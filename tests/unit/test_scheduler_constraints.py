@@ -117,3 +117,13 @@ def test_compiled_constraints_and_refusals_are_cached_by_content_lru(tokenizer):
     assert so.COMPILE_CACHE_HITS._value.get() - hits == 2
     compile_(c, regex="b+")  # evicts the least recently used: "a+"
     assert compile_(c, regex="a+") is not first
+
+
+def test_a_grammar_error_carries_the_line_llguidance_blamed(tokenizer):
+    with pytest.raises(InvalidRequest) as exc:
+        compile_(compiler(tokenizer), grammar='start: a\na: "x" b\nb: %json {"type": "object", "not": {}}\n')
+    assert exc.value.field == "structured.grammar"
+    assert exc.value.grammar_line == so.grammar_line(exc.value.message) == 3, exc.value.message
+    with pytest.raises(InvalidRequest) as exc:
+        compile_(compiler(tokenizer), json_schema="{not json")  # refused before any grammar is built
+    assert exc.value.grammar_line is None

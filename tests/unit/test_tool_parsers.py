@@ -15,6 +15,7 @@ from gateway_svc.chat_output import ChatOutput
 from gateway_svc.constraints import Constraint
 from gateway_svc.tool_parsers import PARSERS, Function, hermes, llama3_json, mistral
 from llmsched.v1 import scheduler_pb2 as spb
+from scheduler_svc.constraints import grammar_line
 from tests import grammar_walk
 
 WEATHER = '{"city": "Paris", "days": 3}'
@@ -204,5 +205,7 @@ def test_a_schema_the_engine_refuses_is_blamed_on_its_tool(tokenizers, name):
     error = grammar_walk.compile_error(tokenizers["tiny-random"], "lark", grammar.text)
     assert "not" in error
     constraint = Constraint(spb.StructuredOutput(grammar=grammar.text), "tools", "tool_call", grammar.line_params)
-    assert constraint.param_for(error) == "tools[1].function.parameters"
-    assert constraint.param_for("deadline passed") == "tools"
+    # The scheduler reads the line out of llguidance's message and sends it
+    # as a detail (llmsched-grammar-line); the gateway maps it to the tool.
+    assert constraint.param_for(grammar_line(error)) == "tools[1].function.parameters"
+    assert constraint.param_for(grammar_line("deadline passed")) == "tools"

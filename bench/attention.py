@@ -167,11 +167,11 @@ def bench_attention(shape: str, num_reqs: int, context: int, rounds: int, seed: 
 
 def bench_step(num_reqs: int, context: int, rounds: int, model_path: Path = STORIES) -> StepRow:
     """One decode step of num_reqs requests at context tokens through the ModelRunner."""
-    from executor_svc.checkpoint import load_checkpoint
-    from executor_svc.kv_cache import KVCachePool
-    from executor_svc.families import build_model, read_config
-    from executor_svc.runner import ModelRunner, NewRequestData, StepPlan
-    from executor_svc.sampler import SamplingSettings
+    from executor_svc.model.checkpoint import load_checkpoint
+    from executor_svc.step.kv_cache import KVCachePool
+    from executor_svc.model.families import build_model, read_config
+    from executor_svc.step.runner import ModelRunner, NewRequestData, StepPlan
+    from executor_svc.step.sampler import SamplingSettings
 
     ckpt = load_checkpoint(str(model_path))
     cfg = read_config(ckpt.hf_config)

@@ -70,7 +70,7 @@ def hf_builtin(model: str):
     import transformers
     from safetensors.torch import save_file
 
-    from executor_svc.builtin import load_builtin
+    from executor_svc.model.builtin import load_builtin
 
     ckpt = load_builtin(model)
     if ckpt.hf_config["architectures"] == ["LlamaForCausalLM"]:
@@ -96,7 +96,7 @@ def load_hf_model(model: str, num_threads: int) -> HFModel:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from executor_svc.builtin import BUILTIN_MODELS, load_builtin
+    from executor_svc.model.builtin import BUILTIN_MODELS, load_builtin
 
     torch.set_num_threads(num_threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -174,7 +174,7 @@ def vocab_size_for(model: str, override: int | None) -> int:
     if path.is_dir():
         return int(json.loads((path / "config.json").read_text())["vocab_size"])
     try:
-        from executor_svc.builtin import BUILTIN_MODELS
+        from executor_svc.model.builtin import BUILTIN_MODELS
     except ImportError as exc:  # a scheduler-only install has no torch
         raise SystemExit(f"cannot look up the vocab of {model!r} ({exc}); pass --vocab-size") from None
     if model not in BUILTIN_MODELS:
@@ -193,7 +193,7 @@ def context_for(model: str, executor_env: dict[str, str]) -> int | None:
     if path.is_dir():
         return json.loads((path / "config.json").read_text()).get("max_position_embeddings")
     try:
-        from executor_svc.builtin import BUILTIN_MODELS
+        from executor_svc.model.builtin import BUILTIN_MODELS
     except ImportError:  # a scheduler-only install has no torch
         return None
     spec = BUILTIN_MODELS.get(model)
@@ -271,7 +271,7 @@ def decoded_prompts(requests: list[wl.BenchRequest], model: str) -> list[str]:
     if path.is_dir():
         tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     else:
-        from executor_svc.builtin import BUILTIN_MODELS, byte_level_tokenizer_json
+        from executor_svc.model.builtin import BUILTIN_MODELS, byte_level_tokenizer_json
 
         tok = Tokenizer.from_str(byte_level_tokenizer_json(BUILTIN_MODELS[model].vocab_size))
     return [r.prompt_text if r.prompt_token_ids is None else tok.decode(list(r.prompt_token_ids)) for r in requests]

@@ -34,10 +34,10 @@ import time
 import torch
 from torch import nn
 
-from executor_svc import sampler as sampler_mod
+from executor_svc.step import sampler as sampler_mod
 from executor_svc.attention import TorchAttentionBackend
-from executor_svc.runner import ModelRunner, NewRequestData, StepPlan
-from executor_svc.sampler import SamplingSettings
+from executor_svc.step.runner import ModelRunner, NewRequestData, StepPlan
+from executor_svc.step.sampler import SamplingSettings
 from llmsched.assets import STORIES260K
 
 BLOCK_SIZE = 16
@@ -61,9 +61,9 @@ def real_logits(rows: int) -> torch.Tensor:
     from tokenizers import Tokenizer
 
     from executor_svc.attention import AttentionMetadata
-    from executor_svc.checkpoint import load_checkpoint
-    from executor_svc.kv_cache import KVCachePool
-    from executor_svc.families import build_model, read_config
+    from executor_svc.model.checkpoint import load_checkpoint
+    from executor_svc.step.kv_cache import KVCachePool
+    from executor_svc.model.families import build_model, read_config
 
     ckpt = load_checkpoint(str(STORIES))
     cfg = read_config(ckpt.hf_config)

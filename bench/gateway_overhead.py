@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from bench import workloads as wl
-from bench.common import vocab_size_for
 from bench.client import run_requests
+from bench.common import vocab_size_for
 from bench.openai_client import run_openai_requests
 from bench.report import summarize
 from llmsched.launch import launch

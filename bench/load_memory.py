@@ -90,11 +90,11 @@ def _child(directory: str, dtype: str) -> None:
 
     import torch
 
-    from executor_svc.checkpoint import load_checkpoint
+    from executor_svc.model.checkpoint import load_checkpoint
     from executor_svc.config import ExecutorSettings
-    from executor_svc.families import build_model, family_of, read_config
-    from executor_svc.model import CausalLM
-    from executor_svc.sharding import Shard
+    from executor_svc.model.families import build_model, family_of, read_config
+    from executor_svc.model.model import CausalLM
+    from executor_svc.model.sharding import Shard
     from executor_svc.tensor_parallel import join
 
     torch.set_num_threads(1)

@@ -8,7 +8,7 @@ Shapes (bf16):
 
 * fused MoE: Qwen3-30B-A3B's experts (hidden 2048, 128 experts, 8 active per
   token, width 768) at 1 to 512 tokens. The torch path is the executor's
-  (executor_svc.moe.FusedExperts: pairs sorted by expert, one matmul per
+  (executor_svc.model.moe.FusedExperts: pairs sorted by expert, one matmul per
   expert with tokens); the dense GEMM multiplies the tokens by one
   [hidden, 8 x 2 x 768] and one [8 x 768, hidden] matrix (the active FLOPs).
 * MLA decode: DeepSeek-V3's latent (kv_lora_rank 512 + qk_rope_head_dim 64)
@@ -73,9 +73,9 @@ def _agree(got, want) -> dict:
 def bench_moe(tokens: int, repeats: int) -> dict:
     import torch
 
-    from executor_svc.model_config import MoESpec
-    from executor_svc.moe import FusedExperts
-    from executor_svc.sharding import Shard
+    from executor_svc.model.model_config import MoESpec
+    from executor_svc.model.moe import FusedExperts
+    from executor_svc.model.sharding import Shard
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     h, e, k, i = MOE["hidden"], MOE["num_experts"], MOE["top_k"], MOE["inter"]

@@ -28,8 +28,8 @@ from pathlib import Path
 from llguidance import LLMatcher
 
 from bench import workloads as wl
-from bench.common import vocab_size_for
 from bench.client import run_requests
+from bench.common import vocab_size_for
 from bench.report import summarize
 from bench.server_metrics import scrape
 from llmsched.launch import launch
@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _tokenizer(model: str, vocab: int):
     """llguidance's tokenizer for the served model, as the executor builds it."""
-    from executor_svc.checkpoint import load_checkpoint
-    from executor_svc.families import read_config
+    from executor_svc.model.checkpoint import load_checkpoint
+    from executor_svc.model.families import read_config
 
     ckpt = load_checkpoint(model)
     eos = read_config(ckpt.hf_config, ckpt.generation_config).eos_token_ids

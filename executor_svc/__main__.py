@@ -7,7 +7,7 @@ import logging
 
 from executor_svc.config import ExecutorSettings
 from executor_svc.loading import load
-from executor_svc.model_config import UnsupportedConfig
+from executor_svc.model.model_config import UnsupportedConfig
 from executor_svc.service import ExecutorService
 from executor_svc.tensor_parallel import is_worker_rank
 from executor_svc.tp_worker import run_worker

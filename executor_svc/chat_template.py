@@ -91,7 +91,7 @@ def read_chat_template(model_dir: Path) -> ChatTemplate:
 
 def load_chat_template(model: str) -> ChatTemplate:
     """`model` as EXECUTOR_MODEL has it: a built-in name or a directory."""
-    from executor_svc.builtin import BUILTIN_MODELS
+    from executor_svc.model.builtin import BUILTIN_MODELS
 
     if model in BUILTIN_MODELS:
         return ChatTemplate(CHATML_TEMPLATE, "<s>", "</s>")

@@ -67,7 +67,7 @@ class ExecutorSettings(BaseSettings):
     torch_compile: Literal["off", "on"] = Field(
         default="off", description="`on`: decode-only steps on CPU whose gathered K fits 4 MiB per layer (e.g. 64 "
         "requests x 512 tokens on stories260K) run as one `torch.compile`d graph "
-        "(`executor_svc/compiled_decode.py`), compiled at start-up (about 22 s cold on the development machine, "
+        "(`executor_svc/step/compiled_decode.py`), compiled at start-up (about 22 s cold on the development machine, "
         "5 s with inductor's on-disk cache warm); other steps run eagerly. Needs a C++ compiler: if compiling "
         "fails the executor logs why and serves eagerly. Refused on CUDA (use `EXECUTOR_CUDA_GRAPHS`) and under "
         "tensor parallelism.")

@@ -3,9 +3,9 @@ step-protocol messages."""
 
 from __future__ import annotations
 
+from executor_svc.step.runner import NewRequestData, StepPlan, StepResult
+from executor_svc.step.sampler import SamplingSettings
 from llmsched.v1 import executor_pb2 as pb
-from executor_svc.runner import NewRequestData, StepPlan, StepResult
-from executor_svc.sampler import SamplingSettings
 
 
 def sampling_from_proto(s: pb.StepSampling) -> SamplingSettings:

@@ -11,16 +11,16 @@ from dataclasses import dataclass
 import torch
 
 from executor_svc.attention import make_backend
-from executor_svc.checkpoint import Checkpoint, load_checkpoint
+from executor_svc.model.checkpoint import Checkpoint, load_checkpoint
 from executor_svc.config import ExecutorSettings
-from executor_svc.constraints import ConstraintMatchers
-from executor_svc.host_kv import HostKVPool, host_pool_num_blocks
-from executor_svc.kv_cache import KVCachePool, pool_num_blocks
-from executor_svc.families import build_model, read_config
-from executor_svc.model_config import ModelConfig
-from executor_svc.moe import use_triton_moe
-from executor_svc.runner import ModelRunner
-from executor_svc.sharding import Shard
+from executor_svc.step.constraints import ConstraintMatchers
+from executor_svc.step.host_kv import HostKVPool, host_pool_num_blocks
+from executor_svc.step.kv_cache import KVCachePool, pool_num_blocks
+from executor_svc.model.families import build_model, read_config
+from executor_svc.model.model_config import ModelConfig
+from executor_svc.model.moe import use_triton_moe
+from executor_svc.step.runner import ModelRunner
+from executor_svc.model.sharding import Shard
 from executor_svc.tensor_parallel import TPGroup, join, rank_device
 from llmsched.errors import StartupError
 

@@ -14,7 +14,7 @@ from executor_svc.chat_template import load_chat_template
 from executor_svc.config import ExecutorSettings
 from executor_svc.convert import result_to_proto, step_from_proto
 from executor_svc.loading import LoadedModel
-from executor_svc.model_config import SLIDING
+from executor_svc.model.model_config import SLIDING
 from executor_svc.telemetry import StepTelemetry, SwapStats
 from executor_svc.tensor_parallel import HEARTBEAT, RESET, STEP
 from llmsched.tracing import Tracing

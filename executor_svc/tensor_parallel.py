@@ -34,7 +34,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from executor_svc.sharding import Shard, check_size
+from executor_svc.model.sharding import Shard, check_size
 from llmsched.errors import StartupError
 from llmsched.server import free_port
 from llmsched.server import exit_now

@@ -1,6 +1,6 @@
 """Triton kernel: multi-head latent attention decode over a paged latent cache (``mla_decode``).
 
-DeepSeek-V3's MLA with the decompression absorbed (see executor_svc/mla.py): every head
+DeepSeek-V3's MLA with the decompression absorbed (see executor_svc/model/mla.py): every head
 of a decode token attends over the request's cached latents ``[c, k_pe]`` as one
 multi-query attention, each latent serving as the key and its first ``value_dim``
 values (c) as the value. As in FlashMLA, one program owns one request and a block of

@@ -2,7 +2,7 @@
 `structured` field into an llguidance grammar and checks that it compiles
 against the model's tokenizer, before the request is queued.
 
-The executor enforces the grammar (executor_svc/constraints.py): it keeps
+The executor enforces the grammar (executor_svc/step/constraints.py): it keeps
 one matcher per constrained request, computes each step's token mask while
 the forward pass runs, masks the logits before sampling and advances the
 matcher with the token it sampled. Matchers live where the token is
@@ -31,8 +31,8 @@ import llguidance
 from llguidance import LLMatcher
 from prometheus_client import Counter, Histogram
 
-from scheduler_svc.clock import SYSTEM_CLOCK
-from scheduler_svc.request import CompiledConstraint
+from scheduler_svc.core.clock import SYSTEM_CLOCK
+from scheduler_svc.core.request import CompiledConstraint
 from scheduler_svc.validation import ConstraintSpec, InvalidRequest
 
 # JSON is written compactly unless a schema's own "x-guidance" says

@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 from llmsched.v1 import executor_pb2 as epb
 from llmsched.v1 import scheduler_pb2 as spb
-from scheduler_svc.model_facts import ModelFacts
+from scheduler_svc.core.model_facts import ModelFacts
+from scheduler_svc.core.plan import StepPlan, StepResult
+from scheduler_svc.core.request import Request, RequestStatus, SamplingParams
 from scheduler_svc.output_processor import RequestDelta
-from scheduler_svc.plan import StepPlan, StepResult
-from scheduler_svc.request import Request, RequestStatus, SamplingParams
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: spb.FINISH_REASON_STOP,

@@ -28,20 +28,20 @@ from opentelemetry import trace
 
 from llmsched.tracing import Tracing, traceparent_of
 from scheduler_svc import telemetry
-from scheduler_svc.clock import SYSTEM_CLOCK, Clock
 from scheduler_svc.config import SchedulerSettings
-from scheduler_svc.engine_core import (CoreListener, EngineCore, InFlightStep, Tee, TurnKind, core_limits,
+from scheduler_svc.core.clock import SYSTEM_CLOCK, Clock
+from scheduler_svc.core.engine_core import (CoreListener, EngineCore, InFlightStep, Tee, TurnKind, core_limits,
                                        scheduler_config)
+from scheduler_svc.core.model_facts import ModelFacts
+from scheduler_svc.core.plan import SampledToken
+from scheduler_svc.core.policy import parse_weights
+from scheduler_svc.core.request import Request, RequestStatus
+from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.engine_telemetry import EngineTelemetry
 from scheduler_svc.executor_client import ExecutorClient, ExecutorUnavailable
 from scheduler_svc.executor_link import ExecutorLink
-from scheduler_svc.model_facts import ModelFacts
 from scheduler_svc.output_processor import RequestDelta, RequestOutputState
-from scheduler_svc.plan import SampledToken
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.streams import RequestStream, Streams
-from scheduler_svc.tenants import parse_weights
 
 log = logging.getLogger(__name__)
 

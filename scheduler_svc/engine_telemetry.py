@@ -12,10 +12,10 @@ from opentelemetry import trace
 
 from llmsched.tracing import Tracing
 from scheduler_svc import telemetry
-from scheduler_svc.clock import Clock
-from scheduler_svc.engine_core import CoreListener, InFlightStep, PlanCounts
-from scheduler_svc.plan import SampledToken, StepPlan, StepResult
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.core.clock import Clock
+from scheduler_svc.core.engine_core import CoreListener, InFlightStep, PlanCounts
+from scheduler_svc.core.plan import SampledToken, StepPlan, StepResult
+from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.streams import Streams
 
 

@@ -18,9 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmsched.v1 import executor_pb2 as pb
 from llmsched.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_svc import convert
-from scheduler_svc.clock import SYSTEM_CLOCK, Clock
-from scheduler_svc.model_facts import ModelFacts
-from scheduler_svc.plan import StepPlan, StepResult
+from scheduler_svc.core.clock import SYSTEM_CLOCK, Clock
+from scheduler_svc.core.model_facts import ModelFacts
+from scheduler_svc.core.plan import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 

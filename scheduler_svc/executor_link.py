@@ -15,11 +15,11 @@ from tokenizers import Tokenizer
 from llmsched.errors import StartupError
 from llmsched.llguidance_tokenizer import make_tokenizer
 from llmsched.security import channel_credentials
-from scheduler_svc.clock import SYSTEM_CLOCK, Clock
 from scheduler_svc.config import SchedulerSettings
-from scheduler_svc.executor_client import ExecutorClient
-from scheduler_svc.model_facts import ModelFacts
 from scheduler_svc.constraints import ConstraintCompiler
+from scheduler_svc.core.clock import SYSTEM_CLOCK, Clock
+from scheduler_svc.core.model_facts import ModelFacts
+from scheduler_svc.executor_client import ExecutorClient
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
+from scheduler_svc.core.plan import SampledToken
+from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from scheduler_svc.plan import SampledToken
-from scheduler_svc.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

@@ -17,12 +17,12 @@ from llmsched.tracing import Tracing, context_from_metadata
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 from scheduler_svc import convert, telemetry
-from scheduler_svc.backpressure import Overloaded
-from scheduler_svc.clock import SYSTEM_CLOCK
+from scheduler_svc.core.backpressure import Overloaded
+from scheduler_svc.core.clock import SYSTEM_CLOCK
+from scheduler_svc.core.request import Request
 from scheduler_svc.detokenizer import token_text_decoder
 from scheduler_svc.engine import Engine, Unavailable
 from scheduler_svc.output_processor import RequestDelta
-from scheduler_svc.request import Request
 from scheduler_svc.tenants import DEFAULT_TENANT, MAX_CACHE_SALT_CHARS, TENANT_NAME, ApiKeys, prefix_salt
 from scheduler_svc.validation import InvalidRequest, Limits, sampling_from_proto, spec_from_proto, validate_prompt
 

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from scheduler_svc import telemetry
+from scheduler_svc.core.plan import SampledToken
+from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.output_processor import RequestDelta, RequestOutputState
-from scheduler_svc.plan import SampledToken
-from scheduler_svc.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
-from scheduler_svc.clock import SYSTEM_CLOCK, Clock
+from scheduler_svc.core.clock import SYSTEM_CLOCK, Clock
 
 # Link a request span to its first steps, then to steps whose index is a
 # power of two: a 2,000-token generation gets ~19 links, not 2,000.

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import re
 from dataclasses import dataclass
 
 from llmsched.errors import StartupError
 from llmsched.security import presented_api_key
+from scheduler_svc.core.policy import TENANT_NAME
 
 DEFAULT_TENANT = "default"
-TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_CACHE_SALT_CHARS = 256
 
 
@@ -65,28 +64,6 @@ class ApiKeys:
             if hmac.compare_digest(token, key):
                 found = tenant
         return found
-
-
-def parse_weights(text: str, setting: str = "SCHEDULER_TENANT_WEIGHTS") -> dict[str, float]:
-    """`teamA=2,teamB=1` -> {"teamA": 2.0, "teamB": 1.0}; tenants not named
-    weigh 1."""
-    weights: dict[str, float] = {}
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        tenant, sep, raw = part.partition("=")
-        tenant = tenant.strip()
-        if not sep or not TENANT_NAME.fullmatch(tenant):
-            raise StartupError(f"{setting}: {part!r} is not tenant=weight (a tenant is 1-64 characters of "
-                               "[A-Za-z0-9_.-])")
-        try:
-            weight = float(raw)
-        except ValueError:
-            weight = float("nan")
-        if not (weight > 0 and weight < float("inf")):
-            raise StartupError(f"{setting}: the weight of {tenant!r} must be a finite number > 0, got {raw.strip()!r}")
-        weights[tenant] = weight
-    return weights
 
 
 def prefix_salt(tenant: str, cache_salt: str | None, scope: str) -> bytes:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from llmsched.v1 import scheduler_pb2 as spb
-from scheduler_svc.request import SamplingParams
+from scheduler_svc.core.request import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 MAX_REQUEST_ID_CHARS = 256

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmsched.v1 import executor_pb2 as pb
-from scheduler_svc.model_facts import ModelFacts
+from scheduler_svc.core.model_facts import ModelFacts
 from simulator.cost_model import BASE_FEATURES, FEATURES, StepShape, fit, mape
 from simulator.profile import Geometry, HostCost, Profile
 

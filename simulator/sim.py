@@ -1,6 +1,6 @@
 """Replays a trace through the real scheduler in virtual time.
 
-The scheduler (scheduler_svc.scheduler), its block manager and prefix
+The scheduler (scheduler_svc.core.scheduler), its block manager and prefix
 cache, admission control and the engine's turn rules (EngineCore: plans in
 flight, what to send when, applying results) are the production objects;
 only the executor is replaced, by the profile's step-cost model:
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 from bench.client import RequestResult, RunResult
 from bench.traces import PromptMaker, Trace
-from scheduler_svc.backpressure import Overloaded
 from scheduler_svc.config import SchedulerSettings
-from scheduler_svc.engine_core import CoreListener, EngineCore, InFlightStep, TurnKind, core_limits, scheduler_config
-from scheduler_svc.plan import SampledToken, StepResult
-from scheduler_svc.request import Request, SamplingParams
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.core.backpressure import Overloaded
+from scheduler_svc.core.engine_core import CoreListener, EngineCore, InFlightStep, TurnKind, core_limits, scheduler_config
+from scheduler_svc.core.plan import SampledToken, StepResult
+from scheduler_svc.core.request import Request, SamplingParams
+from scheduler_svc.core.scheduler import Scheduler
 from simulator.cost_model import StepShape
 from simulator.profile import Profile
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from scheduler_svc.request import Request, SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.request import Request, SamplingParams
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 _ids = itertools.count()

@@ -13,8 +13,8 @@ def hf_model(model: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from bench.baselines import hf_builtin
-    from executor_svc.builtin import BUILTIN_MODELS
-    from executor_svc.checkpoint import load_checkpoint
+    from executor_svc.model.builtin import BUILTIN_MODELS
+    from executor_svc.model.checkpoint import load_checkpoint
 
     if model in BUILTIN_MODELS:
         return hf_builtin(model).eval()

@@ -8,8 +8,8 @@ import pytest
 
 from bench.traces import (PromptMaker, TraceOptions, mean_rate, parse_window, read_trace, trace_workload)
 from llmsched.assets import AZURE_CONV, MOONCAKE_CONV
-from scheduler_svc.kv_cache_manager import KVCacheManager
-from scheduler_svc.request import Request, SamplingParams
+from scheduler_svc.core.kv_cache_manager import KVCacheManager
+from scheduler_svc.core.request import Request, SamplingParams
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44

@@ -425,7 +425,7 @@ def uneven_tp_splits(model: str, ranks: int) -> dict[str, int]:
     """The sizes of a built-in model that do not split over `ranks`
     tensor-parallel ranks (heads, KV heads, MLP width); fails for a model
     that is not built in, whose sizes these static checks cannot read."""
-    from executor_svc.builtin import BUILTIN_MODELS  # torch: only for the tests that need it
+    from executor_svc.model.builtin import BUILTIN_MODELS  # torch: only for the tests that need it
 
     spec = BUILTIN_MODELS.get(model)
     assert spec is not None, f"{model!r} is not a built-in model ({sorted(BUILTIN_MODELS)}): its sizes are unknown here"

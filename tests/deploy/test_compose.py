@@ -187,7 +187,7 @@ def test_executor_binds_all_interfaces_on_the_compose_network(variant):
 def test_executor_default_model_is_builtin_or_under_the_models_mount(variant):
     import ast
 
-    tree = ast.parse((REPO / "executor_svc" / "builtin.py").read_text())
+    tree = ast.parse((REPO / "executor_svc" / "model" / "builtin.py").read_text())
     builtins = {
         k.value
         for node in ast.walk(tree)

@@ -13,7 +13,7 @@ from tests.oracle import hf_greedy
 
 from tokenizers import Tokenizer
 
-from executor_svc.builtin import byte_level_tokenizer_json
+from executor_svc.model.builtin import byte_level_tokenizer_json
 from llmsched.v1 import scheduler_pb2 as spb
 
 GREEDY = {"max_tokens": 40, "temperature": 0}

@@ -35,8 +35,8 @@ import grpc
 import pytest
 import torch
 
-from executor_svc.families import read_config
-from executor_svc.kv_cache import bytes_per_token
+from executor_svc.model.families import read_config
+from executor_svc.step.kv_cache import bytes_per_token
 from llmsched.v1 import executor_pb2, executor_pb2_grpc
 from tests.conftest import HAS_CUDA, REPO_ROOT
 from tests.families import CASES, hf_greedy, make_checkpoint, prompts

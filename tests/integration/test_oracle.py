@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from executor_svc.checkpoint import load_checkpoint
+from executor_svc.model.checkpoint import load_checkpoint
 from tests.integration.conftest import assert_32_concurrent_mixed_requests_match_hf, start_services
 from tests.integration.test_observability import metric, scrape
 from tests.oracle import hf_greedy

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from executor_svc.checkpoint import load_checkpoint
+from executor_svc.model.checkpoint import load_checkpoint
 from llmsched.v1 import scheduler_pb2 as spb
 from tests.conftest import HAS_CUDA
 from tests.integration.conftest import start_services

@@ -20,7 +20,7 @@ def silu_glu(h: torch.Tensor) -> torch.Tensor:
 
 
 def clamped_glu(h: torch.Tensor) -> torch.Tensor:
-    from executor_svc.moe import swiglu_clamped
+    from executor_svc.model.moe import swiglu_clamped
 
     gate, up = h.chunk(2, dim=-1)
     return swiglu_clamped(gate, up, 1.702, 0.8)
@@ -69,9 +69,9 @@ def test_align_by_expert_pads_each_expert_to_whole_tiles(device):
 def test_executor_experts_torch_and_triton_paths_agree(device):
     """The executor's FusedExperts on the same weights: the vectorized torch
     path and the kernel give the reference's output."""
-    from executor_svc.model_config import MoESpec
-    from executor_svc.moe import FusedExperts
-    from executor_svc.sharding import Shard
+    from executor_svc.model.model_config import MoESpec
+    from executor_svc.model.moe import FusedExperts
+    from executor_svc.model.sharding import Shard
 
     x, w13, w2, weights, ids, _, _ = make_moe(11, 8, 2, 32, 16, torch.float32, device)
     spec = MoESpec(num_experts=8, top_k=2, intermediate_size=16, sparse_layers=(True,))

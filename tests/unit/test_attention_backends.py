@@ -30,7 +30,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def mixed_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, num_blocks=48, seed=0):
-    """A step batch laid out as executor_svc/runner.py lays it out: every
+    """A step batch laid out as executor_svc/step/runner.py lays it out: every
     request's first seq_len - q_len positions already cached (random K/V),
     its q_len new tokens' K/V still to be written at the following slots."""
     g = torch.Generator().manual_seed(seed)

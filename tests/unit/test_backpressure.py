@@ -1,6 +1,6 @@
 import pytest
 
-from scheduler_svc.backpressure import (
+from scheduler_svc.core.backpressure import (
     MAX_RETRY_AFTER_MS, AdmissionLimits, Overloaded, StepTimeEstimator, check_admission,
 )
 

@@ -1,7 +1,7 @@
 import pytest
 
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.kv_cache_manager import KVCacheManager
 from tests.factories import make_request
 
 

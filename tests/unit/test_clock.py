@@ -1,4 +1,4 @@
-"""scheduler_svc reads the clock only through scheduler_svc/clock.py, so the
+"""scheduler_svc reads the clock only through scheduler_svc/core/clock.py, so the
 simulator can run its code in virtual time (issue 26)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import scheduler_svc
 
 PACKAGE = Path(scheduler_svc.__file__).parent
-CLOCK_MODULE = PACKAGE / "clock.py"
+CLOCK_MODULE = PACKAGE / "core" / "clock.py"
 # (module, attribute) pairs that read a wall or monotonic clock.
 CLOCK_READS = {("time", name) for name in ("time", "time_ns", "monotonic", "monotonic_ns", "perf_counter",
                                            "perf_counter_ns", "process_time", "thread_time", "clock_gettime")}
@@ -61,5 +61,5 @@ def test_scheduler_svc_reads_the_clock_only_through_clock_py():
             continue
         for lineno, what in clock_reads(path.read_text()):
             offenders.append(f"{path.relative_to(PACKAGE.parent)}:{lineno}: {what}")
-    assert not offenders, "read the clock through scheduler_svc.clock instead:\n" + "\n".join(offenders)
+    assert not offenders, "read the clock through scheduler_svc.core.clock instead:\n" + "\n".join(offenders)
     assert clock_reads(CLOCK_MODULE.read_text()), "clock.py is where the clock is read"

@@ -1,4 +1,4 @@
-"""EXECUTOR_TORCH_COMPILE=on (executor_svc/compiled_decode.py): decode
+"""EXECUTOR_TORCH_COMPILE=on (executor_svc/step/compiled_decode.py): decode
 steps run as one compiled graph, in process, against HF greedy output on
 stories260K and on the families whose attention differs (windows, soft-caps,
 q/k norms, biases, partial rotary). Prefill and chunk steps stay eager, so
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.compiled_decode import STEPS
+from executor_svc.step.compiled_decode import STEPS
 from executor_svc.loading import check_torch_compile
 from llmsched.errors import StartupError
 from tests.unit.test_families_vs_hf import assert_matches_hf, checkpoints, runner_for  # noqa: F401 (a fixture)

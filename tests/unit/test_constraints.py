@@ -1,4 +1,4 @@
-"""The executor's half of constrained decoding (executor_svc/constraints.py):
+"""The executor's half of constrained decoding (executor_svc/step/constraints.py):
 masks from llguidance matchers, applied to the logits before sampling,
 greedy and sampled; EOS held back under ignore_eos; a re-sent request's
 output replayed into a fresh matcher; failures reported per request; and,
@@ -14,9 +14,9 @@ import pytest
 import torch
 from llguidance import LLMatcher
 
-from executor_svc.constraints import MATCHERS, ConstraintMatchers
-from executor_svc.runner import NewRequestData, StepPlan
-from executor_svc.sampler import SamplingSettings
+from executor_svc.step.constraints import MATCHERS, ConstraintMatchers
+from executor_svc.step.runner import NewRequestData, StepPlan
+from executor_svc.step.sampler import SamplingSettings
 from tests.conftest import STORIES
 from tests.oracle import hf_greedy
 from tests.unit.test_runner_vs_hf import BLOCK, GREEDY, make_runner

@@ -6,7 +6,7 @@ import torch
 from pydantic import ValidationError
 
 from executor_svc.config import ExecutorSettings
-from executor_svc.cuda_graphs import graph_buckets
+from executor_svc.step.cuda_graphs import graph_buckets
 from executor_svc.loading import use_cuda_graphs
 
 
@@ -38,10 +38,10 @@ def test_buckets_are_powers_of_two_up_to_the_largest():
 
 def _runners():
     from executor_svc.attention import make_backend
-    from executor_svc.checkpoint import load_checkpoint
-    from executor_svc.kv_cache import KVCachePool
-    from executor_svc.families import build_model, read_config
-    from executor_svc.runner import ModelRunner
+    from executor_svc.model.checkpoint import load_checkpoint
+    from executor_svc.step.kv_cache import KVCachePool
+    from executor_svc.model.families import build_model, read_config
+    from executor_svc.step.runner import ModelRunner
 
     dev = torch.device("cuda")
     ckpt = load_checkpoint("bench-small")
@@ -58,7 +58,7 @@ def _runners():
 def _drive(runner, batch, steps, sampling):
     """Prefill `batch` requests then decode `steps` tokens; returns each
     step's (handles, tokens)."""
-    from executor_svc.runner import NewRequestData, StepPlan
+    from executor_svc.step.runner import NewRequestData, StepPlan
 
     g = torch.Generator().manual_seed(batch)
     new = []
@@ -79,7 +79,7 @@ def test_graph_decode_draws_the_eager_greedy_tokens(batch):
     (its block table is full width), so logits differ in the last bits, and
     a seeded draw could flip at a CDF boundary; greedy top-2 gaps on
     bench-small are above 1e-4 (checked on CPU over 832 draws)."""
-    from executor_svc.sampler import SamplingSettings
+    from executor_svc.step.sampler import SamplingSettings
 
     eager, graphed = _runners()
     assert graphed.graphs is not None and eager.graphs is None
@@ -92,9 +92,9 @@ def test_graph_decode_draws_the_eager_greedy_tokens(batch):
 @pytest.mark.gpu
 def test_graph_logits_match_eager_logits_with_padding(monkeypatch):
     """5 requests replay the bucket-8 graph with 3 padding rows."""
-    import executor_svc.runner as runner_mod
-    from executor_svc.runner import NewRequestData, StepPlan
-    from executor_svc.sampler import SamplingSettings
+    import executor_svc.step.runner as runner_mod
+    from executor_svc.step.runner import NewRequestData, StepPlan
+    from executor_svc.step.sampler import SamplingSettings
 
     eager, graphed = _runners()
     greedy = SamplingSettings(0.0, 1.0, 0, None, 0)

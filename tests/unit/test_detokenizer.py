@@ -1,7 +1,7 @@
 import pytest
 from tokenizers import Tokenizer
 
-from executor_svc.builtin import byte_level_tokenizer_json
+from executor_svc.model.builtin import byte_level_tokenizer_json
 from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 

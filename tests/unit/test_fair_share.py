@@ -1,4 +1,4 @@
-"""SCHEDULER_POLICY=fair (scheduler_svc/policy.py), the scheduler core
+"""SCHEDULER_POLICY=fair (scheduler_svc/core/policy.py), the scheduler core
 driven without processes: tenants from API keys and weights from their
 setting, the Virtual Token Counter's admission order, lifts and victims,
 and a hypothesis state machine that checks VTC's bound on the counters of
@@ -30,8 +30,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from llmsched.errors import StartupError
-from scheduler_svc.request import RequestStatus
-from scheduler_svc.tenants import ApiKeys, key_tenant_name, parse_weights, prefix_salt
+from scheduler_svc.core.policy import parse_weights
+from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.tenants import ApiKeys, key_tenant_name, prefix_salt
 from tests.factories import FakeExecutor, make_request, make_scheduler, run_step
 
 

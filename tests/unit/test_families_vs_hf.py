@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from executor_svc.attention import make_backend
-from executor_svc.checkpoint import load_checkpoint
-from executor_svc.families import build_model, read_config
-from executor_svc.kv_cache import KVCachePool
-from executor_svc.model_config import FULL, SLIDING, ModelConfig, RopeSpec
-from executor_svc.runner import ModelRunner, NewRequestData, StepPlan
-from executor_svc.sampler import SamplingSettings
+from executor_svc.model.checkpoint import load_checkpoint
+from executor_svc.model.families import build_model, read_config
+from executor_svc.step.kv_cache import KVCachePool
+from executor_svc.model.model_config import FULL, SLIDING, ModelConfig, RopeSpec
+from executor_svc.step.runner import ModelRunner, NewRequestData, StepPlan
+from executor_svc.step.sampler import SamplingSettings
 from tests.families import CASES, hf_greedy, hf_model, make_checkpoint, prompts
 from tests.unit.test_runner_vs_hf import BLOCK, generate
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from executor_svc.checkpoint import LazyTensor
-from executor_svc.mxfp4 import dequantize
+from executor_svc.model.checkpoint import LazyTensor
+from executor_svc.model.mxfp4 import dequantize
 from tests.families import CASES, hf_greedy, make_checkpoint
 from tests.unit.test_families_vs_hf import MAX_NEW, PROMPTS, runner_for
 from tests.unit.test_runner_vs_hf import generate
@@ -76,9 +76,9 @@ def test_an_mxfp4_checkpoint_serves_hfs_tokens_on_its_dequantized_weights(checkp
 
 @pytest.mark.parametrize("inter", [64, 96], ids=["whole-groups", "groups-split-between-ranks"])
 def test_each_rank_reads_its_units_of_the_packed_experts(inter):
-    from executor_svc.families.gpt_oss import GptOssExperts
-    from executor_svc.model_config import MoESpec
-    from executor_svc.sharding import Shard
+    from executor_svc.model.families.gpt_oss import GptOssExperts
+    from executor_svc.model.model_config import MoESpec
+    from executor_svc.model.sharding import Shard
 
     g = torch.Generator().manual_seed(1)
     experts, hidden = 2, 64

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from executor_svc.attention import make_backend
-from executor_svc.checkpoint import load_checkpoint
-from executor_svc.host_kv import HostKVPool, host_pool_num_blocks
-from executor_svc.kv_cache import KVCachePool, bytes_per_block
-from executor_svc.families import build_model, read_config
-from executor_svc.runner import ModelRunner, NewRequestData, PlanError, StepPlan
-from executor_svc.sampler import SamplingSettings
+from executor_svc.model.checkpoint import load_checkpoint
+from executor_svc.step.host_kv import HostKVPool, host_pool_num_blocks
+from executor_svc.step.kv_cache import KVCachePool, bytes_per_block
+from executor_svc.model.families import build_model, read_config
+from executor_svc.step.runner import ModelRunner, NewRequestData, PlanError, StepPlan
+from executor_svc.step.sampler import SamplingSettings
 from llmsched.errors import StartupError
 from tests.oracle import hf_greedy
 from tests.unit.test_mla import DEEPSEEK_V3
@@ -114,7 +114,7 @@ def test_swaps_without_a_host_tier_or_past_its_end_are_refused(model_and_cfg):
 
 def test_a_host_tier_larger_than_memavailable_is_refused_by_name(model_and_cfg, monkeypatch):
     _, cfg = model_and_cfg
-    import executor_svc.host_kv as host_kv
+    import executor_svc.step.host_kv as host_kv
 
     monkeypatch.setattr(host_kv, "free_memory_bytes", lambda device: 100 * 1024 * 1024)
     assert host_pool_num_blocks(cfg, BLOCK, torch.float32, 0) == 0

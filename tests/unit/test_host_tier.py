@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from scheduler_svc import convert
-from scheduler_svc.request import RequestStatus
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from tests.factories import FakeExecutor, make_request, make_scheduler, run_step
 
 PREFIX = list(range(100, 132))  # 8 blocks of 4

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_svc.families import read_config
-from executor_svc.kv_cache import bytes_per_block, bytes_per_token, layer_specs
-from executor_svc.model_config import UnsupportedConfig
-from executor_svc.sharding import Shard, valid_sizes
+from executor_svc.model.families import read_config
+from executor_svc.step.kv_cache import bytes_per_block, bytes_per_token, layer_specs
+from executor_svc.model.model_config import UnsupportedConfig
+from executor_svc.model.sharding import Shard, valid_sizes
 
 # deepseek-ai/DeepSeek-V3's config.json, without its fp8 quantization_config
 # (a bf16 conversion's), and Kimi K2's differences from it.
@@ -81,8 +81,8 @@ def test_deepseek_routing_and_attention_keys_it_does_not_implement_are_refused_b
 
 
 def test_deepseek_checkpoint_names_map_onto_the_shared_moe_layer_and_mtp_layers_are_skipped():
-    from executor_svc.checkpoint import LazyTensor
-    from executor_svc.families.deepseek_v3 import rename_deepseek_v3
+    from executor_svc.model.checkpoint import LazyTensor
+    from executor_svc.model.families.deepseek_v3 import rename_deepseek_v3
 
     cfg, t = read_config(DEEPSEEK_V3), LazyTensor.of(torch.zeros(1))
     names = lambda n: [name for name, _ in rename_deepseek_v3(n, t, cfg)]  # noqa: E731

@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from executor_svc.families import FAMILIES, read_config
-from executor_svc.model_config import FULL, SLIDING, UnsupportedConfig
+from executor_svc.model.families import FAMILIES, read_config
+from executor_svc.model.model_config import FULL, SLIDING, UnsupportedConfig
 
 # Each served family's transformers config class, as the Hub's config.json files come from it.
 CONFIG_CLASSES = {

@@ -1,4 +1,4 @@
-"""The shared MoE layer (executor_svc/moe.py) against HF's own router and
+"""The shared MoE layer (executor_svc/model/moe.py) against HF's own router and
 expert modules, on inputs where experts tie exactly: a zero hidden state
 (every logit equal) and duplicated router rows. The executor must pick the
 experts HF picks, in HF's order, with HF's weights, for every scoring rule;
@@ -12,9 +12,9 @@ import pytest
 import torch
 import transformers
 
-from executor_svc.model_config import MoESpec
-from executor_svc.moe import FusedExperts, Router
-from executor_svc.sharding import Shard
+from executor_svc.model.model_config import MoESpec
+from executor_svc.model.moe import FusedExperts, Router
+from executor_svc.model.sharding import Shard
 
 HIDDEN, EXPERTS = 16, 8
 

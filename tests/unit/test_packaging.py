@@ -12,8 +12,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_scheduler_modules_never_import_torch():
     modules = sorted(
-        "scheduler_svc." + p.stem if p.stem != "__init__" else "scheduler_svc"
-        for p in (REPO / "scheduler_svc").glob("*.py")
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        for p in (REPO / "scheduler_svc").rglob("*.py")
     )
     modules += ["llmsched.server", "llmsched.launch"]
     code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + (

@@ -1,9 +1,9 @@
 """Prefix caching: chained block hashes, sharing with reference counts, LRU
 eviction, and what the scheduler does with a hit."""
 
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.kv_cache_manager import ROOT_HASH, KVCacheManager, hash_block
-from scheduler_svc.request import RequestStatus
+from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.kv_cache_manager import ROOT_HASH, KVCacheManager, hash_block
+from scheduler_svc.core.request import RequestStatus
 from tests.factories import make_request, make_scheduler, run_step
 
 PREFIX = list(range(100, 132))  # 8 blocks of 4

@@ -4,8 +4,8 @@ and the checks that refuse plans contradicting them."""
 import pytest
 import torch
 
-from executor_svc.runner import NewRequestData, PlanError, StepPlan
-from executor_svc.sampler import SamplingSettings
+from executor_svc.step.runner import NewRequestData, PlanError, StepPlan
+from executor_svc.step.sampler import SamplingSettings
 from tests.unit.test_runner_vs_hf import BLOCK, GREEDY, make_runner
 
 

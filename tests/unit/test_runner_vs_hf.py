@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from executor_svc.attention import make_backend
-from executor_svc.checkpoint import load_checkpoint
-from executor_svc.families import build_model, read_config
-from executor_svc.kv_cache import KVCachePool
-from executor_svc.runner import ModelRunner, NewRequestData, PlanError, StepPlan
-from executor_svc.sampler import SamplingSettings
+from executor_svc.model.checkpoint import load_checkpoint
+from executor_svc.model.families import build_model, read_config
+from executor_svc.step.kv_cache import KVCachePool
+from executor_svc.step.runner import ModelRunner, NewRequestData, PlanError, StepPlan
+from executor_svc.step.sampler import SamplingSettings
 from tests.oracle import hf_greedy
 
 GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=0)

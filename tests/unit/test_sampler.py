@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from executor_svc import sampler as sampler_mod
-from executor_svc.sampler import SamplingBatch, SamplingSettings, sample, seeded_uniform
+from executor_svc.step import sampler as sampler_mod
+from executor_svc.step.sampler import SamplingBatch, SamplingSettings, sample, seeded_uniform
 
 
 def settings(**kw):

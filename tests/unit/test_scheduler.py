@@ -2,8 +2,8 @@
 
 import pytest
 
-from scheduler_svc.request import RequestStatus
-from scheduler_svc.request import CompiledConstraint
+from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.request import CompiledConstraint
 from tests.factories import EOS, FakeExecutor, make_request, make_requests, make_scheduler, run_step
 
 

@@ -17,9 +17,9 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduler_svc.kv_cache_manager import ROOT_HASH, hash_block
-from scheduler_svc.request import RequestStatus
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.kv_cache_manager import ROOT_HASH, hash_block
+from scheduler_svc.core.request import RequestStatus
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from tests.factories import EOS, make_request
 
 PREFIXES = [[], [101, 102, 103, 104, 105, 106], [101, 102, 103, 104, 201, 202, 203]]

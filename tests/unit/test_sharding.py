@@ -1,4 +1,4 @@
-"""The tensor-parallel split rules (executor_svc/sharding.py), without
+"""The tensor-parallel split rules (executor_svc/model/sharding.py), without
 processes: which sizes a model allows, which rows and columns each rank
 holds, KV-head replication, vocabulary padding, and slices read from disk."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from executor_svc.checkpoint import LazyTensor, load_checkpoint
-from executor_svc.families import read_config
-from executor_svc.model_config import ModelConfig
-from executor_svc.sharding import Shard, check_size, valid_sizes
+from executor_svc.model.checkpoint import LazyTensor, load_checkpoint
+from executor_svc.model.families import read_config
+from executor_svc.model.model_config import ModelConfig
+from executor_svc.model.sharding import Shard, check_size, valid_sizes
 from llmsched.errors import StartupError
 
 
@@ -58,7 +58,7 @@ def test_kv_heads_are_replicated_on_the_ranks_whose_queries_use_them():
 
 
 def _whole_state(cfg) -> dict[str, torch.Tensor]:
-    from executor_svc.model import CausalLM
+    from executor_svc.model.model import CausalLM
 
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -83,7 +83,7 @@ def _whole_state(cfg) -> dict[str, torch.Tensor]:
 def test_each_layer_loads_its_rows_columns_or_all_of_its_tensors():
     """Rank 1 of 2: q/k/v and gate/up by rows, o and down by columns, the
     vocabulary by rows, norms whole."""
-    from executor_svc.families import build_model
+    from executor_svc.model.families import build_model
 
     cfg, shard = config(), Shard(1, 2)
     state = _whole_state(cfg)
@@ -103,7 +103,7 @@ def test_each_layer_loads_its_rows_columns_or_all_of_its_tensors():
 
 
 def test_vocabulary_is_padded_to_a_multiple_of_the_size_with_zero_rows():
-    from executor_svc.layers import VocabEmbedding
+    from executor_svc.model.layers import VocabEmbedding
 
     cfg = config(vocab_size=510)
     assert Shard(0, 4).padded_vocab(cfg) == 512
@@ -121,8 +121,8 @@ def test_a_rank_reads_only_its_slice_from_the_safetensors_file(tmp_path):
     """get_slice, not get_tensor: a rank's read of a column split returns
     exactly those columns of the file's tensor, and a narrowed tensor (as
     Phi-3's fused split makes) reads only its rows."""
-    from executor_svc.checkpoint import Checkpoint
-    from executor_svc.layers import RowLinear
+    from executor_svc.model.checkpoint import Checkpoint
+    from executor_svc.model.layers import RowLinear
 
     down, fused = torch.randn(64, 172), torch.randn(48, 64)
     save_file({"model.layers.0.mlp.down_proj.weight": down, "fused": fused}, tmp_path / "m.safetensors")
@@ -144,7 +144,7 @@ def test_a_rank_reads_only_its_slice_from_the_safetensors_file(tmp_path):
 
 def test_a_row_split_bias_is_held_by_rank_0_only():
     """gpt-oss's o_proj has a bias: the ranks' partial sums add up to it once."""
-    from executor_svc.layers import RowLinear
+    from executor_svc.model.layers import RowLinear
 
     w, b, x = torch.randn(8, 16), torch.randn(8), torch.randn(3, 16)
     total = torch.zeros(3, 8)
@@ -159,7 +159,7 @@ def test_a_row_split_bias_is_held_by_rank_0_only():
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_each_rank_loads_its_q_k_v_and_gate_up_shards_into_the_rows_of_one_fused_weight(rank):
-    from executor_svc.families import build_model
+    from executor_svc.model.families import build_model
 
     cfg, shard = config(), Shard(rank, 2)
     state = _whole_state(cfg)

@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from executor_svc.builtin import byte_level_tokenizer_json
+from executor_svc.model.builtin import byte_level_tokenizer_json
 from gateway_svc.chat_output import ChatOutput
 from gateway_svc.constraints import Constraint
 from gateway_svc.tool_parsers import PARSERS, Function, hermes, llama3_json, mistral

@@ -183,7 +183,7 @@ def test_sliding_window_never_reads_blocks_wholly_outside_it():
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 1.5), (30, 1.5)])
 def test_decodes_in_many_chunks_and_split_contexts_match_dense_attention(monkeypatch, window, softcap):
-    from executor_svc import attention
+    from executor_svc.attention import torch_backend as attention
 
     # 48 keys of 2 heads x 16 fp32 per chunk: contexts past 48 tokens are split
     # into pieces merged by their log-sum-exp.
@@ -221,7 +221,7 @@ def test_zero_or_negative_window_is_refused():
 
 @pytest.mark.parametrize("window", [None, 17])
 def test_bf16_mixed_batch_with_split_contexts_matches_dense_attention(monkeypatch, window):
-    from executor_svc import attention
+    from executor_svc.attention import torch_backend as attention
 
     monkeypatch.setattr(attention, "DECODE_CHUNK_BYTES", 48 * 2 * 16 * 2)  # 48 tokens of 2 heads x 16 bf16
     query, k_cache, v_cache, meta, keys, values = paged_batch(BATCHES["mixed"], 8, 2, 16, 4)
@@ -237,7 +237,7 @@ def test_bf16_mixed_batch_with_split_contexts_matches_dense_attention(monkeypatc
 def test_sinks_match_the_reference_in_prefill_decode_and_split_decode(split, monkeypatch):
     """gpt-oss's sinks: an explicit softmax column in prefills, a sigmoid(lse - sink)
     factor on decodes, after split pieces merge."""
-    import executor_svc.attention as attention
+    from executor_svc.attention import torch_backend as attention
 
     if split:
         monkeypatch.setattr(attention, "DECODE_CHUNK_BYTES", 64 * 4 * 8)  # pieces of a few blocks

@@ -1,0 +1,324 @@
+"""The plain-PyTorch attention backend: gathers the cache blocks each query
+can see and hands them to SDPA, with decodes batched in chunks and long
+contexts split and merged (see TorchAttentionBackend)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from executor_svc.attention.metadata import AttentionMetadata
+
+# Bytes of K gathered per decode chunk (rows x padded context x one token's
+# K), and as many of V. Big enough that the per-call overhead vanishes, small
+# enough that the gathered copies are still in cache when SDPA reads them
+# back; 1 MiB measured best for head_dim 8 and 32 (bench/attention.py).
+DECODE_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(slots=True)
+class _DecodeChunk:
+    """Decode rows of similar length, attended in one SDPA call: rows
+    start:end of the step's sorted decode rows."""
+
+    start: int
+    end: int
+    block_ids: torch.Tensor  # [n * num_blocks] int64: blocks to gather, row by row
+    num_blocks: int  # per row, after padding to the chunk's longest
+    mask: torch.Tensor | None  # [n, 1, 1, num_blocks * block_size] additive; None: every key visible
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """One request with more than one query token (prefill or chunk)."""
+
+    start: int  # its query rows are start:end in the step batch
+    end: int
+    block_ids: torch.Tensor  # [num_blocks] int64: the blocks holding its visible keys
+    kv_len: int  # keys used, from the first gathered block's first position
+    mask: torch.Tensor | None  # [q_len, kv_len] additive; None: plain causal (q_len == kv_len)
+
+
+@dataclass(slots=True)
+class _AttentionLayout:
+    # A decode row is one request's visible keys, or a piece of them when they
+    # outgrow one chunk (split-KV): rows are sorted by length and chunked.
+    row_tokens: torch.Tensor  # [num_rows] int64: each row's query in the step batch
+    # Set when some decode is split: each row's decode (0..num_decodes-1) and
+    # each decode's query row, to merge the pieces by their log-sum-exp.
+    row_decodes: torch.Tensor | None  # [num_rows] int64
+    decode_tokens: torch.Tensor | None  # [num_decodes] int64
+    decodes: list[_DecodeChunk]
+    prefills: list[_Prefill]
+    max_gather_blocks: int  # the largest decode chunk, to size the reused gather buffers
+
+
+class TorchAttentionBackend:
+    """Plain PyTorch. Every layer gathers only the cache blocks a query can
+    see and hands them to SDPA (CPU flash attention):
+
+    - decodes are sorted by how many blocks they read and cut into chunks
+      of about DECODE_CHUNK_BYTES of K (and as much V); each chunk is
+      gathered into reused buffers and attended in one call, with the GQA
+      group as the query axis so K/V are never repeated per head. A context
+      longer than one chunk is cut into pieces whose outputs are merged by
+      their log-sum-exp (split-KV, as flash-decoding does on GPUs);
+    - prefills and chunks are attended one request at a time (their query
+      lengths differ, so batching them would mostly multiply padding).
+
+    Which blocks, the padding masks and the order are worked out once per
+    step (and window) and kept in meta.cache for every layer. A sliding
+    window skips the blocks wholly before it. Softcapping has no SDPA kernel,
+    so it takes an explicit matmul-softmax-matmul path.
+    """
+
+    name = "torch"
+
+    def write_kv(self, key, value, k_cache, v_cache, meta):
+        # key, value: [num_tokens, num_kv_heads, head_dim]
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = key
+        v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = value
+
+    def write_latent(self, latent, cache, meta):
+        cache.view(-1, 1, latent.shape[-1])[meta.slot_mapping] = latent
+
+    def attend_latent(self, query, cache, meta, scale, value_dim):
+        # The whole latent is the value too (K = V: one cache read, and CPU
+        # flash attention wants equal head sizes); the extra dims are dropped.
+        return self.attend(query, cache, cache, meta, scale)[..., :value_dim]
+
+    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None, sinks=None):
+        # query: [num_tokens, num_heads, head_dim] -> same shape
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        block_size = k_cache.shape[1]
+        key = ("torch", block_size, sliding_window)
+        plan = meta.cache.get(key)
+        if plan is None:
+            token_bytes = k_cache[0, 0].numel() * k_cache.element_size()
+            plan = _plan_step(meta, block_size, token_bytes, sliding_window, k_cache.dtype, query.device)
+            meta.cache[key] = plan
+        out = torch.empty_like(query)
+        if plan.decodes:
+            _attend_decodes(query, k_cache, v_cache, plan, scale, softcap, sinks, out)
+        num_kv_heads, head_dim = k_cache.shape[2:]
+        for pf in plan.prefills:
+            k = _gather(k_cache, pf.block_ids, None).view(-1, num_kv_heads, head_dim)[: pf.kv_len]
+            v = _gather(v_cache, pf.block_ids, None).view(-1, num_kv_heads, head_dim)[: pf.kv_len]
+            # q: [1, h, q_len, d]; k, v: [1, kvh, kv_len, d]
+            q = query[pf.start : pf.end].transpose(0, 1).unsqueeze(0)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = dense_attention(q, k, v, pf.mask, pf.mask is None, scale, softcap, sinks)  # [1, h, q_len, d]
+            out[pf.start : pf.end] = o[0].transpose(0, 1)
+        return out
+
+
+def _attend_decodes(query, k_cache, v_cache, plan: _AttentionLayout, scale, softcap, sinks, out) -> None:
+    """Writes the decodes' rows of out ([num_tokens, num_heads, head_dim]).
+    Sinks join after the pieces merge: a piece's output is normalised over
+    its own keys, and its log-sum-exp says how much it weighs; the sink's
+    exp then takes its share of the whole softmax's denominator."""
+    num_heads, head_dim = query.shape[1:]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    k_buf = k_cache.new_empty(plan.max_gather_blocks, block_size, num_kv_heads, head_dim)
+    v_buf = v_cache.new_empty(plan.max_gather_blocks, block_size, num_kv_heads, head_dim)
+    # Query head h reads KV head h // group, so the group is a query axis.
+    q_rows = query.index_select(0, plan.row_tokens).view(-1, num_kv_heads, group, head_dim)
+    o_rows = torch.empty_like(q_rows)  # [num_rows, kvh, group, d]
+    split = plan.row_decodes is not None
+    with_lse = split or sinks is not None
+    lse_rows = q_rows.new_empty(q_rows.shape[:-1], dtype=torch.float32) if with_lse else None  # [num_rows, kvh, group]
+    for chunk in plan.decodes:
+        n, ctx = chunk.end - chunk.start, chunk.num_blocks * block_size
+        # [n, ctx, kvh, d] viewed as [n, kvh, ctx, d]
+        k = _gather(k_cache, chunk.block_ids, k_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        v = _gather(v_cache, chunk.block_ids, v_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        q = q_rows[chunk.start : chunk.end]
+        if with_lse:
+            o, lse = _attention_with_lse(q, k, v, chunk.mask, scale, softcap)
+            o_rows[chunk.start : chunk.end], lse_rows[chunk.start : chunk.end] = o, lse
+        else:
+            o_rows[chunk.start : chunk.end] = dense_attention(q, k, v, chunk.mask, False, scale, softcap)
+    tokens = plan.row_tokens
+    if split:
+        o_rows, lse_rows = _merge_pieces(o_rows, lse_rows, plan.row_decodes, plan.decode_tokens.shape[0])
+        tokens = plan.decode_tokens
+    if sinks is not None:
+        # softmax with the sink = softmax without it * S / (S + exp(sink)) = sigmoid(lse - sink)
+        sink = sinks.float().view(num_kv_heads, group)  # [kvh, group]
+        o_rows = (o_rows.float() * torch.sigmoid(lse_rows - sink)[..., None]).to(o_rows.dtype)
+    out.index_copy_(0, tokens, o_rows.reshape(-1, num_heads, head_dim))
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+    """cache's blocks block_ids, copied back to back (into buf when given).
+
+    index_select on the block dimension copies whole blocks, about twice as
+    fast on CPU as advanced indexing with a 2-D index.
+    """
+    # cache: [num_blocks, block_size, kvh, d] -> [len(block_ids), block_size, kvh, d]
+    if buf is None:
+        return cache.index_select(0, block_ids)
+    return torch.index_select(cache, 0, block_ids, out=buf[: block_ids.shape[0]])
+
+
+def dense_attention(q, k, v, mask, causal, scale, softcap, sinks=None):
+    """softmax(q k^T * scale [+ mask]) v, query head h reading KV head h // group.
+
+    q: [b, h, m, d]; k, v: [b, kvh, kv_len, d]; mask: additive, broadcastable
+    to [b, h, m, kv_len], or None; causal: top-left aligned (m == kv_len);
+    sinks: [h] extra softmax logits without a value, or None.
+    Returns [b, h, m, d].
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    b, h, m, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(b, kvh, h // kvh, m, d)  # [b, kvh, group, m, d]
+    scores = torch.matmul(qg, k.transpose(-1, -2).unsqueeze(2)).float() * scale  # [b, kvh, group, m, kv_len]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal:
+        mask = torch.full((m, k.shape[2]), float("-inf"), device=q.device).triu_(1)
+    if mask is not None:
+        scores = scores + mask.unsqueeze(2) if mask.dim() == 4 else scores + mask
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    else:
+        # As HF's gpt-oss: the sink is one more column of the softmax, then dropped.
+        sink = sinks.float().view(1, kvh, h // kvh, 1, 1).expand(b, kvh, h // kvh, m, 1)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1].to(v.dtype)
+    return torch.matmul(probs, v.unsqueeze(2)).reshape(b, h, m, d)
+
+
+def _attention_with_lse(q, k, v, mask, scale, softcap):
+    """dense_attention without GQA or causality (q: [b, h, m, d], k, v: [b, h, kv_len, d]),
+    also returning each query row's log-sum-exp of its masked scores, [b, h, m] fp32."""
+    if softcap is None and q.device.type == "cpu":
+        # CPU flash attention, the kernel SDPA runs here, which also returns the LSE.
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+        return out, lse
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [b, h, m, kv_len]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v), lse
+
+
+def _merge_pieces(o_rows, lse_rows, row_decodes, num_decodes):
+    """Attention over a decode's whole context from its pieces' outputs.
+
+    o_rows: [num_rows, kvh, group, d], each normalised over its own keys;
+    lse_rows: [num_rows, kvh, group]. Each piece counts in proportion to the
+    exp-sum of its scores. Returns [num_decodes, kvh, group, d] and the
+    whole context's log-sum-exp, [num_decodes, kvh, group].
+    """
+    shape = (num_decodes, *lse_rows.shape[1:])
+    index = row_decodes[:, None, None].expand_as(lse_rows)
+    top = lse_rows.new_full(shape, float("-inf")).scatter_reduce_(0, index, lse_rows, "amax")
+    weight = torch.exp(lse_rows - top.index_select(0, row_decodes))  # [num_rows, kvh, group]
+    total = lse_rows.new_zeros(shape).index_add_(0, row_decodes, weight)
+    merged = lse_rows.new_zeros(num_decodes, *o_rows.shape[1:])  # fp32, whatever o_rows' dtype
+    merged.index_add_(0, row_decodes, o_rows * weight[..., None])
+    return (merged / total[..., None]).to(o_rows.dtype), top + torch.log(total)
+
+
+def _plan_step(
+    meta: AttentionMetadata, block_size: int, token_bytes: int, window: int | None, dtype: torch.dtype,
+    device: torch.device,
+) -> _AttentionLayout:
+    """Which blocks each request's queries can see, and the masks for the
+    padding and window edges; shared by every layer of the step.
+
+    token_bytes: one token's K in the cache (num_kv_heads * head_dim * element size);
+    dtype: the masks', the activations' dtype, as SDPA wants.
+    """
+    q_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
+    starts, decodes, prefills = 0, [], []
+    for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        # First key position the request's first query can see.
+        first = max(0, seq_len - q_len - window + 1) if window is not None else 0
+        if q_len == 1:
+            decodes.append((r, starts, first, seq_len))
+        else:
+            prefills.append(_plan_prefill(meta, r, starts, q_len, seq_len, first, block_size, window, dtype, device))
+        starts += q_len
+    if not decodes:
+        return _AttentionLayout(torch.empty(0, dtype=torch.long, device=device), None, None, [], prefills, 0)
+
+    chunk_tokens = max(1, DECODE_CHUNK_BYTES // token_bytes)
+    # Pieces of at most chunk_tokens keys: one gathered piece stays in cache.
+    # Only the CPU kernel returns the log-sum-exp needed to merge pieces.
+    max_piece = max(1, chunk_tokens // block_size) if device.type == "cpu" else None
+    pieces = []  # (decode index, first block, num blocks, visible keys [lo, hi) relative to the first block)
+    for d, (_, _, first_pos, seq_len) in enumerate(decodes):
+        first, last = first_pos // block_size, (seq_len - 1) // block_size
+        step = max_piece or last - first + 1
+        for b in range(first, last + 1, step):
+            n = min(step, last + 1 - b)
+            base = b * block_size
+            pieces.append((d, b, n, max(0, first_pos - base), min(n * block_size, seq_len - base)))
+    # Fewest blocks first, so that each chunk pads little.
+    pieces.sort(key=lambda p: p[2])
+    num_blocks = [p[2] for p in pieces]
+
+    # Every row's block ids, padded to the longest; shorter rows repeat their
+    # last block (the mask hides the repeats).
+    width = num_blocks[-1]
+    first_t = torch.tensor([p[1] for p in pieces], device=device)  # [num_rows]
+    last_t = first_t + torch.tensor(num_blocks, device=device) - 1
+    cols = torch.minimum(first_t[:, None] + torch.arange(width, device=device), last_t[:, None])  # [num_rows, width]
+    reqs = torch.tensor([decodes[p[0]][0] for p in pieces], device=meta.block_tables.device)
+    block_ids = meta.block_tables.index_select(0, reqs).to(device).long().gather(1, cols)  # [num_rows, width]
+
+    chunks: list[_DecodeChunk] = []
+    i = 0
+    while i < len(pieces):
+        j = i + 1
+        # Grow while the padded chunk (rows x its longest, the newest) fits.
+        while j < len(pieces) and (j + 1 - i) * num_blocks[j] * block_size <= chunk_tokens:
+            j += 1
+        w = num_blocks[j - 1]
+        ctx = w * block_size
+        lo, hi = [p[3] for p in pieces[i:j]], [p[4] for p in pieces[i:j]]
+        mask = None
+        if any(lo) or any(h != ctx for h in hi):
+            t = torch.arange(ctx, device=device)[None, :]  # [1, ctx]
+            hidden = (t < torch.tensor(lo, device=device)[:, None]) | (t >= torch.tensor(hi, device=device)[:, None])
+            mask = torch.zeros(j - i, 1, 1, ctx, dtype=dtype, device=device)
+            mask.masked_fill_(hidden[:, None, None, :], float("-inf"))
+        chunks.append(_DecodeChunk(i, j, block_ids[i:j, :w].reshape(-1), w, mask))
+        i = j
+    row_tokens = torch.tensor([decodes[p[0]][1] for p in pieces], dtype=torch.long, device=device)
+    row_decodes = decode_tokens = None
+    if len(pieces) > len(decodes):
+        row_decodes = torch.tensor([p[0] for p in pieces], dtype=torch.long, device=device)
+        decode_tokens = torch.tensor([start for _, start, _, _ in decodes], dtype=torch.long, device=device)
+    max_gather = max((c.end - c.start) * c.num_blocks for c in chunks)
+    return _AttentionLayout(row_tokens, row_decodes, decode_tokens, chunks, prefills, max_gather)
+
+
+def _plan_prefill(meta, r, start, q_len, seq_len, first_pos, block_size, window, dtype, device) -> _Prefill:
+    first_block = first_pos // block_size
+    last_block = (seq_len - 1) // block_size
+    block_ids = meta.block_tables[r, first_block : last_block + 1].to(device=device, dtype=torch.long)
+    base = first_block * block_size  # position of the first gathered key
+    kv_len = seq_len - base
+    if q_len == kv_len and (window is None or window >= q_len):
+        return _Prefill(start, start + q_len, block_ids, kv_len, None)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]  # [q_len, 1]
+    k_pos = torch.arange(base, seq_len, device=device)[None, :]  # [1, kv_len]
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    mask = torch.zeros(q_len, kv_len, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+    return _Prefill(start, start + q_len, block_ids, kv_len, mask)

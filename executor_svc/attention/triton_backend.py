@@ -1,0 +1,78 @@
+"""The Triton attention backend: the kernels in kernels/, one launch per
+layer for the K/V write and one for the whole mixed batch."""
+
+from __future__ import annotations
+
+import torch
+
+from executor_svc.attention.torch_backend import TorchAttentionBackend
+
+class TritonAttentionBackend:
+    """The Triton kernels in kernels/: one launch writes a layer's K/V, one
+    launch attends the whole mixed batch (decodes, prefills and chunks
+    alike). Runs on CUDA, or on CPU under Triton's interpreter
+    (TRITON_INTERPRET=1, slow: for tests only).
+
+    kernels.* is imported here, not at module level, so the torch backend
+    never imports triton.
+    """
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        try:
+            from kernels.kv_write import write_kv_cache
+            from kernels.mla_decode import mla_decode
+            from kernels.paged_attention import paged_attention
+        except ImportError as exc:
+            raise RuntimeError(
+                f"attention backend 'triton' needs the triton package, which failed to import: {exc}"
+            ) from exc
+        self._write_kv_cache = write_kv_cache
+        self._paged_attention = paged_attention
+        self._mla_decode = mla_decode
+        self._torch = TorchAttentionBackend()
+
+    def write_kv(self, key, value, k_cache, v_cache, meta):
+        # key, value: [num_tokens, num_kv_heads, head_dim]. The launcher wants
+        # head_dim contiguous and a contiguous int32/int64 slot_mapping; what
+        # the runner builds already is, so these are no-ops there.
+        self._write_kv_cache(
+            _unit_last_stride(key), _unit_last_stride(value), k_cache, v_cache,
+            _index_tensor(meta.slot_mapping, torch.int64),
+        )
+
+    def write_latent(self, latent, cache, meta):
+        # The K/V write kernel with the latent as both: one cache, written twice.
+        self.write_kv(latent, latent, cache, cache, meta)
+
+    def attend_latent(self, query, cache, meta, scale, value_dim):
+        """Decode-only steps: the paged MLA decode kernel. Steps with
+        prefills: the torch backend (prefill is compute-bound and runs once
+        per token; a Triton MLA prefill kernel is not written yet)."""
+        if len(meta.query_lens_host) == query.shape[0]:
+            return self._mla_decode(
+                _unit_last_stride(query), cache, _index_tensor(meta.seq_lens, torch.int32),
+                _index_tensor(meta.block_tables, torch.int32), scale, value_dim)
+        return self._torch.attend_latent(query, cache, meta, scale, value_dim)
+
+    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None, sinks=None):
+        # query: [num_tokens, num_heads, head_dim] -> same shape. sliding_window,
+        # softcap and sinks are per call (per layer); None switches the feature off in the kernel.
+        return self._paged_attention(
+            _unit_last_stride(query), k_cache, v_cache,
+            _index_tensor(meta.cu_query_lens, torch.int32),
+            _index_tensor(meta.seq_lens, torch.int32),
+            _index_tensor(meta.block_tables, torch.int32),
+            scale, sliding_window=sliding_window, softcap=softcap,
+            sinks=None if sinks is None else sinks.float().contiguous(),
+        )
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _index_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous `dtype` tensor; returns t itself when it already is."""
+    return t.to(dtype).contiguous()

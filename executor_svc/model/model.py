@@ -1,0 +1,346 @@
+"""One decoder for every family, over a flattened, unpadded token batch with
+a paged KV cache. Llama is the base; the dense families switch on small
+pieces from their ModelConfig (see the executor_svc/families package), and
+families whose layers differ more pass their own attention or MLP to
+DecoderLayer through a CausalLM subclass (CausalLM.make_layer): the
+mixture-of-experts MLP (executor_svc/model/moe.py), gpt-oss's attention sinks,
+DeepSeek-V3's latent attention (executor_svc/model/mla.py).
+
+  Qwen2     q/k/v biases
+  Qwen3     per-head q/k RMSNorm before RoPE
+  Mistral   a sliding window on every layer
+  Gemma 2   (1+w) RMSNorm, sandwich norms, sqrt(hidden) embedding scale,
+            GeGLU, query_pre_attn_scalar, score and logit soft-capping,
+            sliding and global layers alternating
+  Gemma 3   Gemma 2 without soft-capping, plus (1+w) q/k norms and a RoPE
+            base per layer type
+  Phi-3     partial rotary dims (its fused weights are split at load)
+
+Parameter names match Hugging Face's, so a checkpoint's tensors load by name.
+
+Under tensor parallelism each rank builds the same modules at its shard's
+sizes (executor_svc/model/sharding.py), each layer loads its own part of the
+checkpoint (executor_svc/model/layers.py), and `comm` (a tensor_parallel.TPGroup)
+sums the row-split outputs and gathers the logits; with comm None the
+model is whole and runs no collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.model.checkpoint import LazyTensor
+from executor_svc.model.layers import (
+    ColumnLinear, RowLinear, RowPart, VocabEmbedding, VocabHead, load_replicated, replicated_shapes,
+)
+from executor_svc.model.model_config import ModelConfig
+from executor_svc.model.sharding import Shard
+
+# A family's map from one checkpoint tensor to the decoder parameters it fills.
+Rename = Callable[[str, LazyTensor, ModelConfig], Iterator[tuple[str, LazyTensor]]]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the weights' dtype, as HF does.
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op instead of six; in fp32 it is bitwise the same.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * self._normed(x).to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Scales by (1 + w), in fp32 before the cast back (zero-initialised w)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self._normed(x) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    return (GemmaRMSNorm if cfg.norm_unit_offset else RMSNorm)(dim, cfg.rms_norm_eps)
+
+
+def rope_cache(inv_freq: torch.Tensor, max_len: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_len, rotary_dim] in fp32, in the rotate-half layout,
+    times `scale` (YaRN's attention factor; HF scales cos and sin alike)."""
+    t = torch.arange(max_len, device=inv_freq.device).float()
+    freqs = torch.outer(t, inv_freq)  # [max_len, rotary_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, rotary_dim]
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, rotary_dim].
+    # Dims past rotary_dim (Phi-3's partial rotary factor) pass through.
+    d = cos.shape[-1]
+    rot, rest = x[..., :d], x[..., d:]
+    rotated = torch.cat((-rot[..., d // 2:], rot[..., : d // 2]), dim=-1)
+    out = rot * cos + rotated * sin
+    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads(cfg), shard.num_kv_heads(cfg), cfg.head_dim
+        self.scale = cfg.attn_scale
+        self.sliding_window = cfg.layer_window(layer)
+        self.softcap = cfg.attn_softcap
+        self.comm = comm
+        d, hq, kvh = cfg.head_dim, self.num_heads, self.num_kv_heads
+        first_kv = shard.first_kv_head(cfg)
+        # q/k/v run as one matmul over this rank's heads (its KV heads may
+        # be replicated on other ranks: see Shard.first_kv_head).
+        self.qkv_proj = ColumnLinear(cfg.hidden_size, [
+            RowPart("q_proj", cfg.num_heads * d, shard.rank * hq * d, hq * d),
+            RowPart("k_proj", cfg.num_kv_heads * d, first_kv * d, kvh * d),
+            RowPart("v_proj", cfg.num_kv_heads * d, first_kv * d, kvh * d),
+        ], bias=cfg.qkv_bias)
+        self.o_proj = RowLinear.split(cfg.num_heads * d, cfg.hidden_size, shard.rank, shard.size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg, cfg.head_dim)
+            self.k_norm = make_norm(cfg, cfg.head_dim)
+
+    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, ...], meta: AttentionMetadata,
+                backend: AttentionBackend):
+        # x: [num_tokens, hidden]; cache: (k_cache, v_cache), each [num_blocks, block_size, kvh, head_dim]
+        k_cache, v_cache = cache
+        n, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(n, h + 2 * kvh, self.head_dim)
+        v = qkv[:, h + kvh:]
+        if hasattr(self, "q_norm"):
+            q = apply_rope(self.q_norm(qkv[:, :h]), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, h : h + kvh]), cos, sin)
+        else:
+            qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # q's and k's heads in one pass
+            q, k = qk[:, :h], qk[:, h:]
+        backend.write_kv(k, v, k_cache, v_cache, meta)
+        o = self.attend(q, k_cache, v_cache, meta, backend)  # [num_tokens, heads, head_dim]
+        out = self.o_proj(o.reshape(n, self.num_heads * self.head_dim))  # this rank's heads' share
+        return out if self.comm is None else self.comm.all_reduce(out)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        return backend.attend(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
+                              softcap=self.softcap)
+
+
+class MLP(nn.Module):
+    """The gated MLP, split by intermediate units. reduce=False leaves the
+    rank's partial sum to a parent that adds more before one all-reduce
+    (a MoE layer's shared expert)."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard, comm, intermediate_size: int | None = None,
+                 reduce: bool = True):
+        super().__init__()
+        whole = intermediate_size or cfg.intermediate_size
+        inter = whole // shard.size
+        start = shard.rank * inter
+        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [
+            RowPart("gate_proj", whole, start, inter), RowPart("up_proj", whole, start, inter),
+        ], bias=False)
+        self.down_proj = RowLinear.split(whole, cfg.hidden_size, shard.rank, shard.size)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.comm = comm if reduce else None
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        out = self.down_proj(self.act(gate) * up)  # this rank's units' share
+        return out if self.comm is None else self.comm.all_reduce(out)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention then MLP, each added to the residual. A family
+    whose attention or MLP differs passes its own (CausalLM.make_layer)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm, attention: nn.Module | None = None,
+                 mlp: nn.Module | None = None):
+        super().__init__()
+        self.self_attn = attention or Attention(cfg, layer, shard, comm)
+        self.mlp = mlp or MLP(cfg, shard, comm)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
+
+    def forward(self, x, cos, sin, cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 2/3: each sublayer's output is normed again before the residual
+    add, so post_attention_layernorm normalises the attention output rather
+    than the MLP input, and the MLP gets its own pre/post pair."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm, **parts):
+        super().__init__(cfg, layer, shard, comm, **parts)
+        self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size)
+
+    def forward(self, x, cos, sin, cache, meta, backend):
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend)
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: Shard, comm, layers: list[nn.Module]):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, *shard.vocab_range(cfg))
+        self.layers = nn.ModuleList(layers)
+        self.norm = make_norm(cfg, cfg.hidden_size)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_len: int, shard: Shard = Shard(), comm=None):
+        super().__init__()
+        self.cfg, self.max_len, self.shard, self.comm = cfg, max_len, shard, comm
+        layers = [self.make_layer(cfg, i, shard, comm) for i in range(cfg.num_layers)]
+        self.model = DecoderBody(cfg, shard, comm, layers)
+        self.lm_head = VocabHead(cfg.vocab_size, cfg.hidden_size, *shard.vocab_range(cfg))
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # layer type -> cos, sin; set by init_rope
+        self.embed_scale: torch.Tensor | None = None
+
+    @classmethod
+    def make_layer(cls, cfg: ModelConfig, layer: int, shard: Shard, comm) -> nn.Module:
+        """Decoder layer `layer`; a family whose layers differ overrides this."""
+        return (SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer)(cfg, layer, shard, comm)
+
+    def init_rope(self, device: torch.device, dtype: torch.dtype) -> None:
+        """RoPE tables are computed in fp32 and then cast to the activation
+        dtype, as HF does, so fp32 runs match it bit for bit. Gemma's
+        embedding scale is likewise rounded to the activation dtype first."""
+        self.rope = {}
+        for layer_type in set(self.cfg.layer_types):
+            spec = self.cfg.rope[layer_type]
+            cos, sin = rope_cache(spec.inv_freq(device), self.max_len, spec.attention_factor)
+            self.rope[layer_type] = (cos.to(dtype), sin.to(dtype))
+        if self.cfg.embed_scale:
+            self.embed_scale = torch.tensor(self.cfg.hidden_size**0.5, device=device).to(dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, ...]],  # per layer, as its CacheSpec says (kv_cache.py)
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Returns the final normed hidden states, [num_tokens, hidden]."""
+        x = self._embed(input_ids)  # [num_tokens, hidden]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        # per layer type: [num_tokens, 1, rotary_dim] each
+        rope = {t: (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for t, (cos, sin) in self.rope.items()}
+        for layer, layer_type, cache in zip(self.model.layers, self.cfg.layer_types, kv_caches):
+            x = layer(x, *rope[layer_type], cache, meta, backend)
+        return self.model.norm(x)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm is None:
+            return self.model.embed_tokens(input_ids)
+        # This rank holds rows [first, end) of the vocabulary: the others'
+        # ids embed to zero here, and the sum over ranks fills them in.
+        first, end = self.shard.vocab_range(self.cfg)
+        local = input_ids - first
+        outside = (local < 0) | (local >= end - first)
+        x = self.model.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(1), 0)
+        return self.comm.all_reduce(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [num_sampled, hidden] -> [num_sampled, vocab] in fp32. Under
+        tensor parallelism only rank 0 gets them (it samples): None elsewhere."""
+        logits = self.lm_head(hidden)  # [num_sampled, padded vocab / size]
+        if self.comm is not None:
+            logits = self.comm.gather_logits(logits)
+            if logits is None:
+                return None
+            logits = logits[:, : self.cfg.vocab_size]  # padding rows are never sampled
+        if self.cfg.final_softcap is not None:
+            c = self.cfg.final_softcap
+            logits = torch.tanh(logits / c) * c
+        return logits.float()
+
+
+def checkpoint_owners(model: CausalLM) -> dict[str, tuple[nn.Module, str, tuple[int, ...]]]:
+    """Checkpoint name -> (the module that loads it, the name it knows it
+    by, its whole shape). Modules with a loader declare their tensors
+    (layers.py); any other module's direct parameters load whole."""
+    owners = {}
+    for path, module in model.named_modules():
+        if hasattr(module, "checkpoint_shapes"):
+            shapes = module.checkpoint_shapes()
+            base = path.rpartition(".")[0] if getattr(module, "names_from_parent", False) else path
+        else:
+            shapes = replicated_shapes(module)
+            base = path
+        for key, shape in shapes.items():
+            owners[f"{base}.{key}" if base else key] = (module, key, shape)
+    if model.cfg.tie_word_embeddings:
+        del owners["lm_head.weight"]  # HF ignores it too: the head is the embedding matrix
+    return owners
+
+
+def build_model(cfg: ModelConfig,
+                tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]] | dict[str, torch.Tensor],
+                max_len: int, device: torch.device, dtype: torch.dtype, shard: Shard = Shard(), comm=None, *,
+                model_cls: type[CausalLM] = CausalLM, rename: Rename | None = None) -> CausalLM:
+    """Fills a meta-device model one checkpoint tensor at a time, each moved
+    to device and dtype as it arrives, so the host never holds more than one
+    copy of the weights; given LazyTensors, a tensor-parallel rank reads only
+    its part of each, as the layer that owns it decides (layers.py). Every
+    parameter must come from the checkpoint, and every checkpoint tensor
+    must land somewhere."""
+    with torch.device("meta"):
+        model = model_cls(cfg, max_len, shard, comm)
+    owners = checkpoint_owners(model)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for ckpt_name, tensor in (tensors.items() if isinstance(tensors, dict) else tensors):
+        if ckpt_name.endswith("rotary_emb.inv_freq"):
+            continue  # recomputed from the config
+        if cfg.tie_word_embeddings and ckpt_name == "lm_head.weight":
+            continue  # HF ignores it too: the head is the embedding matrix
+        lazy = tensor if isinstance(tensor, LazyTensor) else LazyTensor.of(tensor)
+        for name, whole in (rename(ckpt_name, lazy, cfg) if rename else [(ckpt_name, lazy)]):
+            if name not in owners:
+                unexpected.append(name)
+                continue
+            module, key, shape = owners[name]
+            if whole.shape != shape:
+                raise ValueError(f"{name}: checkpoint shape {whole.shape}, config implies {shape}")
+            if hasattr(module, "load_weight"):
+                module.load_weight(key, whole, device, dtype)
+            else:
+                load_replicated(module, key, whole, device, dtype)
+            loaded.add(name)
+    missing = sorted(owners.keys() - loaded)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the {cfg.architecture} layout: "
+                         f"missing={missing} unexpected={sorted(unexpected)}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    unfilled = [n for n, p in model.named_parameters() if p.is_meta]
+    if unfilled:  # a layer's loader left part of a parameter unread: a bug, not a checkpoint problem
+        raise RuntimeError(f"parameters not filled by their loaders: {unfilled}")
+    model.init_rope(device, dtype)
+    return model.eval()

@@ -1,0 +1,239 @@
+"""The mixture-of-experts MLP every MoE family shares: a router, the routed
+experts, and an optional shared expert (SGLang's and vLLM's fused MoE
+layer, in the executor's terms).
+
+  router   logits = x W_r^T (+ b), then per MoESpec.scoring:
+             softmax       softmax over all experts, top-k of the probabilities
+                           (Mixtral, Qwen2/3-MoE; renormalised with norm_topk_prob)
+             topk_softmax  top-k of the logits, softmax over those k (gpt-oss)
+             sigmoid       sigmoid scores; experts chosen on scores plus
+                           e_score_correction_bias, within the topk_group best of
+                           n_group groups; weighted by the scores, renormalised and
+                           scaled by routed_scaling_factor (DeepSeek-V3)
+  experts  each chosen expert's gated MLP on the token, weighted, summed
+  shared   one more MLP every token takes, optionally times sigmoid(x w_g)
+
+Routing repeats HF's own operations in HF's order (the same topk calls on
+the same values), so ties between experts resolve as they do in HF.
+
+Experts are stored fused, one tensor per projection over all experts
+(w13: gate rows then up rows), split over tensor-parallel ranks along
+their intermediate dim like a dense MLP; each rank sums its partial
+output with the shared expert's and all-reduces once. The torch path sorts
+the (token, expert) pairs by expert and runs one matmul per expert that
+has tokens (a loop over experts, never over tokens); the triton path
+(kernels/fused_moe.py) runs one grouped GEMM per projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor_svc.model.checkpoint import LazyTensor
+from executor_svc.model.layers import check_shape, materialize
+from executor_svc.model.model import ACTIVATIONS, MLP, CausalLM, DecoderLayer
+from executor_svc.model.model_config import ModelConfig, MoESpec
+from executor_svc.model.sharding import Shard
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: MoESpec):
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(spec.num_experts)) if spec.router_bias else None
+        if spec.correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(spec.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] fp32,
+        expert ids [num_tokens, top_k] int64)."""
+        spec = self.spec
+        if spec.router_fp32:
+            logits = F.linear(x.float(), self.weight.float())  # [num_tokens, num_experts]
+        else:
+            logits = F.linear(x, self.weight, self.bias)  # [num_tokens, num_experts]
+        if spec.scoring == "topk_softmax":
+            top, ids = torch.topk(logits, spec.top_k, dim=-1)
+            return torch.softmax(top, dim=1, dtype=top.dtype).float(), ids
+        if spec.scoring == "softmax":
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+            weights, ids = torch.topk(probs, spec.top_k, dim=-1)
+            if spec.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        elif spec.scoring == "sigmoid":
+            weights, ids = self._grouped_sigmoid(logits)
+        else:
+            raise ValueError(f"unknown MoE scoring {spec.scoring!r}")
+        if spec.routed_scaling_factor != 1.0:
+            weights = weights * spec.routed_scaling_factor
+        return weights, ids
+
+    def _grouped_sigmoid(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's noaux_tc routing, step for step as HF's."""
+        spec = self.spec
+        scores = logits.sigmoid()  # [num_tokens, num_experts]
+        choice = scores + self.e_score_correction_bias if spec.correction_bias else scores
+        if spec.n_group > 1:
+            n, per_group = choice.shape[0], spec.num_experts // spec.n_group
+            group_scores = choice.view(n, spec.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # [n, n_group]
+            group_idx = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            score_mask = group_mask.unsqueeze(-1).expand(n, spec.n_group, per_group).reshape(n, -1)
+            choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        ids = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if spec.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights, ids
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation: (up + 1) * gate * sigmoid(alpha * gate), with
+    gate clamped above and up clamped both ways at limit."""
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class FusedExperts(nn.Module):
+    """Every expert's gate/up and down projections, this rank's intermediate
+    units of each. Checkpoints keep one tensor per expert and projection
+    (`{e}.gate_proj.weight` ...); PROJECTIONS names them per family."""
+
+    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, cfg: ModelConfig, spec: MoESpec, shard: Shard):
+        super().__init__()
+        self.spec, self.hidden = spec, cfg.hidden_size
+        self.whole_inter = spec.intermediate_size
+        self.inter = spec.intermediate_size // shard.size
+        self.start, self.rank = shard.rank * self.inter, shard.rank
+        e, h, i = spec.num_experts, cfg.hidden_size, self.inter
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # [experts, gate rows then up rows, hidden]
+        self.w2 = nn.Parameter(torch.empty(e, h, i))  # [experts, hidden, this rank's units]
+        if spec.expert_bias:
+            self.b13 = nn.Parameter(torch.empty(e, 2 * i))
+            self.b2 = nn.Parameter(torch.empty(e, h))  # rank 0 only: the all-reduce counts it once
+        else:
+            self.b13 = self.b2 = None
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.impl = "torch"  # or "triton": kernels/fused_moe.py (set by use_triton_moe)
+
+    # -- loading ------------------------------------------------------------
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        gate, up, down = self.PROJECTIONS
+        shapes = {}
+        for e in range(self.spec.num_experts):
+            shapes[f"{e}.{gate}.weight"] = shapes[f"{e}.{up}.weight"] = (self.whole_inter, self.hidden)
+            shapes[f"{e}.{down}.weight"] = (self.hidden, self.whole_inter)
+        return shapes
+
+    def load_weight(self, name: str, weight: LazyTensor, device: torch.device, dtype: torch.dtype) -> None:
+        expert, proj, _ = name.split(".")
+        e, (gate, up, down) = int(expert), self.PROJECTIONS
+        lo, hi = self.start, self.start + self.inter
+        if proj == down:
+            value, target = weight.read(1, lo, hi), materialize(self, "w2", device, dtype)[e]
+        else:
+            w13 = materialize(self, "w13", device, dtype)[e]
+            value, target = weight.read(0, lo, hi), (w13[: self.inter] if proj == gate else w13[self.inter :])
+        check_shape(name, value, tuple(target.shape))
+        target.copy_(value)
+
+    # -- compute ------------------------------------------------------------
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2 * inter] -> [rows, inter]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.spec.swiglu_limit is not None:
+            return swiglu_clamped(gate, up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
+        return self.act(gate) * up
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, hidden]; weights, ids: [num_tokens, top_k] ->
+        [num_tokens, hidden], this rank's partial sum."""
+        if self.impl == "triton":
+            from kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.w13, self.w2, weights, ids, self.activation, self.b13, self.b2)
+        return self._torch(x, weights, ids)
+
+    def _torch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        n, k = ids.shape
+        flat = ids.reshape(-1)  # [n * k]
+        # (token, expert) pairs grouped by expert, tokens in order within each.
+        order = torch.argsort(flat, stable=True)  # [n * k]
+        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()  # one host sync per layer
+        tokens = order // k  # [n * k]: the token of each sorted pair
+        xs = x.index_select(0, tokens)  # [n * k, hidden]
+        out = torch.empty_like(xs)  # [n * k, hidden]
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                b13 = None if self.b13 is None else self.b13[e]
+                b2 = None if self.b2 is None else self.b2[e]
+                h = self.activation(F.linear(xs[rows], self.w13[e], b13))  # [count, inter]
+                out[rows] = F.linear(h, self.w2[e], b2)
+                start += count
+        out = out * weights.reshape(-1)[order].to(out.dtype)[:, None]
+        # Each token's experts add in ascending expert order, as in HF.
+        return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+class SparseMoE(nn.Module):
+    """Router + experts (+ shared expert), one all-reduce at the end."""
+
+    def __init__(self, cfg: ModelConfig, spec: MoESpec, shard: Shard, comm,
+                 experts_cls: type[FusedExperts] = FusedExperts):
+        super().__init__()
+        self.gate = Router(cfg, spec)
+        self.experts = experts_cls(cfg, spec, shard)
+        if spec.shared_intermediate_size:
+            self.shared_expert = MLP(cfg, shard, comm, spec.shared_intermediate_size, reduce=False)
+        if spec.shared_gate:
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        weights, ids = self.gate(x)  # [num_tokens, top_k] each
+        out = self.experts(x, weights, ids)  # [num_tokens, hidden], this rank's share
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert(x)
+            if hasattr(self, "shared_expert_gate"):
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out if self.comm is None else self.comm.all_reduce(out)
+
+
+def moe_or_dense(cfg: ModelConfig, layer: int, shard: Shard, comm,
+                 experts_cls: type[FusedExperts] = FusedExperts) -> nn.Module:
+    """Layer `layer`'s MLP: experts where MoESpec.sparse_layers says so, else
+    the dense MLP (decoder_sparse_step, mlp_only_layers, first_k_dense_replace)."""
+    if cfg.moe.sparse_layers[layer]:
+        return SparseMoE(cfg, cfg.moe, shard, comm, experts_cls)
+    return MLP(cfg, shard, comm)
+
+
+class MoECausalLM(CausalLM):
+    """Llama's decoder with experts in place of the MLP on MoE layers."""
+
+    experts_cls: type[FusedExperts] = FusedExperts
+
+    @classmethod
+    def make_layer(cls, cfg: ModelConfig, layer: int, shard: Shard, comm) -> nn.Module:
+        return DecoderLayer(cfg, layer, shard, comm, mlp=moe_or_dense(cfg, layer, shard, comm, cls.experts_cls))
+
+
+def use_triton_moe(model: nn.Module, on: bool = True) -> int:
+    """Experts run kernels/fused_moe.py (the triton attention backend's
+    choice); returns how many expert layers switched."""
+    layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    for module in layers:
+        module.impl = "triton" if on else "torch"
+    return len(layers)

@@ -1,0 +1,166 @@
+"""EXECUTOR_TORCH_COMPILE=on: decode steps of small batches on CPU run as
+one torch.compile'd graph, the CPU counterpart of cuda_graphs.py.
+
+On a small model a decode step is mostly per-op overhead: some twenty ops
+a layer, each paying Python and the dispatcher. Inductor fuses the
+elementwise ops into C++ loops and calls the rest from one generated C++
+function, so a step pays that overhead about once. stories260K, one thread,
+one stream through the ModelRunner: 1.40 ms a token eager, 0.62 compiled.
+
+The graph takes tensors only: token ids, positions, each row's block ids
+(padded to the longest row) and lengths, from which it builds one additive
+mask per sliding window the model uses. Attention gathers each row's blocks
+and runs SDPA with the GQA group as the query axis, as the torch backend
+does for an undivided decode chunk. The new tokens' K/V come out of the
+graph and are written into the pool after it (see DenseDecodeAttention). A
+batch whose gathered K would pass MAX_GATHER_BYTES runs eagerly instead:
+there the gather is the cost, not the dispatch, and the torch backend cuts
+it into cache-sized pieces.
+
+Shapes are dynamic (rows, blocks), but dynamo specialises sizes 0 and 1. So
+a one-row batch runs as two rows (row 0 twice; the copy's K/V and logits
+are dropped), and tables are at least two blocks wide (extra blocks are
+masked). One graph then serves every step; it is compiled at start-up, not
+on a user's first request.
+
+Inductor reorders floating-point sums (the RMSNorm reduction, for one), so
+logits can differ from eager ones in the last bits; greedy tokens are
+checked against HF's in tests/unit/test_compiled_decode.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from prometheus_client import Counter
+
+from executor_svc.attention import dense_attention
+from executor_svc.step.kv_cache import KVCachePool
+from executor_svc.model.model import CausalLM
+
+log = logging.getLogger(__name__)
+
+STEPS = Counter("llmsched_executor_compiled_decode_steps", "Decode steps run by the compiled CPU graph")
+
+# Largest K gathered per layer (as much again of V) for a compiled step.
+MAX_GATHER_BYTES = 4 << 20
+
+
+@dataclass(slots=True)
+class DecodeMeta:
+    """What the graph's attention reads; built inside the graph from its inputs."""
+
+    block_ids: torch.Tensor  # [n * width] int64, row by row
+    masks: dict[int | None, torch.Tensor]  # sliding window -> [n, 1, 1, width * block_size + 1] additive
+    new_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer so far: [n, kvh, d] x2
+
+
+class DenseDecodeAttention:
+    """The attention backend traced into the graph: decode rows only.
+
+    The graph never writes into the KV cache: a compiled graph that mutates
+    its input copies the whole of it (functionalization), which for a pool
+    of gigabytes is slower than any eager step. Each layer's new K/V are
+    kept aside and attended as one extra key after the gathered ones (whose
+    copy of that position is masked: it is not written yet), and the graph
+    returns them for one write into the pool after it runs.
+    """
+
+    name = "compiled-decode"
+
+    def write_kv(self, key, value, k_cache, v_cache, meta: DecodeMeta):
+        meta.new_kv.append((key, value))
+
+    def attend(self, query, k_cache, v_cache, meta: DecodeMeta, scale, sliding_window=None, softcap=None):
+        n, num_heads, head_dim = query.shape
+        num_kv_heads = k_cache.shape[2]
+        new_k, new_v = meta.new_kv[-1]  # this layer's, from write_kv just before
+        # [n * width, block_size, kvh, d] -> [n, ctx + 1, kvh, d] -> [n, kvh, ctx + 1, d]
+        k = torch.cat([k_cache.index_select(0, meta.block_ids).view(n, -1, num_kv_heads, head_dim), new_k[:, None]], 1)
+        v = torch.cat([v_cache.index_select(0, meta.block_ids).view(n, -1, num_kv_heads, head_dim), new_v[:, None]], 1)
+        q = query.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # the group as the query axis
+        o = dense_attention(q, k.transpose(1, 2), v.transpose(1, 2), meta.masks[sliding_window], False, scale, softcap)
+        return o.reshape(n, num_heads, head_dim)
+
+
+class CompiledDecode:
+    def __init__(self, model: CausalLM, pool: KVCachePool):
+        self.storage = pool.storage  # [layers, 2, blocks, block_size, kvh, d]
+        self.slots = self.storage.flatten(2, 3)  # [layers, 2, slots, kvh, d], a view
+        if self.storage.device.type != "cpu":
+            raise ValueError(f"EXECUTOR_TORCH_COMPILE compiles CPU decode steps; the device is {self.storage.device}")
+        if model.comm is not None:
+            raise ValueError("EXECUTOR_TORCH_COMPILE is not implemented under tensor parallelism")
+        self.model, self.kv_caches = model, pool.layer_caches()
+        self.block_size = pool.block_size
+        self.token_bytes = self.storage[0, 0, 0, 0].numel() * self.storage.element_size()
+        self.dtype = self.storage.dtype
+        cfg = model.cfg
+        self.windows = sorted({cfg.layer_window(i) for i in range(cfg.num_layers)}, key=lambda w: (w is not None, w))
+        self._backend = DenseDecodeAttention()
+        # The C++ wrapper calls the kernels without a Python line per op: a
+        # further 0.1 ms a step on stories260K, for about the same compile time.
+        self._graph = torch.compile(self._step, fullgraph=True, options={"cpp_wrapper": True})
+        t = time.perf_counter()
+        self._warm_up()
+        log.info("compiled the CPU decode step in %.1f s", time.perf_counter() - t)
+
+    def fits(self, rows: int, width: int) -> bool:
+        """Whether a decode step of `rows` rows reading up to `width` blocks each runs compiled."""
+        return max(2, rows) * max(2, width) * self.block_size * self.token_bytes <= MAX_GATHER_BYTES
+
+    def _step(self, input_ids, positions, block_ids, seq_lens):
+        n = input_ids.shape[0]
+        ctx = block_ids.shape[0] // n * self.block_size
+        # Gathered keys from the new token's position on are hidden (it is
+        # the extra last key); a window also hides those before it.
+        keys = torch.arange(ctx, device=input_ids.device)[None, :]  # [1, ctx]
+        last = seq_lens[:, None] - 1  # [n, 1]: the new token's position
+        masks = {}
+        for window in self.windows:
+            hidden = keys >= last if window is None else (keys >= last) | (keys <= last - window)
+            # [n, ctx + 1]: the extra last key, the new token's own, is always visible
+            mask = torch.cat([torch.where(hidden, float("-inf"), 0.0), keys.new_zeros(n, 1, dtype=torch.float32)], 1)
+            masks[window] = mask.to(self.dtype)[:, None, None]
+        meta = DecodeMeta(block_ids, masks)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self._backend)
+        new_kv = torch.stack([torch.stack(kv) for kv in meta.new_kv])  # [layers, 2, n, kvh, d]
+        return self.model.compute_logits(hidden), new_kv
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        # Two rows at position 0 of block 0: nothing is cached yet, and a
+        # block is written by its owner before anyone reads it. Rows and
+        # blocks differ in number, or dynamo would give them one symbol.
+        # The dtypes are the runner's, and no two inputs are one tensor: the
+        # graph's guards check both.
+        zeros = [torch.zeros(2, dtype=torch.long) for _ in range(3)]
+        self.run(*zeros, torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32), stance="default")
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            block_tables: torch.Tensor, seq_lens: torch.Tensor, stance: str = "fail_on_recompile") -> torch.Tensor:
+        """Logits [n, vocab] of a decode step, one token per row, whose K/V
+        it writes at slot_mapping. block_tables: [n, width] (entries past a
+        row's blocks may be any valid block id: they are masked); seq_lens:
+        [n], each row's length with its new token."""
+        n, width = block_tables.shape
+        if width < 2:
+            block_tables = torch.cat([block_tables, block_tables], dim=1)
+        if n == 1:
+            input_ids, positions, block_tables, seq_lens = (
+                torch.cat([t, t]) for t in (input_ids, positions, block_tables, seq_lens))
+        inputs = (input_ids, positions, block_tables.reshape(-1).long(), seq_lens)
+        # Rows and blocks vary; everything else (the caches and weights
+        # among them) is static.
+        for t in inputs:
+            torch._dynamo.mark_dynamic(t, 0)
+        # After the warm-up, a guard that fails would mean compiling again
+        # for seconds while requests wait: raise instead (the runner then
+        # runs eagerly).
+        with torch.compiler.set_stance(stance):
+            logits, new_kv = self._graph(*inputs)
+        self.slots[:, :, slot_mapping] = new_kv[:, :, :n]
+        return logits[:n]

@@ -1,0 +1,139 @@
+"""The executor's mirror of request state, one preallocated row per request.
+
+The scheduler sends a request's token ids and block ids once; later plans
+only name its handle, the blocks it gained and how many tokens to compute,
+and the executor appends the tokens it samples itself. Each plan's diffs
+update rows in place, so building a step never walks a request's whole
+context or block list.
+
+Rows are host numpy arrays (cheap to index from Python and vectorized over
+the scheduled rows). The block table also lives on the model's device: on
+CPU it is the same memory, on CUDA a device copy that receives only the
+entries a plan adds.
+
+The number of rows doubles when every row is taken, rather than coming
+from a setting: the executor learns the batch size from the plans it gets,
+and a doubling copies each row at most once on average.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import torch
+
+from executor_svc.step.host_memory import to_device
+from executor_svc.step.sampler import SamplingSettings, signed_seed
+
+INITIAL_ROWS = 16
+
+
+class PlanError(ValueError):
+    """The plan contradicts the executor's mirror of request state."""
+
+
+class RequestRows:
+    def __init__(self, max_model_len: int, block_size: int, device: torch.device, rows: int = INITIAL_ROWS):
+        self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
+        # One more column than max_model_len: a request that computed all
+        # max_model_len positions still stores the token it sampled.
+        self.width = max_model_len + 1
+        self.max_blocks = -(-self.width // block_size)
+        self.capacity = 0
+        self.handle_rows: dict[int, int] = {}
+        self._free: list[int] = []  # min-heap: low rows first keeps a batch's rows contiguous
+        self._alloc(rows)
+
+    def _alloc(self, rows: int) -> None:
+        old = self.capacity
+
+        def grow(a: np.ndarray | None, shape: tuple[int, ...], dtype) -> np.ndarray:
+            new = np.zeros(shape, dtype=dtype)
+            if a is not None:
+                new[:old] = a
+            return new
+
+        get = lambda name: getattr(self, name, None)  # noqa: E731
+        self.token_ids = grow(get("token_ids"), (rows, self.width), np.int32)  # [rows, width]
+        self.block_table_host = grow(get("block_table_host"), (rows, self.max_blocks), np.int32)  # [rows, max_blocks]
+        self.num_tokens = grow(get("num_tokens"), (rows,), np.int64)  # token ids known
+        self.num_computed = grow(get("num_computed"), (rows,), np.int64)  # tokens with KV in the cache
+        self.num_blocks = grow(get("num_blocks"), (rows,), np.int64)
+        self.num_output = grow(get("num_output"), (rows,), np.int64)  # generated tokens: the seeded position
+        self.handle = grow(get("handle"), (rows,), np.int64)
+        self.temperature = grow(get("temperature"), (rows,), np.float32)
+        self.top_p = grow(get("top_p"), (rows,), np.float32)
+        self.top_k = grow(get("top_k"), (rows,), np.int64)
+        self.seed = grow(get("seed"), (rows,), np.int64)
+        self.seeded = grow(get("seeded"), (rows,), bool)
+        self.num_logprobs = grow(get("num_logprobs"), (rows,), np.int64)
+        if self.device.type == "cpu":
+            self.block_table = torch.from_numpy(self.block_table_host)  # [rows, max_blocks], shared
+        else:
+            table = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=self.device)
+            if old:
+                table[:old] = self.block_table
+            self.block_table = table
+        for r in range(old, rows):
+            heapq.heappush(self._free, r)
+        self.capacity = rows
+
+    def reset(self) -> None:
+        self.handle_rows.clear()
+        self._free = list(range(self.capacity))
+
+    def row_of(self, handle: int) -> int:
+        try:
+            return self.handle_rows[handle]
+        except KeyError:
+            raise PlanError(f"plan names request handle {handle}, which the executor does not hold") from None
+
+    def finish(self, handle: int) -> None:
+        row = self.handle_rows.pop(handle, None)
+        if row is not None:
+            heapq.heappush(self._free, row)
+
+    def add(self, handle: int, token_ids: list[int], block_ids: list[int], num_computed: int,
+            sampling: SamplingSettings, num_output: int) -> tuple[int, np.ndarray]:
+        """Takes a row for a new (or re-sent) request; returns it and the
+        flat block-table indices it wrote."""
+        n, nb = len(token_ids), len(block_ids)
+        if n > self.max_model_len:
+            raise PlanError(f"handle {handle}: {n} tokens exceed max_model_len {self.max_model_len}")
+        if nb > self.max_blocks:
+            raise PlanError(f"handle {handle}: {nb} blocks exceed the {self.max_blocks} a request can use")
+        if not 0 <= num_computed <= n:
+            raise PlanError(f"handle {handle}: {num_computed} computed tokens out of {n}")
+        self.finish(handle)  # a handle re-sent without a finish replaces its old state
+        if not self._free:
+            self._alloc(2 * self.capacity)
+        row = heapq.heappop(self._free)
+        self.handle_rows[handle] = row
+        self.token_ids[row, :n] = token_ids
+        self.block_table_host[row, :nb] = block_ids
+        self.num_tokens[row], self.num_computed[row], self.num_blocks[row] = n, num_computed, nb
+        self.num_output[row], self.handle[row] = num_output, handle
+        self.temperature[row], self.top_p[row], self.top_k[row] = sampling.temperature, sampling.top_p, sampling.top_k
+        self.seeded[row] = sampling.seed is not None
+        self.seed[row] = signed_seed(sampling.seed or 0)
+        self.num_logprobs[row] = sampling.logprobs
+        return row, row * self.max_blocks + np.arange(nb)
+
+    def append_block(self, handle: int, block_id: int) -> int:
+        """Appends a block to a request's table; returns its flat index."""
+        row = self.row_of(handle)
+        col = self.num_blocks[row]
+        if col >= self.max_blocks:
+            raise PlanError(f"handle {handle}: more than {self.max_blocks} blocks")
+        self.block_table_host[row, col] = block_id
+        self.num_blocks[row] = col + 1
+        return row * self.max_blocks + col
+
+    def sync_block_table(self, flat_index: np.ndarray) -> None:
+        """Sends the host table's entries at flat_index to the device copy
+        (nothing to do on CPU, where both are the same memory)."""
+        if self.device.type == "cpu" or not len(flat_index):
+            return
+        values = self.block_table_host.reshape(-1)[flat_index]
+        self.block_table.view(-1)[to_device(flat_index, self.device)] = to_device(values, self.device)

@@ -1,0 +1,308 @@
+"""Runs one step plan: applies its diffs to the request rows, builds the
+flattened batch with vectorized ops over the scheduled rows, runs the model
+and samples every row at once.
+
+No step does work proportional to a request's context or to the blocks it
+holds: the executor's mirror of each request (request_rows.py) is updated
+from the plan's diffs, and the step's inputs are gathered from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.step.compiled_decode import STEPS as COMPILED_STEPS
+from executor_svc.step.compiled_decode import CompiledDecode
+from executor_svc.step.constraints import ConstraintMatchers, MaskJob
+from executor_svc.step.cuda_graphs import DecodeGraphs
+from executor_svc.step.host_kv import HostKVPool, SwapResult
+from executor_svc.step.host_memory import retain_freed_memory, to_device
+from executor_svc.step.kv_cache import KVCachePool
+from executor_svc.model.model import CausalLM
+from executor_svc.step.request_rows import PlanError, RequestRows
+from executor_svc.step.sampler import SamplingBatch, SamplingSettings, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    handle: int
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling: SamplingSettings
+    num_output_tokens: int
+    # The llguidance grammar of a constrained request, and whether EOS
+    # waits until it is the only token left (NewRequest.constraint).
+    grammar: str | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_handles: list[int] = field(default_factory=list)
+    cached_num_scheduled_tokens: list[int] = field(default_factory=list)
+    new_block_handles: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+    finished_handles: list[int] = field(default_factory=list)
+    # Copies between the device pool and the host tier, as parallel lists.
+    swap_out_device_blocks: list[int] = field(default_factory=list)
+    swap_out_host_blocks: list[int] = field(default_factory=list)
+    swap_in_host_blocks: list[int] = field(default_factory=list)
+    swap_in_device_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def has_swaps(self) -> bool:
+        return bool(self.swap_out_host_blocks or self.swap_in_host_blocks)
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    sampled_handles: list[int]
+    sampled_token_ids: list[int]
+    logprobs: list[tuple[float, list[int], list[float]]] | None
+    prepare_ns: int
+    forward_ns: int
+    sample_ns: int
+    # (handle, why) for requests whose constraint failed this step.
+    request_errors: list[tuple[int, str]] = field(default_factory=list)
+    # The step's copies between the tiers (None without any).
+    swaps: SwapResult | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
+                 fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False,
+                 torch_compile: bool = False, tp=None, constraints: ConstraintMatchers | None = None,
+                 host_kv: HostKVPool | None = None):
+        self.model, self.pool, self.backend, self.device = model, pool, backend, device
+        # The host KV tier (host_kv.py); None when EXECUTOR_HOST_KV_CACHE_MEMORY_MB is 0.
+        self.host_kv = host_kv
+        # Constraint matchers of constrained requests (constraints.py); None
+        # on ranks other than 0, which do not sample.
+        self.constraints = constraints
+        # tensor_parallel.TPGroup or None. Every rank runs execute() on the
+        # same plans; rank 0 alone samples and shares the ids.
+        self.tp = tp
+        self.fail_on_token = fail_on_token  # fault injection for tests; -1 = off
+        self.kv_caches = pool.layer_caches()
+        self.vocab_size = model.cfg.vocab_size
+        # Positions past the model's RoPE tables cannot be computed.
+        self.max_model_len = max_model_len or model.max_len
+        self.rows = RequestRows(self.max_model_len, pool.block_size, device)
+        # Decode steps replay captured graphs (cuda_graphs.py); the caller
+        # decides whether the device and backend allow it.
+        self.graphs = DecodeGraphs(model, self.kv_caches, backend, device, self.rows.max_blocks) if cuda_graphs else None
+        # Small decode steps on CPU run one compiled graph (compiled_decode.py).
+        self.compiled = CompiledDecode(model, pool) if torch_compile else None
+        if device.type == "cpu":
+            retain_freed_memory()
+
+    def reset(self) -> None:
+        """Forgets every request, e.g. when a new scheduler connects."""
+        self.rows.reset()
+        if self.constraints is not None:
+            self.constraints.reset()
+
+    def _apply_diffs(self, step: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+        """Updates the rows; returns the scheduled rows and their token counts."""
+        rows, constraints = self.rows, self.constraints
+        for h in step.finished_handles:
+            rows.finish(h)
+            if constraints is not None:
+                constraints.remove(h)
+        scheduled: list[int] = []
+        counts: list[int] = []
+        written: list[np.ndarray] = []
+        for new in step.new_requests:
+            row, flat = rows.add(new.handle, new.token_ids, new.block_ids, new.num_computed_tokens, new.sampling,
+                                 new.num_output_tokens)
+            if constraints is not None:
+                if new.grammar is None:
+                    constraints.remove(new.handle)
+                else:
+                    outputs = new.token_ids[len(new.token_ids) - new.num_output_tokens:] if new.num_output_tokens else []
+                    constraints.add(new.handle, new.grammar, new.ignore_eos, outputs)
+            scheduled.append(row)
+            counts.append(new.num_scheduled_tokens)
+            written.append(flat)
+        if step.new_block_handles:
+            written.append(np.array([rows.append_block(h, b) for h, b in zip(step.new_block_handles, step.new_block_ids)],
+                                    dtype=np.int64))
+        if written:
+            rows.sync_block_table(np.concatenate(written))
+        scheduled.extend(rows.row_of(h) for h in step.cached_handles)
+        counts.extend(step.cached_num_scheduled_tokens)
+        return np.array(scheduled, dtype=np.int64), np.array(counts, dtype=np.int64)
+
+    def _check(self, rows: np.ndarray, q: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
+        r = self.rows
+        bad = (q <= 0) | (end > r.num_tokens[rows])
+        if bad.any():
+            i = int(bad.argmax())
+            raise PlanError(f"handle {r.handle[rows[i]]}: {q[i]} tokens scheduled after {start[i]} computed, "
+                            f"but it has {r.num_tokens[rows[i]]}")
+        bad = -(-end // r.block_size) > r.num_blocks[rows]
+        if bad.any():
+            i = int(bad.argmax())
+            raise PlanError(f"handle {r.handle[rows[i]]}: block table of {r.num_blocks[rows[i]]} blocks "
+                            f"cannot hold {end[i]} tokens")
+        if end.max() > r.max_model_len:
+            i = int(end.argmax())
+            raise PlanError(f"handle {r.handle[rows[i]]}: position {end[i] - 1} is past max_model_len {r.max_model_len}")
+        if len(rows) > 1 and (rows[1:] == rows[:-1]).any():  # rows are sorted
+            raise PlanError("plan schedules a request twice in one step")
+
+    def _swap(self, step: StepPlan) -> SwapResult | None:
+        """The plan's copies between the tiers, before anything reads or
+        writes the blocks they touch (on CUDA, issued on a side stream that
+        the forward waits for)."""
+        if not step.has_swaps:
+            return None
+        if self.host_kv is None:
+            raise PlanError("plan swaps blocks, but this executor has no host KV tier")
+        return self.host_kv.swap(self.pool.storage, step.swap_out_device_blocks, step.swap_out_host_blocks,
+                                 step.swap_in_host_blocks, step.swap_in_device_blocks)
+
+    @torch.inference_mode()
+    def execute(self, step: StepPlan) -> StepResult:
+        swaps = self._swap(step)  # timed on its own (SwapResult.swap_ns)
+        t0 = time.perf_counter_ns()
+        rows, q = self._apply_diffs(step)  # [n] each
+        if not len(rows):
+            if swaps is not None:
+                self.host_kv.finish(swaps)
+            return StepResult(step.step_id, [], [], None, time.perf_counter_ns() - t0, 0, 0, swaps=swaps)
+        # The batch runs in row order: when its rows are contiguous, as in a
+        # steady decode, the block table is a view of the persistent one.
+        order = np.argsort(rows, kind="stable")
+        rows, q = rows[order], q[order]
+        r, dev, block_size = self.rows, self.device, self.pool.block_size
+        start = r.num_computed[rows]
+        end = start + q
+        self._check(rows, q, start, end)
+
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        num_tokens = int(cu[-1])
+        if num_tokens == len(rows):  # decode only
+            positions, tok_rows = start, rows  # [num_tokens]
+        else:
+            positions = np.arange(num_tokens) - np.repeat(cu[:-1] - start, q)  # [num_tokens]
+            tok_rows = np.repeat(rows, q)
+        input_ids = r.token_ids.reshape(-1)[tok_rows * r.width + positions]  # [num_tokens] int32
+        if self.fail_on_token >= 0 and (input_ids == self.fail_on_token).any():
+            raise RuntimeError(f"injected fault: batch holds token {self.fail_on_token}")
+        # slot = block_table[row, pos // block_size] * block_size + pos % block_size
+        slots = r.block_table_host.reshape(-1)[tok_rows * r.max_blocks + positions // block_size]
+        slot_mapping = slots.astype(np.int64) * block_size + positions % block_size  # [num_tokens]
+        samples = end == r.num_tokens[rows]  # prompt fully computed: this row samples
+        sample_rows = rows[samples]
+        sample_tokens = cu[1:][samples] - 1  # index of each sampling row's last token
+        # Constrained rows' masks are computed on a worker thread while the
+        # forward runs (constraints.py).
+        masks = None
+        if self.constraints is not None and len(sample_rows):
+            masks = self.constraints.begin(r.handle[sample_rows].tolist())
+
+        max_blocks = int(-(-end.max() // block_size))
+        first = int(rows[0])
+        if int(rows[-1]) - first + 1 == len(rows):
+            block_tables = r.block_table[first : first + len(rows), :max_blocks]  # [n, max_blocks] view
+        else:
+            block_tables = r.block_table[to_device(rows, dev), :max_blocks]  # [n, max_blocks]
+        meta = AttentionMetadata(
+            slot_mapping=to_device(slot_mapping, dev),
+            cu_query_lens=to_device(cu.astype(np.int32), dev),
+            seq_lens=to_device(end.astype(np.int32), dev),
+            block_tables=block_tables,
+            query_lens_host=q.tolist(),
+            seq_lens_host=end.tolist(),
+        )
+        ids_t = to_device(input_ids.astype(np.int64), dev)
+        positions_t = to_device(positions, dev)
+        t1 = time.perf_counter_ns()
+
+        logits = None  # rank 0's only, under tensor parallelism
+        decode_only = num_tokens == len(sample_rows) == len(rows)
+        if self.graphs is not None and decode_only and len(rows) <= self.graphs.max_batch:
+            logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
+        elif self.compiled is not None and decode_only and self.compiled.fits(len(rows), max_blocks):
+            logits = self._run_compiled(ids_t, positions_t, meta)  # [n, vocab], or None: run eagerly
+        if logits is None:
+            hidden = self.model(ids_t, positions_t, self.kv_caches, meta, self.backend)  # [num_tokens, hidden]
+            if len(sample_rows):
+                if len(sample_rows) < num_tokens:
+                    hidden = hidden[to_device(sample_tokens, dev)]
+                logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # so forward_ns is the forward's time, not its launch
+        t2 = time.perf_counter_ns()
+
+        r.num_computed[rows] = end
+        handles: list[int] = []
+        tokens: list[int] = []
+        logprobs = None
+        errors: list[tuple[int, str]] = []
+        if len(sample_rows):
+            handles = r.handle[sample_rows].tolist()
+            if self.tp is not None and self.tp.rank != 0:
+                tokens = self.tp.share_tokens(None, len(sample_rows))
+            else:
+                tokens, logprobs, errors = self._sample(logits, sample_rows, handles, masks)
+            n_known = r.num_tokens[sample_rows]
+            r.token_ids[sample_rows, n_known] = tokens
+            r.num_tokens[sample_rows] = n_known + 1
+            r.num_output[sample_rows] += 1
+        if swaps is not None:
+            self.host_kv.finish(swaps)  # long done: the forward waited for them
+        t3 = time.perf_counter_ns()
+        return StepResult(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2, errors, swaps)
+
+    def _run_compiled(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Logits from the compiled decode graph; None (and eager from now on)
+        if it would have to compile again."""
+        try:
+            logits = self.compiled.run(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+        except Exception:
+            log.exception("the compiled decode step failed; decode steps run eagerly from now on")
+            self.compiled = None
+            return None
+        COMPILED_STEPS.inc()
+        return logits
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray, handles: list[int],
+                masks: MaskJob | None) -> tuple[list[int], list | None, list[tuple[int, str]]]:
+        r = self.rows
+        errors: list[tuple[int, str]] = []
+        try:
+            batch = SamplingBatch.from_arrays(
+                r.temperature[rows], r.top_p[rows], r.top_k[rows], r.seed[rows], r.seeded[rows], r.num_output[rows],
+                r.num_logprobs[rows], self.device, self.vocab_size,
+            )
+            if masks is None:
+                out = sample(logits, batch)
+            else:
+                # Sampled from the masked logits; logprobs stay the model's own.
+                wants_logprobs = bool(r.num_logprobs[rows].any())
+                masked, errors = self.constraints.apply(masks, logits, in_place=not wants_logprobs)
+                out = sample(masked, batch, logprob_logits=logits if wants_logprobs else None)
+                errors = errors + self.constraints.advance(handles, out.token_ids)
+        except Exception:
+            if self.tp is not None:
+                self.tp.share_tokens(None, len(rows))  # the other ranks fail this step too
+            raise
+        if self.tp is not None:
+            self.tp.share_tokens(out.token_ids, len(rows))
+        return out.token_ids, out.logprobs, errors

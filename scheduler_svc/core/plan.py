@@ -1,0 +1,132 @@
+"""What one step decides (StepPlan) and what the executor answers
+(StepResult), as plain dataclasses under the names of the protobuf
+messages they become and come from (convert.py); nothing here knows
+protobuf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.host_tier import SwapPlan
+from scheduler_svc.core.request import Request
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the executor does not hold yet: sent once, in full."""
+
+    handle: int
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    num_output_tokens: int
+    request: Request
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: list[int], num_scheduled_tokens: int) -> "NewRequestData":
+        return cls(
+            handle=request.handle,
+            token_ids=request.all_token_ids,
+            block_ids=list(block_ids),
+            num_computed_tokens=request.num_computed_tokens,
+            num_scheduled_tokens=num_scheduled_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            request=request,
+        )
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's part in a step, as it was when the step was planned."""
+
+    request: Request
+    num_tokens: int
+    # num_computed_tokens before this step: the step computes positions
+    # [start, start + num_tokens).
+    start: int
+    # The step reaches the request's last token, so the executor samples one.
+    samples: bool
+    # request.epoch when planned; a different epoch at update time means the
+    # executor lost the request since, and this part of the result is stale.
+    epoch: int
+
+    @property
+    def is_stale(self) -> bool:
+        return self.request.epoch != self.epoch or self.request.status.is_finished
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    # Scheduler.executor_epoch when planned (see StepPlan.epoch).
+    executor_epoch: int = 0
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    # Requests the executor holds: parallel lists.
+    cached_requests: list[Request] = field(default_factory=list)
+    cached_num_scheduled_tokens: list[int] = field(default_factory=list)
+    # Blocks appended to cached requests' tables, as parallel lists.
+    new_block_handles: list[int] = field(default_factory=list)
+    new_block_ids: list[int] = field(default_factory=list)
+    # Handles the executor must forget before this step.
+    finished_handles: list[int] = field(default_factory=list)
+    # Requests preempted while building this step (see Request.preempted_by).
+    preempted: list[Request] = field(default_factory=list)
+    # Copies between the tiers, run before the forward; None when none.
+    swaps: SwapPlan | None = None
+    # Every scheduled request, in scheduling order, keyed by handle: results
+    # are matched against the step's own requests, never against whoever
+    # holds a handle by the time the result arrives.
+    entries: dict[int, ScheduledRequest] = field(default_factory=dict)
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(self.cached_num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the executor to do. A plan that only copies blocks
+        (a victim swapped out while nothing else could run) is not empty:
+        it must be sent, or the host blocks would never be written."""
+        return not self.new_requests and not self.cached_requests and not self.swaps
+
+    def scheduled(self) -> list[tuple[Request, int]]:
+        """(request, tokens scheduled) for every request in the step."""
+        return [(e.request, e.num_tokens) for e in self.entries.values()]
+
+    def sampling_handles(self) -> list[int]:
+        """Handles of the requests the executor samples a token for."""
+        return [h for h, e in self.entries.items() if e.samples]
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """One token from a step result, already matched to its request."""
+
+    request: Request
+    token_id: int
+    logprobs: tuple[float, list[int], list[float]] | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """The executor's answer to one plan, out of protobuf."""
+
+    sampled: list[tuple[int, int, tuple | None]] = field(default_factory=list)
+    # (handle, message) of requests whose constraint failed on the executor.
+    request_errors: list[tuple[int, str]] = field(default_factory=list)
+    # Non-empty when the step failed; the executor dropped all request state.
+    error: str = ""
+    # The plan was not run (an earlier plan of its epoch failed).
+    discarded: bool = False
+    forward_ns: int = 0
+    sample_ns: int = 0
+    # Copies of the plan's swaps (SwapPlan) that failed on the executor,
+    # and the time its copies took.
+    failed_swap_outs: list[int] = field(default_factory=list)
+    failed_swap_ins: list[int] = field(default_factory=list)
+    swap_ns: int = 0

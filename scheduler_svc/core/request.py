@@ -1,0 +1,117 @@
+"""Request state as the scheduler keeps it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.clock import SYSTEM_CLOCK
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledConstraint:
+    """A request's output constraint, compiled and checked by
+    constraints.py: what the plan sends the executor's matcher."""
+
+    kind: str
+    grammar: str  # llguidance's grammar JSON, as the executor's matcher takes it
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status after RUNNING is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ABORTED = 4
+    FINISHED_ERROR = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.RUNNING
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Validated and resolved: no "unset" values left."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    logprobs: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int]
+    priority: int = 0
+    arrival_time: float = field(default_factory=SYSTEM_CLOCK.monotonic)
+    # Small integer naming the request on the step channel.
+    handle: int = -1
+    # Order of arrival at the scheduler; ties in priority go to the earlier.
+    arrival_seq: int = -1
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens (prompt + output) whose KV is in the executor's cache or is
+    # computed by a step already sent (in flight).
+    num_computed_tokens: int = 0
+    # Tokens sampled by steps in flight: the executor knows them, the
+    # scheduler not yet. Each counts as a token to compute in the next step.
+    num_output_placeholders: int = 0
+    # Moves on whenever the executor loses this request's state (preemption,
+    # executor reset), so results of steps sent before are recognised as
+    # stale and dropped.
+    epoch: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # Whether the executor currently holds this request's state; false
+    # before first scheduling and after a preemption.
+    on_executor: bool = False
+    num_preemptions: int = 0
+    # How the last preemption took it off the executor: "swap" (its KV
+    # copied to the host tier) or "recompute".
+    preempted_by: str = ""
+    # Tokens whose KV was computed once and then lost, and why ("recompute",
+    # "swap" when a swapped-out copy was lost, "reset"): computing them
+    # again counts as recompute (Scheduler.num_recomputed_tokens).
+    num_lost_tokens: int = 0
+    lost_cause: str = ""
+    # Executor steps this request was in that failed; from 1 on it is
+    # retried in a step of its own.
+    num_failed_steps: int = 0
+    num_cached_prompt_tokens: int = 0
+    # The compiled `structured` constraint (constraints.py), enforced
+    # by the executor; None = free generation.
+    constraint: CompiledConstraint | None = None
+    # Whose request this is (tenants.py), for fair share, per-tenant limits
+    # and metrics.
+    tenant: str = "default"
+    # What its prefix-cache hashes are salted with (tenants.prefix_salt):
+    # only requests with the same salt share blocks.
+    prefix_salt: bytes = b""
+    # Prompt positions already counted as served (policy.py): recomputing
+    # them after a preemption does not count again.
+    num_charged_prompt_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

@@ -1,0 +1,491 @@
+"""The scheduling core: a plain synchronous library, no I/O.
+
+Each step, `schedule()` decides which requests run and how many tokens
+each computes; the engine sends that plan to the executor, and
+`update_from_output()` applies the sampled tokens.
+
+Plans may be in flight while the next one is built (the engine keeps up to
+SCHEDULER_MAX_PLANS_IN_FLIGHT). Scheduling a step therefore counts its
+tokens as computed at once, and each token it will sample as a placeholder
+that the next step computes: the executor appends what it samples to its
+own copy of the request, so no plan needs a token the scheduler has not
+seen. A result is matched against the step's own entries; an entry whose
+request was preempted, reset or finished since is stale and dropped.
+
+A victim of preemption either recomputes later (its blocks are freed) or,
+with a host KV tier, is swapped out: the plan copies its computed KV to
+host blocks, and the plan that resumes it copies them back in before its
+forward (host_tier.py). Plans run in order on the executor, so a swap_out
+reads what every earlier plan wrote, including the victim's steps still in
+flight: a swapped-out victim keeps their tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Literal, Protocol
+
+from scheduler_svc.core.host_tier import SwappedOut
+from scheduler_svc.core.kv_cache_manager import KVCacheManager, blocks_needed
+from scheduler_svc.core.plan import NewRequestData, SampledToken, ScheduledRequest, StepPlan
+from scheduler_svc.core.policy import make_policy
+from scheduler_svc.core.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    # At most this many requests run in one step.
+    max_num_seqs: int = 256
+    # At most this many tokens (prefill + decode) are computed in one step.
+    max_num_batched_tokens: int = 2048
+    # At most this many prompt tokens of one request per step (chunked
+    # prefill), so a long prompt cannot take a whole step's budget.
+    max_prefill_chunk: int = 512
+    # fcfs: arrival order. priority: `priority` first (lower = more urgent),
+    # then arrival; both for admission and for choosing preemption victims.
+    # fair: VTC across tenants (policy.py).
+    policy: Literal["fcfs", "priority", "fair"] = "fcfs"
+    enable_prefix_caching: bool = True
+    # fair: the service a prompt and an output token count for, and the
+    # tenants' weights ((tenant, weight) pairs; others weigh 1).
+    prompt_token_weight: float = 1.0
+    output_token_weight: float = 2.0
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    # Blocks in the executor's host KV tier; 0 = none.
+    num_host_blocks: int = 0
+    # How a victim is preempted: swap its KV out to the host tier, or drop
+    # it and recompute. auto swaps when the host tier has room and the
+    # copy is cheaper (SwapCost); swap whenever the host tier has room.
+    preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
+
+
+class SwapCost(Protocol):
+    def swap_is_cheaper(self, num_blocks: int, num_tokens: int) -> bool:
+        """Copying num_blocks out and back in costs less than recomputing
+        num_tokens tokens."""
+
+
+class _AlwaysSwap:
+    def swap_is_cheaper(self, num_blocks: int, num_tokens: int) -> bool:
+        return True
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, swap_cost: SwapCost | None = None):
+        self.config = config
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.num_host_blocks)
+        # Without measurements, a copy is taken to be cheaper: it moves the
+        # block's bytes, where recomputing runs the whole model on its tokens.
+        self.swap_cost = swap_cost or _AlwaysSwap()
+        self.policy = make_policy(config.policy, config.prompt_token_weight, config.output_token_weight,
+                                  dict(config.tenant_weights))
+        self.waiting = self.policy.make_queue()
+        # Sorted by order_key: the last one is the first to be preempted.
+        self.running: list[Request] = []
+        self._next_arrival = 0
+        self.requests: dict[str, Request] = {}
+        self._free_handles: list[int] = []
+        self._next_handle = 0
+        # Handles to tell the executor to forget in the next plan.
+        self._to_forget: list[int] = []
+        # Handles of finished requests whose forget is not planned yet.
+        self._to_release: list[int] = []
+        # (step id of the plan carrying their forget, handles): reusable once
+        # that step's result is applied, so no plan in flight names them.
+        self._releasing: list[tuple[int, list[int]]] = []
+        self._step_id = 0
+        # Moves on at every executor reset; plans of an older epoch still in
+        # flight are ignored when their results arrive.
+        self.executor_epoch = 0
+        self.num_preemptions = 0
+        self.num_preemptions_by_mode: Counter[str] = Counter()
+        # Tokens whose KV had been computed, was lost (preemption by
+        # recompute, a swap that failed, an executor reset) and was computed
+        # again, by Request.lost_cause.
+        self.num_recomputed_tokens: Counter[str] = Counter()
+        # Sampled tokens dropped because their request had finished, been
+        # preempted or reset while the step was in flight.
+        self.num_dropped_tokens = 0
+
+    # ----- admission -------------------------------------------------------
+
+    def fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request can never run, or None when it can."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.config.max_model_len:
+            return f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds max_model_len {self.config.max_model_len}"
+        if blocks_needed(total, self.config.block_size) > self.config.num_kv_blocks:
+            return f"prompt + max_tokens ({total} tokens) exceeds the KV pool ({self.config.num_kv_blocks} blocks of {self.config.block_size})"
+        return None
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already live")
+        reason = self.fits(request.num_prompt_tokens, request.sampling.max_tokens)
+        if reason:
+            raise ValueError(reason)
+        request.handle = self._alloc_handle()
+        request.arrival_seq = self._next_arrival
+        self._next_arrival += 1
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def order_key(self, req: Request) -> tuple[int, int]:
+        """Smaller runs first and is preempted last (within a tenant, under fair)."""
+        return self.policy.order_key(req)
+
+    def _alloc_handle(self) -> int:
+        # Reusing small handles keeps the plan's varints short.
+        if self._free_handles:
+            return self._free_handles.pop()
+        self._next_handle += 1
+        return self._next_handle - 1
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- the step --------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """The rule: each request's num_computed_tokens catches up with its
+        num_tokens, under a per-step token budget. Prefill, chunked prefill
+        and decode are this one loop; a decode is just a request one token
+        behind. Running requests go first, in policy order; when one needs a
+        block and none is free, the least urgent running request is
+        preempted (its blocks freed, recomputed later). Waiting requests are
+        admitted in policy order, starting from their longest cached prefix,
+        and only in a step that preempted nothing."""
+        cfg = self.config
+        out = StepPlan(step_id=self._step_id, executor_epoch=self.executor_epoch)
+        self._step_id += 1
+        self.waiting.begin_step()
+        budget = cfg.max_num_batched_tokens
+        if self.waiting and self.waiting.peek().num_failed_steps and self._admit(out, budget) is not None:
+            # A request whose step failed is retried alone, so a second
+            # failure names it and spares the rest of the batch.
+            return self._finish_plan(out)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if self._last_token_in_flight(req):
+                i += 1  # it finishes when that result arrives
+                continue
+            n = self._num_tokens_to_schedule(req, budget)
+            new_blocks = self.kv.allocate_slots(req, n)
+            while new_blocks is None:
+                # Only from those not yet in this plan: a victim scheduled
+                # already would be forgotten before the step that names it.
+                # And never the first running request while another can go:
+                # a policy that may pick the requester itself (fair) could
+                # otherwise have two requests preempt each other in turn,
+                # each losing its progress, and never finish either. The
+                # first in policy order only ever progresses, so the pool
+                # always drains.
+                victim = self.policy.pick_victim(self.running[i:] if i or len(self.running) == 1
+                                                 else self.running[1:])
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+                new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is None:
+                break  # req preempted itself: nothing after it can run either
+            self._record(out, req, n, new_blocks)
+            budget -= n
+            i += 1
+
+        while self.waiting and not out.num_preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            if self.waiting.peek().num_failed_steps:
+                break  # a suspect runs alone, next step
+            n = self._admit(out, budget)
+            if n is None:
+                break  # the head waits for blocks; nobody overtakes it
+            budget -= n
+        return self._finish_plan(out)
+
+    def _admit(self, out: StepPlan, budget: int) -> int | None:
+        """Moves the head of the queue to running, starting from its longest
+        cached prefix. Returns the tokens scheduled, or None when the pool
+        cannot hold them (nothing changes then)."""
+        req = self.waiting.peek()
+        if not self.kv.can_resume(req):
+            return None  # swapped out by a plan whose result is still to come
+        hit = self.kv.find_cached_prefix(req)
+        if hit.stops_at_pending_spill:
+            # Its prefix goes on in a block on its way to the host tier,
+            # confirmed a step or two from now (that plan is built or in
+            # flight): waiting for it is cheaper than computing the rest.
+            # A copy that fails is dropped, and the chain then just stops.
+            return None
+        req.num_computed_tokens = hit.num_tokens
+        n = self._num_tokens_to_schedule(req, budget)
+        new_blocks = self.kv.allocate_slots(req, n, hit)
+        if new_blocks is None:
+            req.num_computed_tokens = 0
+            return None
+        self.kv.record_hit(hit)
+        if req.num_preemptions == 0:
+            req.num_cached_prompt_tokens = min(hit.num_tokens, req.num_prompt_tokens)
+        self.waiting.pop()
+        req.status = RequestStatus.RUNNING
+        bisect.insort(self.running, req, key=self.order_key)
+        self._record(out, req, n, new_blocks)
+        return n
+
+    def flush_forgets(self) -> StepPlan | None:
+        """A plan of forgets alone, for when nothing else will be scheduled:
+        the executor then drops finished requests' state (their rows and
+        constraint matchers) now, not whenever the next request arrives.
+        None when there is nothing to forget."""
+        if not self._to_forget:
+            return None
+        out = StepPlan(step_id=self._step_id, executor_epoch=self.executor_epoch)
+        self._step_id += 1
+        return self._finish_plan(out, send_empty=True)
+
+    def _finish_plan(self, out: StepPlan, send_empty: bool = False) -> StepPlan:
+        out.swaps = self.kv.end_plan()
+        if out.is_empty and not send_empty:
+            return out  # not sent: its forgets wait for the next plan
+        out.finished_handles, self._to_forget = self._to_forget, []
+        if self._to_release:
+            self._releasing.append((out.step_id, self._to_release))
+            self._to_release = []
+        return out
+
+    def _last_token_in_flight(self, req: Request) -> bool:
+        """A step in flight samples the request's last allowed token, so
+        scheduling it again could only compute past its end."""
+        return req.num_output_placeholders > 0 and (
+            len(req.output_token_ids) + req.num_output_placeholders >= req.sampling.max_tokens
+            or req.num_tokens_with_placeholders >= self.config.max_model_len
+        )
+
+    def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
+        if n > 1:
+            n = min(n, self.config.max_prefill_chunk)
+        if n <= 0:
+            raise RuntimeError(f"request {req.request_id} is scheduled with nothing left to compute")
+        return n
+
+    def _record(self, out: StepPlan, req: Request, n: int, new_blocks: list[int]) -> None:
+        if req.on_executor:
+            out.cached_requests.append(req)
+            out.cached_num_scheduled_tokens.append(n)
+            out.new_block_handles.extend([req.handle] * len(new_blocks))
+            out.new_block_ids.extend(new_blocks)
+        else:
+            out.new_requests.append(NewRequestData.from_request(req, self.kv.get_block_table(req), n))
+            req.on_executor = True
+        start = req.num_computed_tokens
+        if start < req.num_lost_tokens:
+            self.num_recomputed_tokens[req.lost_cause] += min(start + n, req.num_lost_tokens) - start
+        samples = start + n == req.num_tokens_with_placeholders
+        out.entries[req.handle] = ScheduledRequest(req, n, start, samples, req.epoch)
+        self.policy.charge(req, start, n, samples)
+        req.num_computed_tokens += n
+        if samples:
+            req.num_output_placeholders += 1
+
+    def _preempt(self, req: Request) -> None:
+        """Takes the request off the executor and puts it back in the queue,
+        swapped out (this plan copies its computed KV to the host tier, and
+        the plan that resumes it copies it back) or, when the mode, the host
+        tier's room or the cost say no, with its blocks freed, to recompute
+        prompt + output so far."""
+        self.running.remove(req)
+        swapped = self._should_swap(req) and self.kv.swap_out(req, req.num_computed_tokens)
+        self.kv.free(req)
+        self._forget_on_executor(req)
+        if swapped:
+            # Its steps in flight stand: their tokens count when their results
+            # arrive, and it resumes only after that (its copy is confirmed
+            # by a later result). It holds no device block meanwhile.
+            req.num_computed_tokens = 0
+        else:
+            self._drop_executor_progress(req, "recompute")
+        req.preempted_by = "swap" if swapped else "recompute"
+        self.num_preemptions_by_mode[req.preempted_by] += 1
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(req)
+
+    def _should_swap(self, req: Request) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or self.kv.host is None or req.num_computed_tokens == 0:
+            return False
+        if mode == "swap":
+            return True
+        return self.swap_cost.swap_is_cheaper(blocks_needed(req.num_computed_tokens, self.config.block_size),
+                                              req.num_computed_tokens)
+
+    @staticmethod
+    def _drop_executor_progress(req: Request, cause: str) -> None:
+        """The executor no longer holds the request: what is in flight for
+        it is stale, and it recomputes from its known tokens."""
+        req.num_lost_tokens = max(req.num_lost_tokens, min(req.num_computed_tokens, req.num_tokens))
+        req.lost_cause = cause
+        req.num_computed_tokens = 0
+        req.num_output_placeholders = 0
+        req.epoch += 1
+
+    def _lose_swapped(self, record: SwappedOut) -> None:
+        """A swapped-out request's copy is gone (a swap that failed, the
+        executor's loss): it recomputes. Its steps in flight, if any, are
+        void too (the executor dropped them)."""
+        req = record.request
+        req.num_lost_tokens = max(req.num_lost_tokens, record.num_tokens)
+        req.lost_cause = "swap"
+        if req.num_output_placeholders:
+            req.num_output_placeholders = 0
+            req.epoch += 1
+
+    def _forget_on_executor(self, req: Request) -> bool:
+        """Queues the executor-side cleanup; True if there was state to drop."""
+        if not req.on_executor:
+            return False
+        self._to_forget.append(req.handle)
+        req.on_executor = False
+        return True
+
+    def update_from_output(self, out: StepPlan, sampled: list[tuple[int, int, tuple | None]],
+                           failed_swap_outs: list[int] = (), failed_swap_ins: list[int] = ()) -> list[SampledToken]:
+        """Applies a step's result, in step order: confirms its swaps,
+        turns placeholders into the sampled tokens, makes newly computed
+        full blocks findable, and finishes requests that hit a token-level
+        stop (EOS, stop token, max_tokens, max_model_len). Tokens of stale
+        entries are dropped."""
+        if out.swaps is not None:
+            self._complete_swaps(out, set(failed_swap_outs), set(failed_swap_ins))
+        for e in out.entries.values():
+            if not e.is_stale:
+                e.request.num_failed_steps = 0
+                # Every input of this step is known by now (the step before
+                # it has been applied), so its blocks can be named.
+                self.kv.cache_computed_blocks(e.request, e.start + e.num_tokens)
+        results: list[SampledToken] = []
+        for handle, token, logprobs in sampled:
+            e = out.entries.get(handle)
+            if e is None or not e.samples:
+                raise RuntimeError(f"executor sampled for handle {handle}, which step {out.step_id} did not sample")
+            if e.is_stale:
+                self.num_dropped_tokens += 1
+                continue
+            req = e.request
+            req.num_output_placeholders -= 1
+            req.output_token_ids.append(token)
+            results.append(SampledToken(req, token, logprobs))
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+        while self._releasing and self._releasing[0][0] <= out.step_id:
+            self._free_handles.extend(self._releasing.pop(0)[1])
+        return results
+
+    def _complete_swaps(self, out: StepPlan, failed_outs: set[int], failed_ins: set[int]) -> None:
+        lost, failed = self.kv.complete_swaps(out.swaps, failed_outs, failed_ins)
+        for record in lost:
+            self._lose_swapped(record)
+        for req in failed:
+            # Its blocks from the host tier hold garbage, and so does what
+            # this step and any later one computed for it: it recomputes,
+            # like a failed step's requests, and nobody else is touched.
+            e = out.entries.get(req.handle)
+            if e is None or e.request is not req or e.is_stale:
+                continue  # finished, or preempted by recompute, since
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+                self.kv.free(req)
+                self._forget_on_executor(req)
+                self.waiting.push(req)
+            else:
+                # Swapped out by a later plan: that copy is garbage too.
+                record = self.kv.host.drop(req, keep_cached=False)
+                req.num_lost_tokens = max(req.num_lost_tokens, record.num_tokens if record else 0)
+            self._drop_executor_progress(req, "swap")
+            req.status = RequestStatus.WAITING
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        s = req.sampling
+        # A constrained request samples EOS only where its grammar may end
+        # (with ignore_eos, only where nothing else is left): it ends there.
+        stops_at_eos = not s.ignore_eos or req.constraint is not None
+        if (stops_at_eos and token in req.eos_token_ids) or token in s.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= s.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a live request and frees its blocks at once. Idempotent:
+        returns None for an unknown or already finished request."""
+        assert status.is_finished
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self.kv.forget(req)
+        if self._forget_on_executor(req):
+            self._to_release.append(req.handle)
+        else:
+            # Preempted or never run, but a plan already built may name it.
+            self._releasing.append((self._step_id - 1, [req.handle]))
+        return req
+
+    def reset_executor_state(self, host_lost: bool = True) -> None:
+        """The executor lost every request (restart or failed step): free all
+        blocks and requeue the running requests, in order, for recompute.
+        Swapped-out requests keep their confirmed copies unless the host
+        tier is lost too (host_lost: the executor process is gone)."""
+        for req in self.running:
+            self.kv.free(req)
+            req.on_executor = False
+            self._drop_executor_progress(req, "reset")
+            req.status = RequestStatus.WAITING
+            self.waiting.push(req)
+        self.running.clear()
+        self.executor_epoch += 1
+        # The device's KV content is gone, so nothing cached there can be
+        # trusted; nor can any copy of a plan in flight.
+        for record in self.kv.reset_executor(host_lost):
+            self._lose_swapped(record)
+        # The executor forgot everything and results of plans in flight are
+        # ignored: pending forgets are moot and every handle is reusable.
+        self._to_forget.clear()
+        self._free_handles.extend(self._to_release)
+        self._to_release.clear()
+        for _, handles in self._releasing:
+            self._free_handles.extend(handles)
+        self._releasing.clear()
+
+    def replace_host_tier(self, num_host_blocks: int) -> None:
+        """The executor came back (after reset_executor_state(host_lost=True))
+        with a host tier of another size: live requests stay, and the tier
+        starts empty at its new size."""
+        self.kv.replace_host_tier(num_host_blocks)
+        self.config = replace(self.config, num_host_blocks=num_host_blocks)
+
+    # ----- introspection ---------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.kv.host.num_free_blocks if self.kv.host is not None else 0

@@ -20,7 +20,7 @@ import pytest
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from executor_svc.model.model import builtin
+from executor_svc.model import builtin
 from executor_svc.chat_template import CHATML_TEMPLATE
 from tests.chat_templates import QWEN25_TOOLS
 from tests.integration.conftest import num_admitted, start_gateway_stack

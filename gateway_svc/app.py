@@ -28,6 +28,7 @@ from gateway_svc.reasoning import PARSERS as REASONING_PARSERS
 from gateway_svc.request_log import RequestLogMiddleware, RequestRecord, record_of
 from gateway_svc.scheduler_client import ModelInfo, SchedulerClient
 from gateway_svc.constraints import Constraint
+from llmsched import metadata
 from llmsched.v1 import scheduler_pb2 as spb
 
 log = logging.getLogger("gateway_svc")
@@ -36,8 +37,6 @@ log = logging.getLogger("gateway_svc")
 # the budget when a chat request sets neither max_tokens field.
 DEFAULT_CHAT_MAX_TOKENS = 256
 SEED_MODULUS = 2**64
-# The tenant the scheduler served a call as (its trailing metadata).
-TENANT_TRAILER = "llmsched-tenant"
 
 
 @dataclass(slots=True)
@@ -82,7 +81,7 @@ class Job:
 
 
 def _tenant_of(trailers) -> str | None:
-    return dict(trailers or ()).get(TENANT_TRAILER)
+    return dict(trailers or ()).get(metadata.TENANT)
 
 
 def _call_ids(request_id: str, count: int) -> list[str]:

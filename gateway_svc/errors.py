@@ -10,12 +10,10 @@ import grpc
 from fastapi.responses import JSONResponse
 
 from gateway_svc.protocol import RequestError
+from llmsched import metadata
 
 # The scheduler names the GenerateRequest field; clients know the OpenAI one.
 _FIELD_NAMES = {"prompt_token_ids": "prompt", "request_id": None}
-# The scheduler's structured error details, in a refusal's trailing metadata.
-FIELD_TRAILER = "llmsched-field"
-GRAMMAR_LINE_TRAILER = "llmsched-grammar-line"
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -48,15 +46,15 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, fields: Mapping[str, str | None] |
     code, message = exc.code(), exc.details() or ""
     trailers = dict(exc.trailing_metadata() or ())
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        field = trailers.get(FIELD_TRAILER)
+        field = trailers.get(metadata.FIELD)
         if constraint is not None and field and field.split(".", 1)[0] == "structured":
-            line = trailers.get(GRAMMAR_LINE_TRAILER)
+            line = trailers.get(metadata.GRAMMAR_LINE)
             param = constraint.param_for(int(line) if line else None)
             # The message is "<field>: <detail>"; the client sees its own field.
             return RequestError(param, f"{param}: {message.removeprefix(f'{field}: ')}")
         return RequestError(_param_of(field, fields or {}), message)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        retry_ms = trailers.get("retry-after-ms")
+        retry_ms = trailers.get(metadata.RETRY_AFTER_MS)
         if retry_ms is None:
             # gRPC's own message-size limit: the request itself is too big.
             return RequestError((fields or {}).get("prompt", "prompt"), message, status=413)

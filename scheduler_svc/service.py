@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
+from llmsched import metadata
 from llmsched.logs import REQUESTS, log_request
 from llmsched.security import api_key_owner
 from llmsched.tracing import Tracing, context_from_metadata
@@ -28,13 +29,6 @@ from scheduler_svc.validation import InvalidRequest, Limits, sampling_from_proto
 
 log = logging.getLogger(__name__)
 request_logger = logging.getLogger(REQUESTS)
-# Trailing metadata, for front ends (the gateway): the tenant a call was
-# served as (logged beside the front end's request id), and for a refusal
-# the field refused and the grammar line blamed, so that nothing parses the
-# message text.
-TENANT_TRAILER = "llmsched-tenant"
-FIELD_TRAILER = "llmsched-field"
-GRAMMAR_LINE_TRAILER = "llmsched-grammar-line"
 
 # Prompts up to this many characters are tokenized inline (a few hundred
 # microseconds); longer ones in a worker thread.
@@ -182,7 +176,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         trailers: tuple = ()
         try:
             req_tenant = outcome.tenant = self._tenant(request, context)
-            trailers = ((TENANT_TRAILER, req_tenant),)
+            trailers = ((metadata.TENANT, req_tenant),)
             context.set_trailing_metadata(trailers)
             req = await self._build_request(request, req_tenant, outcome.request_id)
             outcome.prompt_tokens = req.num_prompt_tokens
@@ -202,9 +196,9 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             owner = self._owner(context)
             stream = self.engine.submit(req, span, owner)
         except InvalidRequest as exc:
-            details = ((FIELD_TRAILER, exc.field),)
+            details = ((metadata.FIELD, exc.field),)
             if exc.grammar_line is not None:
-                details += ((GRAMMAR_LINE_TRAILER, str(exc.grammar_line)),)
+                details += ((metadata.GRAMMAR_LINE, str(exc.grammar_line)),)
             context.set_trailing_metadata((*trailers, *details))
             await self._reject(context, span, outcome, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
         except PermissionDenied as exc:
@@ -213,7 +207,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         except Unavailable as exc:
             await self._reject(context, span, outcome, grpc.StatusCode.UNAVAILABLE, "unavailable", str(exc))
         except Overloaded as exc:
-            context.set_trailing_metadata((*trailers, ("retry-after-ms", str(exc.retry_after_ms))))
+            context.set_trailing_metadata((*trailers, (metadata.RETRY_AFTER_MS, str(exc.retry_after_ms))))
             telemetry.record_shed(req_tenant)
             await self._reject(context, span, outcome, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded",
                                f"overloaded: {exc}")

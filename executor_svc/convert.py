@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from executor_svc.step.runner import NewRequestData, StepPlan, StepResult
 from executor_svc.step.sampler import SamplingSettings
+from executor_svc.step.step_loop import Plan, UndecodablePlan
 from llmsched.v1 import executor_pb2 as pb
 
 
@@ -18,7 +19,9 @@ def sampling_from_proto(s: pb.StepSampling) -> SamplingSettings:
     )
 
 
-def step_from_proto(plan: pb.StepPlan) -> StepPlan:
+def step_from_proto(plan: pb.StepPlan, keep_wire: bool = False) -> StepPlan:
+    """keep_wire: the plan also carries the message's bytes, for the other
+    tensor-parallel ranks."""
     return StepPlan(
         step_id=plan.step_id,
         new_requests=[
@@ -44,7 +47,21 @@ def step_from_proto(plan: pb.StepPlan) -> StepPlan:
         swap_out_host_blocks=list(plan.swap_out_host_blocks),
         swap_in_host_blocks=list(plan.swap_in_host_blocks),
         swap_in_device_blocks=list(plan.swap_in_device_blocks),
+        epoch=plan.epoch,
+        after_idle=plan.after_idle,
+        traceparent=plan.traceparent,
+        wire=plan.SerializeToString() if keep_wire else b"",
     )
+
+
+def receive_plan(plan: pb.StepPlan, keep_wire: bool) -> Plan:
+    """The plan as the step loop runs it; a message that does not decode
+    becomes that step's failure, reported in its turn."""
+    try:
+        return step_from_proto(plan, keep_wire)
+    except Exception as exc:
+        return UndecodablePlan(plan.step_id, plan.epoch, plan.traceparent, plan.after_idle,
+                               plan.SerializeToString() if keep_wire else b"", exc)
 
 
 def result_to_proto(out: StepResult) -> pb.StepResult:
@@ -55,6 +72,8 @@ def result_to_proto(out: StepResult) -> pb.StepResult:
         prepare_ns=out.prepare_ns,
         forward_ns=out.forward_ns,
         sample_ns=out.sample_ns,
+        error=out.error or "",
+        discarded=out.was_discarded,
     )
     if out.logprobs is not None:
         for lp, top_ids, top_lps in out.logprobs:

@@ -60,6 +60,14 @@ class StepPlan:
     swap_out_host_blocks: list[int] = field(default_factory=list)
     swap_in_host_blocks: list[int] = field(default_factory=list)
     swap_in_device_blocks: list[int] = field(default_factory=list)
+    # What the step stream needs beside the step itself (step_loop.py): the
+    # scheduler's epoch, whether an idle wait came before (telemetry), the
+    # trace to join, and the message as received, for the other
+    # tensor-parallel ranks (empty on one device).
+    epoch: int = 0
+    after_idle: bool = False
+    traceparent: str = ""
+    wire: bytes = b""
 
     @property
     def has_swaps(self) -> bool:
@@ -79,6 +87,18 @@ class StepResult:
     request_errors: list[tuple[int, str]] = field(default_factory=list)
     # The step's copies between the tiers (None without any).
     swaps: SwapResult | None = None
+    # Why the whole step failed; the executor then forgot every request.
+    error: str | None = None
+    # A plan of an epoch that already failed, not run (step_loop.py).
+    was_discarded: bool = False
+
+    @classmethod
+    def failed(cls, step_id: int, error: str) -> "StepResult":
+        return cls(step_id, [], [], None, 0, 0, 0, error=error)
+
+    @classmethod
+    def discarded(cls, step_id: int) -> "StepResult":
+        return cls(step_id, [], [], None, 0, 0, 0, was_discarded=True)
 
 
 class ModelRunner:

@@ -1,4 +1,5 @@
-"""The executor's Step stream in process (executor_svc/service.py), driven
+"""The executor's Step stream in process (executor_svc/service.py over
+executor_svc/step/step_loop.py), driven
 with raw plans as a scheduler with plans in flight sends them: which steps run
 on the event loop and which on the step thread, and that either way the
 results come back in plan order with HF's greedy tokens."""
@@ -12,7 +13,8 @@ import pytest
 
 from executor_svc.config import ExecutorSettings
 from executor_svc.loading import load
-from executor_svc.service import INLINE_DECODE_MAX_S, ExecutorService
+from executor_svc.service import ExecutorService
+from executor_svc.step.step_loop import INLINE_DECODE_MAX_S
 from llmsched.tracing import setup_tracing
 from llmsched.v1 import executor_pb2 as pb
 from tests.oracle import hf_greedy
@@ -72,11 +74,12 @@ def run_stream(service: ExecutorService, lockstep: bool = False) -> tuple[list[p
     result) and collects the results; returns them and the thread each step
     ran on."""
     threads: dict[int, str] = {}
-    run_step = service._run_step
+    steps = service.steps
+    run_step = steps.run
 
-    def recording(plan, step):
+    def recording(plan):
         threads[plan.step_id] = threading.current_thread().name
-        return run_step(plan, step)
+        return run_step(plan)
 
     answered: asyncio.Queue = asyncio.Queue()
 
@@ -93,11 +96,11 @@ def run_stream(service: ExecutorService, lockstep: bool = False) -> tuple[list[p
             answered.put_nowait(r.step_id)
         return results
 
-    service._run_step = recording
+    steps.run = recording
     try:
         return asyncio.run(collect()), threads
     finally:
-        del service._run_step
+        del steps.run
 
 
 def tokens_by_request(results: list[pb.StepResult]) -> dict[int, list[int]]:
@@ -125,11 +128,11 @@ def test_cpu_decode_steps_run_on_the_event_loop_and_steps_with_prefill_on_the_st
 
 def test_with_every_step_on_the_step_thread_the_tokens_are_the_same(service):
     inline, _ = run_stream(service)
-    service._inline_decode = False  # as on CUDA and under tensor parallelism
+    service.steps.inline_decode = False  # as on CUDA and under tensor parallelism
     try:
         threaded, threads = run_stream(service)
     finally:
-        service._inline_decode = True
+        service.steps.inline_decode = True
     assert all(name.startswith("step") for name in threads.values()), threads
     assert tokens_by_request(threaded) == tokens_by_request(inline)
 
@@ -139,12 +142,12 @@ def test_with_every_step_on_the_step_thread_the_tokens_are_the_same(service):
 def test_after_a_long_decode_step_decode_steps_use_the_thread_until_one_is_short_again(service):
     # As after a decode step of a large model on CPU: the loop must stay
     # free for health checks while such steps run.
-    service._last_decode_s = 1.0
+    service.steps.last_decode_s = 1.0
     results, threads = run_stream(service, lockstep=True)
     loop_thread = threading.main_thread().name
     on_thread = sorted(s for s, name in threads.items() if name != loop_thread)
     # Step 1, the first decode, goes to the thread and measures short
     # (stories260K), so the decode steps after it run inline again.
     assert on_thread == [0, 1, 4], f"steps run on the step thread: {on_thread}; expected 0, 1 and 4"
-    assert service._last_decode_s < INLINE_DECODE_MAX_S
+    assert service.steps.last_decode_s < INLINE_DECODE_MAX_S
     assert [r.step_id for r in results] == list(range(25))

@@ -1,0 +1,205 @@
+"""The executor's step core, free of gRPC: in what order and on which thread
+each decoded plan runs, and what running one plan means beyond the model
+(the failed epoch, the tensor-parallel fan-out, telemetry).
+
+`StepExecutor.run` runs one plan and never raises. `StepLoop` owns the step
+thread and the rule that decides, per plan, whether it runs there or on the
+event loop itself. `PlanQueue` is one step stream's plans in arrival order:
+it starts each on the step thread as soon as it arrives, unless it is to run
+inline, and gives the results back in plan order. The gRPC service
+(executor_svc/service.py) only converts messages and feeds the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from executor_svc.step.runner import ModelRunner, StepPlan, StepResult
+from executor_svc.telemetry import StepTelemetry, SwapStats
+from executor_svc.tensor_parallel import RESET, STEP
+
+log = logging.getLogger(__name__)
+
+# A CPU decode step runs on the event loop only while the last decode step
+# took less than this. Against a longer step the thread's hand-off (a few
+# hundred microseconds) is small, and the loop must stay free to answer
+# health checks: a decode step of a large model on CPU can take seconds.
+INLINE_DECODE_MAX_S = 0.02
+
+
+@dataclass(slots=True)
+class UndecodablePlan:
+    """A plan whose message could not be turned into a StepPlan: it is
+    answered, in its turn, as a failed step."""
+
+    step_id: int
+    epoch: int
+    traceparent: str
+    after_idle: bool
+    wire: bytes
+    error: Exception
+
+
+Plan = StepPlan | UndecodablePlan
+
+
+def decode_only(plan: Plan) -> bool:
+    """One token for each request the executor already holds."""
+    return (isinstance(plan, StepPlan) and not plan.new_requests
+            and all(n == 1 for n in plan.cached_num_scheduled_tokens))
+
+
+def num_scheduled_tokens(plan: Plan) -> int:
+    if isinstance(plan, UndecodablePlan):
+        return 0
+    return sum(r.num_scheduled_tokens for r in plan.new_requests) + sum(plan.cached_num_scheduled_tokens)
+
+
+class StepExecutor:
+    """Runs one plan at a time on the runner, on whichever thread calls it."""
+
+    def __init__(self, runner: ModelRunner, telemetry: StepTelemetry, tp=None, host_kv_block_bytes: int = 0):
+        self.runner, self.telemetry = runner, telemetry
+        # Rank 0 of a tensor-parallel group forwards plans and resets to the
+        # other ranks (tensor_parallel.py); None on one device.
+        self.tp = tp
+        self.tp_size = tp.size if tp else 1
+        self.host_kv_block_bytes = host_kv_block_bytes
+        # Epoch of the last plan that failed (StepPlan.epoch); plans of that
+        # epoch still arriving are discarded. Touched only by whichever runs
+        # the steps, one at a time.
+        self.failed_epoch: int | None = None
+
+    def reset(self) -> None:
+        """Forgets every request on every rank: a new step stream starts."""
+        self._reset_ranks()
+        self.failed_epoch = None
+
+    def _reset_ranks(self) -> None:
+        self.runner.reset()
+        if self.tp:
+            self.tp.send(RESET)
+
+    def run(self, plan: Plan) -> StepResult:
+        if plan.epoch == self.failed_epoch:
+            # Sent before the scheduler learnt of the failure: it names
+            # requests forgotten since. The scheduler ignores this result.
+            return StepResult.discarded(plan.step_id)
+        started_wall, started = time.time_ns(), time.perf_counter()
+        try:
+            if self.tp:
+                # The other ranks decode and run the same plan (tp_worker.py).
+                self.tp.send(STEP, plan.wire)
+            if isinstance(plan, UndecodablePlan):
+                raise plan.error
+            result = self.runner.execute(plan)
+        except Exception as exc:  # the executor must survive a bad step
+            log.exception("step %d failed", plan.step_id)
+            # Request state may be half-applied: forget it all, on every
+            # rank, so the scheduler recomputes from a clean slate.
+            self._reset_ranks()
+            self.failed_epoch = plan.epoch
+            result = StepResult.failed(plan.step_id, f"{type(exc).__name__}: {exc}")
+        ended = time.perf_counter()
+        self.telemetry.record(plan.traceparent, plan.step_id, plan.after_idle, started_wall, started, ended,
+                              result.prepare_ns, result.forward_ns, result.sample_ns, num_scheduled_tokens(plan),
+                              result.error, self._swap_stats(plan, result))
+        return result
+
+    def _swap_stats(self, plan: Plan, result: StepResult) -> SwapStats | None:
+        if isinstance(plan, UndecodablePlan) or not plan.has_swaps:
+            return None
+        failed_outs = result.swaps.failed_outs if result.swaps else []
+        failed_ins = result.swaps.failed_ins if result.swaps else []
+        return SwapStats(len(plan.swap_out_host_blocks) - len(failed_outs),
+                         len(plan.swap_in_host_blocks) - len(failed_ins),
+                         self.host_kv_block_bytes * self.tp_size, len(failed_outs) + len(failed_ins),
+                         result.swaps.swap_ns if result.swaps else 0)
+
+
+class StepLoop:
+    """One thread runs steps, in plan order, so the event loop stays free to
+    receive and decode the next plan, and to answer health checks, while
+    the model computes.
+
+    Except decode steps on CPU, which run on the event loop itself. A CPU
+    forward keeps the CPU busy, so the thread would overlap only the next
+    plan's decoding (microseconds), while the hand-off costs hundreds: the
+    two threads pass the GIL back and forth, often across cores. Prefill and
+    chunks, which on CPU can take seconds, and decode steps once they take
+    INLINE_DECODE_MAX_S or more, keep the thread so that health checks are
+    answered meanwhile. On CUDA the host waits on the device with the GIL
+    released, and under tensor parallelism heartbeats share the thread:
+    both keep it for every step. (Measured: docs/architecture.md, "The
+    executor's step".)"""
+
+    def __init__(self, executor: StepExecutor, inline_decode: bool):
+        self.executor = executor
+        self.inline_decode = inline_decode
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        # Seconds the last decode step took, wherever it ran. Written by
+        # whichever runs steps; a float, so the event loop may read it
+        # meanwhile.
+        self.last_decode_s = 0.0
+
+    def runs_inline(self, plan: Plan) -> bool:
+        return self.inline_decode and self.last_decode_s < INLINE_DECODE_MAX_S and decode_only(plan)
+
+    def run(self, plan: Plan) -> StepResult:
+        started = time.perf_counter()
+        result = self.executor.run(plan)
+        if decode_only(plan):
+            self.last_decode_s = time.perf_counter() - started
+        return result
+
+    def on_thread(self, fn: Callable, *args) -> Future:
+        """Queues fn behind every step already on the thread."""
+        return self._thread.submit(fn, *args)
+
+    def stream(self) -> PlanQueue:
+        return PlanQueue(self)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+class PlanQueue:
+    """One step stream's plans, in arrival order. `put` is called as each
+    plan arrives, so the step thread starts it at once; `results` yields
+    every result in plan order, running inline plans itself, so a result is
+    ready as soon as its step ends."""
+
+    def __init__(self, steps: StepLoop):
+        self._steps = steps
+        self._items: asyncio.Queue = asyncio.Queue()
+        # Queued plans that `results` starts itself. While any is queued,
+        # later plans queue behind it instead of reaching the thread first.
+        self._held = 0
+
+    def put(self, plan: Plan) -> None:
+        if self._held or self._steps.runs_inline(plan):
+            self._held += 1
+            self._items.put_nowait((plan, None))
+        else:
+            self._items.put_nowait((plan, asyncio.wrap_future(self._steps.on_thread(self._steps.run, plan))))
+
+    def end(self) -> None:
+        """No more plans: `results` stops after the last one."""
+        self._items.put_nowait(None)
+
+    async def results(self) -> AsyncIterator[StepResult]:
+        while (item := await self._items.get()) is not None:
+            plan, started = item
+            if started is not None:
+                yield await started
+                continue
+            self._held -= 1
+            if self._steps.runs_inline(plan):  # every earlier step has ended
+                yield self._steps.run(plan)
+            else:
+                yield await asyncio.wrap_future(self._steps.on_thread(self._steps.run, plan))

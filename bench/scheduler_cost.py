@@ -19,7 +19,8 @@ import time
 from llmsched.v1 import executor_pb2 as epb
 from scheduler_svc.convert import plan_to_proto, sampled_from_proto
 from scheduler_svc.core.request import Request, SamplingParams
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.scheduler_config import SchedulerConfig
 
 BLOCK_SIZE = 16
 

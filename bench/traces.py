@@ -63,7 +63,7 @@ class TraceOptions:
         if not self.rate_scale > 0 or not self.length_scale > 0:
             raise ValueError(f"rate and length scales must be positive, got {self.rate_scale}, {self.length_scale}")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2 to hold a prompt and an output token")
+            raise ValueError("max_model_len must be at least 2 to hold a prompt and an output token")
 
     def as_dict(self) -> dict:
         return {"window_s": list(self.window), "rate_scale": self.rate_scale, "length_scale": self.length_scale,

@@ -129,7 +129,7 @@ class Engine(CoreListener):
         if self.scheduler is not None and previous is not None:  # a reconnect
             if facts.geometry != previous.geometry:
                 self._fail_all("UNAVAILABLE", "the executor came back with a different model or KV geometry")
-                self.core.scheduler = None
+                self.core.detach()
             elif facts.num_host_kv_blocks != previous.num_host_kv_blocks:
                 # _recover emptied the host tier already (the process is gone
                 # with its memory), so only its size changes: requests go on,
@@ -139,12 +139,9 @@ class Engine(CoreListener):
                 self.scheduler.replace_host_tier(facts.num_host_kv_blocks)
                 self.link.warn_swap_without_host()
         if self.scheduler is None:
-            self.core.scheduler = Scheduler(
-                scheduler_config(self.settings, facts.num_kv_blocks, facts.block_size, facts.max_model_len,
-                                 facts.num_host_kv_blocks),
-                swap_cost=self.core.step_time,
-            )
-            self.telemetry.attach(self.scheduler)
+            scheduler = self.core.attach(scheduler_config(self.settings, facts.num_kv_blocks, facts.block_size,
+                                                          facts.max_model_len, facts.num_host_kv_blocks))
+            self.telemetry.attach(scheduler)
             if previous is not None:
                 self.link.warn_swap_without_host()
         self.core.last_result_at = self.clock.perf_counter()

@@ -90,13 +90,7 @@ class EngineTelemetry(CoreListener):
         sched, out, step_span = self.scheduler, step.out, step.span
         swaps = out.swaps
         telemetry.STEP_DURATION.observe(elapsed)
-        block_size = sched.config.block_size
-        tables = sched.kv.block_tables
-        telemetry.record_load(
-            len(sched.running), len(sched.waiting), sched.num_free_blocks, sched.config.num_kv_blocks,
-            tokens_held=sum(min(r.num_computed_tokens, r.num_tokens) for r in sched.running),
-            slots_allocated=block_size * sum(len(tables[r.request_id]) for r in sched.running),
-        )
+        telemetry.record_load(sched.load(), sched.config.num_kv_blocks)
         telemetry.record_tenants(sched.policy.served, self._tenants_published, sched.waiting.waiting_by_tenant(),
                                  Counter(r.tenant for r in sched.running), sched.policy.counters)
         if self.tracing.enabled:

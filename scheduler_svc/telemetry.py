@@ -11,6 +11,7 @@ from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
 from scheduler_svc.core.clock import SYSTEM_CLOCK, Clock
+from scheduler_svc.core.scheduler import Load
 
 # Link a request span to its first steps, then to steps whose index is a
 # power of two: a 2,000-token generation gets ~19 links, not 2,000.
@@ -224,10 +225,9 @@ def record_swaps(swaps, num_failed: int) -> None:
     SWAP_FAILURES.inc(num_failed)
 
 
-def record_load(num_running: int, num_waiting: int, num_free_blocks: int, num_blocks: int,
-                tokens_held: int, slots_allocated: int) -> None:
-    KV_TOKENS_HELD.inc(tokens_held)
-    KV_SLOTS_ALLOCATED.inc(slots_allocated)
-    NUM_RUNNING.set(num_running)
-    NUM_WAITING.set(num_waiting)
-    KV_USAGE.set(1.0 - num_free_blocks / num_blocks if num_blocks else 0.0)
+def record_load(load: Load, num_blocks: int) -> None:
+    KV_TOKENS_HELD.inc(load.tokens_held)
+    KV_SLOTS_ALLOCATED.inc(load.slots_allocated)
+    NUM_RUNNING.set(load.num_running)
+    NUM_WAITING.set(load.num_waiting)
+    KV_USAGE.set(1.0 - load.num_free_blocks / num_blocks if num_blocks else 0.0)

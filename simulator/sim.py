@@ -34,7 +34,6 @@ from scheduler_svc.core.backpressure import Overloaded
 from scheduler_svc.core.engine_core import CoreListener, EngineCore, InFlightStep, TurnKind, core_limits, scheduler_config
 from scheduler_svc.core.plan import SampledToken, StepResult
 from scheduler_svc.core.request import Request, SamplingParams
-from scheduler_svc.core.scheduler import Scheduler
 from simulator.cost_model import StepShape
 from simulator.profile import Profile
 
@@ -91,9 +90,8 @@ class Simulation(CoreListener):
         self.core = EngineCore(core_limits(settings), self)
         # The scheduler weighs a swap against a recompute with the step times
         # the core measures, here the cost model's: as in the engine.
-        self.core.scheduler = Scheduler(
-            scheduler_config(settings, g.num_kv_blocks, g.block_size, g.max_model_len, g.num_host_kv_blocks),
-            swap_cost=self.core.step_time)
+        self.core.attach(scheduler_config(settings, g.num_kv_blocks, g.block_size, g.max_model_len,
+                                          g.num_host_kv_blocks))
         self.maker = PromptMaker(g.vocab_size, trace.options.seed, max(r.prompt_len for r in trace.records))
         self.now = 0.0
         self.results = [RequestResult(r.index, f"trace-{r.index}", r.arrival_s, r.output_len, r.prompt_len)
@@ -214,15 +212,10 @@ class Simulation(CoreListener):
         self._pending_tokens = tokens
 
     def step_applied(self, step: InFlightStep, outcome: StepResult, elapsed: float) -> None:
-        sched = self.core.scheduler
+        load = self.core.scheduler.load()
         self.server.num_steps += 1
-        tables = sched.kv.block_tables
-        held = slots = 0
-        for r in sched.running:
-            held += min(r.num_computed_tokens, r.num_tokens)
-            slots += len(tables[r.request_id])
-        self.server.kv_tokens_held += held
-        self.server.kv_slots_allocated += slots * sched.config.block_size
+        self.server.kv_tokens_held += load.tokens_held
+        self.server.kv_slots_allocated += load.slots_allocated
 
     def _flush_tokens(self, at: float) -> None:
         tokens, self._pending_tokens = self._pending_tokens, []

@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 
 from scheduler_svc.core.request import Request, SamplingParams
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.scheduler_config import SchedulerConfig
 
 EOS = 2
 _ids = itertools.count()

@@ -31,12 +31,13 @@ from scheduler_svc.core.backpressure import AdmissionLimits, Overloaded, StepTim
 from scheduler_svc.core.plan import SampledToken, StepPlan, StepResult
 from scheduler_svc.core.policy import parse_weights
 from scheduler_svc.core.request import Request, RequestStatus
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.scheduler_config import SchedulerConfig
 
 if TYPE_CHECKING:  # read by attribute only: the core does not load pydantic-settings
     from scheduler_svc.config import SchedulerSettings
 
-log = logging.getLogger("scheduler_svc.engine")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -180,6 +181,20 @@ class EngineCore:
         # True from a wait with no work until the next plan is sent, which
         # then carries StepPlan.after_idle (see executor.proto).
         self._waited_idle = True
+
+    # ----- the scheduler's life ----------------------------------------------
+
+    def attach(self, config: SchedulerConfig) -> Scheduler:
+        """A scheduler for an executor of this KV geometry. It weighs a swap
+        against a recompute with the step times this core measures."""
+        self.scheduler = Scheduler(config, swap_cost=self.step_time)
+        return self.scheduler
+
+    def detach(self) -> None:
+        """The executor came back with another model or geometry: nothing the
+        scheduler holds means anything to it. The driver has ended every
+        request already."""
+        self.scheduler = None
 
     # ----- input, at any time between turns ---------------------------------
 

@@ -25,43 +25,28 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol
+from typing import Protocol
 
 from scheduler_svc.core.host_tier import SwappedOut
 from scheduler_svc.core.kv_cache_manager import KVCacheManager, blocks_needed
 from scheduler_svc.core.plan import NewRequestData, SampledToken, ScheduledRequest, StepPlan
 from scheduler_svc.core.policy import make_policy
 from scheduler_svc.core.request import Request, RequestStatus
+from scheduler_svc.core.scheduler_config import SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    num_kv_blocks: int
-    block_size: int
-    max_model_len: int
-    # At most this many requests run in one step.
-    max_num_seqs: int = 256
-    # At most this many tokens (prefill + decode) are computed in one step.
-    max_num_batched_tokens: int = 2048
-    # At most this many prompt tokens of one request per step (chunked
-    # prefill), so a long prompt cannot take a whole step's budget.
-    max_prefill_chunk: int = 512
-    # fcfs: arrival order. priority: `priority` first (lower = more urgent),
-    # then arrival; both for admission and for choosing preemption victims.
-    # fair: VTC across tenants (policy.py).
-    policy: Literal["fcfs", "priority", "fair"] = "fcfs"
-    enable_prefix_caching: bool = True
-    # fair: the service a prompt and an output token count for, and the
-    # tenants' weights ((tenant, weight) pairs; others weigh 1).
-    prompt_token_weight: float = 1.0
-    output_token_weight: float = 2.0
-    tenant_weights: tuple[tuple[str, float], ...] = ()
-    # Blocks in the executor's host KV tier; 0 = none.
-    num_host_blocks: int = 0
-    # How a victim is preempted: swap its KV out to the host tier, or drop
-    # it and recompute. auto swaps when the host tier has room and the
-    # copy is cheaper (SwapCost); swap whenever the host tier has room.
-    preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
+class Load:
+    """What the scheduler holds at one moment (Scheduler.load): the gauges
+    the server publishes after each step, and the simulator's averages."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    # Tokens whose KV the running requests hold, against the slots their
+    # blocks give them (the difference is the pool's internal waste).
+    tokens_held: int
+    slots_allocated: int
 
 
 class SwapCost(Protocol):
@@ -481,6 +466,12 @@ class Scheduler:
         self.config = replace(self.config, num_host_blocks=num_host_blocks)
 
     # ----- introspection ---------------------------------------------------
+
+    def load(self) -> Load:
+        tables = self.kv.block_tables
+        return Load(len(self.running), len(self.waiting), self.num_free_blocks,
+                    tokens_held=sum(min(r.num_computed_tokens, r.num_tokens) for r in self.running),
+                    slots_allocated=self.config.block_size * sum(len(tables[r.request_id]) for r in self.running))
 
     @property
     def num_free_blocks(self) -> int:

@@ -7,7 +7,8 @@ import pytest
 
 from scheduler_svc import convert
 from scheduler_svc.core.request import RequestStatus
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.scheduler_config import SchedulerConfig
 from tests.factories import FakeExecutor, make_request, make_scheduler, run_step
 
 PREFIX = list(range(100, 132))  # 8 blocks of 4

@@ -19,7 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from scheduler_svc.core.kv_cache_manager import ROOT_HASH, hash_block
 from scheduler_svc.core.request import RequestStatus
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.scheduler_config import SchedulerConfig
 from tests.factories import EOS, make_request
 
 PREFIXES = [[], [101, 102, 103, 104, 105, 106], [101, 102, 103, 104, 201, 202, 203]]

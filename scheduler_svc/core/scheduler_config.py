@@ -1,0 +1,38 @@
+"""The scheduler's configuration: the executor's KV geometry and the
+SCHEDULER_* settings that shape each step (engine_core.scheduler_config
+builds it from both)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    # At most this many requests run in one step.
+    max_num_seqs: int = 256
+    # At most this many tokens (prefill + decode) are computed in one step.
+    max_num_batched_tokens: int = 2048
+    # At most this many prompt tokens of one request per step (chunked
+    # prefill), so a long prompt cannot take a whole step's budget.
+    max_prefill_chunk: int = 512
+    # fcfs: arrival order. priority: `priority` first (lower = more urgent),
+    # then arrival; both for admission and for choosing preemption victims.
+    # fair: VTC across tenants (policy.py).
+    policy: Literal["fcfs", "priority", "fair"] = "fcfs"
+    enable_prefix_caching: bool = True
+    # fair: the service a prompt and an output token count for, and the
+    # tenants' weights ((tenant, weight) pairs; others weigh 1).
+    prompt_token_weight: float = 1.0
+    output_token_weight: float = 2.0
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    # Blocks in the executor's host KV tier; 0 = none.
+    num_host_blocks: int = 0
+    # How a victim is preempted: swap its KV out to the host tier, or drop
+    # it and recompute. auto swaps when the host tier has room and the
+    # copy is cheaper (SwapCost); swap whenever the host tier has room.
+    preemption_mode: Literal["auto", "recompute", "swap"] = "auto"

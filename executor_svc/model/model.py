@@ -1,10 +1,12 @@
 """One decoder for every family, over a flattened, unpadded token batch with
-a paged KV cache. Llama is the base; the dense families switch on small
-pieces from their ModelConfig (see the executor_svc/families package), and
-families whose layers differ more pass their own attention or MLP to
-DecoderLayer through a CausalLM subclass (CausalLM.make_layer): the
-mixture-of-experts MLP (executor_svc/model/moe.py), gpt-oss's attention sinks,
-DeepSeek-V3's latent attention (executor_svc/model/mla.py).
+a paged KV cache. Llama is the base. Numbers and small switches come from
+the family's ModelConfig (biases, norms' unit offset, windows, soft-caps,
+RoPE). A family whose layer differs subclasses that layer and names it on
+its CausalLM subclass (attention_cls, layer_cls; experts_cls for MoE), as
+transformers' modular files do: QKNormAttention (Qwen3, Gemma 3),
+SandwichDecoderLayer (Gemma 2 and 3), gpt-oss's SinkAttention, DeepSeek-V3's
+latent attention (executor_svc/model/mla.py), and the mixture-of-experts
+MLP (executor_svc/model/moe.py).
 
   Qwen2     q/k/v biases
   Qwen3     per-head q/k RMSNorm before RoPE
@@ -116,9 +118,6 @@ class Attention(nn.Module):
             RowPart("v_proj", cfg.num_kv_heads * d, first_kv * d, kvh * d),
         ], bias=cfg.qkv_bias)
         self.o_proj = RowLinear.split(cfg.num_heads * d, cfg.hidden_size, shard.rank, shard.size, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = make_norm(cfg, cfg.head_dim)
-            self.k_norm = make_norm(cfg, cfg.head_dim)
 
     def forward(self, x, cos, sin, cache: tuple[torch.Tensor, ...], meta: AttentionMetadata,
                 backend: AttentionBackend):
@@ -127,20 +126,35 @@ class Attention(nn.Module):
         n, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(n, h + 2 * kvh, self.head_dim)
         v = qkv[:, h + kvh:]
-        if hasattr(self, "q_norm"):
-            q = apply_rope(self.q_norm(qkv[:, :h]), cos, sin)
-            k = apply_rope(self.k_norm(qkv[:, h : h + kvh]), cos, sin)
-        else:
-            qk = apply_rope(qkv[:, : h + kvh], cos, sin)  # q's and k's heads in one pass
-            q, k = qk[:, :h], qk[:, h:]
+        q, k = self.rotate(qkv, cos, sin)
         backend.write_kv(k, v, k_cache, v_cache, meta)
         o = self.attend(q, k_cache, v_cache, meta, backend)  # [num_tokens, heads, head_dim]
         out = self.o_proj(o.reshape(n, self.num_heads * self.head_dim))  # this rank's heads' share
         return out if self.comm is None else self.comm.all_reduce(out)
 
+    def rotate(self, qkv, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [n, heads, d] and k [n, kv_heads, d] with RoPE, from qkv [n,
+        heads + 2 * kv_heads, d]: q's and k's heads in one pass."""
+        h = self.num_heads
+        qk = apply_rope(qkv[:, : h + self.num_kv_heads], cos, sin)
+        return qk[:, :h], qk[:, h:]
+
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         return backend.attend(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
                               softcap=self.softcap)
+
+
+class QKNormAttention(Attention):
+    """Qwen3, Gemma 3: a per-head RMSNorm of q and of k before RoPE."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm):
+        super().__init__(cfg, layer, shard, comm)
+        self.q_norm = make_norm(cfg, cfg.head_dim)
+        self.k_norm = make_norm(cfg, cfg.head_dim)
+
+    def rotate(self, qkv, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        h, kvh = self.num_heads, self.num_kv_heads
+        return apply_rope(self.q_norm(qkv[:, :h]), cos, sin), apply_rope(self.k_norm(qkv[:, h : h + kvh]), cos, sin)
 
 
 class MLP(nn.Module):
@@ -209,6 +223,12 @@ class DecoderBody(nn.Module):
 
 
 class CausalLM(nn.Module):
+    """Llama's decoder. A family whose layers differ subclasses this and
+    names its own layer parts, as transformers' modular files do."""
+
+    attention_cls: type[nn.Module] = Attention
+    layer_cls: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig, max_len: int, shard: Shard = Shard(), comm=None):
         super().__init__()
         self.cfg, self.max_len, self.shard, self.comm = cfg, max_len, shard, comm
@@ -222,8 +242,7 @@ class CausalLM(nn.Module):
 
     @classmethod
     def make_layer(cls, cfg: ModelConfig, layer: int, shard: Shard, comm) -> nn.Module:
-        """Decoder layer `layer`; a family whose layers differ overrides this."""
-        return (SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer)(cfg, layer, shard, comm)
+        return cls.layer_cls(cfg, layer, shard, comm, attention=cls.attention_cls(cfg, layer, shard, comm))
 
     def init_rope(self, device: torch.device, dtype: torch.dtype) -> None:
         """RoPE tables are computed in fp32 and then cast to the activation

@@ -196,14 +196,11 @@ class ModelConfig:
     hidden_act: str = "silu"  # silu | gelu_pytorch_tanh
     qkv_bias: bool = False  # Qwen2, gpt-oss: biases on q, k and v
     o_bias: bool = False  # gpt-oss: a bias on o_proj too
-    qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
     norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + w)
-    sandwich_norms: bool = False  # Gemma 2/3: norms before and after attention and MLP
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power, not head_dim's
     attn_softcap: float | None = None  # Gemma 2: scores = c * tanh(scores / c)
     final_softcap: float | None = None  # Gemma 2: logits = c * tanh(logits / c)
-    attn_sinks: bool = False  # gpt-oss: a learned per-head logit joins each softmax (and takes no value)
     moe: MoESpec | None = None
     mla: MLASpec | None = None
     # How the checkpoint stores weights, when not plainly: "mxfp4" (gpt-oss's

@@ -33,7 +33,7 @@ from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
 from executor_svc.model.layers import check_shape, materialize
-from executor_svc.model.model import ACTIVATIONS, MLP, CausalLM, DecoderLayer
+from executor_svc.model.model import ACTIVATIONS, MLP, CausalLM
 from executor_svc.model.model_config import ModelConfig, MoESpec
 from executor_svc.model.sharding import Shard
 
@@ -227,7 +227,8 @@ class MoECausalLM(CausalLM):
 
     @classmethod
     def make_layer(cls, cfg: ModelConfig, layer: int, shard: Shard, comm) -> nn.Module:
-        return DecoderLayer(cfg, layer, shard, comm, mlp=moe_or_dense(cfg, layer, shard, comm, cls.experts_cls))
+        return cls.layer_cls(cfg, layer, shard, comm, attention=cls.attention_cls(cfg, layer, shard, comm),
+                             mlp=moe_or_dense(cfg, layer, shard, comm, cls.experts_cls))
 
 
 def use_triton_moe(model: nn.Module, on: bool = True) -> int:

@@ -23,7 +23,11 @@ import torch
 
 from executor_svc.attention import make_backend
 from executor_svc.model.checkpoint import load_checkpoint
-from executor_svc.model.families import build_model, read_config
+from executor_svc.model.families import family_of, read_config
+from executor_svc.model.families.gemma2 import Gemma2ForCausalLM
+from executor_svc.model.families.gpt_oss import GptOssForCausalLM
+from executor_svc.model.model import Attention, CausalLM
+from executor_svc.model.model import build_model as build_decoder
 from executor_svc.step.kv_cache import KVCachePool
 from executor_svc.model.model_config import FULL, SLIDING, ModelConfig, RopeSpec
 from executor_svc.step.runner import ModelRunner, NewRequestData, StepPlan
@@ -49,11 +53,15 @@ def checkpoints(tmp_path_factory):
 
 
 def runner_for(path: str, cfg: ModelConfig | None = None, drop: tuple[str, ...] = (),
-               torch_compile: bool = False) -> ModelRunner:
+               torch_compile: bool = False, model_cls: type[CausalLM] | None = None) -> ModelRunner:
+    """model_cls: another decoder class than the family's (its layers
+    without one of the family's own)."""
     ckpt = load_checkpoint(path)
     cfg = cfg or read_config(ckpt.hf_config, ckpt.generation_config)
     tensors = ((n, t) for n, t in ckpt.tensors() if not any(d in n for d in drop))
-    model = build_model(cfg, tensors, 256, torch.device("cpu"), torch.float32)
+    family = family_of(cfg)
+    model = build_decoder(cfg, tensors, 256, torch.device("cpu"), torch.float32,
+                          model_cls=model_cls or family.model_cls, rename=family.rename)
     pool = KVCachePool(cfg, 128, BLOCK, torch.device("cpu"), torch.float32)
     return ModelRunner(model, pool, make_backend("torch"), torch.device("cpu"), torch_compile=torch_compile)
 
@@ -122,23 +130,30 @@ def _no_attention_factor(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, rope={t: dataclasses.replace(s, attention_factor=1.0) for t, s in cfg.rope.items()})
 
 
-# (case, feature) -> the ModelConfig without it, and checkpoint tensors to drop to match.
+class GptOssWithoutSinks(GptOssForCausalLM):
+    attention_cls = Attention
+
+
+# (case, feature) -> the ModelConfig without it (or, for a layer of the
+# family's own, the decoder class without that layer), and checkpoint
+# tensors to drop to match.
 WITHOUT = {
     ("llama3", "llama3 RoPE scaling"): (lambda c: dataclasses.replace(c, rope=_default_rope(c)), ()),
     ("llama3-t4", "llama3 RoPE scaling"): (lambda c: dataclasses.replace(c, rope=_default_rope(c)), ()),
     ("llama-linear", "linear RoPE scaling"): (lambda c: dataclasses.replace(c, rope=_default_rope(c)), ()),
     ("qwen2", "sliding window"): (_no_window, ()),
     ("qwen2", "q/k/v bias"): (lambda c: dataclasses.replace(c, qkv_bias=False), ("_proj.bias",)),
-    ("qwen3", "q/k norm"): (lambda c: dataclasses.replace(c, qk_norm=False), ("q_norm", "k_norm")),
+    ("qwen3", "q/k norm"): (CausalLM, ("q_norm", "k_norm")),
     ("mistral", "sliding window"): (_no_window, ()),
     ("gemma2", "sliding window"): (_no_window, ()),
     ("gemma2", "attention soft-cap"): (lambda c: dataclasses.replace(c, attn_softcap=None), ()),
     ("gemma2", "final logit soft-cap"): (lambda c: dataclasses.replace(c, final_softcap=None), ()),
     ("gemma2", "(1+w) norm"): (lambda c: dataclasses.replace(c, norm_unit_offset=False), ()),
+    ("gemma2", "sandwich norms"): (CausalLM, ("pre_feedforward_layernorm", "post_feedforward_layernorm")),
     ("gemma2", "embedding scale"): (lambda c: dataclasses.replace(c, embed_scale=False), ()),
     ("gemma2", "query_pre_attn_scalar"): (lambda c: dataclasses.replace(c, query_pre_attn_scalar=None), ()),
     ("gemma3", "sliding window"): (_no_window, ()),
-    ("gemma3", "q/k norm"): (lambda c: dataclasses.replace(c, qk_norm=False), ("q_norm", "k_norm")),
+    ("gemma3", "q/k norm"): (Gemma2ForCausalLM, ("q_norm", "k_norm")),
     ("gemma3", "RoPE per layer type"): (lambda c: dataclasses.replace(c, rope={FULL: c.rope[FULL],
                                                                               SLIDING: c.rope[FULL]}), ()),
     ("gemma3", "embedding scale"): (lambda c: dataclasses.replace(c, embed_scale=False), ()),
@@ -151,7 +166,7 @@ WITHOUT = {
     ("qwen2-moe", "sliding window"): (_no_window, ()),
     ("qwen3-moe", "norm_topk_prob"): (_moe(norm_topk_prob=False), ()),
     ("qwen3-moe", "YaRN attention factor"): (_no_attention_factor, ()),
-    ("gpt-oss", "attention sinks"): (lambda c: dataclasses.replace(c, attn_sinks=False), (".sinks",)),
+    ("gpt-oss", "attention sinks"): (GptOssWithoutSinks, (".sinks",)),
     ("gpt-oss", "router bias"): (_moe(router_bias=False), ("router.bias",)),
     ("gpt-oss", "SwiGLU clamp"): (_moe(swiglu_limit=float("inf")), ()),
     ("gpt-oss", "YaRN attention factor"): (_no_attention_factor, ()),
@@ -171,7 +186,10 @@ def test_hf_oracle_catches_a_missing_feature(case, feature, checkpoints):
     path = checkpoints(case)
     ckpt = load_checkpoint(path)
     without, drop = WITHOUT[(case, feature)]
-    runner = runner_for(path, without(read_config(ckpt.hf_config)), drop)
+    if isinstance(without, type):
+        runner = runner_for(path, drop=drop, model_cls=without)
+    else:
+        runner = runner_for(path, without(read_config(ckpt.hf_config)), drop)
     if feature == "final logit soft-cap":
         with pytest.raises(AssertionError):
             ids, lps = next_token_logprobs(runner, PROMPTS[-1])

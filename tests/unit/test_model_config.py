@@ -9,7 +9,9 @@ import pytest
 import torch
 import transformers
 
-from executor_svc.model.families import FAMILIES, read_config
+from executor_svc.model.families import FAMILIES, family_of, read_config
+from executor_svc.model.families.gpt_oss import SinkAttention
+from executor_svc.model.model import QKNormAttention
 from executor_svc.model.model_config import FULL, SLIDING, UnsupportedConfig
 
 # Each served family's transformers config class, as the Hub's config.json files come from it.
@@ -60,8 +62,8 @@ def test_multimodal_gemma3_serves_its_text_model_and_ignores_only_vision_keys():
     d = transformers.Gemma3Config(text_config=TINY).to_dict() | {"architectures": ["Gemma3ForConditionalGeneration"],
                                                                   "eos_token_id": [1, 106]}
     cfg = read_config(d)
-    assert (cfg.architecture, cfg.family, cfg.hidden_size, cfg.qk_norm) == ("Gemma3ForConditionalGeneration",
-                                                                            "gemma3", 64, True)
+    assert (cfg.architecture, cfg.family, cfg.hidden_size) == ("Gemma3ForConditionalGeneration", "gemma3", 64)
+    assert family_of(cfg).model_cls.attention_cls is QKNormAttention
     assert cfg.eos_token_ids == (1, 106) and cfg.tie_word_embeddings
     with pytest.raises(UnsupportedConfig, match=r"\['audio_config'\]"):
         read_config(d | {"audio_config": {}})
@@ -184,7 +186,7 @@ def test_gemma3_two_rope_bases_read_the_same_from_both_layouts():
     assert t4.rope == t5.rope
     assert t4.rope[FULL].factor == 8.0 and t4.rope[FULL].theta == 1e6 and t4.rope[SLIDING].theta == 1e4
     assert t4.layer_types == (SLIDING,) * 5 + (FULL,)
-    assert t4.attn_softcap is None and t4.final_softcap is None and t4.qk_norm
+    assert t4.attn_softcap is None and t4.final_softcap is None
 
 
 def test_gemma2_defaults_are_hfs_when_keys_are_absent():
@@ -316,7 +318,7 @@ def test_hub_phi35_mini_is_refused_for_its_longrope():
 def test_gpt_oss_reads_mxfp4_and_refuses_other_quantizations():
     hub = COMMON_HUB | TINY | HUB_CONFIGS["gpt-oss-20b"]
     cfg = read_config(hub)
-    assert cfg.quantization == "mxfp4" and cfg.attn_sinks and cfg.o_bias and cfg.rope[FULL].rope_type == "yarn"
+    assert cfg.quantization == "mxfp4" and family_of(cfg).model_cls.attention_cls is SinkAttention and cfg.o_bias and cfg.rope[FULL].rope_type == "yarn"
     assert cfg.layer_types == (SLIDING, FULL) and cfg.moe.scoring == "topk_softmax" and cfg.moe.swiglu_limit == 7.0
     with pytest.raises(UnsupportedConfig, match="quantization_config .* is not supported"):
         read_config(hub | {"quantization_config": {"quant_method": "fp8"}})

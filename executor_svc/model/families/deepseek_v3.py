@@ -19,23 +19,16 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from torch import nn
-
 from executor_svc.model.checkpoint import LazyTensor
 from executor_svc.model.families.base import DROPOUT, ROUTER_TRAINING, Family, silu_only, single_rope
 from executor_svc.model.families.moe_common import MOE_IGNORED, num_experts
 from executor_svc.model.mla import MLAttention
-from executor_svc.model.model import DecoderLayer
 from executor_svc.model.model_config import FULL, ConfigReader, MLASpec, ModelConfig, MoESpec, UnsupportedConfig, yarn_mscale
-from executor_svc.model.moe import MoECausalLM, moe_or_dense
-from executor_svc.model.sharding import Shard
+from executor_svc.model.moe import MoECausalLM
 
 
 class DeepseekV3ForCausalLM(MoECausalLM):
-    @classmethod
-    def make_layer(cls, cfg: ModelConfig, layer: int, shard: Shard, comm) -> nn.Module:
-        return DecoderLayer(cfg, layer, shard, comm, attention=MLAttention(cfg, layer, shard, comm),
-                            mlp=moe_or_dense(cfg, layer, shard, comm))
+    attention_cls = MLAttention
 
 
 def read_deepseek_v3(r: ConfigReader, c: dict[str, Any]) -> dict[str, Any]:

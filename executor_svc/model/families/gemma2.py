@@ -7,16 +7,17 @@ from __future__ import annotations
 from typing import Any
 
 from executor_svc.model.families.base import Family, layer_types, no_bias, single_rope
+from executor_svc.model.model import CausalLM, SandwichDecoderLayer
 from executor_svc.model.model_config import FULL, SLIDING, ConfigReader
 
 
 def gemma_common(r: ConfigReader) -> dict[str, Any]:
-    """What Gemma 2 and 3 share: (1+w) norms, sandwich norms, scaled
+    """What Gemma 2 and 3 share in config.json: (1+w) norms, scaled
     embeddings, GeGLU, query_pre_attn_scalar."""
     no_bias(r)
     r.refuse_unless("hidden_activation", "gelu_pytorch_tanh", "Gemma's MLP is implemented with gelu_pytorch_tanh")
     r.refuse_unless("use_bidirectional_attention", False, "only causal attention is implemented")
-    return dict(hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, sandwich_norms=True, embed_scale=True,
+    return dict(hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, embed_scale=True,
                 query_pre_attn_scalar=float(r.get("query_pre_attn_scalar", 256)))
 
 
@@ -32,9 +33,13 @@ def read_gemma2(r: ConfigReader, c: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+class Gemma2ForCausalLM(CausalLM):
+    layer_cls = SandwichDecoderLayer
+
+
 GEMMA_IGNORED = {"hidden_act": "Gemma's modeling reads hidden_activation; hidden_act is a legacy duplicate"}
 
 FAMILY = Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), read_gemma2,
                 defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 8192, "head_dim": 256,
                           "tie_word_embeddings": True},
-                ignored=GEMMA_IGNORED)
+                ignored=GEMMA_IGNORED, model_cls=Gemma2ForCausalLM)

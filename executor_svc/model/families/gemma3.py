@@ -10,7 +10,8 @@ from typing import Any
 
 from executor_svc.model.checkpoint import LazyTensor
 from executor_svc.model.families.base import Family, layer_types
-from executor_svc.model.families.gemma2 import GEMMA_IGNORED, gemma_common
+from executor_svc.model.families.gemma2 import GEMMA_IGNORED, Gemma2ForCausalLM, gemma_common
+from executor_svc.model.model import QKNormAttention
 from executor_svc.model.model_config import (
     COMMON_IGNORED, FULL, SLIDING, ConfigReader, ModelConfig, UnsupportedConfig, eos_ids, rope_spec,
 )
@@ -41,7 +42,6 @@ def read_gemma3(r: ConfigReader, c: dict[str, Any]) -> dict[str, Any]:
         layer_types=layer_types(r, c["num_layers"], lambda i: SLIDING if (i + 1) % pattern else FULL),
         sliding_window=r.get("sliding_window", 4096),
         rope=rope,
-        qk_norm=True,
         attn_softcap=r.get("attn_logit_softcapping"),
         final_softcap=r.get("final_logit_softcapping"),
     )
@@ -94,8 +94,14 @@ VISION_IGNORED = {
     "image_token_index": "vision tower: served text-only",
 }
 
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 2's layers with q/k norms."""
+
+    attention_cls = QKNormAttention
+
+
 FAMILY = Family("gemma3", ("Gemma3ForCausalLM", *MULTIMODAL), ("gemma3_text",), read_gemma3,
                 defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "head_dim": 256,
                           "tie_word_embeddings": True},
                 ignored=GEMMA_IGNORED | {"_sliding_window_pattern": "transformers 5's copy of sliding_window_pattern"},
-                rename=text_weights_only, multimodal=MULTIMODAL)
+                rename=text_weights_only, multimodal=MULTIMODAL, model_cls=Gemma3ForCausalLM)

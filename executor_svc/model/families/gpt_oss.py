@@ -24,9 +24,9 @@ from executor_svc.model.checkpoint import LazyTensor
 from executor_svc.model.families.base import Family, layer_types, single_rope
 from executor_svc.model.families.moe_common import MOE_IGNORED, num_experts
 from executor_svc.model.layers import check_shape, materialize
-from executor_svc.model.model import Attention, DecoderLayer
+from executor_svc.model.model import Attention
 from executor_svc.model.model_config import FULL, SLIDING, ConfigReader, ModelConfig, MoESpec, UnsupportedConfig
-from executor_svc.model.moe import FusedExperts, MoECausalLM, moe_or_dense
+from executor_svc.model.moe import FusedExperts, MoECausalLM
 from executor_svc.model.mxfp4 import dequantize
 from executor_svc.model.sharding import Shard
 
@@ -119,13 +119,8 @@ class GptOssExperts(FusedExperts):
 
 
 class GptOssForCausalLM(MoECausalLM):
+    attention_cls = SinkAttention
     experts_cls = GptOssExperts
-
-    @classmethod
-    def make_layer(cls, cfg: ModelConfig, layer: int, shard: Shard, comm) -> nn.Module:
-        attention = (SinkAttention if cfg.attn_sinks else Attention)(cfg, layer, shard, comm)
-        return DecoderLayer(cfg, layer, shard, comm, attention=attention,
-                            mlp=moe_or_dense(cfg, layer, shard, comm, cls.experts_cls))
 
 
 def read_gpt_oss(r: ConfigReader, c: dict[str, Any]) -> dict[str, Any]:
@@ -151,7 +146,7 @@ def read_gpt_oss(r: ConfigReader, c: dict[str, Any]) -> dict[str, Any]:
                   swiglu_limit=float(r.get("swiglu_limit", 7.0)), swiglu_alpha=float(r.get("swiglu_alpha", 1.702)))
     return dict(layer_types=layer_types(r, n, lambda i: SLIDING if (i + 1) % 2 else FULL),
                 sliding_window=r.get("sliding_window", 128), qkv_bias=bias, o_bias=bias,
-                rope={FULL: rope, SLIDING: rope}, attn_sinks=True, moe=moe,
+                rope={FULL: rope, SLIDING: rope}, moe=moe,
                 quantization=None if quantization is None else "mxfp4")
 
 

@@ -93,10 +93,13 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     shard = tp.shard if tp else Shard()
     dtype = resolve_dtype(settings.dtype, device)
     max_model_len = settings.max_model_len or cfg.max_position_embeddings
-    if cfg.quantization == "mxfp4":
+    if cfg.quantization is not None and cfg.quantization.method == "mxfp4":
         log.info("%s: the checkpoint's MXFP4 experts are dequantized to %s at load, as transformers does without "
                  "its MXFP4 kernels (memory of the dequantized weights)", cfg.architecture, dtype)
     model = build_model(cfg, ckpt.lazy_tensors(), max_model_len, device, dtype, shard, tp)
+    log.info("weights: %.1f MiB on this rank (%s)", weight_bytes(model) / 2**20,
+             f"{cfg.quantization.method} checkpoint, blocks {list(cfg.quantization.weight_block)}, kept quantized"
+             if cfg.quantization is not None and cfg.quantization.method == "fp8" else dtype)
     num_blocks = pool_num_blocks(cfg, settings.block_size, dtype, device, settings.num_kv_blocks,
                                  settings.kv_cache_memory_mb, shard)
     if tp:
@@ -133,3 +136,14 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         cuda_graphs = torch_compile = False
         runner = ModelRunner(model, pool, backend, device, **runner_args)
     return LoadedModel(ckpt, cfg, device, dtype, max_model_len, pool, host_kv, runner, cuda_graphs, torch_compile, tp)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """What the model's parameters hold, each tensor once (tied embeddings
+    share one): FP8 weights count one byte each."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total

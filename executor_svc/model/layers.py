@@ -18,6 +18,10 @@ one matmul standing for several checkpoint tensors, split correctly:
 
 Parameters start on the meta device and are materialised on first load,
 on the target device and dtype, so the host never holds a second copy.
+
+A linear layer of an FP8 checkpoint (use_fp8) keeps the checkpoint's FP8
+weight and its block scales (weight_scale_inv), each rank its part of
+both, and dequantizes its weight for each matmul (quantization.py).
 """
 
 from __future__ import annotations
@@ -29,12 +33,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
+from executor_svc.model.model_config import QuantSpec, UnsupportedConfig
+from executor_svc.model.quantization import FP8, BlockSplitError, cdiv, dequantize_fp8_blocks
+from executor_svc.model.sharding import valid_sizes
 
 
 def materialize(module: nn.Module, leaf: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """module.leaf on device and dtype (allocated, uninitialised, on first call)."""
+    """module.leaf on device and dtype (allocated, uninitialised, on first
+    call). A quantized leaf (FP8 weights, float32 scales) keeps its own dtype."""
     p = getattr(module, leaf)
     if p.is_meta:
+        if p.dtype in (FP8, torch.float32) and getattr(module, "fp8_block", None) is not None and leaf != "bias":
+            dtype = p.dtype
         p = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype), requires_grad=False)
         setattr(module, leaf, p)
     return p
@@ -43,6 +53,14 @@ def materialize(module: nn.Module, leaf: str, device: torch.device, dtype: torch
 def check_shape(name: str, value: torch.Tensor, want: tuple[int, ...]) -> None:
     if tuple(value.shape) != tuple(want):
         raise ValueError(f"{name}: this rank's part has shape {tuple(value.shape)}, expected {tuple(want)}")
+
+
+def check_fp8(name: str, value: torch.Tensor, target: torch.Tensor) -> None:
+    """An FP8 layer's weight must come as FP8: anything else would be cast,
+    and then scaled as if it were."""
+    if target.dtype == FP8 and value.dtype != FP8:
+        raise ValueError(f"{name}: the checkpoint holds {value.dtype}, but quantization_config says FP8 "
+                         "(float8_e4m3fn)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +88,10 @@ class ColumnLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
         self.names_from_parent = any(p.name for p in parts)
+        # (block_n, block_k) once use_fp8 made the weight FP8; the grid row
+        # of each weight row (the parts' scale grids stack) once loaded.
+        self.fp8_block: tuple[int, int] | None = None
+        self.grid_rows: torch.Tensor | None = None
 
     @classmethod
     def split(cls, in_features: int, whole: int, rank: int, size: int, bias: bool = False) -> ColumnLinear:
@@ -80,28 +102,74 @@ class ColumnLinear(nn.Module):
     def _key(self, part: RowPart, leaf: str) -> str:
         return f"{part.name}.{leaf}" if part.name else leaf
 
+    def checkpoint_modules(self, name: str) -> list[str]:
+        """The checkpoint's modules this layer stands for, given its own name."""
+        if not self.names_from_parent:
+            return [name]
+        parent = name.rpartition(".")[0]
+        return [f"{parent}.{p.name}" if parent else p.name for p in self.parts]
+
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """Holds the weight in FP8 with the checkpoint's block scales. Each
+        part's rows must start on a block, and end on one unless they end
+        the checkpoint tensor (its edge block)."""
+        bn, bk = block
+        for p in self.parts:
+            if p.start % bn or (p.rows % bn and p.start + p.rows != p.whole):
+                raise BlockSplitError(f"rows [{p.start}, {p.start + p.rows}) of {p.name or 'the weight'}'s {p.whole} "
+                                      f"are not whole blocks of {bn}")
+        self.fp8_block = block
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=FP8), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(sum(cdiv(p.rows, bn) for p in self.parts), cdiv(self.in_features, bk)), requires_grad=False)
+
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = {}
         for p in self.parts:
             shapes[self._key(p, "weight")] = (p.whole, self.in_features)
             if self.bias is not None:
                 shapes[self._key(p, "bias")] = (p.whole,)
+            if self.fp8_block is not None:
+                bn, bk = self.fp8_block
+                shapes[self._key(p, "weight_scale_inv")] = (cdiv(p.whole, bn), cdiv(self.in_features, bk))
         return shapes
 
     def load_weight(self, name: str, weight: LazyTensor, device: torch.device, dtype: torch.dtype) -> None:
-        offset = 0
+        offset = grid_offset = 0
+        bn = self.fp8_block[0] if self.fp8_block is not None else 1
         for p in self.parts:
+            if name == self._key(p, "weight_scale_inv"):
+                first = p.start // bn
+                value = weight.read(0, first, first + cdiv(p.rows, bn)).to(torch.float32)
+                target = materialize(self, "weight_scale_inv", device, dtype)
+                check_shape(name, value, (cdiv(p.rows, bn), target.shape[1]))
+                target[grid_offset : grid_offset + value.shape[0]].copy_(value)
+                self._set_grid_rows(device)
+                return
             for leaf in ("weight", "bias"):
                 if name == self._key(p, leaf):
                     value = weight.read(0, p.start, p.start + p.rows)
                     target = materialize(self, leaf, device, dtype)
                     check_shape(name, value, (p.rows, *target.shape[1:]))
+                    check_fp8(name, value, target)
                     target[offset : offset + p.rows].copy_(value)  # a parameter without grad: copied in place
                     return
             offset += p.rows
+            grid_offset += cdiv(p.rows, bn)
         raise KeyError(name)
 
+    def _set_grid_rows(self, device: torch.device) -> None:
+        if self.grid_rows is None:
+            bn, rows, first = self.fp8_block[0], [], 0
+            for p in self.parts:
+                rows.append(first + torch.arange(p.rows, device=device) // bn)
+                first += cdiv(p.rows, bn)
+            self.grid_rows = torch.cat(rows)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_block is not None:
+            w = dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], x.dtype)
+            return F.linear(x, w, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -115,22 +183,46 @@ class RowLinear(nn.Module):
         self.whole_in, self.out_features, self.start, self.cols, self.rank = whole_in, out_features, start, cols, rank
         self.weight = nn.Parameter(torch.empty(out_features, cols))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.fp8_block: tuple[int, int] | None = None  # as ColumnLinear's
+        self.grid_rows: torch.Tensor | None = None
 
     @classmethod
     def split(cls, whole_in: int, out_features: int, rank: int, size: int, bias: bool = False) -> RowLinear:
         cols = whole_in // size
         return cls(whole_in, out_features, rank * cols, cols, bias, rank)
 
+    def checkpoint_modules(self, name: str) -> list[str]:
+        return [name]
+
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """As ColumnLinear.use_fp8; this rank's columns must be whole blocks."""
+        bn, bk = block
+        if self.start % bk or (self.cols % bk and self.start + self.cols != self.whole_in):
+            raise BlockSplitError(f"columns [{self.start}, {self.start + self.cols}) of {self.whole_in} are not whole "
+                                  f"blocks of {bk}")
+        self.fp8_block = block
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.cols, dtype=FP8), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(cdiv(self.out_features, bn), cdiv(self.cols, bk)),
+                                             requires_grad=False)
+
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = {"weight": (self.out_features, self.whole_in)}
         if self.bias is not None:
             shapes["bias"] = (self.out_features,)
+        if self.fp8_block is not None:
+            bn, bk = self.fp8_block
+            shapes["weight_scale_inv"] = (cdiv(self.out_features, bn), cdiv(self.whole_in, bk))
         return shapes
 
     def load_weight(self, name: str, weight: LazyTensor, device: torch.device, dtype: torch.dtype) -> None:
         target = materialize(self, name, device, dtype)
         if name == "weight":
             value = weight.read(1, self.start, self.start + self.cols)
+            check_fp8(name, value, target)
+        elif name == "weight_scale_inv":
+            bn, bk = self.fp8_block
+            value = weight.read(1, self.start // bk, self.start // bk + target.shape[1]).to(torch.float32)
+            self.grid_rows = torch.arange(self.out_features, device=device) // bn
         elif self.rank == 0:
             value = weight.read()
         else:
@@ -140,6 +232,9 @@ class RowLinear(nn.Module):
         target.copy_(value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_block is not None:
+            w = dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], x.dtype)
+            return F.linear(x, w, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -184,3 +279,28 @@ def load_replicated(module: nn.Module, name: str, weight: LazyTensor, device: to
     # Always a copy: safetensors hands out views of the mmapped file, which
     # would keep the served weights tied to files on disk.
     setattr(module, name, nn.Parameter(weight.read().to(device=device, dtype=dtype, copy=True), requires_grad=False))
+
+
+def convert_to_fp8(model: nn.Module, spec: QuantSpec, tensor_parallel_size: int) -> int:
+    """Turns every linear layer that the spec converts into one that holds
+    FP8 weights and block scales; call on the meta-device model before
+    loading. Returns how many layers."""
+    cfg = model.cfg
+    if cfg.moe is not None or cfg.mla is not None:
+        raise UnsupportedConfig(f"{cfg.architecture}: FP8 checkpoints of mixture-of-experts and latent-attention "
+                                "families are not implemented yet; FP8 with block scales serves the dense families "
+                                "(Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3)")
+    converted = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, (ColumnLinear, RowLinear)):
+            continue
+        if any(not spec.converts(m) for m in module.checkpoint_modules(name)):
+            continue
+        try:
+            module.use_fp8(spec.weight_block)
+        except BlockSplitError as exc:
+            raise BlockSplitError(f"{name}: {exc}; tensor_parallel_size={tensor_parallel_size} cuts the checkpoint's "
+                                  f"FP8 blocks of {list(spec.weight_block)}; sizes that work: "
+                                  f"{', '.join(map(str, valid_sizes(cfg)))}") from None
+        converted += 1
+    return converted

@@ -12,6 +12,7 @@ into a ModelConfig (families.read_config).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,6 +174,29 @@ class MLASpec:
 
 
 @dataclass(frozen=True, slots=True)
+class QuantSpec:
+    """How a checkpoint stores its weights, from quantization_config
+    (executor_svc/model/quantization.py reads it).
+
+    fp8: linear weights in float8_e4m3fn with one float32 scale per
+    weight_block (rows x columns) of the checkpoint tensor, edge blocks
+    included (weight_scale_inv); they stay FP8 in memory. mxfp4: gpt-oss's
+    experts, dequantized at load."""
+
+    method: str  # "fp8" | "mxfp4"
+    weight_block: tuple[int, int] | None = None
+    # Modules kept unquantized (modules_to_not_convert / ignored_layers):
+    # HF's rule, a regex matched from the start to a module boundary, or a
+    # suffix of the module's name.
+    not_converted: tuple[str, ...] = ()
+
+    def converts(self, module_name: str) -> bool:
+        boundary = r"(?:(?<=\.)|(?=\.|$))"
+        return not any(re.match(f"(?:{p}){boundary}", module_name) or module_name.endswith(p)
+                       for p in self.not_converted)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     architecture: str
     family: str
@@ -203,9 +227,8 @@ class ModelConfig:
     final_softcap: float | None = None  # Gemma 2: logits = c * tanh(logits / c)
     moe: MoESpec | None = None
     mla: MLASpec | None = None
-    # How the checkpoint stores weights, when not plainly: "mxfp4" (gpt-oss's
-    # experts, dequantized at load).
-    quantization: str | None = None
+    # How the checkpoint stores weights, when not plainly (quantization.py).
+    quantization: QuantSpec | None = None
     # What reading config.json did with each key, for the log and the tests.
     read_keys: frozenset[str] = field(default=frozenset(), compare=False)
     ignored: dict[str, str] = field(default_factory=dict, compare=False)  # key -> why

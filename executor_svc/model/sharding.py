@@ -28,7 +28,8 @@ from llmsched.errors import StartupError
 
 
 def size_problems(cfg: ModelConfig, size: int) -> list[str]:
-    """Why `size` ranks cannot split this model; empty when they can."""
+    """Why `size` ranks cannot split this model; empty when they can.
+    With FP8 block scales, a size must also keep every block whole."""
     problems = []
     if cfg.num_heads % size:
         problems.append(f"{cfg.num_heads} attention heads")
@@ -43,7 +44,25 @@ def size_problems(cfg: ModelConfig, size: int) -> list[str]:
             problems.append(f"expert intermediate size {cfg.moe.intermediate_size}")
         if cfg.moe.shared_intermediate_size % size:
             problems.append(f"shared expert intermediate size {cfg.moe.shared_intermediate_size}")
+    if not problems and size > 1:
+        problems += fp8_block_cuts(cfg, size)
     return problems
+
+
+def fp8_block_cuts(cfg: ModelConfig, size: int) -> list[str]:
+    """An FP8 checkpoint's blocks that `size` ranks would cut: each rank
+    must hold whole blocks of every weight it splits (the dense families;
+    FP8 experts and latent attention are refused before this)."""
+    spec = cfg.quantization
+    if spec is None or spec.weight_block is None:
+        return []
+    rows, cols = spec.weight_block
+    heads = cfg.num_heads // size * cfg.head_dim
+    kv = max(1, cfg.num_kv_heads // size) * cfg.head_dim  # a replicated KV head is one whole head
+    units = cfg.intermediate_size // size
+    split = [("q rows", heads, rows), ("k/v rows", kv, rows), ("o columns", heads, cols),
+             ("gate/up rows", units, rows), ("down columns", units, cols)]
+    return [f"FP8 blocks of {block} ({what} per rank: {n})" for what, n, block in split if n % block]
 
 
 def valid_sizes(cfg: ModelConfig) -> list[int]:

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from executor_svc.model.checkpoint import LazyTensor
+from executor_svc.model.model_config import QuantSpec
 from executor_svc.model.mxfp4 import dequantize
 from tests.families import CASES, hf_greedy, make_checkpoint
 from tests.unit.test_families_vs_hf import MAX_NEW, PROMPTS, runner_for
@@ -67,7 +68,7 @@ def checkpoints(tmp_path_factory):
 def test_an_mxfp4_checkpoint_serves_hfs_tokens_on_its_dequantized_weights(checkpoints):
     plain, packed = checkpoints
     runner = runner_for(packed)
-    assert runner.model.cfg.quantization == "mxfp4"
+    assert runner.model.cfg.quantization.method == "mxfp4"
     for prompt, got in zip(PROMPTS, generate(runner, PROMPTS, MAX_NEW, chunk=5)):
         want = hf_greedy(plain, prompt, MAX_NEW)
         assert want.min_margin > 1e-3
@@ -83,7 +84,7 @@ def test_each_rank_reads_its_units_of_the_packed_experts(inter):
     g = torch.Generator().manual_seed(1)
     experts, hidden = 2, 64
     spec = MoESpec(experts, 1, inter, (True,), scoring="topk_softmax", expert_bias=True, swiglu_limit=7.0)
-    cfg = type("Cfg", (), {"hidden_size": hidden, "hidden_act": "silu", "quantization": "mxfp4"})()
+    cfg = type("Cfg", (), {"hidden_size": hidden, "hidden_act": "silu", "quantization": QuantSpec("mxfp4")})()
     gate_up = _packed((experts, 2 * inter, hidden // 32), g, 0)
     down = _packed((experts, hidden, inter // 32), g, 0)
     whole_gate_up = dequantize(*gate_up, torch.float32)  # [experts, 2 * inter interleaved, hidden]

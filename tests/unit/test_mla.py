@@ -71,8 +71,6 @@ def test_deepseek_v3_and_kimi_k2_configs_read_their_mla_and_routing():
     ("scoring_func", "softmax", "scoring_func='softmax' is not supported"),
     ("topk_method", "greedy", "topk_method='greedy' is not supported"),
     ("moe_layer_freq", 2, "moe_layer_freq=2 is not supported"),
-    ("quantization_config", {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
-     "quantization_config"),
     ("attention_bias", True, "attention_bias=True is not supported"),
 ])
 def test_deepseek_routing_and_attention_keys_it_does_not_implement_are_refused_by_name(key, value, message):

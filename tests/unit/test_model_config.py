@@ -92,7 +92,7 @@ def test_phi35_longrope_is_refused_and_plain_phi3_is_served():
     ("some_future_key", 1, r"does not implement.*\['some_future_key'\]"),
     ("sliding_window", 16, r"\['sliding_window'\]"),  # Llama has no window: an unread key
     ("attn_logit_softcapping", 50.0, r"\['attn_logit_softcapping'\]"),
-    ("quantization_config", {"quant_method": "awq"}, r"\['quantization_config'\]"),
+    ("quantization_config", {"quant_method": "awq"}, r"quant_method=.awq. is not supported"),
     ("attention_bias", True, "attention_bias=True is not supported"),
     ("mlp_bias", True, "mlp_bias=True is not supported"),
     ("hidden_act", "gelu", "hidden_act='gelu' is not supported"),
@@ -318,7 +318,7 @@ def test_hub_phi35_mini_is_refused_for_its_longrope():
 def test_gpt_oss_reads_mxfp4_and_refuses_other_quantizations():
     hub = COMMON_HUB | TINY | HUB_CONFIGS["gpt-oss-20b"]
     cfg = read_config(hub)
-    assert cfg.quantization == "mxfp4" and family_of(cfg).model_cls.attention_cls is SinkAttention and cfg.o_bias and cfg.rope[FULL].rope_type == "yarn"
+    assert cfg.quantization.method == "mxfp4" and family_of(cfg).model_cls.attention_cls is SinkAttention and cfg.o_bias and cfg.rope[FULL].rope_type == "yarn"
     assert cfg.layer_types == (SLIDING, FULL) and cfg.moe.scoring == "topk_softmax" and cfg.moe.swiglu_limit == 7.0
     with pytest.raises(UnsupportedConfig, match="quantization_config .* is not supported"):
         read_config(hub | {"quantization_config": {"quant_method": "fp8"}})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from tests import tp_ranks
 from tests.families import CASES, FamilyCase, make_checkpoint
 from tests.families import hf_greedy as family_hf_greedy
 from tests.oracle import hf_greedy
+from tests.quantized import write_fp8
 
 PROMPTS = [[1, 403, 407, 261, 378], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309], [1, 50]]
 MAX_NEW, CHUNK = 8, 3
@@ -84,6 +86,15 @@ def test_other_families_equal_one_device_and_hf(family, size, checkpoints):
     tokens = assert_same_as_one_device(path, size)
     for prompt, got in zip(PROMPTS, tokens):
         assert got == family_hf_greedy(path, prompt, MAX_NEW).tokens, f"{family} TP={size} differs from HF"
+
+
+def test_fp8_block_checkpoint_at_tp2_equals_one_device_and_hf(checkpoints, tmp_path):
+    """Each rank reads its rows (q/k/v, gate/up) or columns (o, down) of
+    every FP8 weight and of its grid of block scales."""
+    path = str(write_fp8(Path(checkpoints(CASES["llama3"])), tmp_path / "fp8", (16, 16)))
+    tokens = assert_same_as_one_device(path, 2)
+    for prompt, got in zip(PROMPTS, tokens):
+        assert got == family_hf_greedy(path, prompt, MAX_NEW).tokens, "FP8 TP=2 differs from HF"
 
 
 def test_padded_vocabulary_is_never_sampled(checkpoints):

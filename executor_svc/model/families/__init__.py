@@ -23,6 +23,7 @@ from executor_svc.model.families.base import Family
 from executor_svc.model.model import CausalLM
 from executor_svc.model.model import build_model as _build_model
 from executor_svc.model.model_config import COMMON_IGNORED, ConfigReader, ModelConfig, UnsupportedConfig, eos_ids
+from executor_svc.model.quantization import read_quantization
 from executor_svc.model.sharding import Shard
 
 FAMILIES: tuple[Family, ...] = (
@@ -87,6 +88,8 @@ def read_config(cfg: dict[str, Any], generation_config: dict[str, Any] | None = 
         eos_token_ids=eos_ids(r.get("eos_token_id"), (generation_config or {}).get("eos_token_id")),
     )
     specific = fam.read(r, common)
+    if "quantization_config" not in r.used:  # gpt-oss reads its own (MXFP4)
+        specific["quantization"] = read_quantization(r.get("quantization_config"), fam.name)
     common.update({k: specific.pop(k) for k in list(specific) if k in common})  # a family may override a common value
     ignored = COMMON_IGNORED | fam.ignored
     leftover = r.leftover(ignored)

@@ -25,7 +25,7 @@ from executor_svc.model.families.base import Family, layer_types, single_rope
 from executor_svc.model.families.moe_common import MOE_IGNORED, num_experts
 from executor_svc.model.layers import check_shape, materialize
 from executor_svc.model.model import Attention
-from executor_svc.model.model_config import FULL, SLIDING, ConfigReader, ModelConfig, MoESpec, UnsupportedConfig
+from executor_svc.model.model_config import FULL, SLIDING, ConfigReader, ModelConfig, MoESpec, QuantSpec, UnsupportedConfig
 from executor_svc.model.moe import FusedExperts, MoECausalLM
 from executor_svc.model.mxfp4 import dequantize
 from executor_svc.model.sharding import Shard
@@ -63,7 +63,7 @@ class GptOssExperts(FusedExperts):
 
     def __init__(self, cfg: ModelConfig, spec: MoESpec, shard: Shard):
         super().__init__(cfg, spec, shard)
-        self.mxfp4 = cfg.quantization == "mxfp4"
+        self.mxfp4 = cfg.quantization is not None and cfg.quantization.method == "mxfp4"
         self._pending: dict[str, torch.Tensor] = {}  # MXFP4 blocks or scales waiting for their other half
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -147,7 +147,7 @@ def read_gpt_oss(r: ConfigReader, c: dict[str, Any]) -> dict[str, Any]:
     return dict(layer_types=layer_types(r, n, lambda i: SLIDING if (i + 1) % 2 else FULL),
                 sliding_window=r.get("sliding_window", 128), qkv_bias=bias, o_bias=bias,
                 rope={FULL: rope, SLIDING: rope}, moe=moe,
-                quantization=None if quantization is None else "mxfp4")
+                quantization=None if quantization is None else QuantSpec("mxfp4"))
 
 
 def rename_gpt_oss(name: str, t: LazyTensor, cfg: ModelConfig) -> Iterator[tuple[str, LazyTensor]]:

@@ -116,6 +116,9 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     backend = make_backend(settings.attention_backend, device)
     if backend.name == "triton" and use_triton_moe(model):
         log.info("mixture-of-experts layers run the triton fused-MoE kernel (kernels/fused_moe.py)")
+    elif backend.name == "triton" and cfg.moe is not None:
+        log.info("FP8 experts run the torch loop, one routed expert dequantized at a time: the triton fused-MoE "
+                 "kernel does not read FP8 yet")
     cuda_graphs = use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
     # Rank 0 alone samples, so it alone keeps constraint matchers.
     constraints = None if tp and tp.rank != 0 else ConstraintMatchers(ckpt.tokenizer_json, cfg.vocab_size,

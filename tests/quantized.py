@@ -17,7 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 FP8 = torch.float8_e4m3fn
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Decoder linears (experts and shared experts included; latent attention's
+# too); routers, norms, embeddings and the head stay as they are.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+           "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def quantize(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:

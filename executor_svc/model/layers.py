@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
-from executor_svc.model.model_config import QuantSpec, UnsupportedConfig
+from executor_svc.model.model_config import QuantSpec
 from executor_svc.model.quantization import FP8, BlockSplitError, cdiv, dequantize_fp8_blocks
 from executor_svc.model.sharding import valid_sizes
 
@@ -166,11 +166,15 @@ class ColumnLinear(nn.Module):
                 first += cdiv(p.rows, bn)
             self.grid_rows = torch.cat(rows)
 
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight at the compute dtype: itself, or dequantized for this
+        use (latent attention reads kv_b_proj's weight directly)."""
+        if self.fp8_block is None:
+            return self.weight
+        return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_block is not None:
-            w = dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], x.dtype)
-            return F.linear(x, w, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
 
 class RowLinear(nn.Module):
@@ -282,17 +286,13 @@ def load_replicated(module: nn.Module, name: str, weight: LazyTensor, device: to
 
 
 def convert_to_fp8(model: nn.Module, spec: QuantSpec, tensor_parallel_size: int) -> int:
-    """Turns every linear layer that the spec converts into one that holds
-    FP8 weights and block scales; call on the meta-device model before
-    loading. Returns how many layers."""
-    cfg = model.cfg
-    if cfg.moe is not None or cfg.mla is not None:
-        raise UnsupportedConfig(f"{cfg.architecture}: FP8 checkpoints of mixture-of-experts and latent-attention "
-                                "families are not implemented yet; FP8 with block scales serves the dense families "
-                                "(Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3)")
+    """Turns every layer that the spec converts and that can hold FP8
+    weights (use_fp8: ColumnLinear, RowLinear, moe.FusedExperts) into one
+    that holds them with their block scales; call on the meta-device model
+    before loading. Returns how many layers."""
     converted = 0
     for name, module in model.named_modules():
-        if not isinstance(module, (ColumnLinear, RowLinear)):
+        if not hasattr(module, "use_fp8"):
             continue
         if any(not spec.converts(m) for m in module.checkpoint_modules(name)):
             continue
@@ -301,6 +301,6 @@ def convert_to_fp8(model: nn.Module, spec: QuantSpec, tensor_parallel_size: int)
         except BlockSplitError as exc:
             raise BlockSplitError(f"{name}: {exc}; tensor_parallel_size={tensor_parallel_size} cuts the checkpoint's "
                                   f"FP8 blocks of {list(spec.weight_block)}; sizes that work: "
-                                  f"{', '.join(map(str, valid_sizes(cfg)))}") from None
+                                  f"{', '.join(map(str, valid_sizes(model.cfg)))}") from None
         converted += 1
     return converted

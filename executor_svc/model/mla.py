@@ -49,12 +49,14 @@ class MLAttention(nn.Module):
         h, rank, size = cfg.hidden_size, shard.rank, shard.size
         q_rows = cfg.num_heads * m.qk_head_dim
         if m.q_lora_rank:
-            self.q_a_proj = nn.Linear(h, m.q_lora_rank, bias=False)
+            # Replicated: one part holding every row (an FP8 checkpoint's
+            # layer like any other).
+            self.q_a_proj = ColumnLinear.split(h, m.q_lora_rank, 0, 1)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = ColumnLinear.split(m.q_lora_rank, q_rows, rank, size)
         else:
             self.q_proj = ColumnLinear.split(h, q_rows, rank, size)
-        self.kv_a_proj_with_mqa = nn.Linear(h, m.kv_lora_rank + m.qk_rope_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = ColumnLinear.split(h, m.kv_lora_rank + m.qk_rope_head_dim, 0, 1)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnLinear.split(m.kv_lora_rank, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), rank,
                                             size)
@@ -81,7 +83,7 @@ class MLAttention(nn.Module):
         latent = torch.cat([c[:, None], k_pe], dim=-1)  # [n, 1, kv_lora + rope]
         backend.write_latent(latent, latent_cache, meta)
 
-        w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.kv_lora)
+        w = self.kv_b_proj.dense_weight(x.dtype).view(heads, self.nope + self.v_dim, self.kv_lora)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [heads, nope, kv_lora], [heads, v, kv_lora]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, kv_lora]
         query = torch.cat([q_latent, self._rope(q_pe, cos, sin)], dim=-1)  # [n, heads, kv_lora + rope]

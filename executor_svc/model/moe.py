@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
-from executor_svc.model.layers import check_shape, materialize
+from executor_svc.model.layers import check_fp8, check_shape, materialize
 from executor_svc.model.model import ACTIVATIONS, MLP, CausalLM
-from executor_svc.model.model_config import ModelConfig, MoESpec
+from executor_svc.model.model_config import ModelConfig, MoESpec, UnsupportedConfig
+from executor_svc.model.quantization import FP8, BlockSplitError, cdiv, dequantize_fp8_blocks
 from executor_svc.model.sharding import Shard
 
 
@@ -121,6 +122,32 @@ class FusedExperts(nn.Module):
             self.b13 = self.b2 = None
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.impl = "torch"  # or "triton": kernels/fused_moe.py (set by use_triton_moe)
+        # (block_n, block_k) once use_fp8 made the experts FP8; the grid row
+        # of each w13 / w2 row once loaded.
+        self.fp8_block: tuple[int, int] | None = None
+        self.grid13 = self.grid2 = None
+
+    def checkpoint_modules(self, name: str) -> list[str]:
+        return [name]
+
+    def use_fp8(self, block: tuple[int, int]) -> None:
+        """Holds every expert's weights in FP8 with the checkpoint's block
+        scales (layers.py's ColumnLinear.use_fp8, per expert: gate and up
+        stack their grids)."""
+        if type(self).load_weight is not FusedExperts.load_weight:
+            raise UnsupportedConfig(f"{type(self).__name__}: FP8 experts in this family's checkpoint layout are not "
+                                    "implemented")
+        bn, bk = block
+        e, h, i, lo = self.spec.num_experts, self.hidden, self.inter, self.start
+        ends = lo + i == self.whole_inter
+        if lo % bn or (i % bn and not ends) or lo % bk or (i % bk and not ends):
+            raise BlockSplitError(f"expert units [{lo}, {lo + i}) of {self.whole_inter} are not whole blocks of "
+                                  f"{bn} rows (gate/up) and {bk} columns (down)")
+        self.fp8_block = block
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=FP8), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=FP8), requires_grad=False)
+        self.w13_scale = nn.Parameter(torch.empty(e, 2 * cdiv(i, bn), cdiv(h, bk)), requires_grad=False)
+        self.w2_scale = nn.Parameter(torch.empty(e, cdiv(h, bn), cdiv(i, bk)), requires_grad=False)
 
     # -- loading ------------------------------------------------------------
 
@@ -130,19 +157,55 @@ class FusedExperts(nn.Module):
         for e in range(self.spec.num_experts):
             shapes[f"{e}.{gate}.weight"] = shapes[f"{e}.{up}.weight"] = (self.whole_inter, self.hidden)
             shapes[f"{e}.{down}.weight"] = (self.hidden, self.whole_inter)
+            if self.fp8_block is not None:
+                bn, bk = self.fp8_block
+                shapes[f"{e}.{gate}.weight_scale_inv"] = shapes[f"{e}.{up}.weight_scale_inv"] = (
+                    cdiv(self.whole_inter, bn), cdiv(self.hidden, bk))
+                shapes[f"{e}.{down}.weight_scale_inv"] = (cdiv(self.hidden, bn), cdiv(self.whole_inter, bk))
         return shapes
 
     def load_weight(self, name: str, weight: LazyTensor, device: torch.device, dtype: torch.dtype) -> None:
-        expert, proj, _ = name.split(".")
+        expert, proj, leaf = name.split(".")
         e, (gate, up, down) = int(expert), self.PROJECTIONS
         lo, hi = self.start, self.start + self.inter
+        if leaf == "weight_scale_inv":
+            self._load_scale(e, proj == down, proj == gate, weight, device)
+            return
         if proj == down:
             value, target = weight.read(1, lo, hi), materialize(self, "w2", device, dtype)[e]
         else:
             w13 = materialize(self, "w13", device, dtype)[e]
             value, target = weight.read(0, lo, hi), (w13[: self.inter] if proj == gate else w13[self.inter :])
         check_shape(name, value, tuple(target.shape))
+        check_fp8(name, value, target)
         target.copy_(value)
+
+    def _load_scale(self, e: int, is_down: bool, is_gate: bool, weight: LazyTensor, device: torch.device) -> None:
+        """This rank's part of one projection's grid of block scales."""
+        bn, bk = self.fp8_block
+        if is_down:  # columns [start, start + inter) of [hidden, units]
+            first = self.start // bk
+            value = weight.read(1, first, first + cdiv(self.inter, bk))
+            target = materialize(self, "w2_scale", device, torch.float32)[e]
+        else:  # rows of [units, hidden]; gate's grid, then up's
+            first, n = self.start // bn, cdiv(self.inter, bn)
+            value = weight.read(0, first, first + n)
+            grid = materialize(self, "w13_scale", device, torch.float32)[e]
+            target = grid[:n] if is_gate else grid[n:]
+        check_shape(f"{e}.weight_scale_inv", value, tuple(target.shape))
+        target.copy_(value.to(torch.float32))
+        if self.grid13 is None:
+            rows = torch.arange(self.inter, device=device) // bn
+            self.grid13 = torch.cat([rows, rows + cdiv(self.inter, bn)])
+            self.grid2 = torch.arange(self.hidden, device=device) // bn
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's w13 and w2 at the compute dtype (dequantized for this use when FP8)."""
+        if self.fp8_block is None:
+            return self.w13[e], self.w2[e]
+        bk = self.fp8_block[1]
+        return (dequantize_fp8_blocks(self.w13[e], self.w13_scale[e], self.grid13, bk, dtype),
+                dequantize_fp8_blocks(self.w2[e], self.w2_scale[e], self.grid2, bk, dtype))
 
     # -- compute ------------------------------------------------------------
 
@@ -177,8 +240,9 @@ class FusedExperts(nn.Module):
                 rows = slice(start, start + count)
                 b13 = None if self.b13 is None else self.b13[e]
                 b2 = None if self.b2 is None else self.b2[e]
-                h = self.activation(F.linear(xs[rows], self.w13[e], b13))  # [count, inter]
-                out[rows] = F.linear(h, self.w2[e], b2)
+                w13, w2 = self.expert_weights(e, xs.dtype)
+                h = self.activation(F.linear(xs[rows], w13, b13))  # [count, inter]
+                out[rows] = F.linear(h, w2, b2)
                 start += count
         out = out * weights.reshape(-1)[order].to(out.dtype)[:, None]
         # Each token's experts add in ascending expert order, as in HF.
@@ -233,8 +297,10 @@ class MoECausalLM(CausalLM):
 
 def use_triton_moe(model: nn.Module, on: bool = True) -> int:
     """Experts run kernels/fused_moe.py (the triton attention backend's
-    choice); returns how many expert layers switched."""
-    layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    choice); returns how many expert layers switched. FP8 experts stay on
+    the torch loop, which dequantizes one routed expert at a time: the
+    kernel does not read FP8 yet."""
+    layers = [m for m in model.modules() if isinstance(m, FusedExperts) and m.fp8_block is None]
     for module in layers:
         module.impl = "triton" if on else "torch"
     return len(layers)

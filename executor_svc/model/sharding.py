@@ -51,17 +51,29 @@ def size_problems(cfg: ModelConfig, size: int) -> list[str]:
 
 def fp8_block_cuts(cfg: ModelConfig, size: int) -> list[str]:
     """An FP8 checkpoint's blocks that `size` ranks would cut: each rank
-    must hold whole blocks of every weight it splits (the dense families;
-    FP8 experts and latent attention are refused before this)."""
+    must hold whole blocks of every weight it splits, by rows (q, k, v,
+    gate, up; q_b and kv_b) or by columns (o, down)."""
     spec = cfg.quantization
     if spec is None or spec.weight_block is None:
         return []
     rows, cols = spec.weight_block
-    heads = cfg.num_heads // size * cfg.head_dim
-    kv = max(1, cfg.num_kv_heads // size) * cfg.head_dim  # a replicated KV head is one whole head
-    units = cfg.intermediate_size // size
-    split = [("q rows", heads, rows), ("k/v rows", kv, rows), ("o columns", heads, cols),
-             ("gate/up rows", units, rows), ("down columns", units, cols)]
+    heads = cfg.num_heads // size
+    split: list[tuple[str, int, int]] = []
+    if cfg.mla is None:
+        kv = max(1, cfg.num_kv_heads // size) * cfg.head_dim  # a replicated KV head is one whole head
+        split += [("q rows", heads * cfg.head_dim, rows), ("k/v rows", kv, rows),
+                  ("o columns", heads * cfg.head_dim, cols)]
+    else:
+        m = cfg.mla
+        split += [("q rows", heads * m.qk_head_dim, rows), ("kv_b rows", heads * (m.qk_nope_head_dim + m.v_head_dim),
+                                                            rows), ("o columns", heads * m.v_head_dim, cols)]
+    units = [cfg.intermediate_size // size] if cfg.moe is None or not all(cfg.moe.sparse_layers) else []
+    if cfg.moe is not None:
+        units += [cfg.moe.intermediate_size // size]
+        if cfg.moe.shared_intermediate_size:
+            units.append(cfg.moe.shared_intermediate_size // size)
+    for n in units:
+        split += [("gate/up rows", n, rows), ("down columns", n, cols)]
     return [f"FP8 blocks of {block} ({what} per rank: {n})" for what, n, block in split if n % block]
 
 

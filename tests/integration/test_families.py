@@ -189,8 +189,8 @@ REFUSALS = {
     "unknown routing key": ("qwen3-moe", {"scoring_func": "sigmoid"}, "scoring_func"),
     "routing method": ("deepseek-v3", {"topk_method": "greedy"}, "topk_method='greedy' is not supported"),
     "unknown attention key": ("deepseek-v3", {"index_topk": 2048}, "index_topk"),  # DeepSeek-V3.2's sparse attention
-    "fp8 experts": ("deepseek-v3", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-                    "FP8 checkpoints of mixture-of-experts and latent-attention families are not implemented yet"),
+    "per-tensor fp8": ("deepseek-v3", {"quantization_config": {"quant_method": "fp8"}},
+                       "without weight_block_size (per-tensor FP8) is not supported yet"),
     "awq": ("llama3-t4", {"quantization_config": {"quant_method": "awq", "bits": 4}},
             "quant_method='awq' is not supported; supported: 'fp8'"),
 }

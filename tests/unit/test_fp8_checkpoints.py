@@ -145,9 +145,13 @@ def test_scale_fmt_ue8m0_is_read_as_the_float32_scales_it_stores(llama):
     assert cfg.quantization.weight_block == (128, 128)
 
 
-def test_fp8_experts_are_refused_until_they_are_implemented(tmp_path):
-    path = make_checkpoint(CASES["qwen3-moe"], tmp_path / "moe")
-    hf = json.loads((path / "config.json").read_text())
-    cfg = read_config(hf | {"quantization_config": BASE})
-    with pytest.raises(UnsupportedConfig, match="FP8 checkpoints of mixture-of-experts and latent-attention"):
-        build_model(cfg, {}, 64, torch.device("cpu"), torch.float32)
+@pytest.mark.parametrize("family, block", [("qwen3-moe", (16, 16)), ("deepseek-v3", (8, 8))])
+def test_fp8_experts_and_latent_attention_serve_hfs_greedy_tokens(family, block, tmp_path):
+    """Every expert's projections, the shared expert's, and DeepSeek-V3's
+    latent projections (q_a, kv_a, q_b, kv_b: its kv_b weight is read
+    whole for the latent attention) in FP8 blocks; routers stay plain."""
+    path = write_fp8(make_checkpoint(CASES[family], tmp_path / family), tmp_path / "fp8", block)
+    assert_greedy_equal(path, path, n=2, steps=12)
+    model = runner_for(str(path)).model
+    experts = model.model.layers[1].mlp.experts
+    assert experts.w13.dtype == FP8 and experts.w2.dtype == FP8

@@ -88,13 +88,15 @@ def test_other_families_equal_one_device_and_hf(family, size, checkpoints):
         assert got == family_hf_greedy(path, prompt, MAX_NEW).tokens, f"{family} TP={size} differs from HF"
 
 
-def test_fp8_block_checkpoint_at_tp2_equals_one_device_and_hf(checkpoints, tmp_path):
-    """Each rank reads its rows (q/k/v, gate/up) or columns (o, down) of
-    every FP8 weight and of its grid of block scales."""
-    path = str(write_fp8(Path(checkpoints(CASES["llama3"])), tmp_path / "fp8", (16, 16)))
+@pytest.mark.parametrize("family, block", [("llama3", (16, 16)), ("deepseek-v3", (8, 8))])
+def test_fp8_block_checkpoint_at_tp2_equals_one_device_and_hf(family, block, checkpoints, tmp_path):
+    """Each rank reads its rows (q/k/v, gate/up, q_b/kv_b) or columns (o,
+    down) of every FP8 weight and of its grid of block scales; DeepSeek-V3's
+    experts split by units, its latent projections replicated."""
+    path = str(write_fp8(Path(checkpoints(CASES[family])), tmp_path / "fp8", block))
     tokens = assert_same_as_one_device(path, 2)
     for prompt, got in zip(PROMPTS, tokens):
-        assert got == family_hf_greedy(path, prompt, MAX_NEW).tokens, "FP8 TP=2 differs from HF"
+        assert got == family_hf_greedy(path, prompt, MAX_NEW).tokens, f"{family} FP8 TP=2 differs from HF"
 
 
 def test_padded_vocabulary_is_never_sampled(checkpoints):

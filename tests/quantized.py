@@ -20,7 +20,7 @@ FP8 = torch.float8_e4m3fn
 # Decoder linears (experts and shared experts included; latent attention's
 # too); routers, norms, embeddings and the head stay as they are.
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
-           "kv_a_proj_with_mqa", "kv_b_proj")
+           "kv_a_proj_with_mqa", "kv_b_proj", "w1", "w2", "w3")
 
 
 def quantize(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:

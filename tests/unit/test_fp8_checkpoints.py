@@ -145,7 +145,7 @@ def test_scale_fmt_ue8m0_is_read_as_the_float32_scales_it_stores(llama):
     assert cfg.quantization.weight_block == (128, 128)
 
 
-@pytest.mark.parametrize("family, block", [("qwen3-moe", (16, 16)), ("deepseek-v3", (8, 8))])
+@pytest.mark.parametrize("family, block", [("mixtral", (16, 16)), ("qwen3-moe", (16, 16)), ("deepseek-v3", (8, 8))])
 def test_fp8_experts_and_latent_attention_serve_hfs_greedy_tokens(family, block, tmp_path):
     """Every expert's projections, the shared expert's, and DeepSeek-V3's
     latent projections (q_a, kv_a, q_b, kv_b: its kv_b weight is read

@@ -117,10 +117,11 @@ def _child(directory: str, dtype: str) -> None:
     whole_bytes = sum(p.numel() for p in whole.parameters()) * element_size
     before_kb = _status_kb("VmRSS")
     model = build_model(cfg, ckpt.lazy_tensors(), 64, torch.device("cpu"), getattr(torch, dtype), shard, tp)
-    peak_kb = _status_kb("VmHWM")
+    peak_kb, after_kb = _status_kb("VmHWM"), _status_kb("VmRSS")
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(json.dumps({"rank": shard.rank, "size": shard.size, "rss_imports_mb": imports_kb / 1024,
-                      "rss_before_mb": before_kb / 1024, "peak_mb": peak_kb / 1024, "weights_mb": whole_bytes / 2**20,
+                      "rss_before_mb": before_kb / 1024, "peak_mb": peak_kb / 1024,
+                      "rss_after_mb": after_kb / 1024, "weights_mb": whole_bytes / 2**20,
                       "shard_mb": shard_bytes / 2**20, "shards": len(ckpt.shards),
                       "ratio": (peak_kb - before_kb) * 1024 / whole_bytes}), flush=True)
     if tp:

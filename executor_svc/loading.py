@@ -72,6 +72,7 @@ class LoadedModel:
     cuda_graphs: bool
     torch_compile: bool
     tp: TPGroup | None
+    weight_bytes: int  # this rank's, as loaded (weight_bytes())
 
 
 def _set_threads(settings: ExecutorSettings, device: torch.device) -> None:
@@ -97,9 +98,10 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         log.info("%s: the checkpoint's MXFP4 experts are dequantized to %s at load, as transformers does without "
                  "its MXFP4 kernels (memory of the dequantized weights)", cfg.architecture, dtype)
     model = build_model(cfg, ckpt.lazy_tensors(), max_model_len, device, dtype, shard, tp)
-    log.info("weights: %.1f MiB on this rank (%s)", weight_bytes(model) / 2**20,
-             f"{cfg.quantization.method} checkpoint, blocks {list(cfg.quantization.weight_block)}, kept quantized"
-             if cfg.quantization is not None and cfg.quantization.method == "fp8" else dtype)
+    loaded_bytes = weight_bytes(model)
+    log.info("weights: %.1f MiB on this rank (%s)", loaded_bytes / 2**20,
+             f"{cfg.quantization.describe()}, kept quantized" if cfg.quantization is not None
+             and cfg.quantization.method == "fp8" else dtype)
     num_blocks = pool_num_blocks(cfg, settings.block_size, dtype, device, settings.num_kv_blocks,
                                  settings.kv_cache_memory_mb, shard)
     if tp:
@@ -138,7 +140,8 @@ def load(settings: ExecutorSettings) -> LoadedModel:
                       "CUDA graph capture" if cuda_graphs else "compiling the decode step")
         cuda_graphs = torch_compile = False
         runner = ModelRunner(model, pool, backend, device, **runner_args)
-    return LoadedModel(ckpt, cfg, device, dtype, max_model_len, pool, host_kv, runner, cuda_graphs, torch_compile, tp)
+    return LoadedModel(ckpt, cfg, device, dtype, max_model_len, pool, host_kv, runner, cuda_graphs, torch_compile, tp,
+                       loaded_bytes)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

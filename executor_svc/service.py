@@ -33,6 +33,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.max_model_len = loaded.max_model_len
         self.pool, self.cuda_graphs = loaded.pool, loaded.cuda_graphs
         self.host_kv = loaded.host_kv
+        self.weight_bytes = loaded.weight_bytes
         self.tp = loaded.tp
         self.tp_size = self.tp.size if self.tp else 1
         log.info("CUDA graphs for decode steps: %s (EXECUTOR_CUDA_GRAPHS=%s)", "on" if self.cuda_graphs else "off",
@@ -90,6 +91,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             kv_bytes_per_token=self.pool.bytes_per_token,
             supports_constraints=True,
             num_host_kv_blocks=self.num_host_kv_blocks,
+            weight_bytes=self.weight_bytes,
+            quantization=self.cfg.quantization.describe() if self.cfg.quantization else "",
         )
 
     async def heartbeats(self) -> None:

@@ -27,6 +27,7 @@ def model_facts(h: epb.HandshakeResponse) -> ModelFacts:
         eos_token_ids=tuple(h.eos_token_ids), max_logprobs=h.max_logprobs, supports_constraints=h.supports_constraints,
         chat_template=h.chat_template, bos_token=h.bos_token, eos_token=h.eos_token, block_size=h.block_size,
         num_kv_blocks=h.num_kv_blocks, num_host_kv_blocks=h.num_host_kv_blocks, max_model_len=h.max_model_len,
+        weight_bytes=h.weight_bytes, quantization=h.quantization,
     )
 
 

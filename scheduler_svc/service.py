@@ -270,6 +270,8 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             architecture=facts.architecture,
             rope_type=facts.rope_type,
             tensor_parallel_size=facts.tensor_parallel_size or 1,  # 0: an executor older than the field
+            weight_bytes=facts.weight_bytes,
+            quantization=facts.quantization,
         )
 
 

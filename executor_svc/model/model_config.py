@@ -190,6 +190,10 @@ class QuantSpec:
     # suffix of the module's name.
     not_converted: tuple[str, ...] = ()
 
+    def describe(self) -> str:
+        """For the start-up log and ServerInfo: "fp8 blocks [128, 128]", "mxfp4"."""
+        return f"{self.method} blocks {list(self.weight_block)}" if self.weight_block else self.method
+
     def converts(self, module_name: str) -> bool:
         boundary = r"(?:(?<=\.)|(?=\.|$))"
         return not any(re.match(f"(?:{p}){boundary}", module_name) or module_name.endswith(p)

@@ -97,5 +97,21 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scales: torch.Tensor, grid_rows:
     return w if dtype == torch.float32 else w.to(dtype)
 
 
+def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout's definition, for writing FP8 checkpoints (bench/quantized.py):
+    per block of block_n x block_k (edge blocks cropped), scale = amax / 448,
+    the largest e4m3 value, and the weight divided by it in e4m3. Returns
+    (weight in FP8, scales [cdiv(rows, block_n), cdiv(cols, block_k)])."""
+    bn, bk = block
+    rows, cols = weight.shape
+    grid = (cdiv(rows, bn), cdiv(cols, bk))
+    padded = weight.new_zeros(grid[0] * bn, grid[1] * bk, dtype=torch.float32)
+    padded[:rows, :cols] = weight
+    blocks = padded.view(grid[0], bn, grid[1], bk)
+    scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(FP8).max
+    quantized = (blocks / scales[:, None, :, None]).view(grid[0] * bn, grid[1] * bk)[:rows, :cols]
+    return quantized.to(FP8).contiguous(), scales
+
+
 class BlockSplitError(UnsupportedConfig):
     """A tensor-parallel size that cuts a quantization block."""

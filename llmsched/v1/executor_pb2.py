@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmsched/v1/executor.proto\x12\x0bllmsched.v1\"\x12\n\x10HandshakeRequest\"\xbc\x03\n\x11HandshakeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x14\n\x0cmax_logprobs\x18\t \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x15\n\rchat_template\x18\x0b \x01(\t\x12\x11\n\tbos_token\x18\x0c \x01(\t\x12\x11\n\teos_token\x18\r \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x0e \x01(\t\x12\x11\n\trope_type\x18\x0f \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x10 \x01(\r\x12\x1c\n\x14supports_constraints\x18\x11 \x01(\x08\x12\x1a\n\x12kv_bytes_per_token\x18\x12 \x01(\x04\x12\x1a\n\x12num_host_kv_blocks\x18\x13 \x01(\r\"s\n\x0cStepSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08logprobs\x18\x06 \x01(\r\"\xf2\x01\n\nNewRequest\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.llmsched.v1.StepSampling\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12+\n\nconstraint\x18\x08 \x01(\x0b\x32\x17.llmsched.v1.Constraint\"1\n\nConstraint\x12\x0f\n\x07grammar\x18\x01 \x01(\t\x12\x12\n\nignore_eos\x18\x02 \x01(\x08\"\x85\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x17.llmsched.v1.NewRequest\x12\x16\n\x0e\x63\x61\x63hed_handles\x18\x03 \x03(\r\x12#\n\x1b\x63\x61\x63hed_num_scheduled_tokens\x18\x04 \x03(\r\x12\x19\n\x11new_block_handles\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\x12\x18\n\x10\x66inished_handles\x18\x07 \x03(\r\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x12\n\nafter_idle\x18\n \x01(\x08\x12\x1e\n\x16swap_out_device_blocks\x18\x0b \x03(\r\x12\x1c\n\x14swap_out_host_blocks\x18\x0c \x03(\r\x12\x1b\n\x13swap_in_host_blocks\x18\r \x03(\r\x12\x1d\n\x15swap_in_device_blocks\x18\x0e \x03(\r\"O\n\x0fSampledLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xd5\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x17\n\x0fsampled_handles\x18\x02 \x03(\r\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.llmsched.v1.SampledLogprobs\x12\x12\n\nprepare_ns\x18\x05 \x01(\x04\x12\x12\n\nforward_ns\x18\x06 \x01(\x04\x12\x11\n\tsample_ns\x18\x07 \x01(\x04\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x11\n\tdiscarded\x18\t \x01(\x08\x12\x31\n\x0erequest_errors\x18\n \x03(\x0b\x32\x19.llmsched.v1.RequestError\x12\x0f\n\x07swap_ns\x18\x0b \x01(\x04\x12\x18\n\x10\x66\x61iled_swap_outs\x18\x0c \x03(\r\x12\x17\n\x0f\x66\x61iled_swap_ins\x18\r \x03(\r\"/\n\x0cRequestError\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t2\x92\x01\n\x08\x45xecutor\x12J\n\tHandshake\x12\x1d.llmsched.v1.HandshakeRequest\x1a\x1e.llmsched.v1.HandshakeResponse\x12:\n\x04Step\x12\x15.llmsched.v1.StepPlan\x1a\x17.llmsched.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1allmsched/v1/executor.proto\x12\x0bllmsched.v1\"\x12\n\x10HandshakeRequest\"\xe8\x03\n\x11HandshakeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x14\n\x0cmax_logprobs\x18\t \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x15\n\rchat_template\x18\x0b \x01(\t\x12\x11\n\tbos_token\x18\x0c \x01(\t\x12\x11\n\teos_token\x18\r \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x0e \x01(\t\x12\x11\n\trope_type\x18\x0f \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x10 \x01(\r\x12\x1c\n\x14supports_constraints\x18\x11 \x01(\x08\x12\x1a\n\x12kv_bytes_per_token\x18\x12 \x01(\x04\x12\x1a\n\x12num_host_kv_blocks\x18\x13 \x01(\r\x12\x14\n\x0cweight_bytes\x18\x14 \x01(\x04\x12\x14\n\x0cquantization\x18\x15 \x01(\t\"s\n\x0cStepSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x10\n\x08has_seed\x18\x04 \x01(\x08\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08logprobs\x18\x06 \x01(\r\"\xf2\x01\n\nNewRequest\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.llmsched.v1.StepSampling\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12+\n\nconstraint\x18\x08 \x01(\x0b\x32\x17.llmsched.v1.Constraint\"1\n\nConstraint\x12\x0f\n\x07grammar\x18\x01 \x01(\t\x12\x12\n\nignore_eos\x18\x02 \x01(\x08\"\x85\x03\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x17.llmsched.v1.NewRequest\x12\x16\n\x0e\x63\x61\x63hed_handles\x18\x03 \x03(\r\x12#\n\x1b\x63\x61\x63hed_num_scheduled_tokens\x18\x04 \x03(\r\x12\x19\n\x11new_block_handles\x18\x05 \x03(\r\x12\x15\n\rnew_block_ids\x18\x06 \x03(\r\x12\x18\n\x10\x66inished_handles\x18\x07 \x03(\r\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\x12\r\n\x05\x65poch\x18\t \x01(\x04\x12\x12\n\nafter_idle\x18\n \x01(\x08\x12\x1e\n\x16swap_out_device_blocks\x18\x0b \x03(\r\x12\x1c\n\x14swap_out_host_blocks\x18\x0c \x03(\r\x12\x1b\n\x13swap_in_host_blocks\x18\r \x03(\r\x12\x1d\n\x15swap_in_device_blocks\x18\x0e \x03(\r\"O\n\x0fSampledLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xd5\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x17\n\x0fsampled_handles\x18\x02 \x03(\r\x12\x19\n\x11sampled_token_ids\x18\x03 \x03(\r\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.llmsched.v1.SampledLogprobs\x12\x12\n\nprepare_ns\x18\x05 \x01(\x04\x12\x12\n\nforward_ns\x18\x06 \x01(\x04\x12\x11\n\tsample_ns\x18\x07 \x01(\x04\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x11\n\tdiscarded\x18\t \x01(\x08\x12\x31\n\x0erequest_errors\x18\n \x03(\x0b\x32\x19.llmsched.v1.RequestError\x12\x0f\n\x07swap_ns\x18\x0b \x01(\x04\x12\x18\n\x10\x66\x61iled_swap_outs\x18\x0c \x03(\r\x12\x17\n\x0f\x66\x61iled_swap_ins\x18\r \x03(\r\"/\n\x0cRequestError\x12\x0e\n\x06handle\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t2\x92\x01\n\x08\x45xecutor\x12J\n\tHandshake\x12\x1d.llmsched.v1.HandshakeRequest\x1a\x1e.llmsched.v1.HandshakeResponse\x12:\n\x04Step\x12\x15.llmsched.v1.StepPlan\x1a\x17.llmsched.v1.StepResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREQUEST']._serialized_start=43
   _globals['_HANDSHAKEREQUEST']._serialized_end=61
   _globals['_HANDSHAKERESPONSE']._serialized_start=64
-  _globals['_HANDSHAKERESPONSE']._serialized_end=508
-  _globals['_STEPSAMPLING']._serialized_start=510
-  _globals['_STEPSAMPLING']._serialized_end=625
-  _globals['_NEWREQUEST']._serialized_start=628
-  _globals['_NEWREQUEST']._serialized_end=870
-  _globals['_CONSTRAINT']._serialized_start=872
-  _globals['_CONSTRAINT']._serialized_end=921
-  _globals['_STEPPLAN']._serialized_start=924
-  _globals['_STEPPLAN']._serialized_end=1313
-  _globals['_SAMPLEDLOGPROBS']._serialized_start=1315
-  _globals['_SAMPLEDLOGPROBS']._serialized_end=1394
-  _globals['_STEPRESULT']._serialized_start=1397
-  _globals['_STEPRESULT']._serialized_end=1738
-  _globals['_REQUESTERROR']._serialized_start=1740
-  _globals['_REQUESTERROR']._serialized_end=1787
-  _globals['_EXECUTOR']._serialized_start=1790
-  _globals['_EXECUTOR']._serialized_end=1936
+  _globals['_HANDSHAKERESPONSE']._serialized_end=552
+  _globals['_STEPSAMPLING']._serialized_start=554
+  _globals['_STEPSAMPLING']._serialized_end=669
+  _globals['_NEWREQUEST']._serialized_start=672
+  _globals['_NEWREQUEST']._serialized_end=914
+  _globals['_CONSTRAINT']._serialized_start=916
+  _globals['_CONSTRAINT']._serialized_end=965
+  _globals['_STEPPLAN']._serialized_start=968
+  _globals['_STEPPLAN']._serialized_end=1357
+  _globals['_SAMPLEDLOGPROBS']._serialized_start=1359
+  _globals['_SAMPLEDLOGPROBS']._serialized_end=1438
+  _globals['_STEPRESULT']._serialized_start=1441
+  _globals['_STEPRESULT']._serialized_end=1782
+  _globals['_REQUESTERROR']._serialized_start=1784
+  _globals['_REQUESTERROR']._serialized_end=1831
+  _globals['_EXECUTOR']._serialized_start=1834
+  _globals['_EXECUTOR']._serialized_end=1980
 # @@protoc_insertion_point(module_scope)

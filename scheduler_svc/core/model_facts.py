@@ -28,6 +28,9 @@ class ModelFacts:
     num_kv_blocks: int
     num_host_kv_blocks: int
     max_model_len: int
+    # The weights on one rank, as loaded, and how the checkpoint stores them.
+    weight_bytes: int = 0
+    quantization: str = ""
 
     @property
     def geometry(self) -> tuple:

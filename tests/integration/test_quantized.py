@@ -6,8 +6,13 @@ refusals in process)."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llmsched.v1 import scheduler_pb2 as spb
 from tests.families import CASES, make_checkpoint, prompts
 from tests.integration.test_families import EXECUTOR_ENV, SCHEDULER_ENV, check_against_hf
 from tests.integration.conftest import start_services
@@ -28,3 +33,14 @@ def test_fp8_block_checkpoint_serves_hfs_greedy_tokens_alone_and_concurrently(fp
     path, client = fp8_llama
     check_against_hf(path, client, prompts(1, min_len=12, max_len=12, seed=4))
     check_against_hf(path, client, prompts(4, min_len=5, max_len=30, seed=5))
+
+
+def test_server_info_reports_the_weights_at_their_quantized_size(fp8_llama):
+    path, client = fp8_llama
+    info = client.stub.GetServerInfo(spb.GetServerInfoRequest(), timeout=10)
+    assert info.quantization == "fp8 blocks [32, 32]"
+    # What the checkpoint holds: FP8 weights at one byte and their float32
+    # scales; the rest (embeddings, head, norms) loaded in float32.
+    tensors = load_file(Path(path) / "model.safetensors")
+    want = sum(t.numel() * (1 if t.dtype == torch.float8_e4m3fn else 4) for t in tensors.values())
+    assert info.weight_bytes == want

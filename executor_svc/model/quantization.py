@@ -78,6 +78,21 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# e4m3 values times 2^-8 are exactly the half-precision numbers whose bits
+# are e4m3's sign, then a zero, then its 7 exponent and mantissa bits: both
+# formats put the exponent before the mantissa, and e4m3's bias (7) is 8 less
+# than half precision's (15); subnormals map onto subnormals alike. Shifting
+# the bits this way is several times faster on the CPU than torch's
+# float8 -> float32 conversion, which goes one element at a time.
+FP8_AS_HALF_SCALE = 256.0
+_HALF_SIGN_AND_LOW_BITS = -16512  # 0xBF80 as int16: the sign bit and bits 13..7
+
+
+def fp8_as_half(weight: torch.Tensor) -> torch.Tensor:
+    """weight (float8_e4m3fn) / 256 in float16, exactly, for every finite value."""
+    return ((weight.view(torch.int8).to(torch.int16) << 7) & _HALF_SIGN_AND_LOW_BITS).view(torch.float16)
+
+
 def dequantize_fp8_blocks(weight: torch.Tensor, scales: torch.Tensor, grid_rows: torch.Tensor, block_k: int,
                           dtype: torch.dtype) -> torch.Tensor:
     """weight [rows, cols] in FP8 times its block scales, in dtype.
@@ -85,10 +100,16 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scales: torch.Tensor, grid_rows:
     scales: [grid rows, cdiv(cols, block_k)] float32; grid_rows: [rows], the
     grid row of each weight row (a layer standing for several checkpoint
     tensors stacks their grids). The product is taken in float32 and then
-    cast, as transformers does, so that a bf16 model gets the same weights."""
+    cast, as transformers does, so that a bf16 model gets the same weights.
+    On the CPU the FP8 values come through fp8_as_half, and the scales take
+    its factor of 256: the same products, bit for bit."""
     rows, cols = weight.shape
-    w = weight.to(torch.float32)
     s = scales.index_select(0, grid_rows)  # [rows, cdiv(cols, block_k)]
+    if weight.device.type == "cpu":
+        w = fp8_as_half(weight).to(torch.float32)
+        s = s * FP8_AS_HALF_SCALE
+    else:
+        w = weight.to(torch.float32)
     full = cols // block_k * block_k
     if full:
         w[:, :full].unflatten(1, (full // block_k, block_k)).mul_(s[:, : full // block_k, None])

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from executor_svc.model.checkpoint import load_checkpoint
 from executor_svc.model.families import build_model, read_config
 from executor_svc.model.model_config import UnsupportedConfig
-from executor_svc.model.quantization import BlockSplitError, dequantize_fp8_blocks
+from executor_svc.model.quantization import BlockSplitError, dequantize_fp8_blocks, fp8_as_half
 from llmsched.errors import StartupError
 from executor_svc.model.sharding import Shard, check_size
 from tests.families import CASES, hf_greedy, make_checkpoint, prompts
@@ -155,3 +155,10 @@ def test_fp8_experts_and_latent_attention_serve_hfs_greedy_tokens(family, block,
     model = runner_for(str(path)).model
     experts = model.model.layers[1].mlp.experts
     assert experts.w13.dtype == FP8 and experts.w2.dtype == FP8
+
+
+def test_fp8_as_half_is_exact_for_every_finite_e4m3_value():
+    every = torch.arange(256, dtype=torch.uint8).view(FP8)
+    finite = ~torch.isnan(every.float())
+    got = fp8_as_half(every).float() * 256
+    assert torch.equal(got[finite], every.float()[finite]), "e4m3 / 256 must be exact in float16"

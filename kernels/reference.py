@@ -22,13 +22,19 @@ Mixture of experts (``fused_moe``):
 * x:                [num_tokens, hidden]
 * w13 / w2:         [num_experts, 2 * inter, hidden] (gate rows, then up) / [num_experts, hidden, inter]
 * weights / ids:    [num_tokens, top_k] routing weights / expert ids
+
+FP8 with block scales (``fp8_block_linear``):
+
+* x:                [M, K]
+* weight:           [N, K] float8_e4m3fn
+* scales:           [grid rows, cdiv(K, block_k)] float32; grid_rows: [N] the scale row of each weight row
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["write_kv_cache", "paged_attention", "fused_moe", "mla_decode"]
+__all__ = ["write_kv_cache", "paged_attention", "fused_moe", "mla_decode", "fp8_block_linear"]
 
 
 def write_kv_cache(
@@ -168,3 +174,20 @@ def mla_decode(
     shared KV head, each latent the key and its first value_dim values the value."""
     cu = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     return paged_attention(query, cache, cache, cu, seq_lens, block_tables, scale)[..., :value_dim]
+
+
+def fp8_block_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scales: torch.Tensor,  # [grid rows, cdiv(K, block_k)] float32
+    grid_rows: torch.Tensor,  # [N]
+    block_k: int,
+) -> torch.Tensor:  # [M, N]
+    """x W^T, W[n, k] = weight[n, k] * scales[grid_rows[n], k // block_k]: the product in fp32,
+    cast to x's dtype, then the matmul in fp32."""
+    n, k = weight.shape
+    w = torch.empty(n, k, dtype=torch.float32, device=weight.device)
+    for col in range(0, k, block_k):
+        cols = slice(col, min(col + block_k, k))
+        w[:, cols] = weight[:, cols].float() * scales[grid_rows, col // block_k].float()[:, None]
+    return (x.float() @ w.to(x.dtype).float().T).to(x.dtype)

@@ -174,6 +174,8 @@ class ColumnLinear(nn.Module):
         return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_block is not None and x.is_cuda:
+            return fp8_linear_on_gpu(x, self)
         return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
 
@@ -237,9 +239,21 @@ class RowLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_block is not None:
+            if x.is_cuda:
+                return fp8_linear_on_gpu(x, self)
             w = dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], x.dtype)
             return F.linear(x, w, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def fp8_linear_on_gpu(x: torch.Tensor, layer: ColumnLinear | RowLinear) -> torch.Tensor:
+    """An FP8 layer on CUDA: the Triton GEMM that decodes FP8 in its load
+    loop (kernels/fp8_linear.py), so no dequantized weight is ever written.
+    Imported here: the CPU path never loads Triton."""
+    from kernels.fp8_linear import fp8_block_linear
+
+    y = fp8_block_linear(x, layer.weight, layer.weight_scale_inv, layer.grid_rows, layer.fp8_block[1])
+    return y if layer.bias is None else y + layer.bias
 
 
 class VocabParallel:

@@ -42,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - depends on the Triton version
     print(f"unsupported triton {triton.__version__}: {exc}", file=sys.stderr)
     sys.exit(EXIT_UNSUPPORTED)
 
+from kernels import fp8_linear as fl  # noqa: E402
 from kernels import fused_moe as fm  # noqa: E402
 from kernels import kv_write  # noqa: E402
 from kernels import mla_decode as mla  # noqa: E402
@@ -129,6 +130,13 @@ def _mla_launch(batch, num_heads, kv_lora_rank, rope_dim, block_size, dtype):
                    latent**-0.5, kv_lora_rank)
 
 
+def _fp8_linear_launch(m, n, k, block_k, dtype):
+    """An FP8 block-scaled linear: weight [n, k] in e4m3, 128-wide scale blocks."""
+    scale_cols = -(-k // block_k)
+    fl.fp8_block_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n, k, dtype=torch.float8_e4m3fn),
+                        torch.ones(-(-n // 128), scale_cols), torch.arange(n) // 128, block_k)
+
+
 def _record_all_launches(arch: int) -> list:
     launches: list = []
     pa._paged_attention_kernel = _Recorder(pa._paged_attention_kernel, launches, "attention")
@@ -136,6 +144,7 @@ def _record_all_launches(arch: int) -> list:
     kv_write._write_kv_cache_kernel = _Recorder(kv_write._write_kv_cache_kernel, launches, "write_kv")
     fm._grouped_gemm_kernel = _Recorder(fm._grouped_gemm_kernel, launches, "fused_moe")
     mla._mla_decode_kernel = _Recorder(mla._mla_decode_kernel, launches, "mla_decode")
+    fl._fp8_block_linear_kernel = _Recorder(fl._fp8_block_linear_kernel, launches, "fp8_linear")
     pa._num_sms = lambda device: 132  # choose tiles as on an H100/H200
     pa._compute_capability = lambda device: divmod(arch, 10)
 
@@ -179,6 +188,11 @@ def _record_all_launches(arch: int) -> list:
     _mla_launch(4, 128, 512, 64, 64, torch.bfloat16)
     _mla_launch(4, 16, 512, 64, 64, torch.bfloat16)
     _mla_launch(2, 4, 16, 8, 4, torch.float32)
+    # FP8 block-scaled linears: DeepSeek-V3's shared-expert gate/up (7168 -> 2 x 2048), decode and prefill.
+    for dtype in (torch.bfloat16, torch.float16):
+        _fp8_linear_launch(1, 4096, 7168, 128, dtype)
+        _fp8_linear_launch(100, 4096, 7168, 128, dtype)
+    _fp8_linear_launch(4, 96, 80, 32, torch.float32)
     return launches
 
 
@@ -186,7 +200,7 @@ def _describe(label: str, kwargs: dict, args: tuple) -> str:
     dtype = args[0].dtype  # every kernel's first argument holds the data dtype
     keys = ("BLOCK_M", "BLOCK_Q", "TILE_N", "HEAD_DIM", "GROUP", "NUM_SPLITS", "NUM_KV_HEADS", "num_warps")
     keys += ("USE_WINDOW", "USE_SOFTCAP", "USE_SINKS", "BLOCK_N", "BLOCK_K", "A_ROWS_PER", "HAS_BIAS", "MUL_WEIGHT")
-    keys += ("BLOCK_H", "V_PAD", "R_PAD")
+    keys += ("BLOCK_H", "V_PAD", "R_PAD", "SCALE_K")
     shape = ",".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
     return f"{label}[{str(dtype).removeprefix('torch.')}:{shape}]"
 

@@ -21,7 +21,8 @@ on the target device and dtype, so the host never holds a second copy.
 
 A linear layer of an FP8 checkpoint (use_fp8) keeps the checkpoint's FP8
 weight and its block scales (weight_scale_inv), each rank its part of
-both, and dequantizes its weight for each matmul (quantization.py).
+both. On CUDA it runs the Triton FP8 GEMM (kernels/fp8_linear.py);
+elsewhere it dequantizes its weight for each matmul (quantization.py).
 """
 
 from __future__ import annotations

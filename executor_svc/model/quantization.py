@@ -6,12 +6,13 @@ FP8 with block scales (quant_method "fp8" and weight_block_size: DeepSeek-V3
 and R1, Kimi K2, the Qwen3 -FP8 releases): each linear weight is
 float8_e4m3fn, and `weight_scale_inv` holds one float32 scale per block of
 block_n rows by block_k columns, blocks at the edges included. The weights
-stay FP8 in memory; a layer dequantizes its own weight for each matmul
-(`dequantize_fp8_blocks`) and drops it after, so at most one layer's weight
-is ever held at the compute dtype. Activations stay in the compute dtype
-(W8A16), which is what transformers computes on the CPU for the same
-checkpoint (it dequantizes on load), and what GPUs without FP8 tensor cores
-run. activation_scheme "dynamic" describes how FP8 GPUs quantize
+stay FP8 in memory. On CUDA a linear layer runs kernels/fp8_linear.py,
+which decodes FP8 in its load loop; elsewhere (and for experts) a layer
+dequantizes its own weight for each matmul (`dequantize_fp8_blocks`) and
+drops it after, so at most one layer's weight is ever held at the compute
+dtype. Activations stay in the compute dtype (W8A16), which is what
+transformers computes on the CPU for the same checkpoint (it dequantizes on
+load), and what GPUs without FP8 tensor cores run. activation_scheme "dynamic" describes how FP8 GPUs quantize
 activations per token group; it does not change the stored weights.
 
 Every key that changes the math is read or refused by name, as with the
@@ -25,14 +26,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from executor_svc.model.model_config import QuantSpec, UnsupportedConfig
 
 FP8 = torch.float8_e4m3fn
-# quant_method fp8: key -> what it means here.
+# The keys of quant_method fp8 that are read; `dequantize` is transformers'
+# load-time switch and changes nothing here.
 FP8_KEYS = {"quant_method", "weight_block_size", "activation_scheme", "fmt", "modules_to_not_convert",
             "ignored_layers", "scale_fmt", "dequantize"}
-# Methods some family serves, and where (the message names them).
-SUPPORTED = "'fp8' with weight_block_size (dense families), and 'mxfp4' (gpt-oss)"
+# Methods served, and where (the refusal names them).
+SUPPORTED = "'fp8' with weight_block_size, and 'mxfp4' (gpt-oss)"
 
 
 def read_quantization(config: dict[str, Any] | None, family: str) -> QuantSpec | None:

@@ -94,14 +94,10 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     shard = tp.shard if tp else Shard()
     dtype = resolve_dtype(settings.dtype, device)
     max_model_len = settings.max_model_len or cfg.max_position_embeddings
-    if cfg.quantization is not None and cfg.quantization.method == "mxfp4":
-        log.info("%s: the checkpoint's MXFP4 experts are dequantized to %s at load, as transformers does without "
-                 "its MXFP4 kernels (memory of the dequantized weights)", cfg.architecture, dtype)
     model = build_model(cfg, ckpt.lazy_tensors(), max_model_len, device, dtype, shard, tp)
     loaded_bytes = weight_bytes(model)
     log.info("weights: %.1f MiB on this rank (%s)", loaded_bytes / 2**20,
-             f"{cfg.quantization.describe()}, kept quantized" if cfg.quantization is not None
-             and cfg.quantization.method == "fp8" else dtype)
+             f"{cfg.quantization.describe()}, kept quantized" if cfg.quantization is not None else dtype)
     num_blocks = pool_num_blocks(cfg, settings.block_size, dtype, device, settings.num_kv_blocks,
                                  settings.kv_cache_memory_mb, shard)
     if tp:
@@ -119,8 +115,8 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     if backend.name == "triton" and use_triton_moe(model):
         log.info("mixture-of-experts layers run the triton fused-MoE kernel (kernels/fused_moe.py)")
     elif backend.name == "triton" and cfg.moe is not None:
-        log.info("FP8 experts run the torch loop, one routed expert dequantized at a time: the triton fused-MoE "
-                 "kernel does not read FP8 yet")
+        log.info("quantized experts run the torch loop, one routed expert dequantized at a time: the triton "
+                 "fused-MoE kernel does not read FP8 or MXFP4 yet")
     cuda_graphs = use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
     # Rank 0 alone samples, so it alone keeps constraint matchers.
     constraints = None if tp and tp.rank != 0 else ConstraintMatchers(ckpt.tokenizer_json, cfg.vocab_size,

@@ -181,7 +181,7 @@ class QuantSpec:
     fp8: linear weights in float8_e4m3fn with one float32 scale per
     weight_block (rows x columns) of the checkpoint tensor, edge blocks
     included (weight_scale_inv); they stay FP8 in memory. mxfp4: gpt-oss's
-    experts, dequantized at load."""
+    experts, kept packed."""
 
     method: str  # "fp8" | "mxfp4"
     weight_block: tuple[int, int] | None = None

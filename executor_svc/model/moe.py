@@ -130,6 +130,12 @@ class FusedExperts(nn.Module):
     def checkpoint_modules(self, name: str) -> list[str]:
         return [name]
 
+    @property
+    def packed(self) -> bool:
+        """The weights are held quantized: the Triton kernel cannot read them
+        yet, and expert_weights dequantizes one expert at a time."""
+        return self.fp8_block is not None
+
     def use_fp8(self, block: tuple[int, int]) -> None:
         """Holds every expert's weights in FP8 with the checkpoint's block
         scales (layers.py's ColumnLinear.use_fp8, per expert: gate and up
@@ -297,10 +303,10 @@ class MoECausalLM(CausalLM):
 
 def use_triton_moe(model: nn.Module, on: bool = True) -> int:
     """Experts run kernels/fused_moe.py (the triton attention backend's
-    choice); returns how many expert layers switched. FP8 experts stay on
-    the torch loop, which dequantizes one routed expert at a time: the
-    kernel does not read FP8 yet."""
-    layers = [m for m in model.modules() if isinstance(m, FusedExperts) and m.fp8_block is None]
+    choice); returns how many expert layers switched. Packed experts (FP8,
+    MXFP4) stay on the torch loop, which dequantizes one routed expert at a
+    time: the kernel does not read them yet."""
+    layers = [m for m in model.modules() if isinstance(m, FusedExperts) and not m.packed]
     for module in layers:
         module.impl = "triton" if on else "torch"
     return len(layers)

@@ -1,12 +1,12 @@
-"""MXFP4 (OCP microscaling FP4) weights, dequantized at load.
+"""MXFP4 (OCP microscaling FP4) weights.
 
 gpt-oss's released checkpoints store each expert projection as 4-bit E2M1
 values, two per byte (`*_blocks`, [..., groups, 16] uint8), with one power
 of two per group of 32 values (`*_scales`, [..., groups] uint8, biased by
-127). The executor dequantizes them once at load into the serving dtype, as
-transformers does when it runs without its MXFP4 kernels, and then serves
-them like any other weights: exact for fp32 and bf16 (every MXFP4 value is
-representable in both), at the memory of the dequantized weights.
+127). The executor keeps them packed and dequantizes one expert when a
+token is routed to it (families/gpt_oss.py), into the serving dtype, as
+transformers does when it runs without its MXFP4 kernels: exact for fp32
+and bf16 (every MXFP4 value is representable in both).
 """
 
 from __future__ import annotations

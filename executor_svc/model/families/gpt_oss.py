@@ -9,7 +9,8 @@
 
 Checkpoints keep all experts in one tensor per projection, [experts, in,
 out], gate and up interleaved (gate at even columns); the released ones
-hold them in MXFP4, dequantized here at load (executor_svc/model/mxfp4.py).
+hold them in MXFP4, kept packed and dequantized one routed expert at a time
+(executor_svc/model/mxfp4.py).
 """
 
 from __future__ import annotations
@@ -59,12 +60,34 @@ class SinkAttention(Attention):
 class GptOssExperts(FusedExperts):
     """Experts from gpt-oss's fused tensors (plain or MXFP4), each rank
     reading its intermediate units: a contiguous range of the interleaved
-    gate/up columns, and of down's rows."""
+    gate/up columns, and of down's rows.
+
+    MXFP4 experts stay packed (4-bit values and one scale byte per group of
+    32, about 0.27x their bf16 bytes). An expert is dequantized when a token
+    is routed to it (expert_weights), as FP8 experts are. gate/up's rows are
+    reordered at load, gate rows then up rows, as the dense w13 holds them.
+    Down's groups run along this rank's units: when the units split a group,
+    the rank keeps the groups that cover them and cuts after dequantizing."""
 
     def __init__(self, cfg: ModelConfig, spec: MoESpec, shard: Shard):
         super().__init__(cfg, spec, shard)
         self.mxfp4 = cfg.quantization is not None and cfg.quantization.method == "mxfp4"
-        self._pending: dict[str, torch.Tensor] = {}  # MXFP4 blocks or scales waiting for their other half
+        if self.mxfp4:
+            self.w13 = self.w2 = None  # packed instead: w13_blocks, w13_scales, w2_blocks, w2_scales
+            lo, hi = self.start, self.start + self.inter
+            self.w2_groups = (lo // 32, -(-hi // 32))  # down's groups that cover this rank's units
+            self.w2_offset = lo - self.w2_groups[0] * 32  # where the units start in them
+
+    @property
+    def packed(self) -> bool:
+        return self.mxfp4 or super().packed
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.mxfp4:
+            return super().expert_weights(e, dtype)
+        w2 = dequantize(self.w2_blocks[e], self.w2_scales[e], dtype)  # [hidden, covering groups * 32]
+        return (dequantize(self.w13_blocks[e], self.w13_scales[e], dtype),
+                w2[:, self.w2_offset : self.w2_offset + self.inter])
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         e, h, i = self.spec.num_experts, self.hidden, self.whole_inter
@@ -92,21 +115,15 @@ class GptOssExperts(FusedExperts):
     def _load_mxfp4(self, name: str, weight: LazyTensor, device: torch.device, dtype: torch.dtype) -> None:
         proj, _, part = name.rpartition("_")  # gate_up_proj | down_proj, blocks | scales
         lo, hi = self.start, self.start + self.inter
-        if proj == "gate_up_proj":  # [experts, 2 * inter, groups(, 16)]: this rank's rows are contiguous
-            self._pending[part] = weight.read(1, 2 * lo, 2 * hi)
-        elif lo % 32 == 0 and hi % 32 == 0:  # down: [experts, hidden, inter / 32 (, 16)], whole groups
-            self._pending[part] = weight.read(2, lo // 32, hi // 32)
-        else:  # a rank's units split a group of 32: read every group, keep this rank's columns after
-            self._pending[part] = weight.read()
-        if len(self._pending) < 2:
-            return
-        values = dequantize(self._pending.pop("blocks"), self._pending.pop("scales"), dtype)
-        if proj == "gate_up_proj":
-            self._set_gate_up(values, device, dtype)  # [experts, 2 * inter interleaved, hidden]
-        else:
-            if values.shape[2] != self.inter:
-                values = values[:, :, lo:hi]
-            self._set("w2", values, device, dtype)  # [experts, hidden, inter]
+        if proj == "gate_up_proj":  # [experts, 2 * inter interleaved, groups(, 16)]: this rank's rows
+            rows = weight.read(1, 2 * lo, 2 * hi)
+            self._keep(f"w13_{part}", torch.cat([rows[:, 0::2], rows[:, 1::2]], dim=1), device)  # gate, then up
+        else:  # down: [experts, hidden, groups(, 16)], the groups covering this rank's units
+            self._keep(f"w2_{part}", weight.read(2, *self.w2_groups), device)
+
+    def _keep(self, leaf: str, value: torch.Tensor, device: torch.device) -> None:
+        """A packed tensor, as stored (uint8), copied off the mmapped file."""
+        setattr(self, leaf, nn.Parameter(value.to(device=device, dtype=torch.uint8, copy=True), requires_grad=False))
 
     def _set_gate_up(self, rows: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
         """rows: [experts, 2 * inter, hidden], gate and up interleaved."""
@@ -137,8 +154,8 @@ def read_gpt_oss(r: ConfigReader, c: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(quantization) - QUANTIZATION_KEYS)
         if quantization.get("quant_method") != "mxfp4" or unknown:
             raise UnsupportedConfig(f"gpt_oss config.json: quantization_config {quantization} is not supported; "
-                                    f"only quant_method 'mxfp4' (with {sorted(QUANTIZATION_KEYS)}) is, dequantized "
-                                    "at load")
+                                    f"only quant_method 'mxfp4' (with {sorted(QUANTIZATION_KEYS)}) is, kept "
+                                    "packed")
         if c["hidden_size"] % 32 or c["intermediate_size"] % 32:
             raise UnsupportedConfig("gpt_oss: MXFP4 needs hidden and intermediate sizes that are multiples of 32")
     moe = MoESpec(num_experts=experts, top_k=top_k, intermediate_size=c["intermediate_size"], sparse_layers=(True,) * n,

@@ -75,7 +75,37 @@ class RowPart:
     rows: int
 
 
-class ColumnLinear(nn.Module):
+class _Linear(nn.Module):
+    """What ColumnLinear and RowLinear share: y = x W^T (+ b), W plain or,
+    once use_fp8 ran, FP8 with its grid of block scales (weight_scale_inv)."""
+
+    def __init__(self):
+        super().__init__()
+        # (block_n, block_k) once use_fp8 made the weight FP8; the grid row
+        # of each weight row (stacked parts' grids for ColumnLinear) once loaded.
+        self.fp8_block: tuple[int, int] | None = None
+        self.grid_rows: torch.Tensor | None = None
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight at the compute dtype: itself, or dequantized for this
+        use (latent attention reads kv_b_proj's weight directly)."""
+        if self.fp8_block is None:
+            return self.weight
+        return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_block is not None and x.is_cuda:
+            # The Triton GEMM that decodes FP8 in its load loop, so no
+            # dequantized weight is ever written. Imported here: the CPU
+            # path never loads Triton.
+            from kernels.fp8_linear import fp8_block_linear
+
+            y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1])
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.dense_weight(x.dtype), self.bias)
+
+
+class ColumnLinear(_Linear):
     """y = x W^T (+ b), W holding this rank's rows of one or more checkpoint
     projections stacked in `parts` order: q/k/v (or gate/up) run as one
     matmul. Named parts are checkpoint tensors beside this module
@@ -89,10 +119,6 @@ class ColumnLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
         self.names_from_parent = any(p.name for p in parts)
-        # (block_n, block_k) once use_fp8 made the weight FP8; the grid row
-        # of each weight row (the parts' scale grids stack) once loaded.
-        self.fp8_block: tuple[int, int] | None = None
-        self.grid_rows: torch.Tensor | None = None
 
     @classmethod
     def split(cls, in_features: int, whole: int, rank: int, size: int, bias: bool = False) -> ColumnLinear:
@@ -167,20 +193,8 @@ class ColumnLinear(nn.Module):
                 first += cdiv(p.rows, bn)
             self.grid_rows = torch.cat(rows)
 
-    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight at the compute dtype: itself, or dequantized for this
-        use (latent attention reads kv_b_proj's weight directly)."""
-        if self.fp8_block is None:
-            return self.weight
-        return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_block is not None and x.is_cuda:
-            return fp8_linear_on_gpu(x, self)
-        return F.linear(x, self.dense_weight(x.dtype), self.bias)
-
-
-class RowLinear(nn.Module):
+class RowLinear(_Linear):
     """y = x W^T (+ b) over this rank's columns [start, start + cols) of W:
     a partial sum, which the parent all-reduces. The bias is added by rank
     0 only (the others hold zeros), so the sum counts it once."""
@@ -190,8 +204,6 @@ class RowLinear(nn.Module):
         self.whole_in, self.out_features, self.start, self.cols, self.rank = whole_in, out_features, start, cols, rank
         self.weight = nn.Parameter(torch.empty(out_features, cols))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.fp8_block: tuple[int, int] | None = None  # as ColumnLinear's
-        self.grid_rows: torch.Tensor | None = None
 
     @classmethod
     def split(cls, whole_in: int, out_features: int, rank: int, size: int, bias: bool = False) -> RowLinear:
@@ -238,23 +250,6 @@ class RowLinear(nn.Module):
         check_shape(name, value, tuple(target.shape))
         target.copy_(value)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_block is not None:
-            if x.is_cuda:
-                return fp8_linear_on_gpu(x, self)
-            w = dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], x.dtype)
-            return F.linear(x, w, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
-def fp8_linear_on_gpu(x: torch.Tensor, layer: ColumnLinear | RowLinear) -> torch.Tensor:
-    """An FP8 layer on CUDA: the Triton GEMM that decodes FP8 in its load
-    loop (kernels/fp8_linear.py), so no dequantized weight is ever written.
-    Imported here: the CPU path never loads Triton."""
-    from kernels.fp8_linear import fp8_block_linear
-
-    y = fp8_block_linear(x, layer.weight, layer.weight_scale_inv, layer.grid_rows, layer.fp8_block[1])
-    return y if layer.bias is None else y + layer.bias
 
 
 class VocabParallel:
@@ -300,12 +295,11 @@ def load_replicated(module: nn.Module, name: str, weight: LazyTensor, device: to
     setattr(module, name, nn.Parameter(weight.read().to(device=device, dtype=dtype, copy=True), requires_grad=False))
 
 
-def convert_to_fp8(model: nn.Module, spec: QuantSpec, tensor_parallel_size: int) -> int:
+def convert_to_fp8(model: nn.Module, spec: QuantSpec, tensor_parallel_size: int) -> None:
     """Turns every layer that the spec converts and that can hold FP8
     weights (use_fp8: ColumnLinear, RowLinear, moe.FusedExperts) into one
     that holds them with their block scales; call on the meta-device model
-    before loading. Returns how many layers."""
-    converted = 0
+    before loading."""
     for name, module in model.named_modules():
         if not hasattr(module, "use_fp8"):
             continue
@@ -317,5 +311,3 @@ def convert_to_fp8(model: nn.Module, spec: QuantSpec, tensor_parallel_size: int)
             raise BlockSplitError(f"{name}: {exc}; tensor_parallel_size={tensor_parallel_size} cuts the checkpoint's "
                                   f"FP8 blocks of {list(spec.weight_block)}; sizes that work: "
                                   f"{', '.join(map(str, valid_sizes(model.cfg)))}") from None
-        converted += 1
-    return converted

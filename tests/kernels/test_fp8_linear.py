@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kernels import reference
+from tests.quantized import quantize
 
 fl = pytest.importorskip("kernels.fp8_linear")
-FP8 = torch.float8_e4m3fn
 
 
 def make(m: int, parts: list[int], k: int, block: tuple[int, int], dtype: torch.dtype, seed: int = 0):
@@ -23,19 +23,11 @@ def make(m: int, parts: list[int], k: int, block: tuple[int, int], dtype: torch.
     x = torch.randn(m, k, generator=g).to(dtype)
     weights, grids, grid_rows, first = [], [], [], 0
     for rows in parts:
-        w = torch.randn(rows, k, generator=g) * (1 + torch.rand(rows, 1, generator=g) * 10)
-        gr, gc = -(-rows // bn), -(-k // bk)
-        scale = torch.empty(gr, gc)
-        q = torch.empty(rows, k, dtype=FP8)
-        for i in range(gr):
-            for j in range(gc):
-                blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
-                scale[i, j] = blk.abs().max() / 448
-                q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / scale[i, j]).to(FP8)
+        q, scale = quantize(torch.randn(rows, k, generator=g) * (1 + torch.rand(rows, 1, generator=g) * 10), bn, bk)
         weights.append(q)
         grids.append(scale)
         grid_rows.append(first + torch.arange(rows) // bn)
-        first += gr
+        first += scale.shape[0]
     return x, torch.cat(weights), torch.cat(grids), torch.cat(grid_rows)
 
 

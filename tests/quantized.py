@@ -4,7 +4,8 @@ the tiny random checkpoints of tests/families.py.
 FP8 with block scales (quant_method "fp8", weight_block_size; DeepSeek-V3's
 and Qwen3-FP8's layout): each decoder linear weight in float8_e4m3fn, with
 one float32 `weight_scale_inv` per block of rows x columns, blocks at the
-edges included.
+edges included. GPTQ and AWQ likewise, by hand; compressed-tensors
+checkpoints are written by the compressed-tensors package itself.
 """
 
 from __future__ import annotations
@@ -82,3 +83,206 @@ def write_dequantized(fp8: Path, out: Path, block: tuple[int, int]) -> Path:
     del cfg["quantization_config"]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+# -- compressed-tensors, written by the compressed-tensors package ---------
+
+def _copy_side_files(plain: Path, out: Path) -> None:
+    for f in plain.glob("*.json"):
+        if f.name != "config.json" and not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+
+
+def write_compressed_tensors(plain: Path, out: Path, weights: dict, activations: dict | None = None,
+                             ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+    """`plain` quantized by compressed-tensors (its README's recipe: scales
+    from each weight's min and max, no calibration data) and saved in the
+    format it picks for the scheme."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.offload import update_offload_parameter
+    from compressed_tensors.quantization import (
+        QuantizationArgs, QuantizationConfig, QuantizationScheme, apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
+                                input_activations=QuantizationArgs(**activations) if activations else None)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
+    for module in model.modules():
+        args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
+        if args is None:
+            continue
+        w = module.weight.data
+        if args.strategy == "group":
+            w = w.unflatten(-1, (-1, args.group_size))
+            low, high = w.amin(-1), w.amax(-1)
+        elif args.strategy == "channel":
+            low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        elif args.strategy == "block":
+            bh, bw = args.block_structure
+            padded = torch.nn.functional.pad(w, (0, -w.shape[1] % bw, 0, -w.shape[0] % bh))
+            blocks = padded.unflatten(0, (-1, bh)).unflatten(-1, (-1, bw))
+            low, high = blocks.amin((1, 3)), blocks.amax((1, 3))
+        else:
+            low, high = torch.aminmax(w)
+        scale, zero = calculate_qparams(low, high, args)
+        update_offload_parameter(module, "weight_scale", scale)
+        if hasattr(module, "weight_zero_point"):
+            update_offload_parameter(module, "weight_zero_point", zero)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    _copy_side_files(plain, out)
+    return out
+
+
+def decompress_compressed_tensors(path: Path, out: Path) -> Path:
+    """A compressed-tensors checkpoint's weights dequantized by the package's
+    own decompressors, as a plain checkpoint: the oracle where transformers
+    cannot load the layout itself (packed asymmetric zero points)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = json.loads((path / "config.json").read_text())
+    qc = QuantizationConfig.model_validate(config.pop("quantization_config"))
+    scheme = next(iter(qc.config_groups.values()))
+    compressor = BaseCompressor.load_from_registry(qc.format)
+    tensors = load_file(path / "model.safetensors")
+    modules = {n.rpartition(".")[0] for n in tensors if n.endswith(".weight_scale")}
+    plain = {n: t for n, t in tensors.items() if n.rpartition(".")[0] not in modules or n.endswith(".bias")}
+    for m in modules:
+        local = {n.rpartition(".")[2]: t for n, t in tensors.items() if n.rpartition(".")[0] == m}
+        plain[f"{m}.weight"] = compressor.decompress(local, scheme)["weight"].to(torch.float32)
+    shutil.copytree(path, out)
+    save_file(plain, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+# -- GPTQ and AWQ, written by hand in their documented layouts -------------
+
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 holding 32-bit patterns -> int32 with the same bits."""
+    words = words & 0xFFFFFFFF
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _pack(values: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """32 / bits values per int32 word along dim, value i of each run at bit
+    i * bits; `order` names which of the run sits at nibble i (AWQ)."""
+    per = 32 // bits
+    v = (values.to(torch.int64) & (2**bits - 1)).movedim(dim, -1).unflatten(-1, (-1, per))
+    if order is not None:
+        v = v[..., list(order)]
+    words = sum(v[..., i] << (bits * i) for i in range(per))
+    return _int32(words).movedim(-1, dim).contiguous()
+
+
+def quantize_int(w: torch.Tensor, bits: int, group: int | None, sym: bool, g_idx: torch.Tensor | None = None):
+    """GPTQ's and AWQ's min-max quantization of w [N, K] per group of
+    columns (g_idx: each column's group): returns (q [N, K], scales
+    [N, groups] fp16, zeros [N, groups], dense [N, K] = (q - zero) * scale)."""
+    maxq = 2**bits - 1
+    cols = w.shape[1]
+    if g_idx is None:
+        g_idx = torch.arange(cols) // (group or cols)
+    groups = int(g_idx.max()) + 1
+    scales = torch.empty(w.shape[0], groups, dtype=torch.float16)
+    zeros = torch.empty(w.shape[0], groups, dtype=torch.int64)
+    for g in range(groups):
+        part = w[:, g_idx == g]
+        low, high = part.amin(1).clamp(max=0), part.amax(1).clamp(min=0)
+        if sym:
+            high = torch.maximum(low.abs(), high)
+            s = (2 * high / maxq).clamp(min=1e-6)
+            zeros[:, g] = (maxq + 1) // 2
+        else:
+            s = ((high - low) / maxq).clamp(min=1e-6)
+            zeros[:, g] = torch.round(-low / s).clamp(0, maxq).to(torch.int64)
+        scales[:, g] = s.to(torch.float16)
+    s_cols, z_cols = scales[:, g_idx], zeros[:, g_idx]
+    q = torch.clamp(torch.round(w / s_cols.float()) + z_cols, 0, maxq).to(torch.int64)
+    dense = ((q - z_cols).to(torch.float16) * s_cols).to(torch.float32)
+    return q, scales, zeros, dense
+
+
+def _write_quantized(plain: Path, out: Path, dense_out: Path, write_leaves, quantization_config: dict) -> tuple[Path, Path]:
+    shutil.copytree(plain, out)
+    shutil.copytree(plain, dense_out)
+    tensors = {}
+    for f in plain.glob("*.safetensors"):
+        tensors.update(load_file(f))
+        (out / f.name).unlink()
+    quantized, dense = {}, dict(tensors)
+    for name, t in tensors.items():
+        if any(f".{p}.weight" in name for p in LINEARS):
+            module = name[: -len(".weight")]
+            leaves, dense[name] = write_leaves(module, t.float())
+            quantized.update({f"{module}.{leaf}": v for leaf, v in leaves.items()})
+        else:
+            quantized[name] = t
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(dense, dense_out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out, dense_out
+
+
+def write_gptq(plain: Path, out: Path, dense_out: Path, bits: int, group: int, sym: bool, desc_act: bool,
+               seed: int = 0) -> tuple[Path, Path]:
+    """GPTQ (AutoGPTQ's v1 layout): qweight int32 [K * bits / 32, N] packed
+    down the columns, qzeros int32 [groups, N * bits / 32] holding zero - 1,
+    scales fp16 [groups, N], g_idx int32 [K]; desc_act orders the groups by
+    a column permutation, as act-order does. Returns the checkpoint and its
+    weights dequantized by the definition."""
+    def leaves(module, w):
+        cols = w.shape[1]
+        g_idx = torch.arange(cols) // group
+        if desc_act:
+            # The order follows the input's activations, so projections of
+            # one input (q/k/v, gate/up) share it.
+            layer, _, proj = module.rpartition(".")
+            shared = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
+            key = f"{layer}.{shared.get(proj, proj)}"
+            gen = torch.Generator().manual_seed(seed + sum(map(ord, key)) * 7919)
+            g_idx = g_idx[torch.argsort(torch.randperm(cols, generator=gen))]
+        q, scales, zeros, dense = quantize_int(w, bits, group, sym, g_idx)
+        return {"qweight": _pack(q.T, bits, 0), "qzeros": _pack((zeros - 1).T, bits, 1), "scales": scales.T.contiguous(),
+                "g_idx": g_idx.to(torch.int32)}, dense
+
+    config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym,
+              "damp_percent": 0.01, "true_sequential": True, "checkpoint_format": "gptq"}
+    return _write_quantized(plain, out, dense_out, leaves, config)
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output AWQ_ORDER[i] of its 8
+
+
+def write_awq(plain: Path, out: Path, dense_out: Path, group: int) -> tuple[Path, Path]:
+    """AWQ GEMM: qweight int32 [K, N / 8] and qzeros int32 [groups, N / 8],
+    packed along the outputs in AWQ's interleaved order, scales fp16
+    [groups, N]; asymmetric 4-bit."""
+    def leaves(module, w):
+        q, scales, zeros, dense = quantize_int(w, 4, group, sym=False)
+        return {"qweight": _pack(q.T, 4, 1, AWQ_ORDER), "qzeros": _pack(zeros.T, 4, 1, AWQ_ORDER),
+                "scales": scales.T.contiguous()}, dense
+
+    config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    return _write_quantized(plain, out, dense_out, leaves, config)
+
+
+def write_fp8_per_tensor(plain: Path, out: Path, dense_out: Path) -> tuple[Path, Path]:
+    """quant_method fp8 without weight_block_size (AutoFP8's layout): each
+    linear weight in e4m3 with one float32 `weight_scale` (a 0-d tensor)
+    of amax / 448."""
+    def leaves(module, w):
+        scale = w.abs().max().clamp(min=1e-12) / 448.0
+        q = (w / scale).to(FP8)
+        return {"weight": q, "weight_scale": scale.reshape(())}, q.to(torch.float32) * scale
+
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    return _write_quantized(plain, out, dense_out, leaves, config)

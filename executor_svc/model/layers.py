@@ -19,14 +19,17 @@ one matmul standing for several checkpoint tensors, split correctly:
 Parameters start on the meta device and are materialised on first load,
 on the target device and dtype, so the host never holds a second copy.
 
-A linear layer of an FP8 checkpoint (use_fp8) keeps the checkpoint's FP8
-weight and its block scales (weight_scale_inv), each rank its part of
-both. On CUDA it runs the Triton FP8 GEMM (kernels/fp8_linear.py);
-elsewhere it dequantizes its weight for each matmul (quantization.py).
+A linear layer of a quantized checkpoint (use_scheme) keeps the weight
+quantized, as quant_formats.py holds it whatever the checkpoint's layout:
+FP8 with its scales, or packed integers with group scales and zero points,
+each rank its part of each. On CUDA it runs a Triton GEMM that decodes the
+weight as it loads it (kernels/fp8_linear.py, kernels/int_linear.py);
+elsewhere it dequantizes its weight for each matmul and drops it after.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,17 +37,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
-from executor_svc.model.model_config import QuantSpec
-from executor_svc.model.quantization import FP8, BlockSplitError, cdiv, dequantize_fp8_blocks
+from executor_svc.model.model_config import LinearScheme, QuantSpec, UnsupportedConfig
+from executor_svc.model.quant_formats import (
+    canonical, checkpoint_leaves, dequantize_int, num_groups, symmetric_zeros,
+)
+from executor_svc.model.quantization import (
+    FP8, BlockSplitError, cdiv, dequantize_fp8_blocks, fake_quantize_activations,
+)
 from executor_svc.model.sharding import valid_sizes
 
 
 def materialize(module: nn.Module, leaf: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """module.leaf on device and dtype (allocated, uninitialised, on first
-    call). A quantized leaf (FP8 weights, float32 scales) keeps its own dtype."""
+    call). A quantized layer's leaves (FP8 or packed weights, their scales
+    and zero points) keep the dtype they were declared with; its `scales`
+    take the checkpoint's, which the caller passes."""
     p = getattr(module, leaf)
     if p.is_meta:
-        if p.dtype in (FP8, torch.float32) and getattr(module, "fp8_block", None) is not None and leaf != "bias":
+        quantized = getattr(module, "fp8_block", None) is not None or getattr(module, "scheme", None) is not None
+        if quantized and leaf not in ("bias", "scales"):
             dtype = p.dtype
         p = nn.Parameter(torch.empty(p.shape, device=device, dtype=dtype), requires_grad=False)
         setattr(module, leaf, p)
@@ -77,30 +88,85 @@ class RowPart:
 
 class _Linear(nn.Module):
     """What ColumnLinear and RowLinear share: y = x W^T (+ b), W plain or,
-    once use_fp8 ran, FP8 with its grid of block scales (weight_scale_inv)."""
+    once use_scheme ran, quantized as quant_formats.py holds it: FP8 with a
+    grid of scales (weight_scale_inv), or packed integers with group scales
+    and zero points (qweight, scales, zeros, g_idx)."""
 
     def __init__(self):
         super().__init__()
-        # (block_n, block_k) once use_fp8 made the weight FP8; the grid row
-        # of each weight row (stacked parts' grids for ColumnLinear) once loaded.
+        self.scheme: LinearScheme | None = None
+        # kind fp8: (block_n, block_k) of the held scale grid ((1, columns)
+        # for one scale per row), and the grid row of each weight row once loaded.
         self.fp8_block: tuple[int, int] | None = None
         self.grid_rows: torch.Tensor | None = None
+        self.g_idx: torch.Tensor | None = None
+
+    def _use_scheme(self, scheme: LinearScheme, rows: int, cols: int, grid_rows: int) -> None:
+        """Declares the held leaves of a quantized weight of [rows, cols]
+        on this rank (meta tensors, filled as the checkpoint is read)."""
+        act = scheme.activations
+        if act is not None and act.group_size is not None and cols % act.group_size:
+            raise BlockSplitError(f"{cols} input columns are not whole activation groups of {act.group_size}")
+        self.scheme = scheme
+        del self.weight
+        if scheme.kind == "fp8":
+            self.fp8_block = scheme.block or (1, cols)
+            self.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8), requires_grad=False)
+            self.weight_scale_inv = nn.Parameter(torch.empty(grid_rows, cdiv(cols, self.fp8_block[1])),
+                                                 requires_grad=False)
+            return
+        groups = self._held_groups(cols)
+        packed = cdiv(cols, 2) if scheme.bits == 4 else cols
+        self.qweight = nn.Parameter(torch.empty(rows, packed, dtype=torch.uint8), requires_grad=False)
+        self.scales = nn.Parameter(torch.empty(rows, groups), requires_grad=False)
+        self.zeros = nn.Parameter(torch.empty(rows, groups, dtype=torch.uint8), requires_grad=False)
+
+    def _held_groups(self, cols: int) -> int:
+        """Scale groups held: all of them with act-order (any column may be in any group)."""
+        whole = getattr(self, "whole_in", cols)
+        return num_groups(self.scheme, whole if self.scheme.act_order else cols)
+
+    def _leaves(self) -> tuple[str, ...]:
+        if self.scheme is None:
+            return ("weight", "bias")
+        return (*checkpoint_leaves(self.scheme, 1, 1), "bias")
+
+    def _set_g_idx(self, name: str, value: torch.Tensor, device: torch.device) -> None:
+        value = value.to(device)
+        if self.g_idx is not None and not torch.equal(self.g_idx, value):
+            raise ValueError(f"{name}: act-order g_idx differs from the other projections fused with it "
+                             "(q/k/v or gate/up), which one matmul cannot serve")
+        self.g_idx = value
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight at the compute dtype: itself, or dequantized for this
         use (latent attention reads kv_b_proj's weight directly)."""
-        if self.fp8_block is None:
+        if self.scheme is None:
             return self.weight
-        return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], dtype)
+        if self.scheme.kind == "fp8":
+            return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], dtype)
+        return dequantize_int(self.qweight, self.scales, self.zeros, self.scheme.group_size, self.scheme.bits,
+                              self.g_idx, self.in_cols, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_block is not None and x.is_cuda:
-            # The Triton GEMM that decodes FP8 in its load loop, so no
+        scheme = self.scheme
+        if scheme is None:
+            return F.linear(x, self.weight, self.bias)
+        if scheme.activations is not None:
+            x = fake_quantize_activations(x, scheme.activations)
+        if x.is_cuda:
+            # Triton GEMMs that decode the weight in their load loops, so no
             # dequantized weight is ever written. Imported here: the CPU
             # path never loads Triton.
-            from kernels.fp8_linear import fp8_block_linear
+            if scheme.kind == "fp8":
+                from kernels.fp8_linear import fp8_block_linear
 
-            y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1])
+                y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1])
+            else:
+                from kernels.int_linear import int_weight_linear
+
+                y = int_weight_linear(x, self.qweight, self.scales, self.zeros, scheme.group_size or self.in_cols,
+                                      scheme.bits, self.g_idx)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
@@ -136,54 +202,69 @@ class ColumnLinear(_Linear):
         parent = name.rpartition(".")[0]
         return [f"{parent}.{p.name}" if parent else p.name for p in self.parts]
 
-    def use_fp8(self, block: tuple[int, int]) -> None:
-        """Holds the weight in FP8 with the checkpoint's block scales. Each
-        part's rows must start on a block, and end on one unless they end
-        the checkpoint tensor (its edge block)."""
-        bn, bk = block
+    @property
+    def in_cols(self) -> int:
+        return self.in_features
+
+    def use_scheme(self, scheme: LinearScheme) -> None:
+        """Holds the weight quantized as the checkpoint stores it. With FP8
+        blocks, each part's rows must start on a block, and end on one
+        unless they end the checkpoint tensor (its edge block)."""
+        bn = scheme.block[0] if scheme.kind == "fp8" and scheme.block else 1
         for p in self.parts:
             if p.start % bn or (p.rows % bn and p.start + p.rows != p.whole):
                 raise BlockSplitError(f"rows [{p.start}, {p.start + p.rows}) of {p.name or 'the weight'}'s {p.whole} "
                                       f"are not whole blocks of {bn}")
-        self.fp8_block = block
-        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=FP8), requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(
-            torch.empty(sum(cdiv(p.rows, bn) for p in self.parts), cdiv(self.in_features, bk)), requires_grad=False)
+        self._use_scheme(scheme, self.out_features, self.in_features, sum(cdiv(p.rows, bn) for p in self.parts))
 
-    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...] | None]:
         shapes = {}
         for p in self.parts:
-            shapes[self._key(p, "weight")] = (p.whole, self.in_features)
+            leaves = {"weight": (p.whole, self.in_features)} if self.scheme is None else checkpoint_leaves(
+                self.scheme, p.whole, self.in_features)
+            for leaf, shape in leaves.items():
+                shapes[self._key(p, leaf)] = shape
             if self.bias is not None:
                 shapes[self._key(p, "bias")] = (p.whole,)
-            if self.fp8_block is not None:
-                bn, bk = self.fp8_block
-                shapes[self._key(p, "weight_scale_inv")] = (cdiv(p.whole, bn), cdiv(self.in_features, bk))
         return shapes
 
     def load_weight(self, name: str, weight: LazyTensor, device: torch.device, dtype: torch.dtype) -> None:
         offset = grid_offset = 0
         bn = self.fp8_block[0] if self.fp8_block is not None else 1
         for p in self.parts:
-            if name == self._key(p, "weight_scale_inv"):
-                first = p.start // bn
-                value = weight.read(0, first, first + cdiv(p.rows, bn)).to(torch.float32)
-                target = materialize(self, "weight_scale_inv", device, dtype)
-                check_shape(name, value, (cdiv(p.rows, bn), target.shape[1]))
-                target[grid_offset : grid_offset + value.shape[0]].copy_(value)
-                self._set_grid_rows(device)
-                return
-            for leaf in ("weight", "bias"):
-                if name == self._key(p, leaf):
-                    value = weight.read(0, p.start, p.start + p.rows)
-                    target = materialize(self, leaf, device, dtype)
-                    check_shape(name, value, (p.rows, *target.shape[1:]))
-                    check_fp8(name, value, target)
-                    target[offset : offset + p.rows].copy_(value)  # a parameter without grad: copied in place
+            for leaf in self._leaves():
+                if name != self._key(p, leaf):
+                    continue
+                if leaf in ("weight", "bias", "weight_packed"):  # rows first in the checkpoint: read this rank's
+                    held, value = leaf, weight.read(0, p.start, p.start + p.rows)
+                    if self.scheme is not None and leaf != "bias":
+                        held, value = canonical(self.scheme, leaf, value, p.rows, self.in_features)
+                    self._fill(held, name, value, offset, device, dtype)
                     return
+                held, value = canonical(self.scheme, leaf, weight.read(), p.whole, self.in_features)
+                if held == "g_idx":
+                    self._set_g_idx(name, value, device)
+                elif held == "weight_scale_inv":
+                    first = p.start // bn
+                    self._fill(held, name, value[first : first + cdiv(p.rows, bn)], grid_offset, device, dtype)
+                    self._set_grid_rows(device)
+                elif held:
+                    self._fill(held, name, value[p.start : p.start + p.rows], offset, device, dtype)
+                    zeros = symmetric_zeros(self.scheme, p.rows, self.in_features, device)
+                    if held == "scales" and zeros is not None:
+                        self._fill("zeros", name, zeros, offset, device, dtype)
+                return
             offset += p.rows
             grid_offset += cdiv(p.rows, bn)
         raise KeyError(name)
+
+    def _fill(self, held: str, name: str, value: torch.Tensor, offset: int, device: torch.device,
+              dtype: torch.dtype) -> None:
+        """Rows [offset, offset + len(value)) of the held leaf."""
+        target = materialize(self, held, device, value.dtype if held == "scales" else dtype)
+        check_shape(name, value, (value.shape[0], *target.shape[1:]))
+        check_fp8(name, value, target)
+        target[offset : offset + value.shape[0]].copy_(value)  # a parameter without grad: copied in place
 
     def _set_grid_rows(self, device: torch.device) -> None:
         if self.grid_rows is None:
@@ -213,43 +294,71 @@ class RowLinear(_Linear):
     def checkpoint_modules(self, name: str) -> list[str]:
         return [name]
 
-    def use_fp8(self, block: tuple[int, int]) -> None:
-        """As ColumnLinear.use_fp8; this rank's columns must be whole blocks."""
-        bn, bk = block
-        if self.start % bk or (self.cols % bk and self.start + self.cols != self.whole_in):
-            raise BlockSplitError(f"columns [{self.start}, {self.start + self.cols}) of {self.whole_in} are not whole "
-                                  f"blocks of {bk}")
-        self.fp8_block = block
-        self.weight = nn.Parameter(torch.empty(self.out_features, self.cols, dtype=FP8), requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(torch.empty(cdiv(self.out_features, bn), cdiv(self.cols, bk)),
-                                             requires_grad=False)
+    @property
+    def in_cols(self) -> int:
+        return self.cols
 
-    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = {"weight": (self.out_features, self.whole_in)}
+    def use_scheme(self, scheme: LinearScheme) -> None:
+        """As ColumnLinear.use_scheme; this rank's columns must be whole
+        blocks (FP8) or whole groups (packed ints, unless act-order keeps
+        every group), and whole bytes of 4-bit values."""
+        unit = 1
+        if scheme.kind == "fp8" and scheme.block:
+            unit = scheme.block[1]
+        elif scheme.kind == "int":
+            unit = 2 if scheme.bits == 4 else 1
+            if scheme.group_size is not None and not scheme.act_order:
+                unit = math.lcm(unit, scheme.group_size)
+        if self.start % unit or (self.cols % unit and self.start + self.cols != self.whole_in):
+            what = "FP8 blocks" if scheme.kind == "fp8" else "quantization groups"
+            raise BlockSplitError(f"columns [{self.start}, {self.start + self.cols}) of {self.whole_in} are not whole "
+                                  f"{what} of {unit}")
+        bn = scheme.block[0] if scheme.kind == "fp8" and scheme.block else 1
+        self._use_scheme(scheme, self.out_features, self.cols, cdiv(self.out_features, bn))
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...] | None]:
+        shapes = ({"weight": (self.out_features, self.whole_in)} if self.scheme is None
+                  else checkpoint_leaves(self.scheme, self.out_features, self.whole_in))
         if self.bias is not None:
             shapes["bias"] = (self.out_features,)
-        if self.fp8_block is not None:
-            bn, bk = self.fp8_block
-            shapes["weight_scale_inv"] = (cdiv(self.out_features, bn), cdiv(self.whole_in, bk))
         return shapes
 
     def load_weight(self, name: str, weight: LazyTensor, device: torch.device, dtype: torch.dtype) -> None:
-        target = materialize(self, name, device, dtype)
-        if name == "weight":
-            value = weight.read(1, self.start, self.start + self.cols)
-            check_fp8(name, value, target)
-        elif name == "weight_scale_inv":
-            bn, bk = self.fp8_block
-            value = weight.read(1, self.start // bk, self.start // bk + target.shape[1]).to(torch.float32)
-            self.grid_rows = torch.arange(self.out_features, device=device) // bn
-        elif self.rank == 0:
+        lo, hi = self.start, self.start + self.cols
+        if name == "bias":
+            target = materialize(self, name, device, dtype)
+            if self.rank != 0:
+                target.zero_()
+                return
             value = weight.read()
+        elif self.scheme is None or name == "weight" and self.scheme.kind == "fp8":
+            target = materialize(self, "weight", device, dtype)
+            value = weight.read(1, lo, hi)
+            check_fp8(name, value, target)
         else:
-            target.zero_()
-            return
+            held, value = canonical(self.scheme, name, weight.read(), self.out_features, self.whole_in)
+            if not held:
+                return
+            if held == "g_idx":
+                self._set_g_idx(name, value[lo:hi], device)
+                return
+            if held == "weight_scale_inv":
+                bn, bk = self.fp8_block
+                if self.scheme.block:  # a grid over the columns too: this rank's
+                    value = value[:, lo // bk : lo // bk + cdiv(self.cols, bk)]
+                self.grid_rows = torch.arange(self.out_features, device=device) // bn
+            elif held == "qweight":
+                value = value[:, lo // 2 : cdiv(hi, 2)] if self.scheme.bits == 4 else value[:, lo:hi]
+            elif not self.scheme.act_order and self.scheme.group_size is not None:  # scales, zeros: this rank's groups
+                g = self.scheme.group_size
+                value = value[:, lo // g : cdiv(hi, g)]
+            target = materialize(self, held, device, value.dtype if held == "scales" else dtype)
+            zeros = symmetric_zeros(self.scheme, self.out_features, self.whole_in if self.scheme.act_order
+                                    else self.cols, device)
+            if held == "scales" and zeros is not None:
+                materialize(self, "zeros", device, dtype).copy_(zeros[:, : target.shape[1]])
         check_shape(name, value, tuple(target.shape))
         target.copy_(value)
-
 
 
 class VocabParallel:
@@ -295,19 +404,32 @@ def load_replicated(module: nn.Module, name: str, weight: LazyTensor, device: to
     setattr(module, name, nn.Parameter(weight.read().to(device=device, dtype=dtype, copy=True), requires_grad=False))
 
 
-def convert_to_fp8(model: nn.Module, spec: QuantSpec, tensor_parallel_size: int) -> None:
-    """Turns every layer that the spec converts and that can hold FP8
-    weights (use_fp8: ColumnLinear, RowLinear, moe.FusedExperts) into one
-    that holds them with their block scales; call on the meta-device model
-    before loading."""
+def quantize_linears(model: nn.Module, spec: QuantSpec, tensor_parallel_size: int) -> None:
+    """Turns every layer that the spec's schemes cover and that can hold
+    quantized weights (use_scheme: ColumnLinear, RowLinear; use_fp8:
+    moe.FusedExperts) into one that holds them as the checkpoint stores
+    them; call on the meta-device model before loading."""
     for name, module in model.named_modules():
-        if not hasattr(module, "use_fp8"):
+        if not hasattr(module, "use_scheme") and not hasattr(module, "use_fp8"):
             continue
-        if any(not spec.converts(m) for m in module.checkpoint_modules(name)):
+        schemes = {spec.scheme_for(m) for m in module.checkpoint_modules(name)}
+        if schemes == {None}:
             continue
+        if len(schemes) > 1:
+            raise UnsupportedConfig(f"{name}: the checkpoint quantizes the projections fused here differently "
+                                    f"({', '.join('plain' if s is None else s.describe() for s in schemes)}), "
+                                    "which one matmul cannot serve")
+        scheme = schemes.pop()
         try:
-            module.use_fp8(spec.weight_block)
+            if hasattr(module, "use_scheme"):
+                module.use_scheme(scheme)
+            elif scheme.layout == "fp8":
+                module.use_fp8(scheme.block)
+            else:
+                raise UnsupportedConfig(f"{name}: experts quantized as {spec.method} ({scheme.describe()}) are not "
+                                        "implemented; experts are read in FP8 blocks (quant_method 'fp8') or "
+                                        "MXFP4 (gpt-oss)")
         except BlockSplitError as exc:
             raise BlockSplitError(f"{name}: {exc}; tensor_parallel_size={tensor_parallel_size} cuts the checkpoint's "
-                                  f"FP8 blocks of {list(spec.weight_block)}; sizes that work: "
+                                  f"{scheme.describe()} quantization; sizes that work: "
                                   f"{', '.join(map(str, valid_sizes(model.cfg)))}") from None

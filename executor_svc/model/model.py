@@ -38,7 +38,7 @@ from torch import nn
 from executor_svc.attention import AttentionBackend, AttentionMetadata
 from executor_svc.model.checkpoint import LazyTensor
 from executor_svc.model.layers import (
-    ColumnLinear, RowLinear, RowPart, VocabEmbedding, VocabHead, convert_to_fp8, load_replicated, replicated_shapes,
+    ColumnLinear, RowLinear, RowPart, VocabEmbedding, VocabHead, load_replicated, quantize_linears, replicated_shapes,
 )
 from executor_svc.model.model_config import ModelConfig
 from executor_svc.model.sharding import Shard
@@ -331,8 +331,8 @@ def build_model(cfg: ModelConfig,
     must land somewhere."""
     with torch.device("meta"):
         model = model_cls(cfg, max_len, shard, comm)
-        if cfg.quantization is not None and cfg.quantization.method == "fp8":
-            convert_to_fp8(model, cfg.quantization, shard.size)
+        if cfg.quantization is not None and cfg.quantization.schemes:
+            quantize_linears(model, cfg.quantization, shard.size)
     owners = checkpoint_owners(model)
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -347,7 +347,7 @@ def build_model(cfg: ModelConfig,
                 unexpected.append(name)
                 continue
             module, key, shape = owners[name]
-            if whole.shape != shape:
+            if shape is not None and whole.shape != shape:  # None: the layer checks (per-tensor scales)
                 raise ValueError(f"{name}: checkpoint shape {whole.shape}, config implies {shape}")
             if hasattr(module, "load_weight"):
                 module.load_weight(key, whole, device, dtype)

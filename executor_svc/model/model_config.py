@@ -174,30 +174,103 @@ class MLASpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ActivationQuant:
+    """Activations quantized at run time, per token (group_size None) or
+    per group of columns, with a scale computed from each row's values
+    (dynamic): FP8 e4m3 (type "float") or int8 (type "int")."""
+
+    type: str
+    group_size: int | None = None
+
+    def describe(self) -> str:
+        what = "fp8" if self.type == "float" else "int8"
+        return f"{what} per {'token' if self.group_size is None else f'group {self.group_size}'}"
+
+
+@dataclass(frozen=True, slots=True)
+class LinearScheme:
+    """How one linear layer's weight is stored, as the layers hold it
+    (layers.py) and as its checkpoint lays it out (quant_formats.py).
+
+    kind "fp8": the weight in float8_e4m3fn and float32 scales, one per
+    block of rows x columns (`block`), or one per row (block None: a
+    checkpoint's per-channel or per-tensor scales). kind "int": unsigned
+    `bits`-bit integers packed into bytes, with one scale and zero point
+    per `group_size` columns of a row (None: the whole row), and, with
+    act_order, a g_idx naming each column's group."""
+
+    kind: str  # "fp8" | "int"
+    layout: str  # the checkpoint's: "fp8", "fp8-row", "ct-float", "ct-pack", "ct-int", "gptq", "awq"
+    bits: int = 8
+    block: tuple[int, int] | None = None
+    group_size: int | None = None
+    symmetric: bool = True
+    act_order: bool = False
+    activations: ActivationQuant | None = None
+
+    def describe(self) -> str:
+        if self.kind == "fp8":
+            weights = f"fp8 blocks {list(self.block)}" if self.block else "fp8 per channel"
+        else:
+            groups = "per channel" if self.group_size is None else f"group {self.group_size}"
+            weights = f"int{self.bits} {groups}{'' if self.symmetric else ' asymmetric'}"
+            weights += " act-order" if self.act_order else ""
+        return weights + (f", activations {self.activations.describe()}" if self.activations else "")
+
+
+@dataclass(frozen=True, slots=True)
 class QuantSpec:
     """How a checkpoint stores its weights, from quantization_config
     (executor_svc/model/quantization.py reads it).
 
-    fp8: linear weights in float8_e4m3fn with one float32 scale per
-    weight_block (rows x columns) of the checkpoint tensor, edge blocks
-    included (weight_scale_inv); they stay FP8 in memory. mxfp4: gpt-oss's
-    experts, kept packed."""
+    Each scheme applies to the linear layers its targets match ("Linear",
+    a checkpoint module name, or "re:" and a regex matched from the start),
+    unless `not_converted` names them (modules_to_not_convert,
+    ignored_layers, compressed-tensors' ignore). mxfp4: gpt-oss's experts,
+    kept packed (families/gpt_oss.py)."""
 
-    method: str  # "fp8" | "mxfp4"
-    weight_block: tuple[int, int] | None = None
-    # Modules kept unquantized (modules_to_not_convert / ignored_layers):
-    # HF's rule, a regex matched from the start to a module boundary, or a
-    # suffix of the module's name.
+    method: str  # "fp8" | "compressed-tensors" | "gptq" | "awq" | "mxfp4"
+    schemes: tuple[tuple[tuple[str, ...], LinearScheme], ...] = ()
     not_converted: tuple[str, ...] = ()
+
+    @property
+    def weight_block(self) -> tuple[int, int] | None:
+        """The FP8 block of a quant_method fp8 checkpoint (experts read it)."""
+        if self.method == "fp8" and self.schemes:
+            return self.schemes[0][1].block
+        return None
 
     def describe(self) -> str:
         """For the start-up log and ServerInfo: "fp8 blocks [128, 128]", "mxfp4"."""
-        return f"{self.method} blocks {list(self.weight_block)}" if self.weight_block else self.method
+        if not self.schemes:
+            return self.method
+        kinds = sorted({s.describe() for _, s in self.schemes})
+        return kinds[0] if self.method == "fp8" and len(kinds) == 1 else f"{self.method}: {'; '.join(kinds)}"
 
-    def converts(self, module_name: str) -> bool:
-        boundary = r"(?:(?<=\.)|(?=\.|$))"
-        return not any(re.match(f"(?:{p}){boundary}", module_name) or module_name.endswith(p)
-                       for p in self.not_converted)
+    def scheme_for(self, module_name: str) -> LinearScheme | None:
+        """The scheme of one checkpoint linear, or None when it is kept plain."""
+        if _matches(self.not_converted, module_name, suffix=self.method != "compressed-tensors"):
+            return None
+        for targets, scheme in self.schemes:
+            if _matches(targets, module_name, suffix=False):
+                return scheme
+        return None
+
+
+def _matches(patterns: tuple[str, ...], module_name: str, suffix: bool) -> bool:
+    """HF's and compressed-tensors' rules: "Linear" (every linear here), "re:"
+    and a regex matched from the start, or a name; HF's modules_to_not_convert
+    match a prefix at a module boundary, or a suffix."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    for p in patterns:
+        if p == "Linear" or p == module_name:
+            return True
+        if p.startswith("re:"):
+            if re.match(p[3:], module_name):
+                return True
+        elif suffix and (re.match(f"(?:{p}){boundary}", module_name) or module_name.endswith(p)):
+            return True
+    return False
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,15 @@
 """Quantized checkpoints: reading quantization_config into a QuantSpec, and
 turning the decoder's linear layers into ones that keep the checkpoint's
-quantized weights as they are.
+quantized weights as they are (layers.py; the layouts in quant_formats.py).
+
+Formats: quant_method "fp8" (block scales or one per tensor),
+"compressed-tensors" (float-quantized FP8 by tensor, channel or block;
+pack-quantized int4/int8 by group or channel, symmetric or not;
+int-quantized int8; dynamic FP8 or int8 activations per token or group),
+"gptq" (4 or 8 bits, any group size, desc_act with g_idx) and "awq"
+(version gemm). Schemes that quantize activations (W8A8) quantize them
+at run time as the scheme defines (fake_quantize_activations), then run
+the same weight-only GEMM.
 
 FP8 with block scales (quant_method "fp8" and weight_block_size: DeepSeek-V3
 and R1, Kimi K2, the Qwen3 -FP8 releases): each linear weight is
@@ -18,7 +27,7 @@ activations per token group; it does not change the stored weights.
 Every key that changes the math is read or refused by name, as with the
 rest of config.json; keys that only record how the checkpoint was made are
 accepted. The layers themselves are in layers.py (ColumnLinear.use_fp8,
-RowLinear.use_fp8, convert_to_fp8).
+RowLinear.use_scheme, quantize_linears; experts: moe.FusedExperts.use_fp8).
 """
 
 from __future__ import annotations
@@ -27,15 +36,32 @@ from typing import Any
 
 import torch
 
-from executor_svc.model.model_config import QuantSpec, UnsupportedConfig
+from executor_svc.model.model_config import ActivationQuant, LinearScheme, QuantSpec, UnsupportedConfig
 
 FP8 = torch.float8_e4m3fn
 # The keys of quant_method fp8 that are read; `dequantize` is transformers'
 # load-time switch and changes nothing here.
 FP8_KEYS = {"quant_method", "weight_block_size", "activation_scheme", "fmt", "modules_to_not_convert",
             "ignored_layers", "scale_fmt", "dequantize"}
+# GPTQ's and AWQ's keys; those in *_RECORD_KEYS only record how the
+# checkpoint was made.
+GPTQ_KEYS = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", "static_groups",
+             "modules_to_not_convert", "lm_head"}
+GPTQ_RECORD_KEYS = {"damp_percent", "true_sequential", "model_name_or_path", "model_file_base_name", "quantizer",
+                    "pack_dtype", "meta", "damp_auto_increment", "mse", "v2", "v2_alpha", "act_group_aware",
+                    "format", "tokenizer", "dataset", "use_cuda_fp16", "use_exllama", "exllama_config",
+                    "max_input_length", "cache_block_outputs", "batch_size", "module_name_preceding_first_block",
+                    "block_name_to_quantize", "modules_in_block_to_quantize", "pad_token_id", "backend"}
+AWQ_KEYS = {"quant_method", "bits", "group_size", "zero_point", "version", "modules_to_not_convert"}
+AWQ_RECORD_KEYS = {"backend", "do_fuse", "fuse_max_seq_len", "modules_to_fuse", "exllama_config"}
+CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme", "quantization_status",
+           "global_compression_ratio", "version", "sparsity_config", "transform_config", "moe_sparsity_config"}
+CT_GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
+CT_ARGS_KEYS = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
+                "observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
 # Methods served, and where (the refusal names them).
-SUPPORTED = "'fp8' with weight_block_size, and 'mxfp4' (gpt-oss)"
+SUPPORTED = "'fp8', 'compressed-tensors', 'gptq', 'awq', and 'mxfp4' (gpt-oss)"
+CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized", "naive-quantized")
 
 
 def read_quantization(config: dict[str, Any] | None, family: str) -> QuantSpec | None:
@@ -43,38 +69,194 @@ def read_quantization(config: dict[str, Any] | None, family: str) -> QuantSpec |
     reads its MXFP4 in families/gpt_oss.py)."""
     if config is None:
         return None
+    where = f"{family} config.json: quantization_config"
     method = config.get("quant_method")
-    if method != "fp8":
-        raise UnsupportedConfig(f"{family} config.json: quantization_config quant_method={method!r} is not "
-                                f"supported; supported: {SUPPORTED}")
-    unknown = sorted(set(config) - FP8_KEYS)
+    readers = {"fp8": _read_fp8, "compressed-tensors": _read_compressed_tensors, "gptq": _read_gptq,
+               "awq": _read_awq}
+    if method not in readers:
+        raise UnsupportedConfig(f"{where} quant_method={method!r} is not supported; supported: {SUPPORTED}")
+    return readers[method](config, where)
+
+
+def _refuse_unknown(config: dict[str, Any], keys: set[str], where: str, what: str) -> None:
+    unknown = sorted(set(config) - keys)
     if unknown:
-        raise UnsupportedConfig(f"{family} config.json: quantization_config keys {unknown} are not implemented for "
-                                f"quant_method 'fp8'; it reads {sorted(FP8_KEYS)}")
+        raise UnsupportedConfig(f"{where} keys {unknown} are not implemented for {what}; it reads {sorted(keys)}")
+
+
+def _read_fp8(config: dict[str, Any], where: str) -> QuantSpec:
+    _refuse_unknown(config, FP8_KEYS, where, "quant_method 'fp8'")
     fmt = config.get("fmt", "e4m3")
     if fmt != "e4m3":
-        raise UnsupportedConfig(f"{family} config.json: quantization_config fmt={fmt!r} is not supported; "
-                                "FP8 weights are read as e4m3 (float8_e4m3fn)")
+        raise UnsupportedConfig(f"{where} fmt={fmt!r} is not supported; FP8 weights are read as e4m3 "
+                                "(float8_e4m3fn)")
     scheme = config.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
-        raise UnsupportedConfig(f"{family} config.json: quantization_config activation_scheme={scheme!r} is not "
-                                "supported; only 'dynamic' (no activation scales in the checkpoint)")
+        raise UnsupportedConfig(f"{where} activation_scheme={scheme!r} is not supported; only 'dynamic' (no "
+                                "activation scales in the checkpoint)")
     # ue8m0: the scales are powers of two (DeepSeek-V3.1); stored as float32
     # or as float8_e8m0fnu, both read exactly as float32.
     scale_fmt = config.get("scale_fmt")
     if scale_fmt not in (None, "ue8m0"):
-        raise UnsupportedConfig(f"{family} config.json: quantization_config scale_fmt={scale_fmt!r} is not "
-                                "supported; supported: absent (float32 scales) or 'ue8m0'")
+        raise UnsupportedConfig(f"{where} scale_fmt={scale_fmt!r} is not supported; supported: absent (float32 "
+                                "scales) or 'ue8m0'")
+    not_converted = tuple(config.get("modules_to_not_convert") or ()) + tuple(config.get("ignored_layers") or ())
     block = config.get("weight_block_size")
     if block is None:
-        raise UnsupportedConfig(f"{family} config.json: quantization_config for quant_method 'fp8' without "
-                                "weight_block_size (per-tensor FP8) is not supported yet; FP8 with block scales is")
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise UnsupportedConfig(f"{family} config.json: quantization_config weight_block_size={block!r} must be "
-                                "two positive integers [block_n, block_k]")
-    not_converted = tuple(config.get("modules_to_not_convert") or ()) + tuple(config.get("ignored_layers") or ())
-    return QuantSpec("fp8", weight_block=(block[0], block[1]), not_converted=not_converted)
+        # Per-tensor FP8 (AutoFP8, vLLM's online FP8): one `weight_scale` per
+        # tensor, held as one scale per row so that fused q/k/v keep theirs.
+        linear = LinearScheme("fp8", "fp8-row")
+    else:
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise UnsupportedConfig(f"{where} weight_block_size={block!r} must be two positive integers "
+                                    "[block_n, block_k]")
+        linear = LinearScheme("fp8", "fp8", block=(block[0], block[1]))
+    return QuantSpec("fp8", schemes=((("Linear",), linear),), not_converted=not_converted)
+
+
+def _int_arg(config: dict[str, Any], key: str, where: str, allowed: tuple[int, ...] | None = None) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or (allowed and value not in allowed):
+        raise UnsupportedConfig(f"{where} {key}={value!r} is not supported; supported: "
+                                f"{list(allowed) if allowed else 'an integer'}")
+    return value
+
+
+def _group(config: dict[str, Any], where: str) -> int | None:
+    size = _int_arg(config, "group_size", where)
+    if size == -1:
+        return None
+    if size <= 0:
+        raise UnsupportedConfig(f"{where} group_size={size} must be positive, or -1 (one group per row)")
+    return size
+
+
+def _read_gptq(config: dict[str, Any], where: str) -> QuantSpec:
+    _refuse_unknown(config, GPTQ_KEYS | GPTQ_RECORD_KEYS, where, "quant_method 'gptq'")
+    bits = _int_arg(config, "bits", where, (4, 8))
+    fmt = config.get("checkpoint_format", "gptq")
+    if fmt != "gptq":
+        raise UnsupportedConfig(f"{where} checkpoint_format={fmt!r} is not supported; supported: 'gptq' "
+                                "(zero points stored minus one)")
+    if config.get("lm_head"):
+        raise UnsupportedConfig(f"{where} lm_head=true (a quantized head) is not supported; only decoder "
+                                "linears are read quantized")
+    if config.get("static_groups"):
+        raise UnsupportedConfig(f"{where} static_groups=true is not supported")
+    linear = LinearScheme("int", "gptq", bits=bits, group_size=_group(config, where),
+                          symmetric=bool(config.get("sym", True)), act_order=bool(config.get("desc_act", False)))
+    return QuantSpec("gptq", schemes=((("Linear",), linear),),
+                     not_converted=tuple(config.get("modules_to_not_convert") or ()))
+
+
+def _read_awq(config: dict[str, Any], where: str) -> QuantSpec:
+    _refuse_unknown(config, AWQ_KEYS | AWQ_RECORD_KEYS, where, "quant_method 'awq'")
+    bits = _int_arg(config, "bits", where, (4,))
+    version = str(config.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise UnsupportedConfig(f"{where} version={config.get('version')!r} is not supported; supported: 'gemm'")
+    if config.get("zero_point", True) is not True:
+        raise UnsupportedConfig(f"{where} zero_point=false is not supported; AWQ GEMM checkpoints carry zero points")
+    linear = LinearScheme("int", "awq", bits=bits, group_size=_group(config, where), symmetric=False)
+    return QuantSpec("awq", schemes=((("Linear",), linear),),
+                     not_converted=tuple(config.get("modules_to_not_convert") or ()))
+
+
+def _read_compressed_tensors(config: dict[str, Any], where: str) -> QuantSpec:
+    _refuse_unknown(config, CT_KEYS, where, "quant_method 'compressed-tensors'")
+    status = config.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise UnsupportedConfig(f"{where} quantization_status={status!r} is not supported; supported: 'compressed'")
+    for key in ("sparsity_config", "transform_config", "moe_sparsity_config"):
+        if config.get(key):
+            raise UnsupportedConfig(f"{where} {key} is not supported; sparse and transformed (rotated) weights are "
+                                    "not implemented, only an empty or null one")
+    if config.get("kv_cache_scheme"):
+        raise UnsupportedConfig(f"{where} kv_cache_scheme is not supported yet; quantized KV caches are set with "
+                                "EXECUTOR_KV_CACHE_DTYPE")
+    groups = config.get("config_groups") or {}
+    if not groups:
+        raise UnsupportedConfig(f"{where} has no config_groups")
+    schemes = []
+    for name, group in groups.items():
+        at = f"{where} config_groups.{name}"
+        _refuse_unknown(group, CT_GROUP_KEYS, at, "a compressed-tensors scheme")
+        if group.get("output_activations"):
+            raise UnsupportedConfig(f"{at}.output_activations is not supported; only weights and input activations")
+        fmt = group.get("format") or config.get("format")
+        targets = tuple(group.get("targets") or ())
+        schemes.append((targets, _ct_scheme(group.get("weights"), group.get("input_activations"), fmt, at)))
+    return QuantSpec("compressed-tensors", schemes=tuple(schemes), not_converted=tuple(config.get("ignore") or ()))
+
+
+def _ct_scheme(weights: dict[str, Any] | None, inputs: dict[str, Any] | None, fmt: str | None,
+               at: str) -> LinearScheme:
+    if fmt not in CT_FORMATS:
+        raise UnsupportedConfig(f"{at} format={fmt!r} is not supported; supported: {list(CT_FORMATS)}")
+    if not weights:
+        raise UnsupportedConfig(f"{at} quantizes no weights; activation-only schemes are not supported")
+    _refuse_unknown(weights, CT_ARGS_KEYS, f"{at}.weights", "compressed-tensors weights")
+    kind, bits = weights.get("type", "int"), weights.get("num_bits", 8)
+    strategy, symmetric = weights.get("strategy"), weights.get("symmetric", True)
+    if weights.get("dynamic"):
+        raise UnsupportedConfig(f"{at}.weights.dynamic=true is not supported; weights are read with their scales")
+    actorder = weights.get("actorder")
+    if actorder not in (None, False, "weight", "static", "group", "dynamic"):
+        raise UnsupportedConfig(f"{at}.weights.actorder={actorder!r} is not supported")
+    activations = _ct_activations(inputs, f"{at}.input_activations")
+    if kind == "float":
+        if bits != 8:
+            raise UnsupportedConfig(f"{at}.weights num_bits={bits} with type 'float' is not supported; supported: 8 "
+                                    "(FP8 e4m3)")
+        if fmt not in ("float-quantized", "naive-quantized") or not symmetric:
+            raise UnsupportedConfig(f"{at}: FP8 weights need format 'float-quantized' and symmetric scales")
+        if strategy in ("tensor", "channel"):
+            return LinearScheme("fp8", "ct-float", activations=activations)
+        if strategy == "block":
+            block = weights.get("block_structure")
+            if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+                raise UnsupportedConfig(f"{at}.weights block_structure={block!r} must be two positive integers")
+            return LinearScheme("fp8", "ct-float", block=(block[0], block[1]), activations=activations)
+        raise UnsupportedConfig(f"{at}.weights strategy={strategy!r} is not supported for FP8 weights; supported: "
+                                "'tensor', 'channel', 'block'")
+    if kind != "int":
+        raise UnsupportedConfig(f"{at}.weights type={kind!r} is not supported; supported: 'int', 'float'")
+    if fmt == "pack-quantized":
+        if bits not in (4, 8):
+            raise UnsupportedConfig(f"{at}.weights num_bits={bits} is not supported; supported: 4, 8")
+        if strategy not in ("group", "channel"):
+            raise UnsupportedConfig(f"{at}.weights strategy={strategy!r} is not supported for packed int weights; "
+                                    "supported: 'group', 'channel'")
+        group = weights.get("group_size") if strategy == "group" else None
+        if strategy == "group" and not (isinstance(group, int) and group > 0):
+            raise UnsupportedConfig(f"{at}.weights group_size={group!r} must be a positive integer")
+        return LinearScheme("int", "ct-pack", bits=bits, group_size=group, symmetric=bool(symmetric),
+                            act_order=actorder in ("group", "dynamic"), activations=activations)
+    if bits != 8 or strategy not in ("channel", "tensor") or not symmetric:
+        raise UnsupportedConfig(f"{at}: int weights in format {fmt!r} are supported as 8-bit, symmetric, per "
+                                f"channel or tensor; got num_bits={bits}, strategy={strategy!r}, "
+                                f"symmetric={symmetric}")
+    return LinearScheme("int", "ct-int", bits=8, activations=activations)
+
+
+def _ct_activations(inputs: dict[str, Any] | None, at: str) -> ActivationQuant | None:
+    if not inputs:
+        return None
+    _refuse_unknown(inputs, CT_ARGS_KEYS, at, "compressed-tensors activations")
+    kind, bits, strategy = inputs.get("type", "int"), inputs.get("num_bits", 8), inputs.get("strategy")
+    if not inputs.get("dynamic") or inputs.get("dynamic") == "local":
+        raise UnsupportedConfig(f"{at}: static activation scales (dynamic={inputs.get('dynamic')!r}) are not "
+                                "supported; supported: dynamic=true, per token or per group")
+    if bits != 8 or kind not in ("float", "int") or not inputs.get("symmetric", True):
+        raise UnsupportedConfig(f"{at}: num_bits={bits}, type={kind!r}, symmetric={inputs.get('symmetric', True)} "
+                                "is not supported; supported: 8-bit symmetric 'float' (FP8) or 'int'")
+    if strategy == "token":
+        return ActivationQuant(kind)
+    if strategy == "group" and isinstance(inputs.get("group_size"), int) and inputs["group_size"] > 0:
+        return ActivationQuant(kind, inputs["group_size"])
+    raise UnsupportedConfig(f"{at}: strategy={strategy!r} is not supported for dynamic activations; supported: "
+                            "'token', 'group' with a group_size")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -135,6 +317,25 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[t
     scales = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(FP8).max
     quantized = (blocks / scales[:, None, :, None]).view(grid[0] * bn, grid[1] * bk)[:rows, :cols]
     return quantized.to(FP8).contiguous(), scales
+
+
+def fake_quantize_activations(x: torch.Tensor, act: ActivationQuant) -> torch.Tensor:
+    """x quantized and dequantized as a dynamic scheme does at run time
+    (compressed-tensors' definition): per token, or per group of columns,
+    scale = amax / the format's half range, values rounded to FP8 e4m3 or
+    to int8 and multiplied back. Weight-only GEMMs then see exactly the
+    activations a W8A8 kernel would."""
+    groups = x if act.group_size is None else x.unflatten(-1, (-1, act.group_size))
+    amax = groups.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+    if act.type == "float":
+        scale = (amax / torch.finfo(FP8).max).clamp(min=torch.finfo(torch.float32).eps)
+        q = (groups.to(torch.float32) / scale).clamp(-torch.finfo(FP8).max, torch.finfo(FP8).max).to(FP8)
+        q = q.to(torch.float32)
+    else:
+        scale = (amax / 127.5).clamp(min=torch.finfo(torch.float32).eps)
+        q = torch.round(groups.to(torch.float32) / scale).clamp(-128, 127)
+    out = (q * scale).to(x.dtype)
+    return out if act.group_size is None else out.flatten(-2)
 
 
 class BlockSplitError(UnsupportedConfig):

@@ -21,6 +21,7 @@ sizes (executor_svc/model/layers.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from executor_svc.model.model_config import ModelConfig
@@ -29,7 +30,7 @@ from llmsched.errors import StartupError
 
 def size_problems(cfg: ModelConfig, size: int) -> list[str]:
     """Why `size` ranks cannot split this model; empty when they can.
-    With FP8 block scales, a size must also keep every block whole."""
+    A quantized checkpoint's size must also keep every block or group whole."""
     problems = []
     if cfg.num_heads % size:
         problems.append(f"{cfg.num_heads} attention heads")
@@ -45,18 +46,32 @@ def size_problems(cfg: ModelConfig, size: int) -> list[str]:
         if cfg.moe.shared_intermediate_size % size:
             problems.append(f"shared expert intermediate size {cfg.moe.shared_intermediate_size}")
     if not problems and size > 1:
-        problems += fp8_block_cuts(cfg, size)
+        problems += quantization_cuts(cfg, size)
     return problems
 
 
-def fp8_block_cuts(cfg: ModelConfig, size: int) -> list[str]:
-    """An FP8 checkpoint's blocks that `size` ranks would cut: each rank
-    must hold whole blocks of every weight it splits, by rows (q, k, v,
-    gate, up; q_b and kv_b) or by columns (o, down)."""
-    spec = cfg.quantization
-    if spec is None or spec.weight_block is None:
+def quantization_units(cfg: ModelConfig) -> tuple[int, int]:
+    """The rows and columns that a rank's part of a quantized weight must be
+    a multiple of: FP8 blocks; packed ints' groups (split by columns, unless
+    act-order keeps every group on every rank) and whole bytes of 4 bits."""
+    rows = cols = 1
+    for _, scheme in (cfg.quantization.schemes if cfg.quantization is not None else ()):
+        if scheme.kind == "fp8" and scheme.block:
+            rows, cols = math.lcm(rows, scheme.block[0]), math.lcm(cols, scheme.block[1])
+        elif scheme.kind == "int":
+            cols = math.lcm(cols, 2 if scheme.bits == 4 else 1)
+            if scheme.group_size is not None and not scheme.act_order:
+                cols = math.lcm(cols, scheme.group_size)
+    return rows, cols
+
+
+def quantization_cuts(cfg: ModelConfig, size: int) -> list[str]:
+    """A quantized checkpoint's blocks or groups that `size` ranks would cut:
+    each rank must hold whole ones of every weight it splits, by rows (q,
+    k, v, gate, up; q_b and kv_b) or by columns (o, down)."""
+    rows, cols = quantization_units(cfg)
+    if rows == cols == 1:
         return []
-    rows, cols = spec.weight_block
     heads = cfg.num_heads // size
     split: list[tuple[str, int, int]] = []
     if cfg.mla is None:
@@ -74,7 +89,7 @@ def fp8_block_cuts(cfg: ModelConfig, size: int) -> list[str]:
             units.append(cfg.moe.shared_intermediate_size // size)
     for n in units:
         split += [("gate/up rows", n, rows), ("down columns", n, cols)]
-    return [f"FP8 blocks of {block} ({what} per rank: {n})" for what, n, block in split if n % block]
+    return [f"quantization blocks or groups of {unit} ({what} per rank: {n})" for what, n, unit in split if n % unit]
 
 
 def valid_sizes(cfg: ModelConfig) -> list[int]:

@@ -189,10 +189,11 @@ REFUSALS = {
     "unknown routing key": ("qwen3-moe", {"scoring_func": "sigmoid"}, "scoring_func"),
     "routing method": ("deepseek-v3", {"topk_method": "greedy"}, "topk_method='greedy' is not supported"),
     "unknown attention key": ("deepseek-v3", {"index_topk": 2048}, "index_topk"),  # DeepSeek-V3.2's sparse attention
-    "per-tensor fp8": ("deepseek-v3", {"quantization_config": {"quant_method": "fp8"}},
-                       "without weight_block_size (per-tensor FP8) is not supported yet"),
-    "awq": ("llama3-t4", {"quantization_config": {"quant_method": "awq", "bits": 4}},
-            "quant_method='awq' is not supported; supported: 'fp8'"),
+    "static fp8 activations": ("deepseek-v3", {"quantization_config": {"quant_method": "fp8",
+                                                                         "activation_scheme": "static"}},
+                               "activation_scheme='static' is not supported"),
+    "3-bit awq": ("llama3-t4", {"quantization_config": {"quant_method": "awq", "bits": 3, "group_size": 128}},
+                  "bits=3 is not supported; supported: [4]"),
 }
 
 

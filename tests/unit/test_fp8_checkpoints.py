@@ -98,11 +98,11 @@ def test_a_tensor_parallel_size_that_cuts_a_block_is_refused_naming_the_sizes_th
 
 
 def test_the_start_up_size_check_names_the_fp8_blocks_a_size_would_cut(edges, aligned):
-    with pytest.raises(StartupError, match=r"does not divide .*FP8 blocks of 48 \(q rows per rank: 32\).*sizes that work: 1$"):
+    with pytest.raises(StartupError, match=r"does not divide .*blocks or groups of 48 \(q rows per rank: 32\).*sizes that work: 1$"):
         check_size(read_config(load_checkpoint(str(edges)).hf_config), 2)
     # 32 x 32 blocks: one KV head of 16 rows per rank would cut them; 16 x 16 blocks stay whole.
     hf = load_checkpoint(str(aligned)).hf_config
-    with pytest.raises(StartupError, match=r"FP8 blocks of 32 \(k/v rows per rank: 16\)"):
+    with pytest.raises(StartupError, match=r"blocks or groups of 32 \(k/v rows per rank: 16\)"):
         check_size(read_config(hf), 2)
     check_size(read_config(hf | {"quantization_config": BASE | {"weight_block_size": [16, 16]}}), 2)
 
@@ -125,11 +125,11 @@ BASE = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_sche
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"quant_method": "awq"}, r"quant_method='awq' is not supported; supported: 'fp8'"),
+    ({"quant_method": "awq"}, r"keys \['activation_scheme', 'weight_block_size'\] are not implemented for "
+                              r"quant_method 'awq'"),
     ({"fmt": "e5m2"}, r"fmt='e5m2' is not supported"),
     ({"activation_scheme": "static"}, r"activation_scheme='static' is not supported"),
     ({"scale_fmt": "e4m3"}, r"scale_fmt='e4m3' is not supported"),
-    ({"weight_block_size": None}, r"without weight_block_size \(per-tensor FP8\) is not supported yet"),
     ({"weight_block_size": [128]}, r"weight_block_size=\[128\] must be two positive integers"),
     ({"kv_cache_scheme": {"num_bits": 8}}, r"keys \['kv_cache_scheme'\] are not implemented"),
 ])

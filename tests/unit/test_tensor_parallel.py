@@ -18,7 +18,7 @@ from tests import tp_ranks
 from tests.families import CASES, FamilyCase, make_checkpoint
 from tests.families import hf_greedy as family_hf_greedy
 from tests.oracle import hf_greedy
-from tests.quantized import write_fp8
+from tests.quantized import write_compressed_tensors, write_fp8, write_gptq
 
 PROMPTS = [[1, 403, 407, 261, 378], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309], [1, 50]]
 MAX_NEW, CHUNK = 8, 3
@@ -97,6 +97,22 @@ def test_fp8_block_checkpoint_at_tp2_equals_one_device_and_hf(family, block, che
     tokens = assert_same_as_one_device(path, 2)
     for prompt, got in zip(PROMPTS, tokens):
         assert got == family_hf_greedy(path, prompt, MAX_NEW).tokens, f"{family} FP8 TP=2 differs from HF"
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors-w4a16", "gptq-act-order"])
+def test_w4a16_checkpoint_at_tp2_equals_one_device_and_hf(fmt, checkpoints, tmp_path):
+    """Each rank unpacks its rows (q/k/v, gate/up) or columns (o, down) of
+    the packed weights with their groups' scales and zero points; with
+    act-order, every rank keeps every group and its columns' g_idx."""
+    plain = Path(checkpoints(CASES["llama3"]))
+    if fmt == "gptq-act-order":
+        path, oracle = (str(p) for p in write_gptq(plain, tmp_path / "q", tmp_path / "dense", 4, 32, False, True))
+    else:
+        args = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}
+        path = oracle = str(write_compressed_tensors(plain, tmp_path / "q", args))
+    tokens = assert_same_as_one_device(path, 2)
+    for prompt, got in zip(PROMPTS, tokens):
+        assert got == family_hf_greedy(oracle, prompt, MAX_NEW).tokens, f"{fmt} TP=2 differs from HF"
 
 
 def test_padded_vocabulary_is_never_sampled(checkpoints):

@@ -1,0 +1,199 @@
+"""Quantized checkpoint formats beyond FP8 blocks (test_fp8_checkpoints.py):
+compressed-tensors, GPTQ, AWQ and per-tensor FP8, served at their own size
+(executor_svc/model/quantization.py, quant_formats.py, layers.py).
+
+Fixtures come from a tiny random Llama (tests/families.py): compressed-tensors
+checkpoints written by the compressed-tensors package, GPTQ, AWQ and
+per-tensor FP8 by hand in their documented layouts (tests/quantized.py).
+
+Oracles:
+- weight-only formats: HF transformers' greedy tokens, token for token, on
+  the checkpoint itself where transformers reads it (compressed-tensors,
+  symmetric), else on its weights dequantized by compressed-tensors' own
+  decompressors (asymmetric zero points, which transformers 5 fails to
+  load) or by the layout's definition (GPTQ, AWQ, per-tensor FP8);
+- formats that quantize activations at run time (W8A8): HF with
+  compressed-tensors' fake-quantized forward, teacher-forced on HF's greedy
+  tokens. Tolerance: top-1 agrees on at least 99% of positions, and on
+  every position where HF's top-1 leads its top-2 by at least MARGIN.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor_svc.loading import weight_bytes
+from executor_svc.model.families import read_config
+from executor_svc.model.model_config import UnsupportedConfig
+from executor_svc.model.sharding import check_size
+from executor_svc.step.runner import NewRequestData, StepPlan
+from executor_svc.step.sampler import SamplingSettings
+from llmsched.errors import StartupError
+from tests.families import CASES, hf_greedy, hf_model, make_checkpoint, prompts
+from tests.quantized import (
+    decompress_compressed_tensors, write_awq, write_compressed_tensors, write_fp8_per_tensor, write_gptq,
+)
+from tests.unit.test_families_vs_hf import runner_for
+from tests.unit.test_fp8_checkpoints import assert_greedy_equal
+from tests.unit.test_runner_vs_hf import BLOCK
+
+# Logits of these models are O(1-10); fake-quantized activations computed
+# in another order move them by ~1e-3, so only a lead this large is owed.
+MARGIN = 0.05
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return make_checkpoint(CASES["llama3"], tmp_path_factory.mktemp("llama"))
+
+
+def int_args(bits: int, strategy: str, symmetric: bool, group: int | None = None) -> dict:
+    return {"num_bits": bits, "type": "int", "strategy": strategy, "symmetric": symmetric} | (
+        {"group_size": group} if group else {})
+
+
+@pytest.mark.parametrize("name, weights", [
+    ("w4a16-group32", int_args(4, "group", True, 32)),
+    ("w4a16-group32-asymmetric", int_args(4, "group", False, 32)),
+    ("w8a16-channel-asymmetric", int_args(8, "channel", False)),
+])
+def test_compressed_tensors_packed_ints_serve_hfs_greedy_tokens(llama, name, weights, tmp_path):
+    path = write_compressed_tensors(llama, tmp_path / name, weights)
+    oracle = path if weights["symmetric"] else decompress_compressed_tensors(path, tmp_path / "dense")
+    assert_greedy_equal(path, oracle)
+    layer = runner_for(str(path)).model.model.layers[0].self_attn.qkv_proj
+    bits = weights["num_bits"]
+    assert layer.qweight.dtype == torch.uint8 and layer.qweight.shape == (layer.out_features, 64 * bits // 8)
+
+
+@pytest.mark.parametrize("bits, group, sym, desc_act", [(4, 32, False, True), (8, 64, True, False)])
+def test_gptq_serves_hfs_greedy_tokens_on_its_dequantized_weights(llama, bits, group, sym, desc_act, tmp_path):
+    path, dense = write_gptq(llama, tmp_path / "gptq", tmp_path / "dense", bits, group, sym, desc_act)
+    assert_greedy_equal(path, dense)
+
+
+def test_awq_gemm_with_its_interleaved_nibbles_serves_hfs_greedy_tokens(llama, tmp_path):
+    path, dense = write_awq(llama, tmp_path / "awq", tmp_path / "dense", group=32)
+    assert_greedy_equal(path, dense)
+
+
+def test_per_tensor_fp8_serves_hfs_greedy_tokens_on_its_dequantized_weights(llama, tmp_path):
+    path, dense = write_fp8_per_tensor(llama, tmp_path / "fp8", tmp_path / "dense")
+    assert_greedy_equal(path, dense, steps=10)  # HF's 11th step on prompt 2 is a near tie
+
+
+def test_w4a16_holds_half_a_byte_per_weight_and_its_group_scales(llama, tmp_path):
+    path = write_compressed_tensors(llama, tmp_path / "w4", int_args(4, "group", True, 32))
+    plain, packed = runner_for(str(llama)).model, runner_for(str(path)).model
+    linears = sum(p.numel() for n, p in plain.named_parameters() if "proj" in n)
+    # Per weight: half a byte, plus per group of 32 a float32 scale and a zero point.
+    assert weight_bytes(plain) - weight_bytes(packed) == pytest.approx(linears * (4 - 0.5 - 5 / 32))
+
+
+def test_a_tensor_parallel_size_that_cuts_a_group_is_refused_naming_the_sizes_that_work(llama):
+    hf = json.loads((llama / "config.json").read_text())
+    cfg = read_config(hf | {"quantization_config": CT | group(weights=int_args(4, "group", True, 64))})
+    with pytest.raises(StartupError, match=r"blocks or groups of 64 \(o columns per rank: 32\).*sizes that work: 1$"):
+        check_size(cfg, 2)
+    check_size(read_config(hf | {"quantization_config": CT | group(weights=int_args(4, "group", True, 32))}), 2)
+    # Act-order keeps every group on every rank: nothing to cut.
+    check_size(read_config(hf | {"quantization_config": GPTQ | {"group_size": 64, "desc_act": True}}), 2)
+
+
+def teacher_forced_top1(path: str, oracle: str, n: int = 6, steps: int = 20) -> tuple[float, list[str]]:
+    """Our top-1 after every prefix of HF's greedy sequences against HF's
+    logits on the whole sequence: (the share that agrees, the positions
+    that disagree although HF's lead there is at least MARGIN)."""
+    runner = runner_for(path)
+    settings = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=1)
+    agree, total, owed, handle = 0, 0, [], 0
+    for prompt in prompts(n):
+        seq = prompt + hf_greedy(oracle, prompt, steps).tokens
+        with torch.no_grad():
+            logits = hf_model(oracle)(torch.tensor([seq])).logits[0].float()
+        # Every prefix writes the same keys and values at the same
+        # positions (attention is causal), so they share one block table.
+        plan, blocks, previous = StepPlan(handle), list(range(-(-len(seq) // BLOCK))), list(range(handle))
+        for end in range(len(prompt), len(seq) + 1):
+            plan.new_requests.append(NewRequestData(handle, seq[:end], blocks, 0, end, settings, 0))
+            handle += 1
+        plan.finished_handles = previous
+        out = runner.execute(plan)
+        for req, got in zip(plan.new_requests, out.sampled_token_ids):
+            top2 = logits[len(req.token_ids) - 1].topk(2)
+            total += 1
+            agree += got == int(top2.indices[0])
+            if got != int(top2.indices[0]):
+                print(f"  differs where HF leads by {float(top2.values[0] - top2.values[1]):.4f}")
+            if got != int(top2.indices[0]) and float(top2.values[0] - top2.values[1]) >= MARGIN:
+                owed.append(f"position {len(req.token_ids)}: ours {got}, HF {int(top2.indices[0])} leading by "
+                            f"{float(top2.values[0] - top2.values[1]):.3f}")
+    return agree / total, owed
+
+
+@pytest.mark.parametrize("name, weights, activations", [
+    ("fp8-dynamic-per-channel", {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+     {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}),
+    # Blocks of 48 x 40 leave edge tiles on every weight; activations per group of 32.
+    ("fp8-blocks-with-edges", {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [48, 40],
+                               "symmetric": True},
+     {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32, "dynamic": True, "symmetric": True}),
+    ("int8-w8a8", int_args(8, "channel", True),
+     {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}),
+])
+def test_activation_quantized_formats_agree_with_compressed_tensors_fake_quantized_forward(
+        llama, name, weights, activations, tmp_path):
+    path = str(write_compressed_tensors(llama, tmp_path / name, weights, activations))
+    share, owed = teacher_forced_top1(path, path)
+    print(f"{name}: top-1 agrees with compressed-tensors' forward on {share:.1%} of positions")
+    assert share >= 0.99 and not owed, f"{share:.1%} agree; {owed}"
+
+
+CT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": int_args(4, "group", True, 128)}},
+      "ignore": ["lm_head"], "version": "0.20.1", "transform_config": {}, "sparsity_config": None}
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+        "damp_percent": 0.01, "true_sequential": True}
+
+
+def group(**change) -> dict:
+    return {"config_groups": {"group_0": CT["config_groups"]["group_0"] | change}}
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"quant_method": "bitsandbytes"}, r"quant_method='bitsandbytes' is not supported; supported: 'fp8', "
+                                       r"'compressed-tensors', 'gptq', 'awq'"),
+    (CT | {"format": "nvfp4-pack-quantized"}, r"format='nvfp4-pack-quantized' is not supported; supported: "),
+    (CT | group(weights=int_args(4, "tensor_group", True, 16)), r"strategy='tensor_group' is not supported"),
+    (CT | group(weights=int_args(2, "group", True, 128)), r"num_bits=2 is not supported; supported: 4, 8"),
+    (CT | group(input_activations={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),
+     r"static activation scales \(dynamic=False\) are not supported"),
+    (CT | {"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, r"kv_cache_scheme is not supported yet"),
+    (CT | {"transform_config": {"config_groups": {"u": {}}}}, r"transform_config is not supported"),
+    (CT | {"quantization_status": "frozen"}, r"quantization_status='frozen' is not supported"),
+    (GPTQ | {"bits": 3}, r"bits=3 is not supported; supported: \[4, 8\]"),
+    (GPTQ | {"checkpoint_format": "gptq_v2"}, r"checkpoint_format='gptq_v2' is not supported"),
+    (GPTQ | {"group_size": 0}, r"group_size=0 must be positive, or -1"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, r"version='gemv' is not supported"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "scale_fmt": "e4m3"}, r"scale_fmt='e4m3' is not"),
+])
+def test_quantization_configs_that_change_the_math_are_refused_by_name(llama, config, message):
+    hf = json.loads((llama / "config.json").read_text())
+    with pytest.raises(UnsupportedConfig, match=message):
+        read_config(hf | {"quantization_config": config})
+
+
+@pytest.mark.parametrize("config, described", [
+    (CT, "compressed-tensors: int4 group 128"),
+    (GPTQ | {"desc_act": True, "sym": False, "model_name_or_path": None}, "gptq: int4 group 128 asymmetric act-order"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "GEMM"},
+     "awq: int4 group 64 asymmetric"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8 per channel"),
+])
+def test_keys_that_only_record_how_a_checkpoint_was_made_are_accepted(llama, config, described):
+    hf = json.loads((llama / "config.json").read_text())
+    assert read_config(hf | {"quantization_config": config}).quantization.describe() == described

@@ -28,13 +28,25 @@ FP8 with block scales (``fp8_block_linear``):
 * x:                [M, K]
 * weight:           [N, K] float8_e4m3fn
 * scales:           [grid rows, cdiv(K, block_k)] float32; grid_rows: [N] the scale row of each weight row
+
+Integer weights with group scales and zero points (``int_weight_linear``, W4A16 / W8A16;
+GPTQ, AWQ and compressed-tensors checkpoints are converted to this at load):
+
+* qweight:          [N, cdiv(K, 2)] uint8 for 4 bits (column 2j in byte j's low nibble,
+                    2j + 1 in its high nibble), [N, K] uint8 for 8 bits; unsigned q
+* scales:           [N, cdiv(K, group_size)] float16, bfloat16 or float32
+* zeros:            [N, cdiv(K, group_size)] uint8, unsigned zero points
+* g_idx:            [K] int32 group of each column (GPTQ act-order) or None: k // group_size
+* W[n, k] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)] in scales' dtype, then cast to x's
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["write_kv_cache", "paged_attention", "fused_moe", "mla_decode", "fp8_block_linear"]
+__all__ = ["write_kv_cache", "paged_attention", "fused_moe", "mla_decode", "fp8_block_linear", "pack_int",
+           "unpack_int", "dequantize_int", "int_weight_linear"]
 
 
 def write_kv_cache(
@@ -191,3 +203,66 @@ def fp8_block_linear(
         cols = slice(col, min(col + block_k, k))
         w[:, cols] = weight[:, cols].float() * scales[grid_rows, col // block_k].float()[:, None]
     return (x.float() @ w.to(x.dtype).float().T).to(x.dtype)
+
+
+def pack_int(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q [N, K] uint8 (values below 2**bits) in the packed layout: unpack_int's inverse."""
+    assert bits in (4, 8), f"bits {bits}: 4 or 8"
+    q = q.to(torch.uint8)
+    if bits == 8:
+        return q.contiguous()
+    if q.shape[1] % 2:  # the last byte's high nibble is padding
+        q = torch.cat([q, q.new_zeros(q.shape[0], 1)], dim=1)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # [N, cdiv(K, 2)]
+
+
+def unpack_int(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:  # [N, K] uint8
+    """The unsigned values of a packed weight: column 2j is byte j's low nibble, 2j + 1 its high one."""
+    assert bits in (4, 8), f"bits {bits}: 4 or 8"
+    if bits == 8:
+        return qweight[:, :k]
+    nibbles = torch.stack([qweight & 0xF, qweight >> 4], dim=-1)  # [N, cdiv(K, 2), 2]
+    return nibbles.flatten(1)[:, :k]
+
+
+def group_of_columns(k: int, group_size: int, g_idx: torch.Tensor | None, device) -> torch.Tensor:  # [K] int64
+    """The scale/zero column of each weight column: g_idx (act-order) or k // group_size."""
+    if g_idx is not None:
+        return g_idx.to(device=device, dtype=torch.int64)
+    return torch.arange(k, device=device) // group_size
+
+
+def dequantize_int(
+    qweight: torch.Tensor,  # [N, cdiv(K, 2)] (4 bits) or [N, K] (8 bits) uint8
+    scales: torch.Tensor,  # [N, n_groups]
+    zeros: torch.Tensor,  # [N, n_groups] uint8
+    group_size: int,
+    bits: int,
+    g_idx: torch.Tensor | None,  # [K] int32
+    k: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [N, K] in dtype
+    """W[n, k] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)], computed in scales' dtype (as
+    compressed-tensors does; q - z is an integer of at most 9 bits, exact in any float
+    dtype, so the product is rounded once), then cast to dtype."""
+    groups = group_of_columns(k, group_size, g_idx, qweight.device)  # [K]
+    q = unpack_int(qweight, bits, k)  # [N, K]
+    z = zeros.index_select(1, groups)  # [N, K]
+    s = scales.index_select(1, groups)  # [N, K]
+    w = (q.to(torch.int16) - z.to(torch.int16)).to(scales.dtype) * s
+    return w.to(dtype)
+
+
+def int_weight_linear(
+    x: torch.Tensor,  # [M, K] float16, bfloat16 or float32
+    qweight: torch.Tensor,  # [N, cdiv(K, 2)] (4 bits) or [N, K] (8 bits) uint8
+    scales: torch.Tensor,  # [N, n_groups]
+    zeros: torch.Tensor,  # [N, n_groups] uint8
+    group_size: int,
+    bits: int,
+    g_idx: torch.Tensor | None = None,  # [K] int32
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """x W^T (+ bias) with W = dequantize_int(...) in x's dtype."""
+    w = dequantize_int(qweight, scales, zeros, group_size, bits, g_idx, x.shape[1], x.dtype)  # [N, K]
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))

@@ -1,0 +1,177 @@
+"""Triton kernel: y = x W^T (+ bias) with W stored as 4- or 8-bit unsigned integers,
+one scale and one zero point per row and group of columns (``int_weight_linear``,
+W4A16 / W8A16): the layout the executor converts GPTQ, AWQ and compressed-tensors
+checkpoints into at load.
+
+The packed bytes are decoded in the load loop: weight column k of a 4-bit row is
+byte k // 2 shifted right by (k % 2) * 4 (the two columns of a byte are read by
+neighbouring lanes, from the same cache line). Each tile is dequantized as the
+torch path does it: (q - zero) is an exact integer, its product with the scale is
+rounded once to the scales' dtype, then cast to the activations' dtype before the
+dot (accumulation in float32). So both paths multiply the same weights.
+
+Groups: without g_idx a column's group is k // group_size; when a group spans
+whole BLOCK_K tiles (or the whole row) each tile loads one scale and zero per row
+(GROUP_PER_TILE). With g_idx (GPTQ act-order) each column gathers its own.
+
+Shapes (see ``kernels.reference.int_weight_linear`` for the semantics):
+
+* x:       [M, K] float16, bfloat16 or float32 (unit column stride)
+* qweight: [N, cdiv(K, 2)] uint8 (bits 4) or [N, K] uint8 (bits 8)
+* scales:  [N, cdiv(K, group_size)] float16, bfloat16 or float32
+* zeros:   [N, cdiv(K, group_size)] uint8
+* g_idx:   [K] int32 or None
+* bias:    [N] or None
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["int_weight_linear"]
+
+
+@triton.jit
+def _int_weight_linear_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, cdiv(K, 2)] (BITS 4) or [N, K] (BITS 8) uint8
+    s_ptr,  # [N, n_groups]
+    z_ptr,  # [N, n_groups] uint8
+    g_ptr,  # [K] int32 (HAS_G_IDX) or a dummy
+    b_ptr,  # [N] (HAS_BIAS) or a dummy
+    y_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,  # scales and zeros share it (both contiguous)
+    stride_ym,
+    GROUP_SIZE: tl.constexpr,
+    BITS: tl.constexpr,  # 4 or 8
+    HAS_G_IDX: tl.constexpr,
+    GROUP_PER_TILE: tl.constexpr,  # no g_idx and every BLOCK_K tile lies in one group
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 so it is not rounded to tf32
+    DOT_UPCAST: tl.constexpr,  # interpreter + 16-bit x: multiply as fp32 (exact upcast), as a GPU's MMA does
+    ROUND_S_BY_HAND: tl.constexpr,  # interpreter + bf16 scales: its float32 -> bfloat16 casts truncate
+    ROUND_X_BY_HAND: tl.constexpr,  # interpreter + bf16 x: likewise
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]
+    s_rows = offs_n.to(tl.int64) * stride_sn  # [BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k  # [BLOCK_K]
+        k_ok = k < K
+        a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w_ok = k_ok[:, None] & n_ok[None, :]  # [BLOCK_K, BLOCK_N]
+        if BITS == 4:
+            packed = tl.load(w_rows + (k // 2)[:, None], mask=w_ok, other=0).to(tl.int32)  # [BLOCK_K, BLOCK_N]
+            q = (packed >> ((k % 2) * 4)[:, None]) & 0xF
+        else:
+            q = tl.load(w_rows + k[:, None], mask=w_ok, other=0).to(tl.int32)  # [BLOCK_K, BLOCK_N]
+        if GROUP_PER_TILE:
+            sz = s_rows + k0 // GROUP_SIZE  # [BLOCK_N]
+            scale = tl.load(s_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_N]
+            zero = tl.load(z_ptr + sz, mask=n_ok, other=0).to(tl.int32)[None, :]  # [1, BLOCK_N]
+        else:
+            if HAS_G_IDX:
+                group = tl.load(g_ptr + k, mask=k_ok, other=0).to(tl.int64)  # [BLOCK_K]
+            else:
+                group = (k // GROUP_SIZE).to(tl.int64)  # [BLOCK_K]
+            sz = s_rows[None, :] + group[:, None]  # [BLOCK_K, BLOCK_N]
+            scale = tl.load(s_ptr + sz, mask=w_ok, other=0.0).to(tl.float32)
+            zero = tl.load(z_ptr + sz, mask=w_ok, other=0).to(tl.int32)
+        # (q - zero) is exact; the product is rounded once, to the scales' dtype, as the torch path has it.
+        w = (q - zero).to(tl.float32) * scale  # [BLOCK_K, BLOCK_N]
+        if ROUND_S_BY_HAND:
+            w = _round_to_bf16(w)
+        else:
+            w = w.to(s_ptr.dtype.element_ty)
+        if ROUND_X_BY_HAND:
+            w = _round_to_bf16(w.to(tl.float32))
+        else:
+            w = w.to(a.dtype)
+        if DOT_UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ROUND_X_BY_HAND:
+        acc = _round_to_bf16(acc)
+    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """x (float32) rounded to the nearest bfloat16, ties to even, kept in
+    float32 (finite values): what a GPU's cast does, and the interpreter's
+    does not."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def int_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      group_size: int, bits: int, g_idx: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of ``kernels.reference.int_weight_linear``: [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    n_groups = triton.cdiv(k, group_size)
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), f"x {x.dtype}"
+    assert bits in (4, 8), f"bits {bits}: 4 or 8"
+    packed_k = triton.cdiv(k, 2) if bits == 4 else k
+    assert qweight.dtype == torch.uint8 and qweight.shape == (n, packed_k), (
+        f"qweight {tuple(qweight.shape)} {qweight.dtype} for {bits}-bit [{n}, {k}]")
+    assert scales.shape == (n, n_groups) and zeros.shape == (n, n_groups) and zeros.dtype == torch.uint8, (
+        f"scales {tuple(scales.shape)} zeros {tuple(zeros.shape)} {zeros.dtype}: want [{n}, {n_groups}], uint8 zeros")
+    assert scales.dtype in (torch.float16, torch.bfloat16, torch.float32), f"scales {scales.dtype}"
+    assert g_idx is None or (g_idx.shape == (k,) and g_idx.dtype == torch.int32), "g_idx: [K] int32"
+    assert bias is None or bias.shape == (n,), f"bias {tuple(bias.shape)} for {n} rows"
+    x = x if x.stride(1) == 1 else x.contiguous()
+    qweight = qweight if qweight.stride(1) == 1 else qweight.contiguous()
+    scales, zeros = scales.contiguous(), zeros.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    # fp32 tiles hold twice the bytes: smaller ones keep them in registers (no spills on sm_80/sm_90).
+    block_n, block_k = (32, 32) if x.dtype == torch.float32 else (64, 64)
+    group_per_tile = g_idx is None and (group_size % block_k == 0 or group_size >= k)
+    interpreting = _interpreting()
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _int_weight_linear_kernel[grid](
+        x, qweight, scales, zeros, y if g_idx is None else g_idx.contiguous(),
+        y if bias is None else bias.to(x.dtype).contiguous(), y, m, n, k,  # the torch path adds it in x's dtype
+        x.stride(0), qweight.stride(0), scales.stride(0), y.stride(0),
+        GROUP_SIZE=group_size, BITS=bits, HAS_G_IDX=g_idx is not None, GROUP_PER_TILE=group_per_tile,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=x.dtype != torch.float32 and interpreting,
+        ROUND_S_BY_HAND=scales.dtype == torch.bfloat16 and interpreting,
+        ROUND_X_BY_HAND=x.dtype == torch.bfloat16 and interpreting,
+        num_warps=4,
+    )
+    return y

@@ -44,6 +44,7 @@ except ImportError as exc:  # pragma: no cover - depends on the Triton version
 
 from kernels import fp8_linear as fl  # noqa: E402
 from kernels import fused_moe as fm  # noqa: E402
+from kernels import int_linear as il  # noqa: E402
 from kernels import kv_write  # noqa: E402
 from kernels import mla_decode as mla  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
@@ -137,6 +138,16 @@ def _fp8_linear_launch(m, n, k, block_k, dtype):
                         torch.ones(-(-n // 128), scale_cols), torch.arange(n) // 128, block_k)
 
 
+def _int_linear_launch(m, n, k, group_size, bits, dtype, act_order=False, bias=False):
+    """An integer weight-only linear: weight [n, k] packed at bits, scales in x's dtype."""
+    groups = -(-k // group_size)
+    packed_k = -(-k // 2) if bits == 4 else k
+    il.int_weight_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n, packed_k, dtype=torch.uint8),
+                         torch.ones(n, groups, dtype=dtype), torch.zeros(n, groups, dtype=torch.uint8), group_size,
+                         bits, torch.arange(k, dtype=torch.int32) // group_size if act_order else None,
+                         torch.zeros(n, dtype=dtype) if bias else None)
+
+
 def _record_all_launches(arch: int) -> list:
     launches: list = []
     pa._paged_attention_kernel = _Recorder(pa._paged_attention_kernel, launches, "attention")
@@ -145,6 +156,7 @@ def _record_all_launches(arch: int) -> list:
     fm._grouped_gemm_kernel = _Recorder(fm._grouped_gemm_kernel, launches, "fused_moe")
     mla._mla_decode_kernel = _Recorder(mla._mla_decode_kernel, launches, "mla_decode")
     fl._fp8_block_linear_kernel = _Recorder(fl._fp8_block_linear_kernel, launches, "fp8_linear")
+    il._int_weight_linear_kernel = _Recorder(il._int_weight_linear_kernel, launches, "int_linear")
     pa._num_sms = lambda device: 132  # choose tiles as on an H100/H200
     pa._compute_capability = lambda device: divmod(arch, 10)
 
@@ -193,6 +205,15 @@ def _record_all_launches(arch: int) -> list:
         _fp8_linear_launch(1, 4096, 7168, 128, dtype)
         _fp8_linear_launch(100, 4096, 7168, 128, dtype)
     _fp8_linear_launch(4, 96, 80, 32, torch.float32)
+    # W4A16 / W8A16 (GPTQ, AWQ, compressed-tensors): Llama-3-8B's o_proj, group 128, decode and prefill;
+    # GPTQ act-order (a group gathered per column); a per-channel fp32 one with a bias.
+    for bits in (4, 8):
+        for dtype in (torch.bfloat16, torch.float16):
+            _int_linear_launch(1, 4096, 4096, 128, bits, dtype)
+            _int_linear_launch(100, 4096, 4096, 128, bits, dtype)
+        _int_linear_launch(1, 4096, 4096, 128, bits, torch.bfloat16, act_order=True)
+        _int_linear_launch(100, 4096, 4096, 128, bits, torch.bfloat16, act_order=True)
+        _int_linear_launch(4, 96, 80, 80, bits, torch.float32, bias=True)
     return launches
 
 
@@ -200,7 +221,7 @@ def _describe(label: str, kwargs: dict, args: tuple) -> str:
     dtype = args[0].dtype  # every kernel's first argument holds the data dtype
     keys = ("BLOCK_M", "BLOCK_Q", "TILE_N", "HEAD_DIM", "GROUP", "NUM_SPLITS", "NUM_KV_HEADS", "num_warps")
     keys += ("USE_WINDOW", "USE_SOFTCAP", "USE_SINKS", "BLOCK_N", "BLOCK_K", "A_ROWS_PER", "HAS_BIAS", "MUL_WEIGHT")
-    keys += ("BLOCK_H", "V_PAD", "R_PAD", "SCALE_K")
+    keys += ("BLOCK_H", "V_PAD", "R_PAD", "SCALE_K", "BITS", "GROUP_SIZE", "HAS_G_IDX", "GROUP_PER_TILE")
     shape = ",".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
     return f"{label}[{str(dtype).removeprefix('torch.')}:{shape}]"
 

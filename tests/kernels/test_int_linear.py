@@ -160,11 +160,11 @@ def test_the_reference_is_a_linear_with_the_dequantized_weight():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 300])
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("m, bits, act_order", [(1, 4, False), (300, 4, False), (1, 8, False), (300, 8, True),
+                                                (1, 4, True)])
 def test_int_weight_linear_on_a_gpu_matches_the_reference_at_llama_shapes(m, bits, act_order):
-    """Llama-3-8B's o_proj (4096 -> 4096), group 128, bf16, on the real compiler."""
+    """Llama-3-8B's o_proj (4096 -> 4096), group 128, bf16, on the real compiler: decode and
+    prefill, W4A16 and W8A16, GPTQ act-order (a few variants: each compiles, in gpu-check's time)."""
     args = make(m, 4096, 4096, bits, 128, torch.bfloat16, act_order=act_order, device="cuda")
     got = il.int_weight_linear(*args).float()
     want = reference.int_weight_linear(*args).float()

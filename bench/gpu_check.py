@@ -14,7 +14,10 @@
 6. the simulator's calibration on this GPU (python -m simulator calibrate,
    bench-small, Triton): a measured profile, profile_bench-small.json,
    which replaces a roofline estimate for what this GPU runs; summary.json
-   carries its held-out step-time error.
+   carries its held-out step-time error;
+7. the quantized-weight GEMMs, FP8 block-scaled and int4 (group 128),
+   against torch's bf16 GEMM of the same shape at batch 1 and 64
+   (python -m bench.quant_gemm): TFLOP/s, GB/s and the ratio to bf16.
 
 Each part has its own time limit, so one that hangs cannot eat the others'
 time; summary.json records what each part did. Exits 2 at once, saying so,
@@ -32,9 +35,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Seconds per part; the sum stays under 9 minutes. pytest_gpu includes the
-# two-GPU tensor-parallel tests (two service launches) where they run.
-LIMITS = {"pytest_gpu": 140, "kernels_p8": 100, "e2e_graphs_auto": 70, "e2e_graphs_off": 70,
-          "tensor_parallel_p13": 75, "moe_mla_kernels": 50, "calibrate_sim": 35}
+# two-GPU tensor-parallel tests (two service launches) where they run. The
+# quantized GEMMs' 30 s came out of P8 (about a minute on an H100) and P13.
+LIMITS = {"pytest_gpu": 140, "kernels_p8": 85, "e2e_graphs_auto": 70, "e2e_graphs_off": 70,
+          "tensor_parallel_p13": 60, "moe_mla_kernels": 50, "calibrate_sim": 35, "quant_gemm": 30}
 CALIBRATED_PROFILE = "profile_bench-small.json"
 # P13 needs this many devices (one per rank).
 P13_DEVICES = 2
@@ -76,6 +80,7 @@ def parts(out: Path, num_requests: int) -> dict[str, list[str]]:
         "calibrate_sim": [sys.executable, "-m", "simulator", "calibrate", "--model", "bench-small", "--rounds", "2",
                           "--executor-env", "EXECUTOR_ATTENTION_BACKEND=triton", "--out",
                           str(out / CALIBRATED_PROFILE)],
+        "quant_gemm": [sys.executable, "-m", "bench.quant_gemm", "--out", str(out / "quant_gemm.json")],
     }
 
 
@@ -134,6 +139,17 @@ def main(argv: list[str] | None = None) -> int:
         summary["parts"]["moe_mla_kernels"].update({
             kind: [{k: row[k] for k in ("tokens", "batch", "context", "ms", "triton_vs_dense", "ok") if k in row}
                    for row in r[kind]] for kind in ("fused_moe", "mla_decode")})
+    gemms = args.out_dir / "quant_gemm.json"
+    if summary["parts"]["quant_gemm"].get("returncode") in (0, 1) and gemms.exists():
+        r = json.loads(gemms.read_text())
+        summary["parts"]["quant_gemm"]["gemms"] = [
+            {"m": row["m"], "n": row["n"], "k": row["k"],
+             **{name: {key: cell[key] for key in ("ms", "tflops", "gb_per_s", "vs_bf16", "ok") if key in cell}
+                for name, cell in row["kernels"].items()}} for row in r["gemms"]]
+        for row in r["gemms"]:
+            print(f"gpu-check: quant_gemm M={row['m']} [{row['n']}, {row['k']}]: " + ", ".join(
+                f"{name} {cell['tflops']:.1f} TFLOP/s {cell['gb_per_s']:.0f} GB/s ({cell['vs_bf16']:.2f}x bf16 time)"
+                for name, cell in row["kernels"].items()))
     profile = args.out_dir / CALIBRATED_PROFILE
     if summary["parts"]["calibrate_sim"].get("returncode") == 0 and profile.exists():
         fit = json.loads(profile.read_text())["fit"]

@@ -101,3 +101,35 @@ def test_a_gpu_calibrates_the_simulator_and_summary_carries_its_error(monkeypatc
     part = json.loads((tmp_path / "summary.json").read_text())["parts"]["calibrate_sim"]
     assert part["returncode"] == 0 and part["holdout_mape_points_pct"] == 3.5
     assert part["profile"] == str(tmp_path / gpu_check.CALIBRATED_PROFILE)
+
+
+def test_the_quantized_gemm_bench_imports_and_refuses_to_run_without_cuda(monkeypatch, capsys):
+    from bench import quant_gemm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert quant_gemm.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    # Llama-3-8B's o_proj as stored: bf16 2 bytes a weight; FP8 1 and a float32 per 128 x 128 block;
+    # int4 half a byte, and a bf16 scale and a uint8 zero per row and 128 columns.
+    assert quant_gemm.weight_bytes("bf16", 4096, 4096) == 2 * 4096 * 4096
+    assert quant_gemm.weight_bytes("fp8_block", 4096, 4096) == 4096 * 4096 + 4 * 32 * 32
+    assert quant_gemm.weight_bytes("int4_g128", 4096, 4096) == 4096 * 2048 + 4096 * 32 * 3
+    assert quant_gemm.gemm_bytes("bf16", 1, 4096, 4096) == 2 * 4096 * 4096 + 2 * 4096 + 2 * 4096
+
+
+def test_summary_carries_the_quantized_gemm_figures(monkeypatch, tmp_path):
+    ran = _fake_parts(monkeypatch, device_count=1)
+    real_run = gpu_check.subprocess.run
+
+    def run(cmd, **kwargs):
+        if "bench.quant_gemm" in cmd:
+            cell = {"ms": 0.02, "tflops": 1.5, "gb_per_s": 3000.0, "vs_bf16": 0.4, "ok": True}
+            Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"gemms": [
+                {"m": 1, "n": 4096, "k": 4096, "kernels": {"bf16": {**cell, "vs_bf16": 1.0}, "int4_g128": cell}}]}))
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    assert gpu_check.main(["--out-dir", str(tmp_path)]) == 0
+    assert any("bench.quant_gemm" in cmd for cmd in ran)
+    part = json.loads((tmp_path / "summary.json").read_text())["parts"]["quant_gemm"]
+    assert part["gemms"][0]["int4_g128"]["vs_bf16"] == 0.4 and part["gemms"][0]["bf16"]["gb_per_s"] == 3000.0

@@ -3,9 +3,9 @@ one scale and one zero point per row and group of columns (``int_weight_linear``
 W4A16 / W8A16): the layout the executor converts GPTQ, AWQ and compressed-tensors
 checkpoints into at load.
 
-The packed bytes are decoded in the load loop: weight column k of a 4-bit row is
-byte k // 2 shifted right by (k % 2) * 4 (the two columns of a byte are read by
-neighbouring lanes, from the same cache line). Each tile is dequantized as the
+The packed bytes are decoded in the load loop: a tile of BLOCK_K / 2 contiguous
+bytes per row is split into its low and high nibbles, interleaved into the
+BLOCK_K columns they hold (column 2j low, 2j + 1 high). Each tile is dequantized as the
 torch path does it: (q - zero) is an exact integer, its product with the scale is
 rounded once to the scales' dtype, then cast to the activations' dtype before the
 dot (accumulation in float32). So both paths multiply the same weights.
@@ -72,33 +72,37 @@ def _int_weight_linear_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
-    w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn  # [1, BLOCK_N]
-    s_rows = offs_n.to(tl.int64) * stride_sn  # [BLOCK_N]
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    s_rows = offs_n * stride_sn  # [BLOCK_N]; int32: scales hold far fewer than 2**31 entries
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k  # [BLOCK_K]
         k_ok = k < K
         a = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w_ok = k_ok[:, None] & n_ok[None, :]  # [BLOCK_K, BLOCK_N]
+        w_ok = n_ok[:, None] & k_ok[None, :]  # [BLOCK_N, BLOCK_K]
+        # The weight tile is [BLOCK_N, BLOCK_K], along its rows as stored: the loads are contiguous bytes.
         if BITS == 4:
-            packed = tl.load(w_rows + (k // 2)[:, None], mask=w_ok, other=0).to(tl.int32)  # [BLOCK_K, BLOCK_N]
-            q = (packed >> ((k % 2) * 4)[:, None]) & 0xF
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BLOCK_K / 2] byte columns (k0 is even)
+            packed = tl.load(w_rows + kb[None, :], mask=n_ok[:, None] & (kb < (K + 1) // 2)[None, :],
+                             other=0).to(tl.int32)  # [BLOCK_N, BLOCK_K / 2]
+            # Column 2j is byte j's low nibble, 2j + 1 its high one (odd K: a padding nibble meets x's zero).
+            q = tl.interleave(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K]
         else:
-            q = tl.load(w_rows + k[:, None], mask=w_ok, other=0).to(tl.int32)  # [BLOCK_K, BLOCK_N]
+            q = tl.load(w_rows + k[None, :], mask=w_ok, other=0).to(tl.int32)  # [BLOCK_N, BLOCK_K]
         if GROUP_PER_TILE:
             sz = s_rows + k0 // GROUP_SIZE  # [BLOCK_N]
-            scale = tl.load(s_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_N]
-            zero = tl.load(z_ptr + sz, mask=n_ok, other=0).to(tl.int32)[None, :]  # [1, BLOCK_N]
+            scale = tl.load(s_ptr + sz, mask=n_ok, other=0.0).to(tl.float32)[:, None]  # [BLOCK_N, 1]
+            zero = tl.load(z_ptr + sz, mask=n_ok, other=0).to(tl.int32)[:, None]  # [BLOCK_N, 1]
         else:
             if HAS_G_IDX:
-                group = tl.load(g_ptr + k, mask=k_ok, other=0).to(tl.int64)  # [BLOCK_K]
+                group = tl.load(g_ptr + k, mask=k_ok, other=0)  # [BLOCK_K]
             else:
-                group = (k // GROUP_SIZE).to(tl.int64)  # [BLOCK_K]
-            sz = s_rows[None, :] + group[:, None]  # [BLOCK_K, BLOCK_N]
+                group = k // GROUP_SIZE  # [BLOCK_K]
+            sz = s_rows[:, None] + group[None, :]  # [BLOCK_N, BLOCK_K]
             scale = tl.load(s_ptr + sz, mask=w_ok, other=0.0).to(tl.float32)
             zero = tl.load(z_ptr + sz, mask=w_ok, other=0).to(tl.int32)
         # (q - zero) is exact; the product is rounded once, to the scales' dtype, as the torch path has it.
-        w = (q - zero).to(tl.float32) * scale  # [BLOCK_K, BLOCK_N]
+        w = (q - zero).to(tl.float32) * scale  # [BLOCK_N, BLOCK_K]
         if ROUND_S_BY_HAND:
             w = _round_to_bf16(w)
         else:
@@ -110,7 +114,7 @@ def _int_weight_linear_kernel(
         if DOT_UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ROUND_X_BY_HAND:
@@ -149,6 +153,7 @@ def int_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         f"scales {tuple(scales.shape)} zeros {tuple(zeros.shape)} {zeros.dtype}: want [{n}, {n_groups}], uint8 zeros")
     assert scales.dtype in (torch.float16, torch.bfloat16, torch.float32), f"scales {scales.dtype}"
     assert g_idx is None or (g_idx.shape == (k,) and g_idx.dtype == torch.int32), "g_idx: [K] int32"
+    assert scales.numel() < 2**31, "scale offsets are 32-bit"
     assert bias is None or bias.shape == (n,), f"bias {tuple(bias.shape)} for {n} rows"
     x = x if x.stride(1) == 1 else x.contiguous()
     qweight = qweight if qweight.stride(1) == 1 else qweight.contiguous()
@@ -160,6 +165,8 @@ def int_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     # fp32 tiles hold twice the bytes: smaller ones keep them in registers (no spills on sm_80/sm_90).
     block_n, block_k = (32, 32) if x.dtype == torch.float32 else (64, 64)
     group_per_tile = g_idx is None and (group_size % block_k == 0 or group_size >= k)
+    if not group_per_tile:
+        block_n = 32  # a scale and a zero per element: narrower tiles keep their addresses in registers
     interpreting = _interpreting()
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int_weight_linear_kernel[grid](

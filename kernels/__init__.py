@@ -12,6 +12,7 @@ Modules:
 * ``kernels.reference``      plain-torch references (slow, obviously correct, CPU friendly)
 * ``kernels.kv_write``       Triton ``write_kv_cache``
 * ``kernels.paged_attention`` Triton ``paged_attention``
+* ``kernels.int_linear``     Triton ``int_weight_linear`` (W4A16 / W8A16 GEMM)
 
 Nothing here imports Triton at package import time: the CPU executor imports
 ``kernels.reference`` on machines where Triton is not installed.

@@ -245,12 +245,18 @@ def dequantize_int(
     """W[n, k] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)], computed in scales' dtype (as
     compressed-tensors does; q - z is an integer of at most 9 bits, exact in any float
     dtype, so the product is rounded once), then cast to dtype."""
+    q = unpack_int(qweight, bits, k).to(torch.int16)  # [N, K]
+    if g_idx is None:
+        # Column k is in group k // group_size: broadcast each group's scale and zero over its
+        # columns (K padded to whole groups) instead of gathering them per column.
+        n, n_groups = scales.shape
+        q = F.pad(q, (0, n_groups * group_size - k)).view(n, n_groups, group_size)
+        w = (q - zeros.to(torch.int16)[:, :, None]).to(scales.dtype) * scales[:, :, None]
+        return w.flatten(1)[:, :k].to(dtype)
     groups = group_of_columns(k, group_size, g_idx, qweight.device)  # [K]
-    q = unpack_int(qweight, bits, k)  # [N, K]
     z = zeros.index_select(1, groups)  # [N, K]
     s = scales.index_select(1, groups)  # [N, K]
-    w = (q.to(torch.int16) - z.to(torch.int16)).to(scales.dtype) * s
-    return w.to(dtype)
+    return ((q - z.to(torch.int16)).to(scales.dtype) * s).to(dtype)
 
 
 def int_weight_linear(

@@ -39,12 +39,13 @@ from torch import nn
 from executor_svc.model.checkpoint import LazyTensor
 from executor_svc.model.model_config import LinearScheme, QuantSpec, UnsupportedConfig
 from executor_svc.model.quant_formats import (
-    canonical, checkpoint_leaves, dequantize_int, num_groups, symmetric_zeros,
+    canonical, checkpoint_leaves, num_groups, symmetric_zeros,
 )
 from executor_svc.model.quantization import (
     FP8, BlockSplitError, cdiv, dequantize_fp8_blocks, fake_quantize_activations,
 )
 from executor_svc.model.sharding import valid_sizes
+from kernels.reference import dequantize_int
 
 
 def materialize(module: nn.Module, leaf: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -145,8 +146,8 @@ class _Linear(nn.Module):
             return self.weight
         if self.scheme.kind == "fp8":
             return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], dtype)
-        return dequantize_int(self.qweight, self.scales, self.zeros, self.scheme.group_size, self.scheme.bits,
-                              self.g_idx, self.in_cols, dtype)
+        return dequantize_int(self.qweight, self.scales, self.zeros, self.scheme.group_size or self.in_cols,
+                              self.scheme.bits, self.g_idx, self.in_cols, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scheme = self.scheme

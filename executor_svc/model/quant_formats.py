@@ -16,7 +16,8 @@ What a layer holds, for a weight of N rows (outputs) by K columns (inputs):
                g_idx             int32 [K], each column's group (act-order only)
 
   W[n, k] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)], computed in the
-  scales' dtype as compressed-tensors, GPTQ and AWQ dequantize, then cast.
+  scales' dtype as compressed-tensors, GPTQ and AWQ dequantize, then cast
+  (kernels.reference.dequantize_int; kernels/int_linear.py on CUDA).
 
 Checkpoint layouts (`LinearScheme.layout`):
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from executor_svc.model.model_config import LinearScheme
+from kernels.reference import pack_int
 
 # AWQ's GEMM layout puts output n of each group of 8 in nibble AWQ_NIBBLE[n % 8].
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -97,22 +99,9 @@ def unpack_words(words: torch.Tensor, bits: int, count: int, dim: int) -> torch.
     return values.movedim(-1, dim).contiguous()
 
 
-def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
-    """uint8-valued [N, K] with values < 16 -> uint8 [N, cdiv(K, 2)], column
-    2j in the low nibble of byte j."""
-    v = values.to(torch.uint8)
-    if v.shape[1] % 2:
-        v = torch.nn.functional.pad(v, (0, 1))
-    return v[:, 0::2] | (v[:, 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor, cols: int) -> torch.Tensor:
-    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)[:, :cols]
-
-
 def to_held(scheme: LinearScheme, values: torch.Tensor) -> torch.Tensor:
     """Unsigned integer values [N, K] as the layer holds them."""
-    return pack_nibbles(values) if scheme.bits == 4 else values.to(torch.uint8)
+    return pack_int(values, scheme.bits)
 
 
 def canonical(scheme: LinearScheme, leaf: str, t: torch.Tensor, rows: int, cols: int) -> tuple[str, torch.Tensor]:
@@ -168,20 +157,3 @@ def symmetric_zeros(scheme: LinearScheme, rows: int, cols: int, device: torch.de
     if scheme.kind == "int" and scheme.layout in ("ct-pack", "ct-int") and scheme.symmetric:
         return torch.full((rows, num_groups(scheme, cols)), 1 << (scheme.bits - 1), dtype=torch.uint8, device=device)
     return None
-
-
-def dequantize_int(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int | None,
-                   bits: int, g_idx: torch.Tensor | None, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """The held int layout -> W [N, cols] in dtype: (q - zero) * scale in the
-    scales' dtype, then cast (compressed-tensors' and GPTQ's order)."""
-    q = unpack_nibbles(qweight, cols) if bits == 4 else qweight
-    if g_idx is not None:
-        groups = g_idx.long()
-        s, z = scales[:, groups], zeros[:, groups]
-    elif group_size is None or group_size >= cols:
-        s, z = scales[:, :1], zeros[:, :1]
-    else:
-        s = scales.repeat_interleave(group_size, 1)[:, :cols]
-        z = zeros.repeat_interleave(group_size, 1)[:, :cols]
-    w = (q.to(scales.dtype) - z.to(scales.dtype)) * s
-    return w if w.dtype == dtype else w.to(dtype)

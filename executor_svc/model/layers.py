@@ -137,7 +137,7 @@ class _Linear(nn.Module):
         if self.g_idx is not None and not torch.equal(self.g_idx, value):
             raise ValueError(f"{name}: act-order g_idx differs from the other projections fused with it "
                              "(q/k/v or gate/up), which one matmul cannot serve")
-        self.g_idx = value
+        self.g_idx = nn.Parameter(value, requires_grad=False)  # a parameter: counted and moved with the weights
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight at the compute dtype: itself, or dequantized for this

@@ -1,13 +1,14 @@
-"""P20: an FP8 checkpoint with block scales against the same model in bf16,
-measured in the same run (docs/performance.md, P20).
+"""P20: quantized checkpoints (FP8 with block scales, int4 W4A16) against the
+same model in bf16, measured in the same run (docs/performance.md, P20).
 
     python -m bench.quantized                       # ~150M-parameter Llama, 3 rounds
     python -m bench.quantized --hidden 256 --layers 2 --vocab 2048 --rounds 1 --tokens 8 --streams 4
 
 The model is a random LlamaForCausalLM saved by transformers in bf16
-(bench/load_memory.py), and a copy with every decoder linear in FP8 blocks
-of 128 x 128 (quantization.quantize_fp8_blocks). Both are served in bf16
-(EXECUTOR_DTYPE=bfloat16): the FP8 one keeps its FP8 weights.
+(bench/load_memory.py), a copy with every decoder linear in FP8 blocks of
+128 x 128 (quantization.quantize_fp8_blocks), and one in compressed-tensors'
+W4A16 (symmetric int4, groups of 128, bf16 scales; write_w4a16). All are
+served in bf16 (EXECUTOR_DTYPE=bfloat16), each keeping its quantized weights.
 
 - **Memory:** each checkpoint is loaded in a fresh interpreter as the
   executor loads it. The figures are the loaded weight bytes, and the
@@ -18,13 +19,14 @@ of 128 x 128 (quantization.quantize_fp8_blocks). Both are served in bf16
     last.
   - `--streams` concurrent streams: output tokens per second, from the
     first request sent to the last token.
-- Medians over rounds; the ratios are FP8 / bf16.
+- Medians over rounds; the ratios are each format / bf16.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -72,6 +74,48 @@ def write_fp8(plain: Path, out: Path, block: tuple[int, int] = BLOCK) -> Path:
     return out
 
 
+def write_w4a16(plain: Path, out: Path) -> Path:
+    """`plain` with every decoder linear in compressed-tensors' pack-quantized
+    W4A16: per group of 128 columns (fewer where the model's widths are not
+    multiples of 128), scale = amax / 7.5 (its symmetric
+    int4 range), values rounded into [-8, 7], stored plus 8, eight to an
+    int32 word, value j of a row at bit 4 * (j % 8) of word j // 8."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True)
+    for f in plain.iterdir():
+        if not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((out / "config.json").read_text())
+    group = math.gcd(128, cfg["hidden_size"], cfg["intermediate_size"])
+    index = {}
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    for f in sorted(plain.glob("*.safetensors")):
+        tensors = {}
+        for name, t in load_file(f).items():
+            if not any(f".{p}.weight" in name for p in LINEARS):
+                tensors[name] = t
+                continue
+            module = name[: -len(".weight")]
+            groups = t.float().unflatten(1, (-1, group))
+            scale = (groups.abs().amax(-1) / 7.5).clamp(min=1e-8).to(torch.bfloat16)
+            q = (groups / scale.float()[..., None]).round().clamp(-8, 7).flatten(1).to(torch.int64) + 8
+            words = (q.unflatten(1, (-1, 8)) << shifts).sum(-1) & 0xFFFFFFFF
+            words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+            tensors |= {f"{module}.weight_packed": words, f"{module}.weight_scale": scale,
+                        f"{module}.weight_shape": torch.tensor(list(t.shape))}
+        save_file(tensors, out / f.name, metadata={"format": "pt"})
+        index.update(dict.fromkeys(tensors, f.name))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group}
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                  "quantization_status": "compressed", "ignore": ["lm_head"],
+                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
 def linear_bytes(checkpoint: Path) -> int:
     """Bytes of the decoder linears' tensors in the checkpoint (FP8 weights
     and their scales, or bf16 weights): what those layers hold in memory."""
@@ -81,7 +125,7 @@ def linear_bytes(checkpoint: Path) -> int:
     for f in checkpoint.glob("*.safetensors"):
         with safe_open(f, "pt") as st:
             for name in st.keys():
-                if any(f".{p}.weight" in name for p in LINEARS):
+                if any(f".{p}.weight" in name for p in LINEARS):  # weight, weight_scale(_inv), weight_packed
                     t = st.get_tensor(name)
                     total += t.numel() * t.element_size()
     return total
@@ -140,14 +184,15 @@ def main(argv: list[str] | None = None) -> int:
         # The services need a real tokenizer (the scheduler's, the constraint
         # matchers'); requests send token ids, so any will do.
         shutil.copy(STORIES260K / "tokenizer.json", bf16 / "tokenizer.json")
-        fp8 = write_fp8(bf16, Path(tmp) / "fp8")
-        paths = {"bf16": bf16, "fp8": fp8}
+        paths = {"bf16": bf16, "fp8": write_fp8(bf16, Path(tmp) / "fp8"),
+                 "w4a16": write_w4a16(bf16, Path(tmp) / "w4a16")}
         memory = {name: measure(path, "bfloat16") for name, path in paths.items()}
         for name, path in paths.items():
             memory[name]["linears_mb"] = linear_bytes(path) / 2**20
-        runs: dict[str, list[dict]] = {"bf16": [], "fp8": []}
+        runs: dict[str, list[dict]] = {name: [] for name in paths}
         for r in range(args.rounds):
-            for name in (("bf16", "fp8") if r % 2 == 0 else ("fp8", "bf16")):  # interleaved, order alternating
+            order = list(paths) if r % 2 == 0 else list(reversed(paths))  # interleaved, order alternating
+            for name in order:
                 runs[name].append(decode_figures(str(paths[name]), args.tokens, args.streams, args.num_threads,
                                                  args.vocab))
 
@@ -159,26 +204,32 @@ def main(argv: list[str] | None = None) -> int:
     weights = {n: m["shard_mb"] for n, m in memory.items()}
     rss = {n: m["rss_after_mb"] for n, m in memory.items()}
     linears = {n: m["linears_mb"] for n, m in memory.items()}
-    report["ratios"] = {
-        "weight_bytes": weights["fp8"] / weights["bf16"],
-        "linear_bytes": linears["fp8"] / linears["bf16"],
-        "rss_saved_over_bf16_weight_bytes": (rss["bf16"] - rss["fp8"]) / weights["bf16"],
-        "one_stream_ms_per_token": median("fp8", "one_stream_ms_per_token") / median("bf16", "one_stream_ms_per_token"),
-        "many_streams_tok_per_s": median("fp8", "many_streams_tok_per_s") / median("bf16", "many_streams_tok_per_s"),
-    }
+    formats = [n for n in paths if n != "bf16"]
+    for n in formats:
+        report["ratios"][n] = {
+            "weight_bytes": weights[n] / weights["bf16"],
+            "linear_bytes": linears[n] / linears["bf16"],
+            "rss_saved_over_bf16_weight_bytes": (rss["bf16"] - rss[n]) / weights["bf16"],
+            "one_stream_ms_per_token": median(n, "one_stream_ms_per_token") / median("bf16", "one_stream_ms_per_token"),
+            "many_streams_tok_per_s": median(n, "many_streams_tok_per_s") / median("bf16", "many_streams_tok_per_s"),
+        }
     params = weights["bf16"] * 2**20 / 2
-    print(f"P20: Llama of {params / 1e6:.0f}M parameters, FP8 blocks {list(BLOCK)} against bf16, both served in bf16; "
-          f"{args.rounds} rounds, medians")
-    print(f"{'':34} {'bf16':>10} {'fp8':>10} {'fp8/bf16':>9}")
-    print(f"{'weights (MiB)':34} {weights['bf16']:10.1f} {weights['fp8']:10.1f} {report['ratios']['weight_bytes']:8.2f}x")
-    print(f"{'  of which decoder linears (MiB)':34} {linears['bf16']:10.1f} {linears['fp8']:10.1f} "
-          f"{report['ratios']['linear_bytes']:8.2f}x")
-    print(f"{'RSS after load (MiB)':34} {rss['bf16']:10.1f} {rss['fp8']:10.1f} "
-          f"{rss['fp8'] / rss['bf16']:8.2f}x")
+    print(f"P20: Llama of {params / 1e6:.0f}M parameters, FP8 blocks {list(BLOCK)} and W4A16 (int4 groups) "
+          f"against bf16, all served in bf16; {args.rounds} rounds, medians; ratios to bf16 in brackets")
+    print(f"{'':34} {'bf16':>10} " + " ".join(f"{n:>18}" for n in formats))
+
+    def row(label: str, values: dict, digits: int = 1) -> None:
+        cells = " ".join(f"{values[n]:10.{digits}f} ({values[n] / values['bf16']:4.2f}x)" for n in formats)
+        print(f"{label:34} {values['bf16']:10.{digits}f} {cells}")
+
+    row("weights (MiB)", weights)
+    row("  of which decoder linears (MiB)", linears)
+    row("RSS after load (MiB)", rss)
     for key, label in (("one_stream_ms_per_token", "1 stream, ms/token"),
                        ("many_streams_tok_per_s", f"{args.streams} streams, output tok/s")):
-        print(f"{label:34} {median('bf16', key):10.2f} {median('fp8', key):10.2f} {report['ratios'][key]:8.2f}x")
-    print(f"RSS saved / bf16 weight bytes: {report['ratios']['rss_saved_over_bf16_weight_bytes']:.2f}")
+        row(label, {n: median(n, key) for n in paths}, 2)
+    for n in formats:
+        print(f"{n}: RSS saved / bf16 weight bytes: {report['ratios'][n]['rss_saved_over_bf16_weight_bytes']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"report: {args.out}")

@@ -93,17 +93,39 @@ def _copy_side_files(plain: Path, out: Path) -> None:
             shutil.copy(f, out / f.name)
 
 
+def _qparams(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of w from its min and max, per the scheme's
+    strategy (compressed-tensors' README recipe)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    if args.strategy == "group":
+        w = w.unflatten(-1, (-1, args.group_size))
+        low, high = w.amin(-1), w.amax(-1)
+    elif args.strategy == "channel":
+        low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    elif args.strategy == "block":
+        bh, bw = args.block_structure
+        padded = torch.nn.functional.pad(w, (0, -w.shape[1] % bw, 0, -w.shape[0] % bh))
+        blocks = padded.unflatten(0, (-1, bh)).unflatten(-1, (-1, bw))
+        low, high = blocks.amin((1, 3)), blocks.amax((1, 3))
+    else:
+        low, high = torch.aminmax(w)
+    return calculate_qparams(low, high, args)
+
+
 def write_compressed_tensors(plain: Path, out: Path, weights: dict, activations: dict | None = None,
                              ignore: tuple[str, ...] = ("lm_head",)) -> Path:
     """`plain` quantized by compressed-tensors (its README's recipe: scales
     from each weight's min and max, no calibration data) and saved in the
-    format it picks for the scheme."""
-    from compressed_tensors.compressors import ModelCompressor
+    format it picks for the scheme. transformers 5 fuses MoE experts into
+    3-D parameters, which the package's model pass does not reach; their
+    per-expert tensors are compressed after, by the package's compressor
+    for the format, as llm-compressor's MoE recipes leave them."""
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
     from compressed_tensors.offload import update_offload_parameter
     from compressed_tensors.quantization import (
         QuantizationArgs, QuantizationConfig, QuantizationScheme, apply_quantization_config,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
@@ -114,20 +136,7 @@ def write_compressed_tensors(plain: Path, out: Path, weights: dict, activations:
         args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
         if args is None:
             continue
-        w = module.weight.data
-        if args.strategy == "group":
-            w = w.unflatten(-1, (-1, args.group_size))
-            low, high = w.amin(-1), w.amax(-1)
-        elif args.strategy == "channel":
-            low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-        elif args.strategy == "block":
-            bh, bw = args.block_structure
-            padded = torch.nn.functional.pad(w, (0, -w.shape[1] % bw, 0, -w.shape[0] % bh))
-            blocks = padded.unflatten(0, (-1, bh)).unflatten(-1, (-1, bw))
-            low, high = blocks.amin((1, 3)), blocks.amax((1, 3))
-        else:
-            low, high = torch.aminmax(w)
-        scale, zero = calculate_qparams(low, high, args)
+        scale, zero = _qparams(module.weight.data, args)
         update_offload_parameter(module, "weight_scale", scale)
         if hasattr(module, "weight_zero_point"):
             update_offload_parameter(module, "weight_zero_point", zero)
@@ -136,6 +145,20 @@ def write_compressed_tensors(plain: Path, out: Path, weights: dict, activations:
     model.save_pretrained(out)
     compressor.update_config(out)
     _copy_side_files(plain, out)
+    tensors = load_file(out / "model.safetensors")
+    experts = [n for n in tensors if ".experts." in n and n.endswith(".weight") and tensors[n].is_floating_point()]
+    if experts:
+        fmt = json.loads((out / "config.json").read_text())["quantization_config"]["format"]
+        scheme.format = fmt
+        for name in experts:
+            w = tensors.pop(name)
+            scale, zero = _qparams(w, scheme.weights)
+            state = {"weight": w, "weight_scale": scale} | ({} if scheme.weights.symmetric else
+                                                            {"weight_zero_point": zero})
+            prefix = name[: -len("weight")]
+            compressed = BaseCompressor.load_from_registry(fmt).compress(state, scheme)
+            tensors |= {prefix + leaf: t for leaf, t in compressed.items()}
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
 

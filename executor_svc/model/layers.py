@@ -407,11 +407,11 @@ def load_replicated(module: nn.Module, name: str, weight: LazyTensor, device: to
 
 def quantize_linears(model: nn.Module, spec: QuantSpec, tensor_parallel_size: int) -> None:
     """Turns every layer that the spec's schemes cover and that can hold
-    quantized weights (use_scheme: ColumnLinear, RowLinear; use_fp8:
-    moe.FusedExperts) into one that holds them as the checkpoint stores
-    them; call on the meta-device model before loading."""
-    for name, module in model.named_modules():
-        if not hasattr(module, "use_scheme") and not hasattr(module, "use_fp8"):
+    quantized weights (use_scheme: ColumnLinear, RowLinear, moe.FusedExperts)
+    into one that holds them as the checkpoint stores them; call on the
+    meta-device model before loading."""
+    for name, module in list(model.named_modules()):  # a snapshot: experts add layers of their own
+        if not hasattr(module, "use_scheme"):
             continue
         schemes = {spec.scheme_for(m) for m in module.checkpoint_modules(name)}
         if schemes == {None}:
@@ -422,14 +422,7 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, tensor_parallel_size: in
                                     "which one matmul cannot serve")
         scheme = schemes.pop()
         try:
-            if hasattr(module, "use_scheme"):
-                module.use_scheme(scheme)
-            elif scheme.layout == "fp8":
-                module.use_fp8(scheme.block)
-            else:
-                raise UnsupportedConfig(f"{name}: experts quantized as {spec.method} ({scheme.describe()}) are not "
-                                        "implemented; experts are read in FP8 blocks (quant_method 'fp8') or "
-                                        "MXFP4 (gpt-oss)")
+            module.use_scheme(scheme)
         except BlockSplitError as exc:
             raise BlockSplitError(f"{name}: {exc}; tensor_parallel_size={tensor_parallel_size} cuts the checkpoint's "
                                   f"{scheme.describe()} quantization; sizes that work: "

@@ -306,6 +306,8 @@ def checkpoint_owners(model: CausalLM) -> dict[str, tuple[nn.Module, str, tuple[
     (layers.py); any other module's direct parameters load whole."""
     owners = {}
     for path, module in model.named_modules():
+        if getattr(module, "loaded_by_parent", False):
+            continue  # a quantized expert's layer: its parent declares and routes its tensors
         if hasattr(module, "checkpoint_shapes"):
             shapes = module.checkpoint_shapes()
             base = path.rpartition(".")[0] if getattr(module, "names_from_parent", False) else path

@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
-from executor_svc.model.layers import check_fp8, check_shape, materialize
+from executor_svc.model.layers import ColumnLinear, RowLinear, RowPart, check_fp8, check_shape, materialize
 from executor_svc.model.model import ACTIVATIONS, MLP, CausalLM
-from executor_svc.model.model_config import ModelConfig, MoESpec, UnsupportedConfig
+from executor_svc.model.model_config import LinearScheme, ModelConfig, MoESpec, UnsupportedConfig
 from executor_svc.model.quantization import FP8, BlockSplitError, cdiv, dequantize_fp8_blocks
 from executor_svc.model.sharding import Shard
 
@@ -126,6 +126,8 @@ class FusedExperts(nn.Module):
         # of each w13 / w2 row once loaded.
         self.fp8_block: tuple[int, int] | None = None
         self.grid13 = self.grid2 = None
+        # Per-expert quantized linears, once use_scheme made them (any scheme but FP8 blocks).
+        self.per_expert: nn.ModuleList | None = None
 
     def checkpoint_modules(self, name: str) -> list[str]:
         return [name]
@@ -133,8 +135,37 @@ class FusedExperts(nn.Module):
     @property
     def packed(self) -> bool:
         """The weights are held quantized: the Triton kernel cannot read them
-        yet, and expert_weights dequantizes one expert at a time."""
-        return self.fp8_block is not None
+        yet, and the torch loop dequantizes one routed expert at a time."""
+        return self.fp8_block is not None or self.per_expert is not None
+
+    def use_scheme(self, scheme: LinearScheme) -> None:
+        """Holds every expert's weights quantized as the checkpoint stores
+        them. FP8 blocks keep the fused tensors (use_fp8); any other scheme
+        gives each expert a ColumnLinear (gate and up) and a RowLinear
+        (down) of that scheme, which load, split and compute as dense layers
+        of that scheme do (layers.py)."""
+        if scheme.layout == "fp8":
+            self.use_fp8(scheme.block)
+            return
+        if type(self).load_weight is not FusedExperts.load_weight or self.spec.expert_bias:
+            raise UnsupportedConfig(f"{type(self).__name__}: experts with biases or in this family's own checkpoint "
+                                    f"layout are not implemented as {scheme.describe()}")
+        if scheme.act_order:
+            raise UnsupportedConfig(f"{type(self).__name__}: act-order (g_idx) experts are not implemented")
+        gate, up, _ = self.PROJECTIONS
+        i, whole = self.inter, self.whole_inter
+        experts = []
+        for _ in range(self.spec.num_experts):
+            expert = nn.Module()
+            expert.gate_up = ColumnLinear(self.hidden, [RowPart(gate, whole, self.start, i),
+                                                        RowPart(up, whole, self.start, i)], bias=False)
+            expert.down = RowLinear(whole, self.hidden, self.start, i, bias=False, rank=self.rank)
+            for layer in (expert.gate_up, expert.down):
+                layer.use_scheme(scheme)
+                layer.loaded_by_parent = True  # its checkpoint tensors are routed through load_weight below
+            experts.append(expert)
+        del self.w13, self.w2
+        self.per_expert = nn.ModuleList(experts)
 
     def use_fp8(self, block: tuple[int, int]) -> None:
         """Holds every expert's weights in FP8 with the checkpoint's block
@@ -160,6 +191,11 @@ class FusedExperts(nn.Module):
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         gate, up, down = self.PROJECTIONS
         shapes = {}
+        if self.per_expert is not None:
+            for e, expert in enumerate(self.per_expert):
+                shapes |= {f"{e}.{key}": shape for key, shape in expert.gate_up.checkpoint_shapes().items()}
+                shapes |= {f"{e}.{down}.{key}": shape for key, shape in expert.down.checkpoint_shapes().items()}
+            return shapes
         for e in range(self.spec.num_experts):
             shapes[f"{e}.{gate}.weight"] = shapes[f"{e}.{up}.weight"] = (self.whole_inter, self.hidden)
             shapes[f"{e}.{down}.weight"] = (self.hidden, self.whole_inter)
@@ -173,6 +209,12 @@ class FusedExperts(nn.Module):
     def load_weight(self, name: str, weight: LazyTensor, device: torch.device, dtype: torch.dtype) -> None:
         expert, proj, leaf = name.split(".")
         e, (gate, up, down) = int(expert), self.PROJECTIONS
+        if self.per_expert is not None:
+            if proj == down:
+                self.per_expert[e].down.load_weight(leaf, weight, device, dtype)
+            else:
+                self.per_expert[e].gate_up.load_weight(f"{proj}.{leaf}", weight, device, dtype)
+            return
         lo, hi = self.start, self.start + self.inter
         if leaf == "weight_scale_inv":
             self._load_scale(e, proj == down, proj == gate, weight, device)
@@ -244,6 +286,11 @@ class FusedExperts(nn.Module):
         for e, count in enumerate(counts):
             if count:
                 rows = slice(start, start + count)
+                if self.per_expert is not None:  # quantized linears: their own dequantization or kernel
+                    expert = self.per_expert[e]
+                    out[rows] = expert.down(self.activation(expert.gate_up(xs[rows])))
+                    start += count
+                    continue
                 b13 = None if self.b13 is None else self.b13[e]
                 b2 = None if self.b2 is None else self.b2[e]
                 w13, w2 = self.expert_weights(e, xs.dtype)

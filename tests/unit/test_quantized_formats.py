@@ -70,6 +70,24 @@ def test_compressed_tensors_packed_ints_serve_hfs_greedy_tokens(llama, name, wei
     assert layer.qweight.dtype == torch.uint8 and layer.qweight.shape == (layer.out_features, 64 * bits // 8)
 
 
+@pytest.mark.parametrize("family, weights", [
+    ("qwen3-moe", int_args(4, "group", False, 16)),
+    ("qwen3-moe", {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [16, 16],
+                   "symmetric": True}),
+    ("deepseek-v3", int_args(4, "group", True, 8)),  # latent attention's projections too; kv_b read whole
+])
+def test_moe_and_latent_attention_families_serve_compressed_tensors_at_their_size(family, weights, tmp_path):
+    """Experts (each its own quantized gate/up and down), shared experts and
+    DeepSeek-V3's latent projections; routers stay plain (ignored)."""
+    plain = make_checkpoint(CASES[family], tmp_path / family)
+    path = write_compressed_tensors(plain, tmp_path / "q", weights, ignore=("lm_head", "re:.*mlp.gate$"))
+    assert_greedy_equal(path, decompress_compressed_tensors(path, tmp_path / "dense"), n=2, steps=12)
+    experts = runner_for(str(path)).model.model.layers[1].mlp.experts
+    held = experts.per_expert[0].gate_up
+    assert experts.packed and (held.qweight.dtype == torch.uint8 if weights["type"] == "int"
+                               else held.weight.dtype == torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("bits, group, sym, desc_act", [(4, 32, False, True), (8, 64, True, False)])
 def test_gptq_serves_hfs_greedy_tokens_on_its_dequantized_weights(llama, bits, group, sym, desc_act, tmp_path):
     path, dense = write_gptq(llama, tmp_path / "gptq", tmp_path / "dense", bits, group, sym, desc_act)

@@ -93,11 +93,17 @@ def _copy_side_files(plain: Path, out: Path) -> None:
             shutil.copy(f, out / f.name)
 
 
-def _qparams(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point of w from its min and max, per the scheme's
-    strategy (compressed-tensors' README recipe)."""
-    from compressed_tensors.quantization.utils import calculate_qparams
+def _qparams(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Scale, zero point and (NVFP4's tensor_group) global scale of w from
+    its min and max, per the scheme's strategy (compressed-tensors' README
+    recipe)."""
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
+    if args.strategy == "tensor_group":
+        global_scale = generate_gparam(w.amin().reshape(1), w.amax().reshape(1))
+        groups = w.unflatten(-1, (-1, args.group_size))
+        return (*calculate_qparams(groups.amin(-1), groups.amax(-1), args, global_scale=global_scale),
+                global_scale)
     if args.strategy == "group":
         w = w.unflatten(-1, (-1, args.group_size))
         low, high = w.amin(-1), w.amax(-1)
@@ -110,7 +116,7 @@ def _qparams(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
         low, high = blocks.amin((1, 3)), blocks.amax((1, 3))
     else:
         low, high = torch.aminmax(w)
-    return calculate_qparams(low, high, args)
+    return (*calculate_qparams(low, high, args), None)
 
 
 def write_compressed_tensors(plain: Path, out: Path, weights: dict, activations: dict | None = None,
@@ -136,10 +142,12 @@ def write_compressed_tensors(plain: Path, out: Path, weights: dict, activations:
         args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
         if args is None:
             continue
-        scale, zero = _qparams(module.weight.data, args)
+        scale, zero, global_scale = _qparams(module.weight.data, args)
         update_offload_parameter(module, "weight_scale", scale)
         if hasattr(module, "weight_zero_point"):
             update_offload_parameter(module, "weight_zero_point", zero)
+        if global_scale is not None:
+            update_offload_parameter(module, "weight_global_scale", global_scale)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(out)
@@ -152,9 +160,11 @@ def write_compressed_tensors(plain: Path, out: Path, weights: dict, activations:
         scheme.format = fmt
         for name in experts:
             w = tensors.pop(name)
-            scale, zero = _qparams(w, scheme.weights)
+            scale, zero, global_scale = _qparams(w, scheme.weights)
             state = {"weight": w, "weight_scale": scale} | ({} if scheme.weights.symmetric else
                                                             {"weight_zero_point": zero})
+            if global_scale is not None:
+                state["weight_global_scale"] = global_scale
             prefix = name[: -len("weight")]
             compressed = BaseCompressor.load_from_registry(fmt).compress(state, scheme)
             tensors |= {prefix + leaf: t for leaf, t in compressed.items()}

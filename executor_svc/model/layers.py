@@ -39,7 +39,7 @@ from torch import nn
 from executor_svc.model.checkpoint import LazyTensor
 from executor_svc.model.model_config import LinearScheme, QuantSpec, UnsupportedConfig
 from executor_svc.model.quant_formats import (
-    canonical, checkpoint_leaves, num_groups, symmetric_zeros,
+    canonical, checkpoint_leaves, dequantize_fp4, num_groups, symmetric_zeros,
 )
 from executor_svc.model.quantization import (
     FP8, BlockSplitError, cdiv, dequantize_fp8_blocks, fake_quantize_activations,
@@ -120,7 +120,10 @@ class _Linear(nn.Module):
         packed = cdiv(cols, 2) if scheme.bits == 4 else cols
         self.qweight = nn.Parameter(torch.empty(rows, packed, dtype=torch.uint8), requires_grad=False)
         self.scales = nn.Parameter(torch.empty(rows, groups), requires_grad=False)
-        self.zeros = nn.Parameter(torch.empty(rows, groups, dtype=torch.uint8), requires_grad=False)
+        if scheme.kind == "int":
+            self.zeros = nn.Parameter(torch.empty(rows, groups, dtype=torch.uint8), requires_grad=False)
+        elif scheme.layout == "ct-nvfp4":
+            self.global_scale = nn.Parameter(torch.empty(rows), requires_grad=False)
 
     def _held_groups(self, cols: int) -> int:
         """Scale groups held: all of them with act-order (any column may be in any group)."""
@@ -146,6 +149,9 @@ class _Linear(nn.Module):
             return self.weight
         if self.scheme.kind == "fp8":
             return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], dtype)
+        if self.scheme.kind == "fp4":
+            return dequantize_fp4(self.qweight, self.scales, getattr(self, "global_scale", None),
+                                  self.scheme.group_size, self.in_cols, dtype)
         return dequantize_int(self.qweight, self.scales, self.zeros, self.scheme.group_size or self.in_cols,
                               self.scheme.bits, self.g_idx, self.in_cols, dtype)
 
@@ -155,7 +161,7 @@ class _Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if scheme.activations is not None:
             x = fake_quantize_activations(x, scheme.activations)
-        if x.is_cuda:
+        if x.is_cuda and scheme.kind != "fp4":  # no FP4 GEMM yet: FP4 dequantizes per matmul as on the CPU
             # Triton GEMMs that decode the weight in their load loops, so no
             # dequantized weight is ever written. Imported here: the CPU
             # path never loads Triton.
@@ -306,7 +312,7 @@ class RowLinear(_Linear):
         unit = 1
         if scheme.kind == "fp8" and scheme.block:
             unit = scheme.block[1]
-        elif scheme.kind == "int":
+        elif scheme.kind in ("int", "fp4"):
             unit = 2 if scheme.bits == 4 else 1
             if scheme.group_size is not None and not scheme.act_order:
                 unit = math.lcm(unit, scheme.group_size)
@@ -350,7 +356,7 @@ class RowLinear(_Linear):
                 self.grid_rows = torch.arange(self.out_features, device=device) // bn
             elif held == "qweight":
                 value = value[:, lo // 2 : cdiv(hi, 2)] if self.scheme.bits == 4 else value[:, lo:hi]
-            elif not self.scheme.act_order and self.scheme.group_size is not None:  # scales, zeros: this rank's groups
+            elif held in ("scales", "zeros") and not self.scheme.act_order and self.scheme.group_size is not None:
                 g = self.scheme.group_size
                 value = value[:, lo // g : cdiv(hi, g)]
             target = materialize(self, held, device, value.dtype if held == "scales" else dtype)

@@ -197,10 +197,12 @@ class LinearScheme:
     checkpoint's per-channel or per-tensor scales). kind "int": unsigned
     `bits`-bit integers packed into bytes, with one scale and zero point
     per `group_size` columns of a row (None: the whole row), and, with
-    act_order, a g_idx naming each column's group."""
+    act_order, a g_idx naming each column's group. kind "fp4": E2M1 values
+    two to a byte, with one scale per `group_size` columns (NVFP4: FP8 over
+    a global scale; MXFP4: a power of two)."""
 
-    kind: str  # "fp8" | "int"
-    layout: str  # the checkpoint's: "fp8", "fp8-row", "ct-float", "ct-pack", "ct-int", "gptq", "awq"
+    kind: str  # "fp8" | "int" | "fp4"
+    layout: str  # the checkpoint's: "fp8", "fp8-row", "ct-float", "ct-pack", "ct-int", "gptq", "awq", "ct-nvfp4", "ct-mxfp4"
     bits: int = 8
     block: tuple[int, int] | None = None
     group_size: int | None = None
@@ -211,6 +213,8 @@ class LinearScheme:
     def describe(self) -> str:
         if self.kind == "fp8":
             weights = f"fp8 blocks {list(self.block)}" if self.block else "fp8 per channel"
+        elif self.kind == "fp4":
+            weights = "nvfp4" if self.layout == "ct-nvfp4" else "mxfp4"
         else:
             groups = "per channel" if self.group_size is None else f"group {self.group_size}"
             weights = f"int{self.bits} {groups}{'' if self.symmetric else ' asymmetric'}"

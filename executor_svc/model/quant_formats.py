@@ -15,6 +15,10 @@ What a layer holds, for a weight of N rows (outputs) by K columns (inputs):
                zeros             uint8 [N, groups], unsigned zero points
                g_idx             int32 [K], each column's group (act-order only)
 
+  kind "fp4":  qweight           uint8 [N, cdiv(K, 2)], E2M1 codes as int 4-bit
+               scales            [N, groups]: NVFP4's float8_e4m3fn, MXFP4's E8M0 bytes
+               global_scale      float32 [N], each row's tensor's (NVFP4)
+
   W[n, k] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)], computed in the
   scales' dtype as compressed-tensors, GPTQ and AWQ dequantize, then cast
   (kernels.reference.dequantize_int; kernels/int_linear.py on CUDA).
@@ -35,6 +39,9 @@ Checkpoint layouts (`LinearScheme.layout`):
   gptq      qweight int32 [K * bits / 32, N], packed down the columns;
             qzeros int32 [groups, N * bits / 32], stored minus one;
             scales [groups, N]; g_idx int32 [K]
+  ct-nvfp4  weight_packed uint8 [N, K / 2] (E2M1, low nibble first),
+            weight_scale float8_e4m3fn [N, K / 16], weight_global_scale [1]
+  ct-mxfp4  weight_packed as NVFP4, weight_scale uint8 E8M0 [N, K / 32]
   awq       qweight int32 [K, N / 8] and qzeros int32 [groups, N / 8], packed
             along the rows in the order 0 2 4 6 1 3 5 7; scales [groups, N]
 """
@@ -44,7 +51,8 @@ from __future__ import annotations
 import torch
 
 from executor_svc.model.model_config import LinearScheme
-from kernels.reference import pack_int
+from executor_svc.model.mxfp4 import FP4_VALUES
+from kernels.reference import pack_int, unpack_int
 
 # AWQ's GEMM layout puts output n of each group of 8 in nibble AWQ_NIBBLE[n % 8].
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -78,6 +86,10 @@ def checkpoint_leaves(scheme: LinearScheme, rows: int, cols: int) -> dict[str, t
         if scheme.act_order:
             leaves["weight_g_idx"] = (cols,)
         return leaves
+    if layout == "ct-nvfp4":
+        return {"weight_packed": (rows, cdiv(cols, 2)), "weight_scale": (rows, g), "weight_global_scale": (1,)}
+    if layout == "ct-mxfp4":
+        return {"weight_packed": (rows, cdiv(cols, 2)), "weight_scale": (rows, g)}
     if layout == "gptq":
         return {"qweight": (cols * bits // 32, rows), "qzeros": (g, rows * bits // 32), "scales": (g, rows),
                 "g_idx": (cols,)}
@@ -133,6 +145,9 @@ def canonical(scheme: LinearScheme, leaf: str, t: torch.Tensor, rows: int, cols:
             if t.tolist() != [rows, cols]:
                 raise ValueError(f"weight_shape {t.tolist()}, config implies {[rows, cols]}")
             return "", t
+    if layout in ("ct-nvfp4", "ct-mxfp4"):
+        held = {"weight_packed": "qweight", "weight_scale": "scales", "weight_global_scale": "global_scale"}[leaf]
+        return held, t.to(torch.float32).reshape(1).expand(rows) if held == "global_scale" else t
     if layout == "gptq":
         if leaf == "qweight":
             return "qweight", to_held(scheme, unpack_words(t, bits, cols, 0).T)
@@ -157,3 +172,21 @@ def symmetric_zeros(scheme: LinearScheme, rows: int, cols: int, device: torch.de
     if scheme.kind == "int" and scheme.layout in ("ct-pack", "ct-int") and scheme.symmetric:
         return torch.full((rows, num_groups(scheme, cols)), 1 << (scheme.bits - 1), dtype=torch.uint8, device=device)
     return None
+
+
+def dequantize_fp4(qweight: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None, group_size: int,
+                   cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """The held fp4 layout -> W [N, cols] in dtype, as compressed-tensors
+    decompresses: each E2M1 value times its group's scale (NVFP4: the FP8
+    scale over the row's global scale, in float32; MXFP4: 2^(e - 127)),
+    rounded to bfloat16, then cast."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=qweight.device)
+    values = lut[unpack_int(qweight, 4, cols).long()]  # [N, cols]
+    if global_scale is None:  # E8M0
+        s = torch.exp2(scales.to(torch.float32) - 127)
+    else:
+        s = scales.to(torch.float32) / global_scale[:, None]
+    groups = s.shape[1]
+    values = torch.nn.functional.pad(values, (0, groups * group_size - cols)).view(-1, groups, group_size)
+    w = (values * s[:, :, None]).flatten(1)[:, :cols].to(torch.bfloat16)
+    return w if w.dtype == dtype else w.to(dtype)

@@ -61,7 +61,8 @@ CT_ARGS_KEYS = {"num_bits", "type", "symmetric", "group_size", "strategy", "bloc
                 "observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
 # Methods served, and where (the refusal names them).
 SUPPORTED = "'fp8', 'compressed-tensors', 'gptq', 'awq', and 'mxfp4' (gpt-oss)"
-CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized", "naive-quantized")
+CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized", "naive-quantized", "nvfp4-pack-quantized",
+              "mxfp4-pack-quantized")
 
 
 def read_quantization(config: dict[str, Any] | None, family: str) -> QuantSpec | None:
@@ -201,6 +202,8 @@ def _ct_scheme(weights: dict[str, Any] | None, inputs: dict[str, Any] | None, fm
     strategy, symmetric = weights.get("strategy"), weights.get("symmetric", True)
     if weights.get("dynamic"):
         raise UnsupportedConfig(f"{at}.weights.dynamic=true is not supported; weights are read with their scales")
+    if fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
+        return _ct_fp4(weights, inputs, fmt, at)
     actorder = weights.get("actorder")
     if actorder not in (None, False, "weight", "static", "group", "dynamic"):
         raise UnsupportedConfig(f"{at}.weights.actorder={actorder!r} is not supported")
@@ -238,6 +241,20 @@ def _ct_scheme(weights: dict[str, Any] | None, inputs: dict[str, Any] | None, fm
                                 f"channel or tensor; got num_bits={bits}, strategy={strategy!r}, "
                                 f"symmetric={symmetric}")
     return LinearScheme("int", "ct-int", bits=8, activations=activations)
+
+
+def _ct_fp4(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str, at: str) -> LinearScheme:
+    """NVFP4 (E2M1 weights, an FP8 scale per 16 over a global scale) and
+    MXFP4 (an E8M0 power of two per 32), weights only."""
+    group = 16 if fmt == "nvfp4-pack-quantized" else 32
+    got = (weights.get("num_bits"), weights.get("type"), weights.get("group_size"), weights.get("symmetric", True))
+    if got != (4, "float", group, True):
+        raise UnsupportedConfig(f"{at}.weights (num_bits, type, group_size, symmetric)={got} is not supported for "
+                                f"format {fmt!r}; supported: (4, 'float', {group}, True)")
+    if inputs:
+        raise UnsupportedConfig(f"{at}.input_activations: FP4 activations (W4A4) are not supported; FP4 weights "
+                                "with activations in the compute dtype (W4A16) are")
+    return LinearScheme("fp4", "ct-nvfp4" if group == 16 else "ct-mxfp4", bits=4, group_size=group)
 
 
 def _ct_activations(inputs: dict[str, Any] | None, at: str) -> ActivationQuant | None:

@@ -58,7 +58,7 @@ def quantization_units(cfg: ModelConfig) -> tuple[int, int]:
     for _, scheme in (cfg.quantization.schemes if cfg.quantization is not None else ()):
         if scheme.kind == "fp8" and scheme.block:
             rows, cols = math.lcm(rows, scheme.block[0]), math.lcm(cols, scheme.block[1])
-        elif scheme.kind == "int":
+        elif scheme.kind in ("int", "fp4"):
             cols = math.lcm(cols, 2 if scheme.bits == 4 else 1)
             if scheme.group_size is not None and not scheme.act_order:
                 cols = math.lcm(cols, scheme.group_size)

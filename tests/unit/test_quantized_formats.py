@@ -56,14 +56,22 @@ def int_args(bits: int, strategy: str, symmetric: bool, group: int | None = None
         {"group_size": group} if group else {})
 
 
+NVFP4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
+MXFP4 = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
+         "scale_dtype": "torch.uint8"}
+
+
 @pytest.mark.parametrize("name, weights", [
     ("w4a16-group32", int_args(4, "group", True, 32)),
     ("w4a16-group32-asymmetric", int_args(4, "group", False, 32)),
     ("w8a16-channel-asymmetric", int_args(8, "channel", False)),
+    ("nvfp4a16", NVFP4),
+    ("mxfp4a16", MXFP4),
 ])
-def test_compressed_tensors_packed_ints_serve_hfs_greedy_tokens(llama, name, weights, tmp_path):
+def test_compressed_tensors_packed_weights_serve_hfs_greedy_tokens(llama, name, weights, tmp_path):
     path = write_compressed_tensors(llama, tmp_path / name, weights)
-    oracle = path if weights["symmetric"] else decompress_compressed_tensors(path, tmp_path / "dense")
+    reads_itself = weights["type"] == "int" and weights["symmetric"]
+    oracle = path if reads_itself else decompress_compressed_tensors(path, tmp_path / "dense")
     assert_greedy_equal(path, oracle)
     layer = runner_for(str(path)).model.model.layers[0].self_attn.qkv_proj
     bits = weights["num_bits"]
@@ -75,6 +83,7 @@ def test_compressed_tensors_packed_ints_serve_hfs_greedy_tokens(llama, name, wei
     ("qwen3-moe", {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [16, 16],
                    "symmetric": True}),
     ("deepseek-v3", int_args(4, "group", True, 8)),  # latent attention's projections too; kv_b read whole
+    ("qwen3-moe", NVFP4),
 ])
 def test_moe_and_latent_attention_families_serve_compressed_tensors_at_their_size(family, weights, tmp_path):
     """Experts (each its own quantized gate/up and down), shared experts and
@@ -84,8 +93,8 @@ def test_moe_and_latent_attention_families_serve_compressed_tensors_at_their_siz
     assert_greedy_equal(path, decompress_compressed_tensors(path, tmp_path / "dense"), n=2, steps=12)
     experts = runner_for(str(path)).model.model.layers[1].mlp.experts
     held = experts.per_expert[0].gate_up
-    assert experts.packed and (held.qweight.dtype == torch.uint8 if weights["type"] == "int"
-                               else held.weight.dtype == torch.float8_e4m3fn)
+    assert experts.packed and (held.weight.dtype == torch.float8_e4m3fn if weights["num_bits"] == 8
+                               and weights["type"] == "float" else held.qweight.dtype == torch.uint8)
 
 
 @pytest.mark.parametrize("bits, group, sym, desc_act", [(4, 32, False, True), (8, 64, True, False)])
@@ -185,7 +194,11 @@ def group(**change) -> dict:
 @pytest.mark.parametrize("config, message", [
     ({"quant_method": "bitsandbytes"}, r"quant_method='bitsandbytes' is not supported; supported: 'fp8', "
                                        r"'compressed-tensors', 'gptq', 'awq'"),
-    (CT | {"format": "nvfp4-pack-quantized"}, r"format='nvfp4-pack-quantized' is not supported; supported: "),
+    (CT | {"format": "marlin-24"}, r"format='marlin-24' is not supported; supported: "),
+    (CT | {"format": "nvfp4-pack-quantized"} | group(weights=NVFP4, input_activations=NVFP4 | {"dynamic": "local"}),
+     r"FP4 activations \(W4A4\) are not supported"),
+    (CT | {"format": "mxfp4-pack-quantized"} | group(weights=MXFP4 | {"group_size": 16}),
+     r"is not supported for format 'mxfp4-pack-quantized'; supported: \(4, 'float', 32, True\)"),
     (CT | group(weights=int_args(4, "tensor_group", True, 16)), r"strategy='tensor_group' is not supported"),
     (CT | group(weights=int_args(2, "group", True, 128)), r"num_bits=2 is not supported; supported: 4, 8"),
     (CT | group(input_activations={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),

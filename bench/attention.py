@@ -55,8 +55,10 @@ class GatherBackend(TorchAttentionBackend):
     name = "gather"
     group = 32
 
-    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None):
+    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None, k_scale=1.0,
+               v_scale=1.0):
         assert sliding_window is None and softcap is None, "the old backend had neither"
+        assert k_cache.dtype == query.dtype, "nor an FP8 cache"
         assert all(q == 1 for q in meta.query_lens_host), "only the old decode path is kept here"
         out = torch.empty_like(query)
         block_size = k_cache.shape[1]

@@ -34,6 +34,15 @@ class ExecutorSettings(BaseSettings):
         "tensor parallelism `auto`, `cuda` (each rank on `cuda:LOCAL_RANK`) or `cpu`.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto", description="Weights and KV cache dtype; `auto` = float32 on CPU, bfloat16 on CUDA.")
+    # FP8 halves the pool's bytes per token; the scales (value = stored *
+    # scale) are the checkpoint's per-layer k_scale / v_scale, else 1.0.
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field(
+        default="auto", description="KV cache element type: `auto` = the compute dtype (`EXECUTOR_DTYPE`); "
+        "`fp8_e4m3` or `fp8_e5m2` store one byte per value, so the same `EXECUTOR_KV_CACHE_MEMORY_MB` holds about "
+        "twice the tokens of a bfloat16 cache. Values are divided by the layer's scale (the checkpoint's "
+        "`self_attn.k_scale` / `v_scale`, else 1.0) and saturated to the format's finite range when written, "
+        "multiplied back when read. Every attention backend and the host KV tier read and write it; "
+        "`EXECUTOR_TORCH_COMPILE=on` is refused with it.")
     block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV-cache block.")
     num_kv_blocks: int = Field(
         default=0, ge=0, description="Blocks in the KV pool; 0 sizes the pool from `EXECUTOR_KV_CACHE_MEMORY_MB`.")

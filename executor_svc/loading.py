@@ -15,7 +15,7 @@ from executor_svc.model.checkpoint import Checkpoint, load_checkpoint
 from executor_svc.config import ExecutorSettings
 from executor_svc.step.constraints import ConstraintMatchers
 from executor_svc.step.host_kv import HostKVPool, host_pool_num_blocks
-from executor_svc.step.kv_cache import KVCachePool, pool_num_blocks
+from executor_svc.step.kv_cache import KVCachePool, pool_num_blocks, resolve_kv_cache_dtype
 from executor_svc.model.families import build_model, read_config
 from executor_svc.model.model_config import ModelConfig
 from executor_svc.model.moe import use_triton_moe
@@ -45,9 +45,14 @@ def use_cuda_graphs(setting: str, device: torch.device, backend_name: str, tp_si
     return setting == "auto" and device.type == "cuda" and backend_name == "triton" and tp_size == 1 and dense
 
 
-def check_torch_compile(setting: str, device: torch.device, tp_size: int, cfg: ModelConfig | None = None) -> bool:
+def check_torch_compile(setting: str, device: torch.device, tp_size: int, cfg: ModelConfig | None = None,
+                        kv_cache_dtype: str = "auto") -> bool:
     if setting == "off":
         return False
+    if kv_cache_dtype != "auto":
+        # The compiled graph reads the pool with its own gather (compiled_decode.py), which does not dequantize.
+        raise StartupError(f"EXECUTOR_TORCH_COMPILE=on is not implemented with EXECUTOR_KV_CACHE_DTYPE={kv_cache_dtype}; "
+                           "leave EXECUTOR_KV_CACHE_DTYPE=auto to compile decode steps")
     if cfg is not None and (cfg.moe is not None or cfg.mla is not None):
         raise StartupError(f"EXECUTOR_TORCH_COMPILE=on is implemented for dense families only; {cfg.architecture} "
                            "has mixture-of-experts or latent-attention layers")
@@ -66,7 +71,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
-    pool: KVCachePool
+    pool: KVCachePool  # pool.dtype: the KV cache's element type (EXECUTOR_KV_CACHE_DTYPE)
     host_kv: HostKVPool | None
     runner: ModelRunner
     cuda_graphs: bool
@@ -88,7 +93,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     cfg = read_config(ckpt.hf_config, ckpt.generation_config)
     size = settings.tensor_parallel_size
     device = rank_device(settings.device, int(os.environ.get("LOCAL_RANK", "0")) if size > 1 else 0, size)
-    torch_compile = check_torch_compile(settings.torch_compile, device, size, cfg)
+    torch_compile = check_torch_compile(settings.torch_compile, device, size, cfg, settings.kv_cache_dtype)
     tp = join(settings, cfg, device)
     _set_threads(settings, device)
     shard = tp.shard if tp else Shard()
@@ -98,15 +103,21 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     loaded_bytes = weight_bytes(model)
     log.info("weights: %.1f MiB on this rank (%s)", loaded_bytes / 2**20,
              f"{cfg.quantization.describe()}, kept quantized" if cfg.quantization is not None else dtype)
-    num_blocks = pool_num_blocks(cfg, settings.block_size, dtype, device, settings.num_kv_blocks,
+    kv_dtype = resolve_kv_cache_dtype(settings.kv_cache_dtype, dtype)
+    if kv_dtype != dtype:
+        scaled = sum(getattr(layer.self_attn, "k_scale", 1.0) != 1.0 or getattr(layer.self_attn, "v_scale", 1.0) != 1.0
+                     for layer in model.model.layers)
+        log.info("KV cache in %s (EXECUTOR_KV_CACHE_DTYPE=%s): %d of %d layers with checkpoint k/v scales, the "
+                 "others 1.0", kv_dtype, settings.kv_cache_dtype, scaled, len(model.model.layers))
+    num_blocks = pool_num_blocks(cfg, settings.block_size, kv_dtype, device, settings.num_kv_blocks,
                                  settings.kv_cache_memory_mb, shard)
     if tp:
         # One pool for the scheduler: the size every rank can hold.
         num_blocks = tp.min_over_ranks(num_blocks)
-    pool = KVCachePool(cfg, num_blocks, settings.block_size, device, dtype, shard)
+    pool = KVCachePool(cfg, num_blocks, settings.block_size, device, kv_dtype, shard)
     log.info("KV pool: %s", pool.describe())
     # After the device pool: on the CPU it took from the same MemAvailable.
-    num_host_blocks = host_pool_num_blocks(cfg, settings.block_size, dtype, settings.host_kv_cache_memory_mb, shard,
+    num_host_blocks = host_pool_num_blocks(cfg, settings.block_size, kv_dtype, settings.host_kv_cache_memory_mb, shard,
                                            int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if tp else 1)
     if tp:
         num_host_blocks = tp.min_over_ranks(num_host_blocks)

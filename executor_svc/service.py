@@ -55,11 +55,12 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         # sent, then the stream ends so the scheduler reconnects elsewhere.
         self.stopping = False
         log.info(
-            "executor %s: model=%s architecture=%s rope=%s sliding_window=%s device=%s dtype=%s kv_blocks=%d "
-            "host_kv_blocks=%d block_size=%d max_model_len=%d tensor_parallel_size=%d",
+            "executor %s: model=%s architecture=%s rope=%s sliding_window=%s device=%s dtype=%s kv_cache_dtype=%s "
+            "kv_blocks=%d host_kv_blocks=%d block_size=%d max_model_len=%d tensor_parallel_size=%d",
             self.instance_id, self.model_name, self.cfg.architecture, self.cfg.rope_description(),
             self.cfg.sliding_window if SLIDING in self.cfg.layer_types else None, self.device, self.dtype,
-            self.pool.num_blocks, self.num_host_kv_blocks, settings.block_size, self.max_model_len, self.tp_size,
+            f"{settings.kv_cache_dtype} ({self.pool.dtype})", self.pool.num_blocks, self.num_host_kv_blocks,
+            settings.block_size, self.max_model_len, self.tp_size,
         )
         log.info("config.json keys ignored: %s", "; ".join(f"{k} ({why})" for k, why in self.cfg.ignored.items()))
 

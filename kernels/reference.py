@@ -17,6 +17,11 @@ Shapes (shared with the Triton launchers):
                     need are arbitrary padding and never read
 * block_mapping:    [n, 2] int64 rows of (src_block, dst_block)
 
+An FP8 cache (float8_e4m3fn or float8_e5m2) holds value / scale, saturated to the
+format's finite range (``quantize_kv``); a read is ``stored.float() * scale``
+(``dequantize_kv``). k_scale and v_scale are per call (per layer); a cache in the
+activations' dtype ignores them.
+
 Mixture of experts (``fused_moe``):
 
 * x:                [num_tokens, hidden]
@@ -46,7 +51,24 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["write_kv_cache", "paged_attention", "fused_moe", "mla_decode", "fp8_block_linear", "pack_int",
-           "unpack_int", "dequantize_int", "int_weight_linear"]
+           "unpack_int", "dequantize_int", "int_weight_linear", "quantize_kv", "dequantize_kv"]
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of cache_dtype stores it: x / scale in fp32, clamped to FP8's finite range."""
+    if cache_dtype not in FP8_KV_DTYPES:
+        return x.to(cache_dtype)
+    limit = torch.finfo(cache_dtype).max
+    return torch.clamp(x.float() / scale, -limit, limit).to(cache_dtype)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: float) -> torch.Tensor:
+    """What a cache holds, in fp32: stored * scale for FP8, stored itself otherwise."""
+    if stored.dtype not in FP8_KV_DTYPES:
+        return stored.float()
+    return stored.float() * scale
 
 
 def write_kv_cache(
@@ -55,6 +77,8 @@ def write_kv_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter each token's K/V into its cache slot, in place; negative slots are skipped."""
     block_size = k_cache.shape[1]
@@ -63,8 +87,8 @@ def write_kv_cache(
     slots = slots[keep]  # [num_kept]
     block_ids = slots // block_size  # [num_kept]
     offsets = slots % block_size  # [num_kept]
-    k_cache[block_ids, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[block_ids, offsets] = value[keep].to(v_cache.dtype)
+    k_cache[block_ids, offsets] = quantize_kv(key[keep], k_scale, k_cache.dtype)
+    v_cache[block_ids, offsets] = quantize_kv(value[keep], v_scale, v_cache.dtype)
 
 
 def gather_context(
@@ -92,6 +116,8 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] fp32
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each request's new query tokens over its paged context.
 
@@ -127,8 +153,8 @@ def paged_attention(
         keys = gather_context(k_cache, block_tables[req], seq_len)[first:]  # [kv_len, num_kv_heads, head_dim]
         values = gather_context(v_cache, block_tables[req], seq_len)[first:]  # [kv_len, num_kv_heads, head_dim]
         # GQA: query head h reads kv head h // group, i.e. each kv head repeated group times.
-        keys = keys.float().repeat_interleave(group, dim=1)  # [kv_len, num_heads, head_dim]
-        values = values.float().repeat_interleave(group, dim=1)  # [kv_len, num_heads, head_dim]
+        keys = dequantize_kv(keys, k_scale).repeat_interleave(group, dim=1)  # [kv_len, num_heads, head_dim]
+        values = dequantize_kv(values, v_scale).repeat_interleave(group, dim=1)  # [kv_len, num_heads, head_dim]
         q = query[q_start:q_end].float()  # [q_len, num_heads, head_dim]
 
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale  # [num_heads, q_len, kv_len]
@@ -181,11 +207,14 @@ def mla_decode(
     block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
     scale: float,
     value_dim: int,
+    k_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_reqs, num_heads, value_dim]
     """MLA decode (one token per request): attention over the latent cache as one
-    shared KV head, each latent the key and its first value_dim values the value."""
+    shared KV head, each latent the key and its first value_dim values the value
+    (an FP8 latent is scaled by k_scale, as key and as value)."""
     cu = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
-    return paged_attention(query, cache, cache, cu, seq_lens, block_tables, scale)[..., :value_dim]
+    return paged_attention(query, cache, cache, cu, seq_lens, block_tables, scale, k_scale=k_scale,
+                           v_scale=k_scale)[..., :value_dim]
 
 
 def fp8_block_linear(

@@ -33,21 +33,26 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    """A cache in an FP8 dtype holds value / scale (kv_quant.py): k_scale and
+    v_scale are the layer's, and a cache in the compute dtype ignores them."""
+
     name: str
 
-    def write_latent(self, latent: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    def write_latent(self, latent: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+                     k_scale: float = 1.0) -> None:
         """MLA: latent [num_tokens, 1, latent_dim] into cache [num_blocks, block_size, 1, latent_dim]."""
         ...
 
     def attend_latent(self, query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                      value_dim: int) -> torch.Tensor:
+                      value_dim: int, k_scale: float = 1.0) -> torch.Tensor:
         """MLA: causal multi-query attention of query [num_tokens, num_heads, latent_dim]
         over the latent cache, each latent serving as the key and its first
         value_dim values as the value. Returns [num_tokens, num_heads, value_dim]."""
         ...
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> None: ...
 
     def attend(
@@ -60,6 +65,8 @@ class AttentionBackend(Protocol):
         sliding_window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Causal attention of each new query token over its request's cached context.
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from executor_svc.attention.kv_quant import as_bytes, dequantize, quantize
 from executor_svc.attention.metadata import AttentionMetadata
 
 # Bytes of K gathered per decode chunk (rows x padded context x one token's
@@ -72,25 +73,30 @@ class TorchAttentionBackend:
     step (and window) and kept in meta.cache for every layer. A sliding
     window skips the blocks wholly before it. Softcapping has no SDPA kernel,
     so it takes an explicit matmul-softmax-matmul path.
+
+    An FP8 cache (kv_quant.py) is gathered as stored and only the gathered
+    blocks are converted to the compute dtype: on the CPU the conversion
+    is an elementwise loop, so the step pays for what it reads, not for
+    the pool.
     """
 
     name = "torch"
 
-    def write_kv(self, key, value, k_cache, v_cache, meta):
+    def write_kv(self, key, value, k_cache, v_cache, meta, k_scale=1.0, v_scale=1.0):
         # key, value: [num_tokens, num_kv_heads, head_dim]
-        num_kv_heads, head_dim = key.shape[1], key.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = key
-        v_cache.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = value
+        _scatter(k_cache, meta.slot_mapping, key, k_scale)
+        _scatter(v_cache, meta.slot_mapping, value, v_scale)
 
-    def write_latent(self, latent, cache, meta):
-        cache.view(-1, 1, latent.shape[-1])[meta.slot_mapping] = latent
+    def write_latent(self, latent, cache, meta, k_scale=1.0):
+        _scatter(cache, meta.slot_mapping, latent, k_scale)
 
-    def attend_latent(self, query, cache, meta, scale, value_dim):
+    def attend_latent(self, query, cache, meta, scale, value_dim, k_scale=1.0):
         # The whole latent is the value too (K = V: one cache read, and CPU
         # flash attention wants equal head sizes); the extra dims are dropped.
-        return self.attend(query, cache, cache, meta, scale)[..., :value_dim]
+        return self.attend(query, cache, cache, meta, scale, k_scale=k_scale, v_scale=k_scale)[..., :value_dim]
 
-    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None, sinks=None):
+    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None, sinks=None,
+               k_scale=1.0, v_scale=1.0):
         # query: [num_tokens, num_heads, head_dim] -> same shape
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
@@ -98,16 +104,19 @@ class TorchAttentionBackend:
         key = ("torch", block_size, sliding_window)
         plan = meta.cache.get(key)
         if plan is None:
-            token_bytes = k_cache[0, 0].numel() * k_cache.element_size()
-            plan = _plan_step(meta, block_size, token_bytes, sliding_window, k_cache.dtype, query.device)
+            # What SDPA reads: the gathered K in the compute dtype, whatever the cache's.
+            token_bytes = k_cache[0, 0].numel() * query.element_size()
+            plan = _plan_step(meta, block_size, token_bytes, sliding_window, query.dtype, query.device)
             meta.cache[key] = plan
         out = torch.empty_like(query)
         if plan.decodes:
-            _attend_decodes(query, k_cache, v_cache, plan, scale, softcap, sinks, out)
+            _attend_decodes(query, k_cache, v_cache, plan, scale, softcap, sinks, out, k_scale, v_scale)
         num_kv_heads, head_dim = k_cache.shape[2:]
         for pf in plan.prefills:
-            k = _gather(k_cache, pf.block_ids, None).view(-1, num_kv_heads, head_dim)[: pf.kv_len]
-            v = _gather(v_cache, pf.block_ids, None).view(-1, num_kv_heads, head_dim)[: pf.kv_len]
+            k = dequantize(_gather(k_cache, pf.block_ids, None), k_scale, query.dtype)
+            v = dequantize(_gather(v_cache, pf.block_ids, None), v_scale, query.dtype)
+            k = k.view(-1, num_kv_heads, head_dim)[: pf.kv_len]
+            v = v.view(-1, num_kv_heads, head_dim)[: pf.kv_len]
             # q: [1, h, q_len, d]; k, v: [1, kvh, kv_len, d]
             q = query[pf.start : pf.end].transpose(0, 1).unsqueeze(0)
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
@@ -116,7 +125,8 @@ class TorchAttentionBackend:
         return out
 
 
-def _attend_decodes(query, k_cache, v_cache, plan: _AttentionLayout, scale, softcap, sinks, out) -> None:
+def _attend_decodes(query, k_cache, v_cache, plan: _AttentionLayout, scale, softcap, sinks, out,
+                    k_scale=1.0, v_scale=1.0) -> None:
     """Writes the decodes' rows of out ([num_tokens, num_heads, head_dim]).
     Sinks join after the pieces merge: a piece's output is normalised over
     its own keys, and its log-sum-exp says how much it weighs; the sink's
@@ -135,8 +145,10 @@ def _attend_decodes(query, k_cache, v_cache, plan: _AttentionLayout, scale, soft
     for chunk in plan.decodes:
         n, ctx = chunk.end - chunk.start, chunk.num_blocks * block_size
         # [n, ctx, kvh, d] viewed as [n, kvh, ctx, d]
-        k = _gather(k_cache, chunk.block_ids, k_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
-        v = _gather(v_cache, chunk.block_ids, v_buf).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        k = dequantize(_gather(k_cache, chunk.block_ids, k_buf), k_scale, query.dtype)
+        v = dequantize(_gather(v_cache, chunk.block_ids, v_buf), v_scale, query.dtype)
+        k = k.view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        v = v.view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
         q = q_rows[chunk.start : chunk.end]
         if with_lse:
             o, lse = _attention_with_lse(q, k, v, chunk.mask, scale, softcap)
@@ -154,16 +166,23 @@ def _attend_decodes(query, k_cache, v_cache, plan: _AttentionLayout, scale, soft
     out.index_copy_(0, tokens, o_rows.reshape(-1, num_heads, head_dim))
 
 
+def _scatter(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+    """x ([num_tokens, heads, d]) into cache ([num_blocks, block_size, heads, d]) at
+    its tokens' slots, as the cache stores it (kv_quant.quantize)."""
+    as_bytes(cache).view(-1, *x.shape[1:])[slot_mapping] = as_bytes(quantize(x, scale, cache.dtype))
+
+
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
-    """cache's blocks block_ids, copied back to back (into buf when given).
+    """cache's blocks block_ids, copied back to back (into buf when given),
+    still in the cache's dtype.
 
     index_select on the block dimension copies whole blocks, about twice as
     fast on CPU as advanced indexing with a 2-D index.
     """
     # cache: [num_blocks, block_size, kvh, d] -> [len(block_ids), block_size, kvh, d]
     if buf is None:
-        return cache.index_select(0, block_ids)
-    return torch.index_select(cache, 0, block_ids, out=buf[: block_ids.shape[0]])
+        return as_bytes(cache).index_select(0, block_ids).view(cache.dtype)
+    return torch.index_select(as_bytes(cache), 0, block_ids, out=as_bytes(buf)[: block_ids.shape[0]]).view(cache.dtype)
 
 
 def dense_attention(q, k, v, mask, causal, scale, softcap, sinks=None):
@@ -239,7 +258,7 @@ def _plan_step(
     """Which blocks each request's queries can see, and the masks for the
     padding and window edges; shared by every layer of the step.
 
-    token_bytes: one token's K in the cache (num_kv_heads * head_dim * element size);
+    token_bytes: one token's K as gathered (num_kv_heads * head_dim * the compute dtype's element size);
     dtype: the masks', the activations' dtype, as SDPA wants.
     """
     q_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host

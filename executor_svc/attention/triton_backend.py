@@ -11,7 +11,8 @@ class TritonAttentionBackend:
     """The Triton kernels in kernels/: one launch writes a layer's K/V, one
     launch attends the whole mixed batch (decodes, prefills and chunks
     alike). Runs on CUDA, or on CPU under Triton's interpreter
-    (TRITON_INTERPRET=1, slow: for tests only).
+    (TRITON_INTERPRET=1, slow: for tests only). An FP8 cache is encoded
+    and decoded inside the kernels, from its bits (kernels/fp8_kv.py).
 
     kernels.* is imported here, not at module level, so the torch backend
     never imports triton.
@@ -33,30 +34,31 @@ class TritonAttentionBackend:
         self._mla_decode = mla_decode
         self._torch = TorchAttentionBackend()
 
-    def write_kv(self, key, value, k_cache, v_cache, meta):
+    def write_kv(self, key, value, k_cache, v_cache, meta, k_scale=1.0, v_scale=1.0):
         # key, value: [num_tokens, num_kv_heads, head_dim]. The launcher wants
         # head_dim contiguous and a contiguous int32/int64 slot_mapping; what
         # the runner builds already is, so these are no-ops there.
         self._write_kv_cache(
             _unit_last_stride(key), _unit_last_stride(value), k_cache, v_cache,
-            _index_tensor(meta.slot_mapping, torch.int64),
+            _index_tensor(meta.slot_mapping, torch.int64), k_scale=k_scale, v_scale=v_scale,
         )
 
-    def write_latent(self, latent, cache, meta):
+    def write_latent(self, latent, cache, meta, k_scale=1.0):
         # The K/V write kernel with the latent as both: one cache, written twice.
-        self.write_kv(latent, latent, cache, cache, meta)
+        self.write_kv(latent, latent, cache, cache, meta, k_scale=k_scale, v_scale=k_scale)
 
-    def attend_latent(self, query, cache, meta, scale, value_dim):
+    def attend_latent(self, query, cache, meta, scale, value_dim, k_scale=1.0):
         """Decode-only steps: the paged MLA decode kernel. Steps with
         prefills: the torch backend (prefill is compute-bound and runs once
         per token; a Triton MLA prefill kernel is not written yet)."""
         if len(meta.query_lens_host) == query.shape[0]:
             return self._mla_decode(
                 _unit_last_stride(query), cache, _index_tensor(meta.seq_lens, torch.int32),
-                _index_tensor(meta.block_tables, torch.int32), scale, value_dim)
-        return self._torch.attend_latent(query, cache, meta, scale, value_dim)
+                _index_tensor(meta.block_tables, torch.int32), scale, value_dim, k_scale=k_scale)
+        return self._torch.attend_latent(query, cache, meta, scale, value_dim, k_scale=k_scale)
 
-    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None, sinks=None):
+    def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None, sinks=None,
+               k_scale=1.0, v_scale=1.0):
         # query: [num_tokens, num_heads, head_dim] -> same shape. sliding_window,
         # softcap and sinks are per call (per layer); None switches the feature off in the kernel.
         return self._paged_attention(
@@ -65,7 +67,7 @@ class TritonAttentionBackend:
             _index_tensor(meta.seq_lens, torch.int32),
             _index_tensor(meta.block_tables, torch.int32),
             scale, sliding_window=sliding_window, softcap=softcap,
-            sinks=None if sinks is None else sinks.float().contiguous(),
+            sinks=None if sinks is None else sinks.float().contiguous(), k_scale=k_scale, v_scale=v_scale,
         )
 
 

@@ -46,6 +46,10 @@ class MLAttention(nn.Module):
         self.nope, self.rope = m.qk_nope_head_dim, m.qk_rope_head_dim
         self.v_dim, self.kv_lora = m.v_head_dim, m.kv_lora_rank
         self.scale, self.interleave, self.comm = m.softmax_scale, m.rope_interleave, comm
+        # An FP8 latent cache stores latent / k_scale (attention/kv_quant.py), as
+        # vLLM's MLA does: the checkpoint's self_attn.k_scale, else 1.0. v_scale
+        # is never read (the values are the latent's first kv_lora_rank dims).
+        self.k_scale = self.v_scale = 1.0
         h, rank, size = cfg.hidden_size, shard.rank, shard.size
         q_rows = cfg.num_heads * m.qk_head_dim
         if m.q_lora_rank:
@@ -81,13 +85,14 @@ class MLAttention(nn.Module):
         c = self.kv_a_layernorm(kv[:, : self.kv_lora])  # [n, kv_lora]
         k_pe = self._rope(kv[:, None, self.kv_lora :], cos, sin)  # [n, 1, rope]
         latent = torch.cat([c[:, None], k_pe], dim=-1)  # [n, 1, kv_lora + rope]
-        backend.write_latent(latent, latent_cache, meta)
+        backend.write_latent(latent, latent_cache, meta, k_scale=self.k_scale)
 
         w = self.kv_b_proj.dense_weight(x.dtype).view(heads, self.nope + self.v_dim, self.kv_lora)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [heads, nope, kv_lora], [heads, v, kv_lora]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, kv_lora]
         query = torch.cat([q_latent, self._rope(q_pe, cos, sin)], dim=-1)  # [n, heads, kv_lora + rope]
-        o_latent = backend.attend_latent(query, latent_cache, meta, self.scale, self.kv_lora)  # [n, heads, kv_lora]
+        o_latent = backend.attend_latent(query, latent_cache, meta, self.scale, self.kv_lora,
+                                         k_scale=self.k_scale)  # [n, heads, kv_lora]
         o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [n, heads, v]
         out = self.o_proj(o.reshape(n, heads * self.v_dim))  # this rank's heads' share
         return out if self.comm is None else self.comm.all_reduce(out)

@@ -29,6 +29,7 @@ model is whole and runs no collective.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -45,6 +46,9 @@ from executor_svc.model.sharding import Shard
 
 # A family's map from one checkpoint tensor to the decoder parameters it fills.
 Rename = Callable[[str, LazyTensor, ModelConfig], Iterator[tuple[str, LazyTensor]]]
+
+# A checkpoint's FP8 KV-cache scales: one float32 scalar per layer for K and for V.
+KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
 
 
 class RMSNorm(nn.Module):
@@ -107,6 +111,9 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale
         self.sliding_window = cfg.layer_window(layer)
         self.softcap = cfg.attn_softcap
+        # An FP8 KV cache stores k / k_scale and v / v_scale (attention/kv_quant.py):
+        # the checkpoint's self_attn.k_scale / v_scale (set_kv_scales), else 1.0.
+        self.k_scale = self.v_scale = 1.0
         self.comm = comm
         d, hq, kvh = cfg.head_dim, self.num_heads, self.num_kv_heads
         first_kv = shard.first_kv_head(cfg)
@@ -127,7 +134,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(n, h + 2 * kvh, self.head_dim)
         v = qkv[:, h + kvh:]
         q, k = self.rotate(qkv, cos, sin)
-        backend.write_kv(k, v, k_cache, v_cache, meta)
+        backend.write_kv(k, v, k_cache, v_cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
         o = self.attend(q, k_cache, v_cache, meta, backend)  # [num_tokens, heads, head_dim]
         out = self.o_proj(o.reshape(n, self.num_heads * self.head_dim))  # this rank's heads' share
         return out if self.comm is None else self.comm.all_reduce(out)
@@ -141,7 +148,7 @@ class Attention(nn.Module):
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         return backend.attend(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
-                              softcap=self.softcap)
+                              softcap=self.softcap, k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 class QKNormAttention(Attention):
@@ -321,6 +328,34 @@ def checkpoint_owners(model: CausalLM) -> dict[str, tuple[nn.Module, str, tuple[
     return owners
 
 
+def set_kv_scales(model: CausalLM, scales: dict[str, LazyTensor]) -> list[str]:
+    """Sets each layer's k_scale / v_scale from the checkpoint's
+    `model.layers.N.self_attn.k_scale` / `v_scale` (float32 scalars: the
+    FP8 KV cache holds value / scale); the names no layer has are returned.
+    Read only by an FP8 cache (EXECUTOR_KV_CACHE_DTYPE): a cache in the
+    compute dtype stores the values themselves.
+
+    Hook for compressed-tensors' `kv_cache_scheme`: once the format reader
+    (quantization.py) accepts it, its per-tensor scales load here too (vLLM
+    renames its `k_proj.output_scale` / `v_proj.output_scale` to these).
+    Per-head scales are not implemented and are refused."""
+    attention = {f"model.layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(model.model.layers)}
+    unknown = []
+    for name, tensor in scales.items():
+        path, _, key = name.rpartition(".")
+        if path not in attention:
+            unknown.append(name)
+            continue
+        if math.prod(tensor.shape) != 1:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)}; only one KV-cache scale per layer (per "
+                             "tensor) is implemented")
+        value = float(tensor.read().float().reshape(()))
+        if not 0.0 < value < float("inf"):
+            raise ValueError(f"{name}: {value} is not a usable KV-cache scale (a finite number > 0)")
+        setattr(attention[path], key, value)
+    return unknown
+
+
 def build_model(cfg: ModelConfig,
                 tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]] | dict[str, torch.Tensor],
                 max_len: int, device: torch.device, dtype: torch.dtype, shard: Shard = Shard(), comm=None, *,
@@ -338,9 +373,13 @@ def build_model(cfg: ModelConfig,
     owners = checkpoint_owners(model)
     loaded: set[str] = set()
     unexpected: list[str] = []
+    kv_scales: dict[str, LazyTensor] = {}
     for ckpt_name, tensor in (tensors.items() if isinstance(tensors, dict) else tensors):
         if ckpt_name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config
+        if ckpt_name.endswith(KV_SCALE_SUFFIXES):
+            kv_scales[ckpt_name] = tensor if isinstance(tensor, LazyTensor) else LazyTensor.of(tensor)
+            continue
         if cfg.tie_word_embeddings and ckpt_name == "lm_head.weight":
             continue  # HF ignores it too: the head is the embedding matrix
         lazy = tensor if isinstance(tensor, LazyTensor) else LazyTensor.of(tensor)
@@ -356,6 +395,7 @@ def build_model(cfg: ModelConfig,
             else:
                 load_replicated(module, key, whole, device, dtype)
             loaded.add(name)
+    unexpected += set_kv_scales(model, kv_scales)
     missing = sorted(owners.keys() - loaded)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the {cfg.architecture} layout: "

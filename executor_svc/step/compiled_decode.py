@@ -38,6 +38,7 @@ import torch
 from prometheus_client import Counter
 
 from executor_svc.attention import dense_attention
+from executor_svc.attention.kv_quant import is_fp8
 from executor_svc.step.kv_cache import KVCachePool
 from executor_svc.model.model import CausalLM
 
@@ -71,10 +72,12 @@ class DenseDecodeAttention:
 
     name = "compiled-decode"
 
-    def write_kv(self, key, value, k_cache, v_cache, meta: DecodeMeta):
+    def write_kv(self, key, value, k_cache, v_cache, meta: DecodeMeta, k_scale=1.0, v_scale=1.0):
+        # The pool is never FP8 here (CompiledDecode refuses it): the scales do not apply.
         meta.new_kv.append((key, value))
 
-    def attend(self, query, k_cache, v_cache, meta: DecodeMeta, scale, sliding_window=None, softcap=None):
+    def attend(self, query, k_cache, v_cache, meta: DecodeMeta, scale, sliding_window=None, softcap=None,
+               k_scale=1.0, v_scale=1.0):
         n, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         new_k, new_v = meta.new_kv[-1]  # this layer's, from write_kv just before
@@ -94,6 +97,8 @@ class CompiledDecode:
             raise ValueError(f"EXECUTOR_TORCH_COMPILE compiles CPU decode steps; the device is {self.storage.device}")
         if model.comm is not None:
             raise ValueError("EXECUTOR_TORCH_COMPILE is not implemented under tensor parallelism")
+        if is_fp8(self.storage.dtype):
+            raise ValueError("EXECUTOR_TORCH_COMPILE is not implemented with an FP8 KV cache")
         self.model, self.kv_caches = model, pool.layer_caches()
         self.block_size = pool.block_size
         self.token_bytes = self.storage[0, 0, 0, 0].numel() * self.storage.element_size()

@@ -7,7 +7,9 @@ order: every swap_out, then every swap_in, then the forward. Under tensor
 parallelism each rank holds its slice of every block (its KV heads), as in
 its device pool, and runs the same copies on it. A host block mirrors a
 device block layer by layer (kv_cache.CacheSpec): a K/V pair, or for
-multi-head latent attention the one latent, whole on every rank.
+multi-head latent attention the one latent, whole on every rank. An FP8
+pool's blocks are copied as their bytes, scales and all unchanged: a
+block swapped back in reads as it did before it left.
 
 On CUDA the pool is pinned memory and the copies run on a side stream: they
 start after the steps before them (their sources), and the forward waits on
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from executor_svc.attention.kv_quant import as_bytes
 from executor_svc.step.kv_cache import MIB, KVCachePool, bytes_per_block, free_memory_bytes
 from executor_svc.model.model_config import ModelConfig
 from executor_svc.step.request_rows import PlanError
@@ -107,20 +110,21 @@ class HostKVPool:
         num_device_blocks = device_storage.shape[2]
         self._check("swap_out", out_device, out_host, num_device_blocks)
         self._check("swap_in", in_device, in_host, num_device_blocks)
+        device_storage, host_storage = as_bytes(device_storage), as_bytes(self.storage)
         t0 = time.perf_counter_ns()
         out_d, out_h, failed_outs = self._split(out_device, out_host)
         in_d, in_h, failed_ins = self._split(in_device, in_host)
         result = SwapResult(failed_outs, failed_ins)
         if self.stream is None:
-            self._copy_out(device_storage, out_d, out_h)
-            self._copy_in(device_storage, in_h, in_d)
+            self._copy_out(device_storage, host_storage, out_d, out_h)
+            self._copy_in(device_storage, host_storage, in_h, in_d)
         else:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # sources written by earlier steps
             with torch.cuda.stream(self.stream):
                 result.start, result.done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 result.start.record(self.stream)
-                self._copy_out(device_storage, out_d, out_h)
-                self._copy_in(device_storage, in_h, in_d)
+                self._copy_out(device_storage, host_storage, out_d, out_h)
+                self._copy_in(device_storage, host_storage, in_h, in_d)
                 result.done.record(self.stream)
             # The forward writes blocks just swapped out and reads blocks just swapped in.
             torch.cuda.current_stream(self.device).wait_event(result.done)
@@ -128,29 +132,31 @@ class HostKVPool:
         result.swap_ns = time.perf_counter_ns() - t0
         return result
 
-    def _copy_out(self, device_storage: torch.Tensor, device_blocks: list[int], host_blocks: list[int]) -> None:
+    def _copy_out(self, device_storage: torch.Tensor, host_storage: torch.Tensor, device_blocks: list[int],
+                  host_blocks: list[int]) -> None:
         if not device_blocks:
             return
         d = torch.tensor(device_blocks, dtype=torch.int64, device=self.device)
         blocks = device_storage[:, :, d].permute(2, 0, 1, 3, 4, 5)  # [n, layers, tensors, block_size, heads, head_dim]
         if self.stream is None:
-            self.storage[torch.tensor(host_blocks)] = blocks
+            host_storage[torch.tensor(host_blocks)] = blocks
             return
         blocks = blocks.contiguous()
         for i, h in enumerate(host_blocks):  # one device-to-host copy per (contiguous) block
-            self.storage[h].copy_(blocks[i], non_blocking=True)
+            host_storage[h].copy_(blocks[i], non_blocking=True)
 
-    def _copy_in(self, device_storage: torch.Tensor, host_blocks: list[int], device_blocks: list[int]) -> None:
+    def _copy_in(self, device_storage: torch.Tensor, host_storage: torch.Tensor, host_blocks: list[int],
+                 device_blocks: list[int]) -> None:
         if not device_blocks:
             return
         d = torch.tensor(device_blocks, dtype=torch.int64, device=self.device)
         if self.stream is None:
-            blocks = self.storage[torch.tensor(host_blocks)]  # [n, layers, tensors, block_size, heads, head_dim]
+            blocks = host_storage[torch.tensor(host_blocks)]  # [n, layers, tensors, block_size, heads, head_dim]
         else:
-            blocks = torch.empty((len(host_blocks), *self.storage.shape[1:]), dtype=self.storage.dtype,
+            blocks = torch.empty((len(host_blocks), *host_storage.shape[1:]), dtype=host_storage.dtype,
                                  device=self.device)
             for i, h in enumerate(host_blocks):  # one host-to-device copy per block
-                blocks[i].copy_(self.storage[h], non_blocking=True)
+                blocks[i].copy_(host_storage[h], non_blocking=True)
         device_storage[:, :, d] = blocks.permute(1, 2, 0, 3, 4, 5)
 
     def finish(self, result: SwapResult) -> None:

@@ -5,7 +5,9 @@ A layer keeps either a K/V pair (one K and one V vector per KV head and
 token) or, for multi-head latent attention (MLA, DeepSeek-V3), one latent
 vector per token that every head reads as both keys and values. The
 scheduler decides which block holds what, and sees only blocks; the
-executor only stores, and sizes the pool by the real bytes per token.
+executor only stores, and sizes the pool by the real bytes per token:
+one byte per value for an FP8 cache (EXECUTOR_KV_CACHE_DTYPE), whose
+scales the layers keep (executor_svc/attention/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -15,11 +17,24 @@ from pathlib import Path
 
 import torch
 
+from executor_svc.attention.kv_quant import FP8_DTYPES
 from executor_svc.model.model_config import ModelConfig
 from executor_svc.model.sharding import Shard
 from llmsched.errors import StartupError
 
 MIB = 1024 * 1024
+KV_CACHE_DTYPES = ("auto", *FP8_DTYPES)
+
+
+def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """EXECUTOR_KV_CACHE_DTYPE: auto = the compute dtype, else an FP8 type.
+    The setting's Literal already refuses other names when read from the
+    environment; this refuses them from code too."""
+    if name == "auto":
+        return compute_dtype
+    if name not in FP8_DTYPES:
+        raise ValueError(f"EXECUTOR_KV_CACHE_DTYPE={name!r} is not supported; supported: {', '.join(KV_CACHE_DTYPES)}")
+    return FP8_DTYPES[name]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +104,12 @@ def pool_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, devic
 
 
 class KVCachePool:
+    """dtype: the cache's element type (resolve_kv_cache_dtype), which may
+    be FP8 while the model computes in another."""
+
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  shard: Shard = Shard()):
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.specs = layer_specs(cfg, shard)
         self.bytes_per_token = sum(spec.bytes_per_token(dtype) for spec in self.specs)
         spec = self.specs[0]
@@ -110,7 +128,8 @@ class KVCachePool:
         spec = self.specs[0]
         per_layer = (f"K and V, {spec.num_heads} heads x {spec.head_dim}" if self.holds_kv_pairs
                      else f"one latent of {spec.head_dim}")
-        return (f"{self.num_blocks} blocks of {self.block_size} tokens, {self.bytes_per_token} bytes per token "
+        return (f"{self.num_blocks} blocks of {self.block_size} tokens in {self.dtype}, {self.bytes_per_token} bytes "
+                f"per token "
                 f"({len(self.specs)} layers, each {per_layer})")
 
     def layer_caches(self) -> list[tuple[torch.Tensor, ...]]:

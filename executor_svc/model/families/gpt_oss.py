@@ -54,7 +54,7 @@ class SinkAttention(Attention):
 
     def attend(self, q, k_cache, v_cache, meta, backend) -> torch.Tensor:
         return backend.attend(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window,
-                              sinks=self.sinks)
+                              sinks=self.sinks, k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 class GptOssExperts(FusedExperts):

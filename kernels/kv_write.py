@@ -1,10 +1,16 @@
-"""Triton kernel: scatter this step's K/V into the paged cache (``write_kv_cache``)."""
+"""Triton kernel: scatter this step's K/V into the paged cache (``write_kv_cache``).
+
+An FP8 cache gets value / scale, saturated to its finite range and encoded
+from the float32 bits (kernels/fp8_kv.py), as ``kernels.reference.write_kv_cache``
+casts it."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fp8_kv import as_kernel_cache, encode_fp8, fp8_kind, max_finite
 
 __all__ = ["write_kv_cache"]
 
@@ -13,9 +19,11 @@ __all__ = ["write_kv_cache"]
 def _write_kv_cache_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; int8 bits when KV_FP8
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; int8 bits when KV_FP8
     slot_mapping_ptr,  # [num_tokens] int64 (or int32)
+    k_scale,  # fp32: the FP8 cache holds key / k_scale                  (KV_FP8)
+    v_scale,  # fp32                                                      (KV_FP8)
     stride_key_t,
     stride_key_h,
     stride_value_t,
@@ -31,6 +39,8 @@ def _write_kv_cache_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,  # next pow2 of NUM_KV_HEADS
     HEAD_DIM_PAD: tl.constexpr,  # next pow2 of HEAD_DIM
+    KV_FP8: tl.constexpr,  # 0: the cache is in the values' dtype; 1: e4m3fn, 2: e5m2 (fp8_kv.fp8_kind)
+    FP8_MAX: tl.constexpr,  # the FP8 format's largest finite value   (KV_FP8)
 ):
     # One program per token: all of its heads form one [HEADS_PAD, HEAD_DIM_PAD] tile,
     # a few KB at most, so a single load/store pair moves the whole token.
@@ -53,6 +63,11 @@ def _write_kv_cache_kernel(
         value_ptr + token * stride_value_t + offs_h[:, None] * stride_value_h + offs_d[None, :], mask=mask
     )  # [HEADS_PAD, HEAD_DIM_PAD]
 
+    if KV_FP8:
+        # div_rn: IEEE division on GPUs too, so the codes match torch's (x / scale).to(fp8).
+        key = encode_fp8(tl.clamp(tl.div_rn(key.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX), KV_FP8)
+        value = encode_fp8(tl.clamp(tl.div_rn(value.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX), KV_FP8)
+
     k_dst = k_cache_ptr + block_id * stride_kc_b + in_block * stride_kc_s
     v_dst = v_cache_ptr + block_id * stride_vc_b + in_block * stride_vc_s
     tl.store(
@@ -73,8 +88,11 @@ def write_kv_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Triton version of ``kernels.reference.write_kv_cache`` (in place)."""
+    """Triton version of ``kernels.reference.write_kv_cache`` (in place); an FP8
+    cache (float8_e4m3fn or float8_e5m2) stores key / k_scale and value / v_scale."""
     assert key.dim() == 3 and value.shape == key.shape, f"key {tuple(key.shape)} value {tuple(value.shape)}"
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape, (
         f"k_cache {tuple(k_cache.shape)} v_cache {tuple(v_cache.shape)}"
@@ -85,6 +103,9 @@ def write_kv_cache(
     assert slot_mapping.shape == (num_tokens,), f"slot_mapping {tuple(slot_mapping.shape)}"
     assert slot_mapping.dtype in (torch.int64, torch.int32), f"slot_mapping dtype {slot_mapping.dtype}"
     assert key.dtype == value.dtype and k_cache.dtype == v_cache.dtype
+    kv_fp8 = fp8_kind(k_cache.dtype)
+    assert kv_fp8 or k_cache.dtype == key.dtype, f"cache {k_cache.dtype} for {key.dtype} values"
+    assert k_scale > 0 and v_scale > 0, f"k_scale {k_scale} v_scale {v_scale}"
     # The head_dim axis is read/written as one contiguous vector.
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         assert t.stride(-1) == 1, f"{name} must be contiguous along head_dim, strides {t.stride()}"
@@ -97,9 +118,11 @@ def write_kv_cache(
     _write_kv_cache_kernel[(num_tokens,)](
         key,
         value,
-        k_cache,
-        v_cache,
+        as_kernel_cache(k_cache),
+        as_kernel_cache(v_cache),
         slot_mapping,
+        float(k_scale),
+        float(v_scale),
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -115,5 +138,7 @@ def write_kv_cache(
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        KV_FP8=kv_fp8,
+        FP8_MAX=max_finite(k_cache.dtype),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )

@@ -15,6 +15,9 @@ Shapes (see ``kernels.reference.mla_decode``):
 * seq_lens:     [num_reqs] int32, context length including the decode token
 * block_tables: [num_reqs, max_blocks_per_req] int32
 * output:       [num_reqs, num_heads, value_dim]
+
+An FP8 latent cache (float8_e4m3fn or float8_e5m2) is loaded as int8 bits and decoded
+with integer ops (kernels/fp8_kv.py), times k_scale, in the query's dtype.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fp8_kv import as_kernel_cache, decode_fp8, fp8_kind
 
 __all__ = ["mla_decode"]
 
@@ -35,11 +40,12 @@ _NO_MAX = tl.constexpr(-1.0e30)  # finite: a fully masked first tile must not gi
 def _mla_decode_kernel(
     out_ptr,  # [num_reqs, num_heads, VALUE_DIM]
     query_ptr,  # [num_reqs, num_heads, VALUE_DIM + ROPE_DIM]
-    cache_ptr,  # [num_blocks, block_size, 1, VALUE_DIM + ROPE_DIM]
+    cache_ptr,  # [num_blocks, block_size, 1, VALUE_DIM + ROPE_DIM]; int8 bits when KV_FP8
     seq_lens_ptr,  # [num_reqs] int32
     block_tables_ptr,  # [num_reqs, max_blocks_per_req] int32
     num_heads,
     qk_scale,  # softmax scale * log2(e)
+    k_scale,  # fp32: a cached latent is stored * k_scale (KV_FP8)
     stride_q_t,
     stride_q_h,
     stride_o_t,
@@ -56,6 +62,7 @@ def _mla_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,  # 0: the cache is in the query's dtype; 1: e4m3fn, 2: e5m2 (fp8_kv.fp8_kind)
 ):
     req = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -84,9 +91,12 @@ def _mla_decode_kernel(
         # int64 before scaling by the block stride: block_id * stride can pass 2^31.
         block_id = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)  # [TILE_N]
         slot = cache_ptr + block_id * stride_c_b + (offs_n % BLOCK_SIZE) * stride_c_s  # [TILE_N]
-        c = tl.load(slot[:, None] + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0)  # [TILE_N, V_PAD]
+        c = tl.load(slot[:, None] + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0)  # [TILE_N, V_PAD]
         pe = tl.load(slot[:, None] + VALUE_DIM + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                     other=0.0)  # [TILE_N, R_PAD]
+                     other=0)  # [TILE_N, R_PAD]
+        if KV_FP8:
+            c = (decode_fp8(c, KV_FP8) * k_scale).to(query_ptr.dtype.element_ty)
+            pe = (decode_fp8(pe, KV_FP8) * k_scale).to(query_ptr.dtype.element_ty)
         if DOT_UPCAST:
             c = c.to(tl.float32)
             pe = pe.to(tl.float32)
@@ -115,15 +125,17 @@ def mla_decode(
     block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
     scale: float,
     value_dim: int,
+    k_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_reqs, num_heads, value_dim]
-    """Triton version of ``kernels.reference.mla_decode``."""
+    """Triton version of ``kernels.reference.mla_decode``; the cache may be
+    float8_e4m3fn or float8_e5m2, read as stored * k_scale."""
     num_reqs, num_heads, latent_dim = query.shape
     assert cache.dim() == 4 and cache.shape[2] == 1 and cache.shape[3] == latent_dim, (
         f"cache {tuple(cache.shape)} for query {tuple(query.shape)}")
     assert 0 < value_dim < latent_dim, f"value_dim {value_dim} of latent_dim {latent_dim}"
     assert seq_lens.shape == (num_reqs,) and seq_lens.dtype == torch.int32
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_reqs and block_tables.dtype == torch.int32
-    assert query.dtype == cache.dtype, f"{query.dtype} / {cache.dtype}"
+    assert query.dtype == cache.dtype or fp8_kind(cache.dtype), f"{query.dtype} / {cache.dtype}"
     for name, t in (("query", query), ("cache", cache), ("block_tables", block_tables)):
         assert t.stride(-1) == 1, f"{name} must be contiguous in its last dim, strides {t.stride()}"
         assert t.device == query.device
@@ -131,17 +143,19 @@ def mla_decode(
     if num_reqs == 0:
         return out
     rope_dim = latent_dim - value_dim
-    block_h = 16 if num_heads <= 16 else 32
+    # 32 heads a program decoding an FP8 latent in fp32 spills on sm_80 (432 B); 16 do not.
+    block_h = 16 if num_heads <= 16 or fp8_kind(cache.dtype) else 32
     v_pad = max(16, triton.next_power_of_2(value_dim))
     tile_n = 16 if v_pad > 256 else 32
     _mla_decode_kernel[(num_reqs, triton.cdiv(num_heads, block_h))](
-        out, query, cache, seq_lens, block_tables, num_heads, scale * _LOG2E,
+        out, query, as_kernel_cache(cache), seq_lens, block_tables, num_heads, scale * _LOG2E, float(k_scale),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), cache.stride(0), cache.stride(1),
         block_tables.stride(0),
         VALUE_DIM=value_dim, ROPE_DIM=rope_dim, V_PAD=v_pad, R_PAD=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_H=block_h, TILE_N=tile_n, BLOCK_SIZE=cache.shape[1],
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_UPCAST=query.dtype == torch.bfloat16 and _interpreting(),
+        KV_FP8=fp8_kind(cache.dtype),
         num_warps=4 if v_pad <= 128 else 8,
     )
     return out

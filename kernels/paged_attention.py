@@ -35,6 +35,9 @@ compiled without them:
 * Attention sinks (USE_SINKS): one learned logit per head joins the softmax's
   denominator and weighs no value (gpt-oss); added once, after the KV loop (or in the
   split-KV merge).
+* An FP8 cache (KV_FP8): K and V tiles are loaded as int8 bits, decoded with integer
+  ops (kernels/fp8_kv.py: no Triton FP8 type, so sm_80 too), times k_scale / v_scale,
+  and cast to the query's dtype before the dots.
 
 tl.dot needs every dimension >= 16, so rows are padded to BLOCK_M >= 16, the head dim
 to HEAD_DIM_PAD >= 16 (next power of two, masked) and TILE_N >= 16.
@@ -48,6 +51,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fp8_kv import as_kernel_cache, decode_fp8, fp8_kind
 
 __all__ = ["paged_attention"]
 
@@ -109,8 +114,8 @@ def _paged_attention_kernel(
     part_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 domain (NUM_SPLITS > 1)
     part_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32           (NUM_SPLITS > 1)
     query_ptr,  # [num_tokens, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; int8 bits when KV_FP8
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]; int8 bits when KV_FP8
     cu_query_lens_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
     block_tables_ptr,  # [num_reqs, max_blocks_per_req] int32
@@ -121,6 +126,8 @@ def _paged_attention_kernel(
     #            with USE_SOFTCAP: softmax scale / softcap, the argument of tanh
     softcap_log2,  # softcap * log2(e)                                   (USE_SOFTCAP)
     window,  # sliding window W: positions i - W < j <= i are visible   (USE_WINDOW)
+    k_scale,  # fp32: a cached K is stored * k_scale                    (KV_FP8)
+    v_scale,  # fp32                                                    (KV_FP8)
     stride_q_t,
     stride_q_h,
     stride_o_t,
@@ -146,6 +153,7 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr,  # 0: the cache is in the query's dtype; 1: e4m3fn, 2: e5m2 (fp8_kv.fp8_kind)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -219,8 +227,10 @@ def _paged_attention_kernel(
         k = tl.load(
             k_head_ptr + (block_id * stride_kc_b + in_block * stride_kc_s)[:, None] + offs_d[None, :],
             mask=kv_mask,
-            other=0.0,
+            other=0,
         )  # [TILE_N, HEAD_DIM_PAD]
+        if KV_FP8:
+            k = (decode_fp8(k, KV_FP8) * k_scale).to(q.dtype)
         scores = _mma(q, tl.trans(k), tl.zeros([BLOCK_M, TILE_N], dtype=tl.float32), DOT_PRECISION, DOT_UPCAST)
         if USE_SOFTCAP:
             scores = _tanh(scores * qk_scale) * softcap_log2  # [BLOCK_M, TILE_N]
@@ -242,8 +252,10 @@ def _paged_attention_kernel(
         v = tl.load(
             v_head_ptr + (block_id * stride_vc_b + in_block * stride_vc_s)[:, None] + offs_d[None, :],
             mask=kv_mask,
-            other=0.0,
+            other=0,
         )  # [TILE_N, HEAD_DIM_PAD]
+        if KV_FP8:
+            v = (decode_fp8(v, KV_FP8) * v_scale).to(q.dtype)
         acc = acc * rescale[:, None]
         # Probabilities go through the MMA in the cache dtype (fp16/bf16 tensor cores).
         acc = _mma(probs.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
@@ -385,6 +397,7 @@ def _pick_config(
     dtype: torch.dtype,
     device: torch.device,
     sliding_window: int | None = None,
+    kv_fp8: bool = False,
 ) -> _Config:
     """Tile shapes from host-known sizes only (no device sync, CUDA-graph friendly)."""
     # Only shapes are known on the host. num_tokens == num_reqs is the decode signature;
@@ -399,6 +412,9 @@ def _pick_config(
         # Without Hopper's wgmma the 64x64 tile spills on sm_80 (255 regs + 52 B of
         # spills, 128 regs + 20 B at 8 warps); 64x32 at 4 warps fits in 190 regs.
         tile_n = 32
+        if kv_fp8:
+            # Decoding FP8 tiles in fp32 spills at 4 warps (255 regs + 76 B); 8 warps fit.
+            num_warps = 8
 
     num_splits = 1
     if is_decode:
@@ -427,7 +443,8 @@ def _check_inputs(query, k_cache, v_cache, cu_query_lens, seq_lens, block_tables
     assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of {num_kv_heads}"
     assert 8 <= head_dim <= 256, f"head_dim {head_dim} outside 8..256"
     assert query.dtype in (torch.float32, torch.float16, torch.bfloat16), f"query dtype {query.dtype}"
-    assert k_cache.dtype == v_cache.dtype == query.dtype, f"{query.dtype} / {k_cache.dtype} / {v_cache.dtype}"
+    assert k_cache.dtype == v_cache.dtype and (k_cache.dtype == query.dtype or fp8_kind(k_cache.dtype)), (
+        f"{query.dtype} / {k_cache.dtype} / {v_cache.dtype}")
     num_reqs = seq_lens.shape[0]
     assert seq_lens.shape == (num_reqs,) and seq_lens.dtype == torch.int32, (
         f"seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype}"
@@ -466,8 +483,11 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] fp32
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Triton version of ``kernels.reference.paged_attention`` (same arguments)."""
+    """Triton version of ``kernels.reference.paged_attention`` (same arguments); the
+    caches may be float8_e4m3fn or float8_e5m2, read as stored * k_scale / v_scale."""
     _check_inputs(query, k_cache, v_cache, cu_query_lens, seq_lens, block_tables)
     _check_features(sliding_window, softcap)
     if sinks is not None:
@@ -494,6 +514,7 @@ def paged_attention(
         query.dtype,
         query.device,
         sliding_window,
+        kv_fp8=bool(fp8_kind(k_cache.dtype)),
     )
     # Enough tiles for ceil(q_len / block_q) per request (see the module docstring).
     num_q_tiles = (num_tokens + num_reqs * (cfg.block_q - 1)) // cfg.block_q
@@ -515,8 +536,8 @@ def paged_attention(
         part_max,
         part_sum,
         query,
-        k_cache,
-        v_cache,
+        as_kernel_cache(k_cache),
+        as_kernel_cache(v_cache),
         cu_query_lens,
         seq_lens,
         block_tables,
@@ -526,6 +547,8 @@ def paged_attention(
         scale * _LOG2E if softcap is None else scale / softcap,
         0.0 if softcap is None else softcap * _LOG2E,
         0 if sliding_window is None else sliding_window,
+        float(k_scale),
+        float(v_scale),
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -551,6 +574,7 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None,
+        KV_FP8=fp8_kind(k_cache.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -91,9 +91,10 @@ def _resource_usage(ptx: str, arch: int, workdir: Path) -> dict:
 
 def _attention_launch(
     reqs, num_heads, num_kv_heads, head_dim, block_size, dtype, max_blocks=None, sliding_window=None, softcap=None,
-    sinks=False,
+    sinks=False, cache_dtype=None,
 ):
-    """Call the real launcher on small CPU tensors of the given shape."""
+    """Call the real launcher on small CPU tensors of the given shape (cache_dtype: an FP8 cache)."""
+    cache_dtype = cache_dtype or dtype
     num_tokens = sum(q for q, _ in reqs)
     seq_lens = [q + c for q, c in reqs]
     width = max_blocks or max(-(-s // block_size) for s in seq_lens)
@@ -102,8 +103,8 @@ def _attention_launch(
         cu.append(cu[-1] + q)
     pa.paged_attention(
         torch.zeros(num_tokens, num_heads, head_dim, dtype=dtype),
-        torch.zeros(width * len(reqs), block_size, num_kv_heads, head_dim, dtype=dtype),
-        torch.zeros(width * len(reqs), block_size, num_kv_heads, head_dim, dtype=dtype),
+        torch.zeros(width * len(reqs), block_size, num_kv_heads, head_dim, dtype=cache_dtype),
+        torch.zeros(width * len(reqs), block_size, num_kv_heads, head_dim, dtype=cache_dtype),
         torch.tensor(cu, dtype=torch.int32),
         torch.tensor(seq_lens, dtype=torch.int32),
         torch.zeros(len(reqs), width, dtype=torch.int32),
@@ -123,10 +124,10 @@ def _moe_launch(tokens, num_experts, top_k, hidden, inter, dtype, bias=False):
                  torch.arange(tokens * top_k).view(tokens, top_k) % num_experts, lambda h: h[:, :inter], bias13, bias2)
 
 
-def _mla_launch(batch, num_heads, kv_lora_rank, rope_dim, block_size, dtype):
+def _mla_launch(batch, num_heads, kv_lora_rank, rope_dim, block_size, dtype, cache_dtype=None):
     latent = kv_lora_rank + rope_dim
     mla.mla_decode(torch.zeros(batch, num_heads, latent, dtype=dtype),
-                   torch.zeros(8, block_size, 1, latent, dtype=dtype),
+                   torch.zeros(8, block_size, 1, latent, dtype=cache_dtype or dtype),
                    torch.full((batch,), 100, dtype=torch.int32), torch.zeros(batch, 8, dtype=torch.int32),
                    latent**-0.5, kv_lora_rank)
 
@@ -188,6 +189,16 @@ def _record_all_launches(arch: int) -> list:
             torch.zeros(2, 16, kvh, hd, dtype=dtype),
             torch.zeros(4, dtype=torch.int64),
         )
+    # An FP8 KV cache (EXECUTOR_KV_CACHE_DTYPE), decoded from int8 bits: Llama-3-8B shapes, decode and prefill.
+    for cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        _attention_launch(decode, 32, 8, 128, 16, torch.bfloat16, cache_dtype=cache_dtype)
+        _attention_launch(prefill, 32, 8, 128, 16, torch.bfloat16, cache_dtype=cache_dtype)
+        kv_write.write_kv_cache(torch.zeros(4, 8, 128, dtype=torch.bfloat16), torch.zeros(4, 8, 128, dtype=torch.bfloat16),
+                                torch.zeros(2, 16, 8, 128, dtype=cache_dtype), torch.zeros(2, 16, 8, 128, dtype=cache_dtype),
+                                torch.zeros(4, dtype=torch.int64), k_scale=0.5, v_scale=2.0)
+    _attention_launch(prefill, 32, 8, 128, 16, torch.float16, cache_dtype=torch.float8_e4m3fn)
+    _attention_launch(((1, 100),), 32, 8, 128, 16, torch.bfloat16, max_blocks=512, cache_dtype=torch.float8_e4m3fn)
+    _mla_launch(4, 128, 512, 64, 64, torch.bfloat16, cache_dtype=torch.float8_e4m3fn)
     # gpt-oss (64/8/64, W 128): sinks in the epilogue and in the split-KV merge.
     _attention_launch(decode, 64, 8, 64, 16, torch.bfloat16, sliding_window=128, sinks=True)
     _attention_launch(prefill, 64, 8, 64, 16, torch.bfloat16, sinks=True)
@@ -221,7 +232,7 @@ def _describe(label: str, kwargs: dict, args: tuple) -> str:
     dtype = args[0].dtype  # every kernel's first argument holds the data dtype
     keys = ("BLOCK_M", "BLOCK_Q", "TILE_N", "HEAD_DIM", "GROUP", "NUM_SPLITS", "NUM_KV_HEADS", "num_warps")
     keys += ("USE_WINDOW", "USE_SOFTCAP", "USE_SINKS", "BLOCK_N", "BLOCK_K", "A_ROWS_PER", "HAS_BIAS", "MUL_WEIGHT")
-    keys += ("BLOCK_H", "V_PAD", "R_PAD", "SCALE_K", "BITS", "GROUP_SIZE", "HAS_G_IDX", "GROUP_PER_TILE")
+    keys += ("BLOCK_H", "V_PAD", "R_PAD", "SCALE_K", "BITS", "GROUP_SIZE", "HAS_G_IDX", "GROUP_PER_TILE", "KV_FP8")
     shape = ",".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
     return f"{label}[{str(dtype).removeprefix('torch.')}:{shape}]"
 

@@ -101,6 +101,37 @@ def test_paged_attention(device, dtype, gqa, head_dim, block_size, reqs):
     _check_attention(batch, dtype)
 
 
+FP8_ATTENTION_CASES = [
+    # (dtype, cache dtype, gqa, head_dim, block_size, reqs, k_scale, v_scale, window)
+    pytest.param(torch.float32, torch.float8_e4m3fn, 2, 64, 16, MIXED, 0.3, 1.7, None, id="fp32-e4m3-mixed"),
+    pytest.param(torch.bfloat16, torch.float8_e4m3fn, 8, 128, 32, DECODE, 1.0, 1.0, None, id="bf16-e4m3-decode"),
+    pytest.param(torch.float16, torch.float8_e5m2, 1, 80, 16, MIXED, 0.05, 2.0, 17, id="fp16-e5m2-mixed-w17"),
+    pytest.param(torch.float32, torch.float8_e5m2, 1, 8, 16, PREFILL, 2.0, 0.5, None, id="fp32-e5m2-prefill-hd8"),
+]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,gqa,head_dim,block_size,reqs,k_scale,v_scale,window", FP8_ATTENTION_CASES)
+def test_paged_attention_fp8_cache(device, dtype, cache_dtype, gqa, head_dim, block_size, reqs, k_scale, v_scale,
+                                   window):
+    """The kernel decodes the FP8 bits and scales them as the reference reads them
+    (stored * scale); the tolerances are the compute dtype's, as for a plain cache."""
+    num_kv_heads = 2
+    batch = make_paged_batch(reqs, num_heads=num_kv_heads * gqa, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                             block_size=block_size, dtype=dtype, device=device, seed=head_dim + gqa)
+    batch.k_cache = reference.quantize_kv(batch.k_cache, k_scale, cache_dtype)
+    batch.v_cache = reference.quantize_kv(batch.v_cache, v_scale, cache_dtype)
+    features = {"sliding_window": window, "k_scale": k_scale, "v_scale": v_scale}
+    out = pa.paged_attention(*batch.attention_args(), **features)
+    expected = reference.paged_attention(*batch.attention_args(), **features)
+    assert out.dtype == dtype
+    atol, rtol = ATTENTION_TOLERANCES[dtype]
+    torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
+    # The scales are applied: read unscaled, the same cache attends differently.
+    if (k_scale, v_scale) != (1.0, 1.0):
+        unscaled = reference.paged_attention(*batch.attention_args(), sliding_window=window)
+        assert not torch.allclose(unscaled, expected, atol=atol, rtol=rtol)
+
+
 def test_paged_attention_long_decode_uses_split_kv(device):
     """Few (request, KV head) pairs and a long context: the launcher picks split-KV."""
     batch = make_paged_batch(
@@ -426,6 +457,35 @@ def test_write_kv_cache(device, dtype, num_kv_heads, head_dim, block_size):
     kv_write.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     torch.testing.assert_close(k_cache, k_expected, atol=0, rtol=0)
     torch.testing.assert_close(v_cache, v_expected, atol=0, rtol=0)
+
+
+FP8_KV_WRITE_CASES = [
+    pytest.param(torch.float32, torch.float8_e4m3fn, 1.0, 1.0, id="fp32-e4m3-unscaled"),
+    pytest.param(torch.bfloat16, torch.float8_e4m3fn, 0.37, 2.5, id="bf16-e4m3-scaled"),
+    pytest.param(torch.float16, torch.float8_e5m2, 0.05, 1.0, id="fp16-e5m2-scaled"),
+]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,k_scale,v_scale", FP8_KV_WRITE_CASES)
+def test_write_kv_cache_fp8(device, dtype, cache_dtype, k_scale, v_scale):
+    """Bit for bit the reference's codes: value / scale rounded to nearest even, and
+    values past the format's range saturated (the keys' * 300 pass e4m3's 448)."""
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 5, 16, 3, 64, 19
+    key = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * 300).to(dtype).to(device)
+    key[0, 0, :4] = torch.tensor([1e-6, -3e-3, 0.0, -0.0])  # subnormals and signed zeros
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slot_mapping[[2, 11]] = -1  # padding tokens
+    slot_mapping = slot_mapping.to(device)
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    reference.write_kv_cache(key, value, k_expected, v_expected, slot_mapping, k_scale, v_scale)
+    kv_write.write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(k_cache.view(torch.uint8), k_expected.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_expected.view(torch.uint8))
+    assert k_cache.float().isfinite().all()
 
 
 def test_write_kv_cache_strided_key(device):

@@ -46,12 +46,28 @@ def test_mla_decode_matches_reference(device, seq_lens, num_heads, value_dim, ro
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("seq_lens,num_heads,value_dim,rope_dim,block_size,dtype,cache_dtype,k_scale", [
+    ([1, 9, 40], 4, 16, 8, 4, torch.float32, torch.float8_e4m3fn, 0.3),
+    ([33], 16, 48, 8, 16, torch.bfloat16, torch.float8_e4m3fn, 1.0),
+    ([70, 3], 20, 32, 16, 16, torch.float16, torch.float8_e5m2, 2.5),
+], ids=["fp32-e4m3-scaled", "bf16-e4m3", "fp16-e5m2-scaled"])
+def test_mla_decode_reads_an_fp8_latent_cache(device, seq_lens, num_heads, value_dim, rope_dim, block_size, dtype,
+                                              cache_dtype, k_scale):
+    query, cache, lens, tables = make_batch(seq_lens, num_heads, value_dim, rope_dim, block_size, dtype, device)
+    cache = reference.quantize_kv(cache, k_scale, cache_dtype)
+    scale = (value_dim + rope_dim) ** -0.5
+    got = mla.mla_decode(query, cache, lens, tables, scale, value_dim, k_scale=k_scale)
+    want = reference.mla_decode(query, cache, lens, tables, scale, value_dim, k_scale=k_scale)
+    tol = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
 def test_triton_backend_runs_mla_decode_steps_on_the_kernel_and_others_on_torch(device, monkeypatch):
     from executor_svc.attention import AttentionMetadata, TritonAttentionBackend
 
     backend = TritonAttentionBackend()
     calls = []
-    monkeypatch.setattr(backend, "_mla_decode", lambda *a: calls.append("kernel") or mla.mla_decode(*a))
+    monkeypatch.setattr(backend, "_mla_decode", lambda *a, **kw: calls.append("kernel") or mla.mla_decode(*a, **kw))
     query, cache, lens, tables = make_batch([6, 9], 4, 16, 8, 4, torch.float32, device)
     decode = AttentionMetadata(torch.zeros(2, dtype=torch.long), torch.tensor([0, 1, 2], dtype=torch.int32), lens,
                                tables, [1, 1], lens.tolist())

@@ -33,7 +33,8 @@ class ExecutorSettings(BaseSettings):
         default="auto", description="`auto` (CUDA when available, else CPU), `cpu`, `cuda` or `cuda:N`. Under "
         "tensor parallelism `auto`, `cuda` (each rank on `cuda:LOCAL_RANK`) or `cpu`.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
-        default="auto", description="Weights and KV cache dtype; `auto` = float32 on CPU, bfloat16 on CUDA.")
+        default="auto", description="Weights and compute dtype, and the KV cache's unless `EXECUTOR_KV_CACHE_DTYPE` "
+        "says otherwise; `auto` = float32 on CPU, bfloat16 on CUDA.")
     # FP8 halves the pool's bytes per token; the scales (value = stored *
     # scale) are the checkpoint's per-layer k_scale / v_scale, else 1.0.
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = Field(

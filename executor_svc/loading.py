@@ -51,8 +51,9 @@ def check_torch_compile(setting: str, device: torch.device, tp_size: int, cfg: M
         return False
     if kv_cache_dtype != "auto":
         # The compiled graph reads the pool with its own gather (compiled_decode.py), which does not dequantize.
-        raise StartupError(f"EXECUTOR_TORCH_COMPILE=on is not implemented with EXECUTOR_KV_CACHE_DTYPE={kv_cache_dtype}; "
-                           "leave EXECUTOR_KV_CACHE_DTYPE=auto to compile decode steps")
+        raise StartupError("EXECUTOR_TORCH_COMPILE=on is not implemented with "
+                           f"EXECUTOR_KV_CACHE_DTYPE={kv_cache_dtype}; leave EXECUTOR_KV_CACHE_DTYPE=auto to compile "
+                           "decode steps")
     if cfg is not None and (cfg.moe is not None or cfg.mla is not None):
         raise StartupError(f"EXECUTOR_TORCH_COMPILE=on is implemented for dense families only; {cfg.architecture} "
                            "has mixture-of-experts or latent-attention layers")

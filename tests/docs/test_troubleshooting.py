@@ -66,6 +66,11 @@ ASSERTED = [
     ("unit/test_attention_backends.py", "EXECUTOR_ATTENTION_BACKEND=triton needs a CUDA device"),
     ("unit/test_attention_backends.py", "TRITON_INTERPRET=1"),
     ("unit/test_cuda_graphs.py", "EXECUTOR_CUDA_GRAPHS='on': Input should be 'auto' or 'off'"),
+    ("unit/test_fp8_kv_cache.py", "EXECUTOR_KV_CACHE_DTYPE='fp8': Input should be 'auto', 'fp8_e4m3' or 'fp8_e5m2'"),
+    ("unit/test_fp8_kv_cache.py", "EXECUTOR_KV_CACHE_DTYPE='<value>' is not supported; supported: auto, fp8_e4m3, "
+     "fp8_e5m2"),
+    ("unit/test_fp8_kv_cache.py", "only one KV-cache scale per layer (per tensor) is implemented"),
+    ("unit/test_fp8_kv_cache.py", "is not a usable KV-cache scale"),
 ]
 
 

@@ -193,9 +193,11 @@ def _record_all_launches(arch: int) -> list:
     for cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         _attention_launch(decode, 32, 8, 128, 16, torch.bfloat16, cache_dtype=cache_dtype)
         _attention_launch(prefill, 32, 8, 128, 16, torch.bfloat16, cache_dtype=cache_dtype)
-        kv_write.write_kv_cache(torch.zeros(4, 8, 128, dtype=torch.bfloat16), torch.zeros(4, 8, 128, dtype=torch.bfloat16),
-                                torch.zeros(2, 16, 8, 128, dtype=cache_dtype), torch.zeros(2, 16, 8, 128, dtype=cache_dtype),
-                                torch.zeros(4, dtype=torch.int64), k_scale=0.5, v_scale=2.0)
+        kv_write.write_kv_cache(
+            torch.zeros(4, 8, 128, dtype=torch.bfloat16), torch.zeros(4, 8, 128, dtype=torch.bfloat16),
+            torch.zeros(2, 16, 8, 128, dtype=cache_dtype), torch.zeros(2, 16, 8, 128, dtype=cache_dtype),
+            torch.zeros(4, dtype=torch.int64), k_scale=0.5, v_scale=2.0,
+        )
     _attention_launch(prefill, 32, 8, 128, 16, torch.float16, cache_dtype=torch.float8_e4m3fn)
     _attention_launch(((1, 100),), 32, 8, 128, 16, torch.bfloat16, max_blocks=512, cache_dtype=torch.float8_e4m3fn)
     _mla_launch(4, 128, 512, 64, 64, torch.bfloat16, cache_dtype=torch.float8_e4m3fn)

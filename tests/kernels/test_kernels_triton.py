@@ -110,7 +110,8 @@ FP8_ATTENTION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,cache_dtype,gqa,head_dim,block_size,reqs,k_scale,v_scale,window", FP8_ATTENTION_CASES)
+@pytest.mark.parametrize("dtype,cache_dtype,gqa,head_dim,block_size,reqs,k_scale,v_scale,window",
+                         FP8_ATTENTION_CASES)
 def test_paged_attention_fp8_cache(device, dtype, cache_dtype, gqa, head_dim, block_size, reqs, k_scale, v_scale,
                                    window):
     """The kernel decodes the FP8 bits and scales them as the reference reads them

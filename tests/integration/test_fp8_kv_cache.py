@@ -8,7 +8,7 @@ one prefill, then one decode step a token, every step writing its K/V into
 the pool and reading the whole context back from it. FP8's rounding may
 flip a near tie, so top-1 must agree wherever auto's top-1/top-2 logit gap
 is at least MARGIN (1.5 for e4m3), and the share of all positions that
-agree is printed and held to a floor.
+agree is printed and held to a floor. One more test starts both services with an FP8 cache.
 
     .venv/bin/pytest -q -s tests/integration/test_fp8_kv_cache.py
 """
@@ -22,7 +22,8 @@ from tokenizers import Tokenizer
 from executor_svc.attention import AttentionMetadata, TorchAttentionBackend
 from executor_svc.model.checkpoint import load_checkpoint
 from executor_svc.model.families import build_model, read_config
-from executor_svc.step.kv_cache import KVCachePool, resolve_kv_cache_dtype
+from executor_svc.step.kv_cache import MIB, KVCachePool, resolve_kv_cache_dtype
+from tests.integration.conftest import start_services
 
 PROMPTS = [
     "Once upon a time",
@@ -108,3 +109,20 @@ def test_fp8_kv_cache_agrees_with_auto_teacher_forced_on_stories260k(stories_mod
           f"at {agree} of {positions} positions ({share:.1%}); the widest gap flipped: {widest:.2f} "
           f"(allowed < {MARGIN[kv_cache_dtype]})")
     assert share >= AGREEMENT_FLOOR[kv_cache_dtype]
+
+
+def test_both_services_serve_with_an_fp8_cache_of_four_times_float32s_blocks(stories_path):
+    env = {"EXECUTOR_KV_CACHE_DTYPE": "fp8_e4m3", "EXECUTOR_KV_CACHE_MEMORY_MB": "5", "EXECUTOR_BLOCK_SIZE": "16",
+           "EXECUTOR_DTYPE": "float32"}
+    services, client = start_services(str(stories_path), executor_env=env)
+    try:
+        info = client.info()
+        # stories260K keeps K and V x 4 KV heads x 8 dims x 5 layers = 320 values a token:
+        # 320 bytes in FP8, 1280 in float32, in blocks of 16 tokens.
+        assert info.num_kv_blocks == 5 * MIB // (16 * 320) == 4 * (5 * MIB // (16 * 1280))
+        tokens, text, last, _ = client.generate(prompt="Once upon a time",
+                                                sampling={"max_tokens": 16, "temperature": 0})
+        assert len(tokens) == 16 and text.strip() and last.finish_reason
+    finally:
+        client.channel.close()
+        services.stop()

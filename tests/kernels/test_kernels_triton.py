@@ -431,6 +431,43 @@ def test_triton_backend_passes_window_and_softcap_to_the_kernel(device):
     torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
 
 
+def test_triton_backend_writes_and_reads_an_fp8_cache_as_the_torch_backend(device):
+    """executor_svc's two backends on one FP8 cache with a layer's scales: the Triton
+    backend's writes are the torch backend's bytes, and its attention their output."""
+    from executor_svc.attention import AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend  # noqa: PLC0415
+
+    batch = make_paged_batch(
+        MIXED, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32, device=device
+    )
+    q_lens = (batch.cu_query_lens[1:] - batch.cu_query_lens[:-1]).tolist()
+    num_tokens = sum(q_lens)
+    gen = torch.Generator().manual_seed(3)
+    key = torch.randn(num_tokens, 2, 32, generator=gen).to(device) * 3
+    value = torch.randn(num_tokens, 2, 32, generator=gen).to(device)
+    # This step's tokens: the last q_len positions of each request.
+    slots = [int(batch.block_tables[r, p // 16]) * 16 + p % 16
+             for r, (q, s) in enumerate(zip(q_lens, batch.seq_lens.tolist())) for p in range(s - q, s)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), cu_query_lens=batch.cu_query_lens,
+        seq_lens=batch.seq_lens, block_tables=batch.block_tables, query_lens_host=q_lens,
+        seq_lens_host=batch.seq_lens.tolist(),
+    )
+    scales = {"k_scale": 0.7, "v_scale": 1.3}
+    # The batch marks slots no request owns with NaN, which the torch backend's whole-block
+    # gathers read (and mask); the executor's pool starts zeroed.
+    batch.k_cache, batch.v_cache = batch.k_cache.nan_to_num(0.0), batch.v_cache.nan_to_num(0.0)
+    caches = {}
+    for name, backend in (("torch", TorchAttentionBackend()), ("triton", TritonAttentionBackend())):
+        k_cache = reference.quantize_kv(batch.k_cache, scales["k_scale"], torch.float8_e4m3fn)
+        v_cache = reference.quantize_kv(batch.v_cache, scales["v_scale"], torch.float8_e4m3fn)
+        backend.write_kv(key, value, k_cache, v_cache, meta, **scales)
+        caches[name] = (k_cache, v_cache, backend.attend(batch.query, k_cache, v_cache, meta, batch.scale, **scales))
+    for got, want in zip(caches["triton"][:2], caches["torch"][:2]):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    atol, rtol = ATTENTION_TOLERANCES[torch.float32]
+    torch.testing.assert_close(caches["triton"][2], caches["torch"][2], atol=atol, rtol=rtol)
+
+
 # --- write_kv_cache ---------------------------------------------------------------------
 
 KV_WRITE_CASES = [

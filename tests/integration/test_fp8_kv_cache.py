@@ -65,16 +65,17 @@ def _meta(start: int, num_tokens: int) -> AttentionMetadata:
 
 
 @torch.inference_mode()
-def run(model, cfg, prompt: list[int], kv_cache_dtype: str, forced: list[int] | None) -> tuple[list[int], torch.Tensor]:
+def run(model, cfg, prompt: list[int], kv_cache_dtype: str, forced: list[int] | None,
+        num_tokens: int = NEW_TOKENS) -> tuple[list[int], torch.Tensor]:
     """Greedy continuation of prompt (or, given forced, that continuation fed
     back token by token) through a fresh pool in kv_cache_dtype. Returns the
-    tokens and the logits that chose each, [NEW_TOKENS, vocab]."""
+    tokens and the logits that chose each, [num_tokens, vocab]."""
     dtype = resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
-    pool = KVCachePool(cfg, -(-(len(prompt) + NEW_TOKENS) // BLOCK_SIZE), BLOCK_SIZE, torch.device("cpu"), dtype)
+    pool = KVCachePool(cfg, -(-(len(prompt) + num_tokens) // BLOCK_SIZE), BLOCK_SIZE, torch.device("cpu"), dtype)
     caches, backend = pool.layer_caches(), TorchAttentionBackend()
     tokens, logits = [], []
     step_ids, start = prompt, 0
-    for i in range(NEW_TOKENS):
+    for i in range(num_tokens):
         ids = torch.tensor(step_ids)
         hidden = model(ids, torch.arange(start, start + len(step_ids)), caches, _meta(start, len(step_ids)), backend)
         row = model.compute_logits(hidden[-1:])[0]

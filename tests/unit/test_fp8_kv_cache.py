@@ -201,7 +201,8 @@ def test_latent_and_sink_attention_models_run_on_an_fp8_cache_close_to_auto(tmp_
     a mean change of 11% of their spread with routing, 2% without)."""
     case = CASES[family]
     if family == "deepseek-v3":
-        case = dataclasses.replace(case, config=case.config | {"first_k_dense_replace": case.config["num_hidden_layers"]})
+        dense = {"first_k_dense_replace": case.config["num_hidden_layers"]}
+        case = dataclasses.replace(case, config=case.config | dense)
     ckpt = load_checkpoint(str(make_checkpoint(case, tmp_path)))
     cfg = read_config(ckpt.hf_config, ckpt.generation_config)
     fam = family_of(cfg)

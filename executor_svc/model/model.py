@@ -335,10 +335,9 @@ def set_kv_scales(model: CausalLM, scales: dict[str, LazyTensor]) -> list[str]:
     Read only by an FP8 cache (EXECUTOR_KV_CACHE_DTYPE): a cache in the
     compute dtype stores the values themselves.
 
-    Hook for compressed-tensors' `kv_cache_scheme`: once the format reader
-    (quantization.py) accepts it, its per-tensor scales load here too (vLLM
-    renames its `k_proj.output_scale` / `v_proj.output_scale` to these).
-    Per-head scales are not implemented and are refused."""
+    compressed-tensors' FP8 `kv_cache_scheme` by tensor writes these names
+    (quantization.py accepts it). Per-head scales are not implemented and
+    are refused."""
     attention = {f"model.layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(model.model.layers)}
     unknown = []
     for name, tensor in scales.items():

@@ -173,9 +173,18 @@ def _read_compressed_tensors(config: dict[str, Any], where: str) -> QuantSpec:
         if config.get(key):
             raise UnsupportedConfig(f"{where} {key} is not supported; sparse and transformed (rotated) weights are "
                                     "not implemented, only an empty or null one")
-    if config.get("kv_cache_scheme"):
-        raise UnsupportedConfig(f"{where} kv_cache_scheme is not supported yet; quantized KV caches are set with "
-                                "EXECUTOR_KV_CACHE_DTYPE")
+    kv = config.get("kv_cache_scheme")
+    if kv:
+        # FP8 per tensor: the checkpoint's self_attn.k_scale / v_scale load
+        # onto each layer (model.set_kv_scales); an FP8 cache
+        # (EXECUTOR_KV_CACHE_DTYPE) stores value / scale, one in the
+        # compute dtype ignores them, as vLLM's does.
+        _refuse_unknown(kv, CT_ARGS_KEYS, f"{where} kv_cache_scheme", "a compressed-tensors KV-cache scheme")
+        got = (kv.get("num_bits"), kv.get("type"), kv.get("strategy"), bool(kv.get("dynamic")), kv.get("symmetric", True))
+        if got != (8, "float", "tensor", False, True):
+            raise UnsupportedConfig(f"{where} kv_cache_scheme (num_bits, type, strategy, dynamic, symmetric)={got} is "
+                                    "not supported; supported: (8, 'float', 'tensor', False, True), FP8 with one "
+                                    "scale per layer for keys and one for values")
     groups = config.get("config_groups") or {}
     if not groups:
         raise UnsupportedConfig(f"{where} has no config_groups")

@@ -203,7 +203,9 @@ def group(**change) -> dict:
     (CT | group(weights=int_args(2, "group", True, 128)), r"num_bits=2 is not supported; supported: 4, 8"),
     (CT | group(input_activations={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),
      r"static activation scales \(dynamic=False\) are not supported"),
-    (CT | {"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, r"kv_cache_scheme is not supported yet"),
+    (CT | {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "attn_head", "dynamic": False}},
+     r"kv_cache_scheme \(num_bits, type, strategy, dynamic, symmetric\)=\(8, 'float', 'attn_head', False, True\) "
+     r"is not supported"),
     (CT | {"transform_config": {"config_groups": {"u": {}}}}, r"transform_config is not supported"),
     (CT | {"quantization_status": "frozen"}, r"quantization_status='frozen' is not supported"),
     (GPTQ | {"bits": 3}, r"bits=3 is not supported; supported: \[4, 8\]"),
@@ -220,6 +222,9 @@ def test_quantization_configs_that_change_the_math_are_refused_by_name(llama, co
 
 @pytest.mark.parametrize("config, described", [
     (CT, "compressed-tensors: int4 group 128"),
+    # Its per-layer k_scale / v_scale serve an FP8 KV cache (tests/unit/test_fp8_kv_cache.py).
+    (CT | {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                               "symmetric": True}}, "compressed-tensors: int4 group 128"),
     (GPTQ | {"desc_act": True, "sym": False, "model_name_or_path": None}, "gptq: int4 group 128 asymmetric act-order"),
     ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "GEMM"},
      "awq: int4 group 64 asymmetric"),

@@ -90,8 +90,9 @@ class RowPart:
 class _Linear(nn.Module):
     """What ColumnLinear and RowLinear share: y = x W^T (+ b), W plain or,
     once use_scheme ran, quantized as quant_formats.py holds it: FP8 with a
-    grid of scales (weight_scale_inv), or packed integers with group scales
-    and zero points (qweight, scales, zeros, g_idx)."""
+    grid of scales (weight_scale_inv), packed integers with group scales
+    and zero points (qweight, scales, zeros, g_idx), or packed FP4 with
+    group scales (qweight, scales, global_scale)."""
 
     def __init__(self):
         super().__init__()

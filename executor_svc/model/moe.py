@@ -130,7 +130,9 @@ class FusedExperts(nn.Module):
         self.per_expert: nn.ModuleList | None = None
 
     def checkpoint_modules(self, name: str) -> list[str]:
-        return [name]
+        """Every expert's projections, as the checkpoint names them (a
+        quantization config may target or ignore them by name)."""
+        return [f"{name}.{e}.{proj}" for e in range(self.spec.num_experts) for proj in self.PROJECTIONS]
 
     @property
     def packed(self) -> bool:

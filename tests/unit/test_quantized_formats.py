@@ -97,6 +97,18 @@ def test_moe_and_latent_attention_families_serve_compressed_tensors_at_their_siz
                                and weights["type"] == "float" else held.qweight.dtype == torch.uint8)
 
 
+def test_experts_quantized_unevenly_are_refused_by_name(tmp_path):
+    """Targets and ignores name each expert's projections: one expert left
+    plain cannot share the fused layer of quantized ones."""
+    path = make_checkpoint(CASES["qwen3-moe"], tmp_path / "moe")
+    hf = json.loads((path / "config.json").read_text())
+    hf["quantization_config"] = CT | {"ignore": ["lm_head", "re:.*mlp.gate$", "re:.*experts[.]0[.]"]}
+    (path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(UnsupportedConfig, match=r"mlp.experts: the checkpoint quantizes the projections fused here "
+                                                r"differently \(.*plain.*\)"):
+        runner_for(str(path))
+
+
 @pytest.mark.parametrize("bits, group, sym, desc_act", [(4, 32, False, True), (8, 64, True, False)])
 def test_gptq_serves_hfs_greedy_tokens_on_its_dequantized_weights(llama, bits, group, sym, desc_act, tmp_path):
     path, dense = write_gptq(llama, tmp_path / "gptq", tmp_path / "dense", bits, group, sym, desc_act)

@@ -119,6 +119,29 @@ def _qparams(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return (*calculate_qparams(low, high, args), None)
 
 
+def _input_ranges(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each linear's input min and max over a few token sequences: the
+    calibration a static activation scale comes from."""
+    ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def record(name):
+        def hook(module, args):
+            low, high = args[0].amin().reshape(1), args[0].amax().reshape(1)
+            if name in ranges:
+                low, high = torch.minimum(low, ranges[name][0]), torch.maximum(high, ranges[name][1])
+            ranges[name] = (low, high)
+        return hook
+
+    handles = [m.register_forward_pre_hook(record(n)) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model(torch.randint(3, model.config.vocab_size, (4, 24), generator=gen))
+    for h in handles:
+        h.remove()
+    return ranges
+
+
 def write_compressed_tensors(plain: Path, out: Path, weights: dict, activations: dict | None = None,
                              ignore: tuple[str, ...] = ("lm_head",)) -> Path:
     """`plain` quantized by compressed-tensors (its README's recipe: scales
@@ -132,12 +155,18 @@ def write_compressed_tensors(plain: Path, out: Path, weights: dict, activations:
     from compressed_tensors.quantization import (
         QuantizationArgs, QuantizationConfig, QuantizationScheme, apply_quantization_config,
     )
+    from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
                                 input_activations=QuantizationArgs(**activations) if activations else None)
+    ranges = _input_ranges(model) if activations and not activations.get("dynamic") else {}
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
+    for name, module in model.named_modules():
+        if name in ranges and hasattr(module, "input_scale"):  # static activations: calibrated scales
+            scale, _ = calculate_qparams(*ranges[name], scheme.input_activations)
+            update_offload_parameter(module, "input_scale", scale.reshape(1))
     for module in model.modules():
         args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
         if args is None:

@@ -103,14 +103,19 @@ class _Linear(nn.Module):
         self.grid_rows: torch.Tensor | None = None
         self.g_idx: torch.Tensor | None = None
 
-    def _use_scheme(self, scheme: LinearScheme, rows: int, cols: int, grid_rows: int) -> None:
+    def _use_scheme(self, scheme: LinearScheme, rows: int, cols: int, grid_rows: int, parts: int = 1) -> None:
         """Declares the held leaves of a quantized weight of [rows, cols]
-        on this rank (meta tensors, filled as the checkpoint is read)."""
+        on this rank (meta tensors, filled as the checkpoint is read), of
+        `parts` checkpoint tensors."""
         act = scheme.activations
         if act is not None and act.group_size is not None and cols % act.group_size:
             raise BlockSplitError(f"{cols} input columns are not whole activation groups of {act.group_size}")
         self.scheme = scheme
         del self.weight
+        if act is not None and not act.dynamic:
+            # Each checkpoint tensor's own input_scale (q, k and v quantize the
+            # same x, each with its scale).
+            self.input_scale = nn.Parameter(torch.empty(parts), requires_grad=False)
         if scheme.kind == "fp8":
             self.fp8_block = scheme.block or (1, cols)
             self.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8), requires_grad=False)
@@ -156,12 +161,29 @@ class _Linear(nn.Module):
         return dequantize_int(self.qweight, self.scales, self.zeros, self.scheme.group_size or self.in_cols,
                               self.scheme.bits, self.g_idx, self.in_cols, dtype)
 
+    def _static_input_scales(self) -> list[torch.Tensor]:
+        """The parts' static input scales, one if they are all equal (read
+        once: they are fixed after loading)."""
+        if not hasattr(self, "_input_scales"):
+            scales = list(self.input_scale.unbind())
+            self._input_scales = scales if any(not torch.equal(s, scales[0]) for s in scales) else scales[:1]
+        return self._input_scales
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scheme = self.scheme
         if scheme is None:
             return F.linear(x, self.weight, self.bias)
-        if scheme.activations is not None:
-            x = fake_quantize_activations(x, scheme.activations)
+        act = scheme.activations
+        if act is not None and not act.dynamic:
+            scales = self._static_input_scales()
+            if len(scales) > 1:  # fused parts with scales of their own: each its rows, as separate layers would
+                w, rows = self.dense_weight(x.dtype), [p.rows for p in self.parts]
+                y = torch.cat([F.linear(fake_quantize_activations(x, act, s), part)
+                               for s, part in zip(scales, w.split(rows))], dim=-1)
+                return y if self.bias is None else y + self.bias
+            x = fake_quantize_activations(x, act, scales[0])
+        elif act is not None:
+            x = fake_quantize_activations(x, act)
         if x.is_cuda and scheme.kind != "fp4":  # no FP4 GEMM yet: FP4 dequantizes per matmul as on the CPU
             # Triton GEMMs that decode the weight in their load loops, so no
             # dequantized weight is ever written. Imported here: the CPU
@@ -223,7 +245,8 @@ class ColumnLinear(_Linear):
             if p.start % bn or (p.rows % bn and p.start + p.rows != p.whole):
                 raise BlockSplitError(f"rows [{p.start}, {p.start + p.rows}) of {p.name or 'the weight'}'s {p.whole} "
                                       f"are not whole blocks of {bn}")
-        self._use_scheme(scheme, self.out_features, self.in_features, sum(cdiv(p.rows, bn) for p in self.parts))
+        self._use_scheme(scheme, self.out_features, self.in_features, sum(cdiv(p.rows, bn) for p in self.parts),
+                         len(self.parts))
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...] | None]:
         shapes = {}
@@ -239,7 +262,7 @@ class ColumnLinear(_Linear):
     def load_weight(self, name: str, weight: LazyTensor, device: torch.device, dtype: torch.dtype) -> None:
         offset = grid_offset = 0
         bn = self.fp8_block[0] if self.fp8_block is not None else 1
-        for p in self.parts:
+        for i, p in enumerate(self.parts):
             for leaf in self._leaves():
                 if name != self._key(p, leaf):
                     continue
@@ -252,6 +275,8 @@ class ColumnLinear(_Linear):
                 held, value = canonical(self.scheme, leaf, weight.read(), p.whole, self.in_features)
                 if held == "g_idx":
                     self._set_g_idx(name, value, device)
+                elif held == "input_scale":
+                    materialize(self, held, device, dtype)[i : i + 1].copy_(value)
                 elif held == "weight_scale_inv":
                     first = p.start // bn
                     self._fill(held, name, value[first : first + cdiv(p.rows, bn)], grid_offset, device, dtype)

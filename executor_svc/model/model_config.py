@@ -175,15 +175,19 @@ class MLASpec:
 
 @dataclass(frozen=True, slots=True)
 class ActivationQuant:
-    """Activations quantized at run time, per token (group_size None) or
-    per group of columns, with a scale computed from each row's values
-    (dynamic): FP8 e4m3 (type "float") or int8 (type "int")."""
+    """Activations quantized at run time to FP8 e4m3 (type "float") or int8
+    (type "int"): dynamic, per token (group_size None) or per group of
+    columns, with a scale computed from each row's values; or static, one
+    scale per tensor from the checkpoint (`input_scale`)."""
 
     type: str
     group_size: int | None = None
+    dynamic: bool = True
 
     def describe(self) -> str:
         what = "fp8" if self.type == "float" else "int8"
+        if not self.dynamic:
+            return f"{what} per tensor, static"
         return f"{what} per {'token' if self.group_size is None else f'group {self.group_size}'}"
 
 

@@ -72,6 +72,13 @@ def num_groups(scheme: LinearScheme, cols: int) -> int:
 def checkpoint_leaves(scheme: LinearScheme, rows: int, cols: int) -> dict[str, tuple[int, ...] | None]:
     """The checkpoint tensors of one quantized linear of whole shape [rows,
     cols] (bias aside), by leaf name, with their shapes."""
+    leaves = _weight_leaves(scheme, rows, cols)
+    if scheme.activations is not None and not scheme.activations.dynamic:
+        leaves["input_scale"] = ANY_SHAPE  # [1] or []
+    return leaves
+
+
+def _weight_leaves(scheme: LinearScheme, rows: int, cols: int) -> dict[str, tuple[int, ...] | None]:
     layout, bits, g = scheme.layout, scheme.bits, num_groups(scheme, cols)
     if layout == "fp8":
         bn, bk = scheme.block
@@ -121,6 +128,8 @@ def canonical(scheme: LinearScheme, leaf: str, t: torch.Tensor, rows: int, cols:
     in the held layout: rows first, whole). None for a leaf that is only
     checked (weight_shape)."""
     layout, bits = scheme.layout, scheme.bits
+    if leaf == "input_scale":
+        return "input_scale", t.to(torch.float32).reshape(1)
     if layout in ("fp8", "fp8-row", "ct-float"):
         if leaf == "weight":
             return "weight", t

@@ -271,12 +271,18 @@ def _ct_activations(inputs: dict[str, Any] | None, at: str) -> ActivationQuant |
         return None
     _refuse_unknown(inputs, CT_ARGS_KEYS, at, "compressed-tensors activations")
     kind, bits, strategy = inputs.get("type", "int"), inputs.get("num_bits", 8), inputs.get("strategy")
-    if not inputs.get("dynamic") or inputs.get("dynamic") == "local":
-        raise UnsupportedConfig(f"{at}: static activation scales (dynamic={inputs.get('dynamic')!r}) are not "
-                                "supported; supported: dynamic=true, per token or per group")
+    dynamic = inputs.get("dynamic", False)
+    if dynamic not in (True, False):
+        raise UnsupportedConfig(f"{at}: dynamic={dynamic!r} is not supported; supported: true (per token or group) "
+                                "or false (one scale per tensor, input_scale)")
     if bits != 8 or kind not in ("float", "int") or not inputs.get("symmetric", True):
         raise UnsupportedConfig(f"{at}: num_bits={bits}, type={kind!r}, symmetric={inputs.get('symmetric', True)} "
                                 "is not supported; supported: 8-bit symmetric 'float' (FP8) or 'int'")
+    if not dynamic:
+        if strategy != "tensor":
+            raise UnsupportedConfig(f"{at}: static activation scales by {strategy!r} are not supported; supported: "
+                                    "'tensor' (one input_scale per layer)")
+        return ActivationQuant(kind, dynamic=False)
     if strategy == "token":
         return ActivationQuant(kind)
     if strategy == "group" and isinstance(inputs.get("group_size"), int) and inputs["group_size"] > 0:
@@ -345,21 +351,23 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[t
     return quantized.to(FP8).contiguous(), scales
 
 
-def fake_quantize_activations(x: torch.Tensor, act: ActivationQuant) -> torch.Tensor:
-    """x quantized and dequantized as a dynamic scheme does at run time
-    (compressed-tensors' definition): per token, or per group of columns,
-    scale = amax / the format's half range, values rounded to FP8 e4m3 or
-    to int8 and multiplied back. Weight-only GEMMs then see exactly the
-    activations a W8A8 kernel would."""
+def fake_quantize_activations(x: torch.Tensor, act: ActivationQuant, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x quantized and dequantized as the scheme does at run time
+    (compressed-tensors' definition): with the checkpoint's `scale`
+    (static), or per token or group of columns with scale = amax / the
+    format's half range (dynamic); values rounded to FP8 e4m3 or to int8
+    and multiplied back. Weight-only GEMMs then see exactly the activations
+    a W8A8 kernel would."""
     groups = x if act.group_size is None else x.unflatten(-1, (-1, act.group_size))
-    amax = groups.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+    if scale is None:
+        amax = groups.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+        half_range = torch.finfo(FP8).max if act.type == "float" else 127.5
+        scale = (amax / half_range).clamp(min=torch.finfo(torch.float32).eps)
     if act.type == "float":
-        scale = (amax / torch.finfo(FP8).max).clamp(min=torch.finfo(torch.float32).eps)
-        q = (groups.to(torch.float32) / scale).clamp(-torch.finfo(FP8).max, torch.finfo(FP8).max).to(FP8)
-        q = q.to(torch.float32)
+        limit = torch.finfo(FP8).max
+        q = (groups.to(torch.float32) / scale).clamp(-limit, limit).to(FP8).to(torch.float32)
     else:
-        scale = (amax / 127.5).clamp(min=torch.finfo(torch.float32).eps)
-        q = torch.round(groups.to(torch.float32) / scale).clamp(-128, 127)
+        q = torch.round((groups.to(torch.float32) / scale).clamp(-128, 127))
     out = (q * scale).to(x.dtype)
     return out if act.group_size is None else out.flatten(-2)
 

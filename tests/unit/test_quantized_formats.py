@@ -15,7 +15,7 @@ Oracles:
 - formats that quantize activations at run time (W8A8): HF with
   compressed-tensors' fake-quantized forward, teacher-forced on HF's greedy
   tokens. Tolerance: top-1 agrees on at least 99% of positions, and on
-  every position where HF's top-1 leads its top-2 by at least MARGIN.
+  every position where HF's top-1 leads its top-2 by at least MARGIN (0.1).
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ from tests.unit.test_families_vs_hf import runner_for
 from tests.unit.test_fp8_checkpoints import assert_greedy_equal
 from tests.unit.test_runner_vs_hf import BLOCK
 
-# Logits of these models are O(1-10); fake-quantized activations computed
-# in another order move them by ~1e-3, so only a lead this large is owed.
-MARGIN = 0.05
+# Logits of these models are O(1-10) and agree with HF's to ~1e-6 where no
+# rounding of an activation flips; but a 1e-6 difference upstream can send
+# one FP8 activation (3 mantissa bits) to the next value, 1/8 away, which
+# moved a logit lead of 0.094 here. Only a lead this large is owed.
+MARGIN = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +185,9 @@ def teacher_forced_top1(path: str, oracle: str, n: int = 6, steps: int = 20) -> 
      {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32, "dynamic": True, "symmetric": True}),
     ("int8-w8a8", int_args(8, "channel", True),
      {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}),
+    # llm-compressor's "FP8": per-tensor weights and calibrated per-tensor input scales; q, k and v keep theirs.
+    ("fp8-static", {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
+     {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}),
 ])
 def test_activation_quantized_formats_agree_with_compressed_tensors_fake_quantized_forward(
         llama, name, weights, activations, tmp_path):
@@ -213,8 +218,10 @@ def group(**change) -> dict:
      r"is not supported for format 'mxfp4-pack-quantized'; supported: \(4, 'float', 32, True\)"),
     (CT | group(weights=int_args(4, "tensor_group", True, 16)), r"strategy='tensor_group' is not supported"),
     (CT | group(weights=int_args(2, "group", True, 128)), r"num_bits=2 is not supported; supported: 4, 8"),
-    (CT | group(input_activations={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),
-     r"static activation scales \(dynamic=False\) are not supported"),
+    (CT | group(input_activations={"num_bits": 8, "type": "float", "strategy": "token", "dynamic": False}),
+     r"static activation scales by 'token' are not supported"),
+    (CT | group(input_activations={"num_bits": 8, "type": "float", "strategy": "group", "dynamic": "local"}),
+     r"dynamic='local' is not supported"),
     (CT | {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "attn_head", "dynamic": False}},
      r"kv_cache_scheme \(num_bits, type, strategy, dynamic, symmetric\)=\(8, 'float', 'attn_head', False, True\) "
      r"is not supported"),

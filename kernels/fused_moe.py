@@ -16,6 +16,25 @@ Shapes (see ``kernels.reference.fused_moe`` for the semantics):
 * b13, b2:  [num_experts, 2 * inter], [num_experts, hidden] or None
 * weights:  [num_tokens, top_k] routing weights; ids: [num_tokens, top_k] expert ids
 
+w13 and w2 may instead be held quantized (``QuantizedExperts``), and are then
+decoded tile by tile in the load loop, never written out dequantized. Each tile
+is dequantized in float32 as the torch path does it, then cast to the
+activations' dtype before the dot (W8A16 / W4A16; accumulation in float32):
+
+* fp8:   [num_experts, N, K] float8_e4m3fn, read as int8 and decoded with integer
+         ops only (kernels/fp8_linear.py: it runs on sm_80, where Triton has no
+         FP8 type), times float32 block scales [num_experts, grid rows,
+         cdiv(K, block_k)], one grid row per weight row (DeepSeek-V3, Qwen3-FP8)
+* mxfp4: E2M1 nibbles [num_experts, N, K / 32, 16] uint8 (value 2j in byte j's
+         low nibble within a group of 32) times 2^(scale - 127), one E8M0 scale
+         byte per group [num_experts, N, K / 32] (gpt-oss); exact in bf16 and fp32
+* nvfp4: E2M1 nibbles in groups of 16 [num_experts, N, K / 16, 8] uint8 times one
+         float8_e4m3fn scale per group [num_experts, N, K / 16], divided by one
+         float32 global scale per expert [num_experts]
+
+A tensor-parallel rank whose down-projection units start mid-group keeps the
+groups that cover them; ``col0`` is where its K columns start in them.
+
 The grid is sized by the worst case (every expert's run padded by BLOCK_M - 1), known
 from shapes alone, so no launch needs the routing on the host; tiles past the padded
 total exit at once.
@@ -25,18 +44,25 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fused_moe", "align_by_expert", "grouped_gemm"]
+__all__ = ["fused_moe", "align_by_expert", "grouped_gemm", "QuantizedExperts"]
+
+# 0xBF80 as int16: keeps the sign (bit 15) and bits 13..7, the e4m3 exponent and
+# mantissa shifted into float16's places (quantization.fp8_as_half): e4m3 / 256.
+_HALF_MASK = tl.constexpr(-16512)
 
 
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr,  # [num_a_rows, K]: per token (A_ROWS_PER == top_k) or per (token, slot) (A_ROWS_PER == 1)
-    w_ptr,  # [num_experts, N, K]
+    w_ptr,  # [num_experts, N, K]; fp8: int8 bits; fp4: [num_experts, N, groups, bytes per group] uint8
+    ws_ptr,  # quantized: [num_experts, scale rows, scale columns] (fp8 float32, mxfp4 uint8, nvfp4 int8 e4m3 bits)
+    wr_ptr,  # fp8: [N] int64 grid row of each weight row; nvfp4: [num_experts] float32 global scales
     bias_ptr,  # [num_experts, N]                    (HAS_BIAS)
     c_ptr,  # [num_pairs, N], one row per (token, slot) pair
     weights_ptr,  # [num_pairs] routing weights       (MUL_WEIGHT)
@@ -46,9 +72,12 @@ def _grouped_gemm_kernel(
     num_pairs,
     N,
     K,
+    col0,  # fp4: the stored column of this weight's column 0 (a rank whose units start mid-group)
     stride_am,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sr,
     stride_be,
     stride_cm,
     A_ROWS_PER: tl.constexpr,
@@ -57,8 +86,12 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    FORMAT: tl.constexpr,  # "plain", "fp8", "mxfp4" or "nvfp4"
+    SCALE_K: tl.constexpr,  # quantized: columns per scale
+    SCALE_PER_TILE: tl.constexpr,  # fp8: every BLOCK_K tile lies in one scale column
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 so it is not rounded to tf32
     DOT_UPCAST: tl.constexpr,  # interpreter + bf16: multiply as fp32 (exact upcast)
+    ROUND_BY_HAND: tl.constexpr,  # interpreter + bf16: its float32 -> bfloat16 casts truncate; round to nearest even
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -74,13 +107,51 @@ def _grouped_gemm_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     w_base = w_ptr + expert * stride_we
+    if FORMAT != "plain":
+        if FORMAT == "fp8":
+            scale_row = tl.load(wr_ptr + offs_n, mask=n_ok, other=0)  # [BLOCK_N] grid row
+        else:
+            scale_row = offs_n  # one scale row per weight row
+        s_base = ws_ptr + expert * stride_se + scale_row[None, :] * stride_sr  # [1, BLOCK_N]
+    if FORMAT == "nvfp4":
+        global_scale = tl.load(wr_ptr + expert)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # [BLOCK_M, BLOCK_N]
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + offs_k) < K  # [BLOCK_K]
         a = tl.load(a_ptr + a_row[:, None] * stride_am + (k0 + offs_k)[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        w = tl.load(w_base + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
-                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        w_ok = k_ok[:, None] & n_ok[None, :]  # [BLOCK_K, BLOCK_N]
+        if FORMAT == "plain":
+            w = tl.load(w_base + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None],
+                        mask=w_ok, other=0.0)  # [BLOCK_K, BLOCK_N]
+        else:
+            if FORMAT == "fp8":
+                bits = tl.load(w_base + offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None], mask=w_ok,
+                               other=0)  # [BLOCK_K, BLOCK_N] int8
+                if SCALE_PER_TILE:
+                    scale = tl.load(s_base + k0 // SCALE_K, mask=n_ok[None, :], other=0.0)  # [1, BLOCK_N]
+                else:
+                    scale = tl.load(s_base + ((k0 + offs_k) // SCALE_K)[:, None], mask=w_ok,
+                                    other=0.0)  # [BLOCK_K, BLOCK_N]
+                # The product in float32, as dequantize_fp8_blocks has it (times 256: exact).
+                w = _e4m3_over_256(bits) * 256.0 * scale
+            else:
+                col = col0 + k0 + offs_k  # [BLOCK_K] stored column
+                byte = tl.load(w_base + offs_n[None, :] * stride_wn + (col >> 1)[:, None], mask=w_ok,
+                               other=0).to(tl.int32)  # [BLOCK_K, BLOCK_N]; column 2j: byte j's low nibble
+                value = _e2m1(byte >> ((col & 1) * 4)[:, None])  # [BLOCK_K, BLOCK_N] float32
+                if FORMAT == "mxfp4":
+                    e8m0 = tl.load(s_base + (col // SCALE_K)[:, None], mask=w_ok, other=127).to(tl.int32)
+                    # 2^(e8m0 - 127) from its bits (e8m0 0 is the subnormal 2^-127): the product is exact.
+                    w = value * tl.where(e8m0 == 0, 0x400000, e8m0 << 23).to(tl.float32, bitcast=True)
+                else:
+                    e4m3 = tl.load(s_base + (col // SCALE_K)[:, None], mask=w_ok, other=0)  # int8 bits
+                    # value * scale is exact in float32; the division is rounded once, as in torch.
+                    w = tl.math.div_rn(value * (_e4m3_over_256(e4m3) * 256.0), global_scale)
+            if ROUND_BY_HAND:
+                w = _round_to_bf16(w)
+            else:
+                w = w.to(a.dtype)
         if DOT_UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -91,8 +162,89 @@ def _grouped_gemm_kernel(
     if MUL_WEIGHT:
         weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)  # [BLOCK_M]
         acc = acc * weight.to(tl.float32)[:, None]
+    if ROUND_BY_HAND:
+        acc = _round_to_bf16(acc)
     tl.store(c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _e4m3_over_256(bits):
+    """e4m3 bits (int8) -> the value / 256 in float32, exactly, with integer ops only."""
+    return ((bits.to(tl.int16) << 7) & _HALF_MASK).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1(code):
+    """The E2M1 value of a 4-bit code's low 4 bits (sign bit high), in float32:
+    0 and 0.5 below magnitude code 2, else 2^(m // 2 - 1) * (1 + (m % 2) / 2),
+    whose float32 bits are (m + 252) << 22."""
+    magnitude = code & 7
+    value = tl.where(magnitude >= 2, ((magnitude + 252) << 22).to(tl.float32, bitcast=True),
+                     magnitude.to(tl.float32) * 0.5)
+    return tl.where((code & 8) != 0, -value, value)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """x (float32) rounded to the nearest bfloat16, ties to even, kept in
+    float32 (finite values): what a GPU's cast does, and the interpreter's
+    does not."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedExperts:
+    """One projection of every expert, held quantized: stands for a
+    [num_experts, N, K] weight that the kernel decodes tile by tile. Build
+    one with fp8_blocks, mxfp4 or nvfp4."""
+
+    format: str  # "fp8", "mxfp4" or "nvfp4"
+    data: torch.Tensor  # fp8: [E, N, K] float8_e4m3fn; fp4: [E, N, groups, 16 | 8] uint8
+    scales: torch.Tensor  # fp8: [E, grid rows, cdiv(K, block_k)] float32; fp4: [E, N, groups]
+    shape: tuple[int, int, int]  # (num_experts, N, K) of the weight it stands for
+    scale_k: int  # columns per scale: block_k, 32 or 16
+    rows: torch.Tensor | None = None  # fp8: [N] int64, the grid row of each weight row
+    global_scale: torch.Tensor | None = None  # nvfp4: [E] float32
+    col0: int = 0  # fp4: the stored column where the K columns start
+
+    @classmethod
+    def fp8_blocks(cls, weight: torch.Tensor, scales: torch.Tensor, grid_rows: torch.Tensor,
+                   block_k: int) -> QuantizedExperts:
+        """FusedExperts' FP8 tensors: W[e, n, k] = weight[e, n, k] * scales[e, grid_rows[n], k // block_k]."""
+        e, n, k = weight.shape
+        assert weight.dtype == torch.float8_e4m3fn, f"weight {weight.dtype}"
+        assert scales.dtype == torch.float32 and scales.shape[0] == e and scales.shape[2] == triton.cdiv(k, block_k), (
+            f"scales {tuple(scales.shape)} {scales.dtype} for weight {tuple(weight.shape)}, block_k {block_k}")
+        assert grid_rows.shape == (n,), f"grid_rows {tuple(grid_rows.shape)} for {n} rows"
+        return cls("fp8", weight, scales, (e, n, k), block_k, rows=grid_rows)
+
+    @classmethod
+    def mxfp4(cls, blocks: torch.Tensor, scales: torch.Tensor, col0: int = 0, k: int | None = None) -> QuantizedExperts:
+        """gpt-oss's MXFP4 tensors; columns [col0, col0 + k) of the stored groups (all of them by default)."""
+        return cls._fp4("mxfp4", blocks, scales, 32, col0, k, None)
+
+    @classmethod
+    def nvfp4(cls, blocks: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> QuantizedExperts:
+        """W[e, n, k] = e2m1 * scales[e, n, k // 16] / global_scale[e], in float32."""
+        assert scales.dtype == torch.float8_e4m3fn, f"NVFP4 scales {scales.dtype}: float8_e4m3fn"
+        assert global_scale.shape == (blocks.shape[0],) and global_scale.dtype == torch.float32, (
+            f"global_scale {tuple(global_scale.shape)} {global_scale.dtype}: one float32 per expert")
+        return cls._fp4("nvfp4", blocks, scales, 16, 0, None, global_scale)
+
+    @classmethod
+    def _fp4(cls, fmt, blocks, scales, group, col0, k, global_scale) -> QuantizedExperts:
+        e, n, groups, nbytes = blocks.shape
+        assert blocks.dtype == torch.uint8 and nbytes == group // 2 and scales.shape == (e, n, groups), (
+            f"{fmt} blocks {tuple(blocks.shape)} {blocks.dtype}, scales {tuple(scales.shape)}: want [E, N, groups, "
+            f"{group // 2}] uint8 and [E, N, groups]")
+        # A row's groups back to back, so stored column c is byte c // 2 of the row.
+        assert blocks.stride(3) == 1 and blocks.stride(2) == nbytes, f"{fmt} blocks strides {blocks.stride()}"
+        k = groups * group - col0 if k is None else k
+        assert 0 <= col0 and col0 + k <= groups * group, f"columns [{col0}, {col0 + k}) of {groups} groups"
+        return cls(fmt, blocks, scales, (e, n, k), group, global_scale=global_scale, col0=col0)
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int,
@@ -128,28 +280,43 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def grouped_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, sorted_pairs: torch.Tensor,
-                 block_expert: torch.Tensor, num_padded: torch.Tensor, num_pairs: int, a_rows_per: int,
-                 weights: torch.Tensor | None, block_m: int) -> torch.Tensor:
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor | QuantizedExperts, bias: torch.Tensor | None,
+                 sorted_pairs: torch.Tensor, block_expert: torch.Tensor, num_padded: torch.Tensor, num_pairs: int,
+                 a_rows_per: int, weights: torch.Tensor | None, block_m: int) -> torch.Tensor:
     """c[pair] = a[pair // a_rows_per] W[expert(pair)]^T (+ b) (* weights[pair]): [num_pairs, N]."""
     num_experts, n, k = w.shape
     assert a.dim() == 2 and a.shape[1] == k and a.stride(1) == 1, f"a {tuple(a.shape)} strides {a.stride()}"
-    assert w.stride(2) == 1 and (bias is None or bias.stride(1) == 1)
-    assert a.dtype == w.dtype, f"{a.dtype} vs {w.dtype}"
+    assert bias is None or bias.stride(1) == 1
+    quantized = isinstance(w, QuantizedExperts)
+    if quantized:
+        assert a.dtype in (torch.float16, torch.bfloat16, torch.float32), f"a {a.dtype}"
+        data = w.data.view(torch.int8) if w.format == "fp8" else w.data
+        scales = w.scales.view(torch.int8) if w.format == "nvfp4" else w.scales
+        assert data.stride(-1) == 1 and scales.stride(-1) == 1, f"{w.format} strides {data.stride()} {scales.stride()}"
+        extra = w.rows if w.format == "fp8" else w.global_scale
+    else:
+        assert w.stride(2) == 1 and a.dtype == w.dtype, f"{a.dtype} vs {w.dtype}, strides {w.stride()}"
+        data = scales = extra = w
     c = torch.empty((num_pairs, n), dtype=a.dtype, device=a.device)
     if num_pairs == 0:
         return c
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
+    interpreting = _interpreting()
     grid = (sorted_pairs.shape[0] // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, w, bias if bias is not None else w, c, weights if weights is not None else c,
-        sorted_pairs, block_expert, num_padded, num_pairs, n, k,
-        a.stride(0), w.stride(0), w.stride(1), 0 if bias is None else bias.stride(0), c.stride(0),
+        a, data, scales, extra if extra is not None else data, bias if bias is not None else data, c,
+        weights if weights is not None else c, sorted_pairs, block_expert, num_padded, num_pairs, n, k,
+        w.col0 if quantized else 0,
+        a.stride(0), data.stride(0), data.stride(1), scales.stride(0) if quantized else 0,
+        scales.stride(1) if quantized else 0, 0 if bias is None else bias.stride(0), c.stride(0),
         A_ROWS_PER=a_rows_per, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, MUL_WEIGHT=weights is not None,
+        FORMAT=w.format if quantized else "plain", SCALE_K=w.scale_k if quantized else 1,
+        SCALE_PER_TILE=quantized and w.format == "fp8" and w.scale_k % block_k == 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=a.dtype == torch.bfloat16 and _interpreting(),
+        DOT_UPCAST=a.dtype == torch.bfloat16 and interpreting,
+        ROUND_BY_HAND=a.dtype == torch.bfloat16 and interpreting,
         num_warps=4,
     )
     return c
@@ -157,8 +324,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, so
 
 def fused_moe(
     x: torch.Tensor,  # [num_tokens, hidden]
-    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]
-    w2: torch.Tensor,  # [num_experts, hidden, inter]
+    w13: torch.Tensor | QuantizedExperts,  # [num_experts, 2 * inter, hidden]
+    w2: torch.Tensor | QuantizedExperts,  # [num_experts, hidden, inter]
     weights: torch.Tensor,  # [num_tokens, top_k]
     ids: torch.Tensor,  # [num_tokens, top_k]
     activation: Callable[[torch.Tensor], torch.Tensor],  # [rows, 2 * inter] -> [rows, inter]
@@ -166,7 +333,8 @@ def fused_moe(
     b2: torch.Tensor | None = None,  # [num_experts, hidden]
     block_m: int = 16,
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    """Triton version of ``kernels.reference.fused_moe``."""
+    """Triton version of ``kernels.reference.fused_moe``; w13 and w2 are plain
+    tensors in x's dtype or QuantizedExperts (on the dequantized weights)."""
     num_tokens, top_k = ids.shape
     num_experts = w13.shape[0]
     assert x.dim() == 2 and w13.shape[2] == x.shape[1] and w2.shape[1] == x.shape[1], (

@@ -43,6 +43,13 @@ GPTQ, AWQ and compressed-tensors checkpoints are converted to this at load):
 * zeros:            [N, cdiv(K, group_size)] uint8, unsigned zero points
 * g_idx:            [K] int32 group of each column (GPTQ act-order) or None: k // group_size
 * W[n, k] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)] in scales' dtype, then cast to x's
+
+4-bit floats (``dequantize_mxfp4``, ``dequantize_nvfp4``; the fused-MoE kernel's quantized experts):
+
+* blocks:           [N, groups, group / 2] uint8 E2M1 codes, value 2j in byte j's low nibble
+* MXFP4:            groups of 32, scales [N, groups] uint8 E8M0: W = value * 2^(scale - 127)
+* NVFP4:            groups of 16, scales [N, groups] float8_e4m3fn and one float32 global
+                    scale: W = value * scale / global_scale
 """
 
 from __future__ import annotations
@@ -50,8 +57,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["write_kv_cache", "paged_attention", "fused_moe", "mla_decode", "fp8_block_linear", "pack_int",
-           "unpack_int", "dequantize_int", "int_weight_linear", "quantize_kv", "dequantize_kv"]
+__all__ = ["write_kv_cache", "paged_attention", "fused_moe", "mla_decode", "fp8_block_linear", "dequantize_fp8_block",
+           "dequantize_mxfp4", "dequantize_nvfp4", "pack_int", "unpack_int", "dequantize_int", "int_weight_linear",
+           "quantize_kv", "dequantize_kv"]
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -217,6 +225,21 @@ def mla_decode(
                            v_scale=k_scale)[..., :value_dim]
 
 
+def dequantize_fp8_block(
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scales: torch.Tensor,  # [grid rows, cdiv(K, block_k)] float32
+    grid_rows: torch.Tensor,  # [N]
+    block_k: int,
+) -> torch.Tensor:  # [N, K] float32
+    """W[n, k] = weight[n, k] * scales[grid_rows[n], k // block_k], the product in fp32."""
+    n, k = weight.shape
+    w = torch.empty(n, k, dtype=torch.float32, device=weight.device)
+    for col in range(0, k, block_k):
+        cols = slice(col, min(col + block_k, k))
+        w[:, cols] = weight[:, cols].float() * scales[grid_rows, col // block_k].float()[:, None]
+    return w
+
+
 def fp8_block_linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
@@ -224,14 +247,41 @@ def fp8_block_linear(
     grid_rows: torch.Tensor,  # [N]
     block_k: int,
 ) -> torch.Tensor:  # [M, N]
-    """x W^T, W[n, k] = weight[n, k] * scales[grid_rows[n], k // block_k]: the product in fp32,
-    cast to x's dtype, then the matmul in fp32."""
-    n, k = weight.shape
-    w = torch.empty(n, k, dtype=torch.float32, device=weight.device)
-    for col in range(0, k, block_k):
-        cols = slice(col, min(col + block_k, k))
-        w[:, cols] = weight[:, cols].float() * scales[grid_rows, col // block_k].float()[:, None]
+    """x W^T, W = dequantize_fp8_block(...): the product in fp32, cast to x's dtype, then the
+    matmul in fp32."""
+    w = dequantize_fp8_block(weight, scales, grid_rows, block_k)
     return (x.float() @ w.to(x.dtype).float().T).to(x.dtype)
+
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def e2m1_values(blocks: torch.Tensor) -> torch.Tensor:  # [N, groups * group] float32
+    """The 4-bit floats of blocks [N, groups, group / 2] uint8, value 2j in byte j's low nibble."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack([blocks & 0xF, blocks >> 4], dim=-1)  # [N, groups, group / 2, 2]
+    return lut[codes.long()].flatten(1)
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor,  # [N, groups, 16] uint8
+    scales: torch.Tensor,  # [N, groups] uint8, E8M0
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [N, groups * 32] in dtype
+    """W = value * 2^(scale - 127), exact in float32, then cast to dtype (exact in bf16 too)."""
+    exponents = scales.to(torch.int32).repeat_interleave(32, dim=1) - 127  # [N, groups * 32]
+    return torch.ldexp(e2m1_values(blocks), exponents).to(dtype)
+
+
+def dequantize_nvfp4(
+    blocks: torch.Tensor,  # [N, groups, 8] uint8
+    scales: torch.Tensor,  # [N, groups] float8_e4m3fn
+    global_scale: float | torch.Tensor,  # float32 scalar
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [N, groups * 16] in dtype
+    """W = value * scale / global_scale: the product (exact) and the quotient in float32, then dtype."""
+    w = e2m1_values(blocks) * scales.float().repeat_interleave(16, dim=1)  # [N, groups * 16]
+    return (w / torch.as_tensor(global_scale, dtype=torch.float32)).to(dtype)
 
 
 def pack_int(q: torch.Tensor, bits: int) -> torch.Tensor:

@@ -1,0 +1,132 @@
+"""kernels.fused_moe on quantized experts (FP8 blocks, MXFP4, NVFP4), decoded
+in the kernel's load loop, against kernels.reference.fused_moe on the
+reference's dequantized weights, through the Triton interpreter without CUDA:
+ragged N and K (FP8 edge blocks, a scale column per tile or per element),
+top_k > 1 with idle experts, bf16 and fp32, biases, a tensor-parallel down
+projection whose units start mid-group; then the executor's FusedExperts and
+GptOssExperts on the triton path against their torch loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from test_fused_moe import TOLERANCE, clamped_glu, silu_glu
+
+fm = pytest.importorskip("kernels.fused_moe")
+
+
+def _fp8(e: int, n: int, k: int, block: tuple[int, int], grid_rows: torch.Tensor, g: torch.Generator):
+    """Random FP8 experts [e, n, k] with float32 block scales, and their dequantized float32 weights."""
+    weight = (torch.randn(e, n, k, generator=g) * 64).to(torch.float8_e4m3fn)
+    grid = int(grid_rows.max()) + 1
+    scales = torch.rand(e, grid, -(-k // block[1]), generator=g) / (64 * k**0.5) + 1e-4
+    dense = torch.stack([reference.dequantize_fp8_block(weight[i], scales[i], grid_rows, block[1]) for i in range(e)])
+    return fm.QuantizedExperts.fp8_blocks(weight, scales, grid_rows, block[1]), dense
+
+
+def _fp4(fmt: str, e: int, n: int, groups: int, g: torch.Generator, exponent: int):
+    """Random MXFP4 / NVFP4 experts [e, n, groups * group] and their dequantized float32 weights."""
+    group = 32 if fmt == "mxfp4" else 16
+    blocks = torch.randint(0, 256, (e, n, groups, group // 2), generator=g, dtype=torch.uint8)
+    if fmt == "mxfp4":
+        scales = (127 + exponent + torch.randint(-1, 2, (e, n, groups), generator=g)).to(torch.uint8)
+        dense = torch.stack([reference.dequantize_mxfp4(blocks[i], scales[i], torch.float32) for i in range(e)])
+        return blocks, scales, None, dense
+    scales = (torch.rand(e, n, groups, generator=g) * 4 + 0.25).to(torch.float8_e4m3fn)
+    global_scale = 2.0 ** -exponent * (1 + torch.rand(e, generator=g))  # not powers of 2: the quotient rounds
+    dense = torch.stack([reference.dequantize_nvfp4(blocks[i], scales[i], global_scale[i], torch.float32)
+                         for i in range(e)])
+    return blocks, scales, global_scale, dense
+
+
+def make_quant_moe(fmt, num_tokens, num_experts, top_k, hidden, inter, dtype, device, bias=False, block=(32, 32),
+                   col0=0, seed=0):
+    """(x, w13, w2 as QuantizedExperts, their dequantized weights in dtype, weights, ids, b13, b2).
+    fp4's down projection keeps the groups covering columns [col0, col0 + inter), as a
+    tensor-parallel rank whose units start mid-group does."""
+    g = torch.Generator().manual_seed(seed)
+    e = num_experts
+    if fmt == "fp8":
+        bn = block[0]
+        rows = torch.arange(inter) // bn
+        w13, d13 = _fp8(e, 2 * inter, hidden, block, torch.cat([rows, rows + -(-inter // bn)]), g)
+        w2, d2 = _fp8(e, hidden, inter, block, torch.arange(hidden) // bn, g)
+    else:
+        group = 32 if fmt == "mxfp4" else 16
+        make = fm.QuantizedExperts.mxfp4 if fmt == "mxfp4" else fm.QuantizedExperts.nvfp4
+        b13, s13, gs13, d13 = _fp4(fmt, e, 2 * inter, hidden // group, g, -3)
+        b2, s2, gs2, d2 = _fp4(fmt, e, hidden, -(-(col0 + inter) // group), g, -3)
+        d2 = d2[:, :, col0 : col0 + inter]
+        if fmt == "mxfp4":
+            w13, w2 = make(b13, s13), make(b2, s2, col0=col0, k=inter)
+        else:
+            assert col0 == 0
+            w13, w2 = make(b13, s13, gs13), make(b2, s2, gs2)
+    x = torch.randn(num_tokens, hidden, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:top_k] for _ in range(num_tokens)])
+    weights = torch.softmax(torch.randn(num_tokens, top_k, generator=g), -1)
+    biases = (torch.randn(e, 2 * inter, generator=g), torch.randn(e, hidden, generator=g)) if bias else (None, None)
+    move = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    w13, w2 = (_to(w, device) for w in (w13, w2))
+    return (move(x), w13, w2, move(d13), move(d2), weights.to(device), ids.to(device), *map(move, biases))
+
+
+def _to(w, device):
+    """QuantizedExperts with its tensors on device."""
+    moved = {f: getattr(w, f) for f in w.__slots__}
+    for f in ("data", "scales", "rows", "global_scale"):
+        moved[f] = None if moved[f] is None else moved[f].to(device)
+    return type(w)(**moved)
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOLERANCE[dtype]
+    scale = want.float().abs().max().clamp(min=1.0)
+    assert torch.allclose(got.float() / scale, want.float() / scale, atol=tol, rtol=tol), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("fmt,num_tokens,num_experts,top_k,hidden,inter,dtype,bias,block,col0", [
+    ("fp8", 37, 6, 3, 48, 40, torch.float32, False, (32, 32), 0),  # edge blocks, a scale per element
+    ("fp8", 9, 8, 2, 192, 160, torch.bfloat16, False, (128, 128), 0),  # a scale per tile, edge blocks
+    ("fp8", 3, 4, 2, 64, 32, torch.float32, True, (16, 32), 0),  # several grid rows per tile, biases
+    ("mxfp4", 1, 8, 2, 64, 32, torch.float32, False, None, 0),  # decode: most experts idle
+    ("mxfp4", 11, 4, 2, 64, 40, torch.bfloat16, True, None, 8),  # gpt-oss: biases, clamp, units from column 8
+    ("mxfp4", 7, 4, 3, 96, 48, torch.float32, False, None, 16),
+    ("nvfp4", 7, 4, 2, 48, 32, torch.float32, False, None, 0),
+    ("nvfp4", 5, 6, 2, 32, 48, torch.bfloat16, True, None, 0),
+], ids=["fp8-edge", "fp8-bf16-tile", "fp8-bias", "mxfp4-decode", "mxfp4-bf16-tp", "mxfp4-ragged", "nvfp4",
+        "nvfp4-bf16-bias"])
+def test_quantized_fused_moe_matches_reference(device, fmt, num_tokens, num_experts, top_k, hidden, inter, dtype,
+                                               bias, block, col0):
+    x, w13, w2, d13, d2, weights, ids, b13, b2 = make_quant_moe(
+        fmt, num_tokens, num_experts, top_k, hidden, inter, dtype, device, bias, block or (32, 32), col0)
+    act = clamped_glu if bias else silu_glu
+    got = fm.fused_moe(x, w13, w2, weights, ids, act, b13, b2)
+    _check(got, reference.fused_moe(x, d13, d2, weights, ids, act, b13, b2), dtype)
+
+
+def test_quantized_experts_refuse_mismatched_layouts():
+    blocks = torch.zeros(2, 4, 3, 16, dtype=torch.uint8)
+    with pytest.raises(AssertionError, match="blocks"):
+        fm.QuantizedExperts.mxfp4(blocks, torch.zeros(2, 4, 2, dtype=torch.uint8))
+    with pytest.raises(AssertionError, match="columns"):
+        fm.QuantizedExperts.mxfp4(blocks, torch.zeros(2, 4, 3, dtype=torch.uint8), col0=8, k=96)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,num_tokens,num_experts,top_k,hidden,inter,bias,block,col0", [
+    ("fp8", 64, 128, 8, 2048, 768, False, (128, 128), 0),  # Qwen3-30B-A3B-FP8
+    ("fp8", 1, 128, 8, 2048, 768, False, (128, 128), 0),
+    ("mxfp4", 64, 32, 4, 2880, 2880, True, None, 0),  # gpt-oss-20b
+    ("mxfp4", 16, 32, 4, 2880, 360, True, None, 8),  # its rank 1 of 8
+    ("nvfp4", 64, 128, 8, 2048, 768, False, None, 0),
+])
+def test_quantized_fused_moe_at_model_shapes(device, fmt, num_tokens, num_experts, top_k, hidden, inter, bias, block,
+                                            col0):
+    x, w13, w2, d13, d2, weights, ids, b13, b2 = make_quant_moe(
+        fmt, num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, device, bias, block or (128, 128), col0)
+    act = clamped_glu if bias else silu_glu
+    got = fm.fused_moe(x, w13, w2, weights, ids, act, b13, b2)
+    _check(got, fm.fused_moe(x, d13, d2, weights, ids, act, b13, b2), torch.bfloat16)

@@ -302,6 +302,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor | QuantizedExperts, bias: torc
         return c
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
+    if quantized and a.dtype == torch.float32:
+        # fp32 tiles beside the decode's temporaries spill at 64 x 64 (sm_80/sm_90): halve them.
+        block_n, block_k = min(block_n, 32), min(block_k, 32)
     interpreting = _interpreting()
     grid = (sorted_pairs.shape[0] // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](

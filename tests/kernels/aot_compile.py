@@ -124,6 +124,29 @@ def _moe_launch(tokens, num_experts, top_k, hidden, inter, dtype, bias=False):
                  torch.arange(tokens * top_k).view(tokens, top_k) % num_experts, lambda h: h[:, :inter], bias13, bias2)
 
 
+def _quant_moe_launch(fmt, tokens, num_experts, top_k, hidden, inter, dtype, bias=False, block_k=128, col0=0):
+    """fused_moe on quantized experts (fm.QuantizedExperts): FP8 blocks, MXFP4 (down's
+    columns from col0, a tensor-parallel rank's units) or NVFP4."""
+    e = num_experts
+
+    def weight(n, k):
+        if fmt == "fp8":
+            return fm.QuantizedExperts.fp8_blocks(torch.zeros(e, n, k, dtype=torch.float8_e4m3fn),
+                                                  torch.ones(e, -(-n // 128), -(-k // block_k)),
+                                                  torch.arange(n) // 128, block_k)
+        group = 32 if fmt == "mxfp4" else 16
+        groups = -(-(k + col0) // group)
+        blocks = torch.zeros(e, n, groups, group // 2, dtype=torch.uint8)
+        if fmt == "mxfp4":
+            return fm.QuantizedExperts.mxfp4(blocks, torch.full((e, n, groups), 127, dtype=torch.uint8), col0, k)
+        return fm.QuantizedExperts.nvfp4(blocks, torch.ones(e, n, groups).to(torch.float8_e4m3fn), torch.ones(e))
+
+    fm.fused_moe(torch.zeros(tokens, hidden, dtype=dtype), weight(2 * inter, hidden), weight(hidden, inter),
+                 torch.ones(tokens, top_k), torch.arange(tokens * top_k).view(tokens, top_k) % num_experts,
+                 lambda h: h[:, :inter], torch.zeros(e, 2 * inter, dtype=dtype) if bias else None,
+                 torch.zeros(e, hidden, dtype=dtype) if bias else None)
+
+
 def _mla_launch(batch, num_heads, kv_lora_rank, rope_dim, block_size, dtype, cache_dtype=None):
     latent = kv_lora_rank + rope_dim
     mla.mla_decode(torch.zeros(batch, num_heads, latent, dtype=dtype),
@@ -209,6 +232,17 @@ def _record_all_launches(arch: int) -> list:
     _moe_launch(64, 128, 8, 2048, 768, torch.bfloat16)
     _moe_launch(16, 32, 4, 2880, 2880, torch.bfloat16, bias=True)
     _moe_launch(4, 8, 2, 64, 32, torch.float32)
+    # Quantized experts decoded in the load loop: Qwen3-30B-A3B-FP8 (128 x 128 blocks, a scale per tile),
+    # gpt-oss-20b's MXFP4 (whole, and rank 1 of 8 whose down columns start 8 into a group), NVFP4;
+    # small fp32 ones with a scale per element.
+    for dtype in (torch.bfloat16, torch.float16):
+        _quant_moe_launch("fp8", 64, 128, 8, 2048, 768, dtype)
+    _quant_moe_launch("fp8", 4, 8, 2, 96, 40, torch.float32, block_k=32)
+    _quant_moe_launch("mxfp4", 16, 32, 4, 2880, 2880, torch.bfloat16, bias=True)
+    _quant_moe_launch("mxfp4", 16, 32, 4, 2880, 360, torch.bfloat16, bias=True, col0=8)
+    _quant_moe_launch("mxfp4", 4, 8, 2, 64, 32, torch.float32)
+    _quant_moe_launch("nvfp4", 64, 128, 8, 2048, 768, torch.bfloat16)
+    _quant_moe_launch("nvfp4", 4, 8, 2, 64, 32, torch.float32)
     # DeepSeek-V3's MLA decode: 128 heads (one device) and 16 (TP=8); a tiny fp32 latent.
     _mla_launch(4, 128, 512, 64, 64, torch.bfloat16)
     _mla_launch(4, 16, 512, 64, 64, torch.bfloat16)
@@ -235,6 +269,7 @@ def _describe(label: str, kwargs: dict, args: tuple) -> str:
     keys = ("BLOCK_M", "BLOCK_Q", "TILE_N", "HEAD_DIM", "GROUP", "NUM_SPLITS", "NUM_KV_HEADS", "num_warps")
     keys += ("USE_WINDOW", "USE_SOFTCAP", "USE_SINKS", "BLOCK_N", "BLOCK_K", "A_ROWS_PER", "HAS_BIAS", "MUL_WEIGHT")
     keys += ("BLOCK_H", "V_PAD", "R_PAD", "SCALE_K", "BITS", "GROUP_SIZE", "HAS_G_IDX", "GROUP_PER_TILE", "KV_FP8")
+    keys += ("FORMAT", "SCALE_PER_TILE")
     shape = ",".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
     return f"{label}[{str(dtype).removeprefix('torch.')}:{shape}]"
 

@@ -52,6 +52,8 @@ def test_kernels_compile_without_spills(compiled, arch):
     assert any(name.startswith("attention") for name in usage) and any("merge_splits" in n for n in usage)
     assert any(name.startswith("fused_moe") for name in usage) and any(n.startswith("mla_decode") for n in usage)
     assert any(n.startswith("int_linear") for n in usage), "the integer weight-only GEMM was not compiled"
+    for fmt in ("fp8", "mxfp4", "nvfp4"):
+        assert any(f"FORMAT={fmt}" in n for n in usage), f"the fused-MoE kernel on {fmt} experts was not compiled"
     spilling = {name: u for name, u in usage.items() if u["spill_stores"] or u["spill_loads"]}
     assert not spilling, f"register spills on sm_{arch}: {json.dumps(spilling, indent=1)}"
 

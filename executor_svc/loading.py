@@ -125,10 +125,11 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     host_kv = HostKVPool(pool, num_host_blocks, device, settings.debug_fail_swap_every) if num_host_blocks else None
     backend = make_backend(settings.attention_backend, device)
     if backend.name == "triton" and use_triton_moe(model):
-        log.info("mixture-of-experts layers run the triton fused-MoE kernel (kernels/fused_moe.py)")
+        log.info("mixture-of-experts layers run the triton fused-MoE kernel (kernels/fused_moe.py; plain, FP8 "
+                 "blocks or MXFP4 experts)")
     elif backend.name == "triton" and cfg.moe is not None:
-        log.info("quantized experts run the torch loop, one routed expert dequantized at a time: the triton "
-                 "fused-MoE kernel does not read FP8 or MXFP4 yet")
+        log.info("quantized experts run the torch loop through each expert's own quantized linears: the triton "
+                 "fused-MoE kernel reads plain, FP8-block and MXFP4 experts only")
     cuda_graphs = use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
     # Rank 0 alone samples, so it alone keeps constraint matchers.
     constraints = None if tp and tp.rank != 0 else ConstraintMatchers(ckpt.tokenizer_json, cfg.vocab_size,

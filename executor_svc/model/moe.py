@@ -22,10 +22,13 @@ their intermediate dim like a dense MLP; each rank sums its partial
 output with the shared expert's and all-reduces once. The torch path sorts
 the (token, expert) pairs by expert and runs one matmul per expert that
 has tokens (a loop over experts, never over tokens); the triton path
-(kernels/fused_moe.py) runs one grouped GEMM per projection.
+(kernels/fused_moe.py) runs one grouped GEMM per projection, and reads
+FP8 and MXFP4 experts as they are held, decoding them in its load loop.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +40,9 @@ from executor_svc.model.model import ACTIVATIONS, MLP, CausalLM
 from executor_svc.model.model_config import LinearScheme, ModelConfig, MoESpec, UnsupportedConfig
 from executor_svc.model.quantization import FP8, BlockSplitError, cdiv, dequantize_fp8_blocks
 from executor_svc.model.sharding import Shard
+
+if TYPE_CHECKING:  # kernels import triton, which the CPU executor does without
+    from kernels.fused_moe import QuantizedExperts
 
 
 class Router(nn.Module):
@@ -136,9 +142,21 @@ class FusedExperts(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """The weights are held quantized: the Triton kernel cannot read them
-        yet, and the torch loop dequantizes one routed expert at a time."""
+        """The weights are held quantized: the torch loop dequantizes one
+        routed expert at a time, and the triton path reads them through
+        kernel_weights (all but per_expert's)."""
         return self.fp8_block is not None or self.per_expert is not None
+
+    def kernel_weights(self) -> tuple[torch.Tensor | QuantizedExperts, torch.Tensor | QuantizedExperts]:
+        """w13 and w2 as kernels/fused_moe.py reads them: plain tensors, or
+        the FP8 weights with their block scales."""
+        if self.fp8_block is None:
+            return self.w13, self.w2
+        from kernels.fused_moe import QuantizedExperts
+
+        bk = self.fp8_block[1]
+        return (QuantizedExperts.fp8_blocks(self.w13, self.w13_scale, self.grid13, bk),
+                QuantizedExperts.fp8_blocks(self.w2, self.w2_scale, self.grid2, bk))
 
     def use_scheme(self, scheme: LinearScheme) -> None:
         """Holds every expert's weights quantized as the checkpoint stores
@@ -272,7 +290,8 @@ class FusedExperts(nn.Module):
         if self.impl == "triton":
             from kernels.fused_moe import fused_moe
 
-            return fused_moe(x, self.w13, self.w2, weights, ids, self.activation, self.b13, self.b2)
+            w13, w2 = self.kernel_weights()
+            return fused_moe(x, w13, w2, weights, ids, self.activation, self.b13, self.b2)
         return self._torch(x, weights, ids)
 
     def _torch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -352,10 +371,11 @@ class MoECausalLM(CausalLM):
 
 def use_triton_moe(model: nn.Module, on: bool = True) -> int:
     """Experts run kernels/fused_moe.py (the triton attention backend's
-    choice); returns how many expert layers switched. Packed experts (FP8,
-    MXFP4) stay on the torch loop, which dequantizes one routed expert at a
-    time: the kernel does not read them yet."""
-    layers = [m for m in model.modules() if isinstance(m, FusedExperts) and not m.packed]
+    choice), plain, FP8 blocks or MXFP4; returns how many expert layers
+    switched. Experts of any other scheme (per_expert: one quantized linear
+    per expert) stay on the torch loop, whose linears dequantize or run
+    their own kernels."""
+    layers = [m for m in model.modules() if isinstance(m, FusedExperts) and m.per_expert is None]
     for module in layers:
         module.impl = "triton" if on else "torch"
     return len(layers)

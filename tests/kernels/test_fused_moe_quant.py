@@ -130,3 +130,52 @@ def test_quantized_fused_moe_at_model_shapes(device, fmt, num_tokens, num_expert
     act = clamped_glu if bias else silu_glu
     got = fm.fused_moe(x, w13, w2, weights, ids, act, b13, b2)
     _check(got, fm.fused_moe(x, d13, d2, weights, ids, act, b13, b2), torch.bfloat16)
+
+
+def _param(t: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(t, requires_grad=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_executor_fp8_experts_triton_path_matches_torch_loop(device, dtype):
+    """FusedExperts holding FP8 blocks (use_fp8): the kernel, reading them as
+    held, gives the torch loop's output, which dequantizes one expert at a time."""
+    from executor_svc.model.model_config import MoESpec
+    from executor_svc.model.moe import FusedExperts, use_triton_moe
+    from executor_svc.model.sharding import Shard
+
+    x, w13, w2, _, _, weights, ids, _, _ = make_quant_moe("fp8", 13, 8, 2, 48, 40, dtype, device, block=(32, 32))
+    spec = MoESpec(num_experts=8, top_k=2, intermediate_size=40, sparse_layers=(True,))
+    cfg = type("Cfg", (), {"hidden_size": 48, "hidden_act": "silu"})()
+    experts = FusedExperts(cfg, spec, Shard())
+    experts.use_fp8((32, 32))
+    experts.w13, experts.w13_scale, experts.grid13 = _param(w13.data), _param(w13.scales), w13.rows
+    experts.w2, experts.w2_scale, experts.grid2 = _param(w2.data), _param(w2.scales), w2.rows
+    want = experts(x, weights, ids)
+    assert use_triton_moe(experts) == 1 and experts.impl == "triton"
+    _check(experts(x, weights, ids), want, dtype)
+
+
+def test_executor_mxfp4_experts_triton_path_matches_torch_loop(device):
+    """gpt-oss's packed experts on rank 1 of 2, whose 40 units start 8 columns
+    into down's second group: the kernel reads the packed blocks and that
+    window, with the biases and the clamped SwiGLU, as the torch loop does."""
+    from executor_svc.model.families.gpt_oss import GptOssExperts
+    from executor_svc.model.model_config import MoESpec, QuantSpec
+    from executor_svc.model.moe import use_triton_moe
+    from executor_svc.model.sharding import Shard
+
+    dtype = torch.bfloat16
+    x, w13, w2, _, _, weights, ids, b13, b2 = make_quant_moe("mxfp4", 11, 4, 2, 64, 40, dtype, device, bias=True,
+                                                             col0=8)
+    spec = MoESpec(num_experts=4, top_k=2, intermediate_size=80, sparse_layers=(True,), scoring="topk_softmax",
+                   router_bias=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)
+    cfg = type("Cfg", (), {"hidden_size": 64, "hidden_act": "silu", "quantization": QuantSpec("mxfp4")})()
+    experts = GptOssExperts(cfg, spec, Shard(rank=1, size=2))
+    assert experts.w2_offset == 8 and experts.w2_groups == (1, 3)
+    experts.w13_blocks, experts.w13_scales = _param(w13.data), _param(w13.scales)
+    experts.w2_blocks, experts.w2_scales = _param(w2.data), _param(w2.scales)
+    experts.b13, experts.b2 = _param(b13), _param(b2)
+    want = experts(x, weights, ids)
+    assert use_triton_moe(experts) == 1
+    _check(experts(x, weights, ids), want, dtype)

@@ -9,8 +9,9 @@
 
 Checkpoints keep all experts in one tensor per projection, [experts, in,
 out], gate and up interleaved (gate at even columns); the released ones
-hold them in MXFP4, kept packed and dequantized one routed expert at a time
-(executor_svc/model/mxfp4.py).
+hold them in MXFP4, kept packed: dequantized one routed expert at a time
+(executor_svc/model/mxfp4.py) on the torch path, decoded inside the fused-MoE
+kernel on the triton path.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ class GptOssExperts(FusedExperts):
     gate/up columns, and of down's rows.
 
     MXFP4 experts stay packed (4-bit values and one scale byte per group of
-    32, about 0.27x their bf16 bytes). An expert is dequantized when a token
-    is routed to it (expert_weights), as FP8 experts are. gate/up's rows are
+    32, about 0.27x their bf16 bytes). The torch loop dequantizes an expert
+    when a token is routed to it (expert_weights), as FP8 experts are; the
+    triton path's kernel decodes the blocks in its load loop (kernel_weights). gate/up's rows are
     reordered at load, gate rows then up rows, as the dense w13 holds them.
     Down's groups run along this rank's units: when the units split a group,
     the rank keeps the groups that cover them and cuts after dequantizing."""
@@ -81,6 +83,16 @@ class GptOssExperts(FusedExperts):
     @property
     def packed(self) -> bool:
         return self.mxfp4 or super().packed
+
+    def kernel_weights(self):
+        """The packed blocks as the fused-MoE kernel reads them: down's K
+        columns start w2_offset into the groups this rank keeps."""
+        if not self.mxfp4:
+            return super().kernel_weights()
+        from kernels.fused_moe import QuantizedExperts
+
+        return (QuantizedExperts.mxfp4(self.w13_blocks, self.w13_scales),
+                QuantizedExperts.mxfp4(self.w2_blocks, self.w2_scales, col0=self.w2_offset, k=self.inter))
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.mxfp4:

@@ -218,7 +218,7 @@ class QuantizedExperts:
         assert weight.dtype == torch.float8_e4m3fn, f"weight {weight.dtype}"
         assert scales.dtype == torch.float32 and scales.shape[0] == e and scales.shape[2] == triton.cdiv(k, block_k), (
             f"scales {tuple(scales.shape)} {scales.dtype} for weight {tuple(weight.shape)}, block_k {block_k}")
-        assert grid_rows.shape == (n,), f"grid_rows {tuple(grid_rows.shape)} for {n} rows"
+        assert grid_rows.shape == (n,) and grid_rows.stride(0) == 1, f"grid_rows {tuple(grid_rows.shape)} for {n} rows"
         return cls("fp8", weight, scales, (e, n, k), block_k, rows=grid_rows)
 
     @classmethod

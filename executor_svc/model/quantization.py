@@ -5,7 +5,8 @@ quantized weights as they are (layers.py; the layouts in quant_formats.py).
 Formats: quant_method "fp8" (block scales or one per tensor),
 "compressed-tensors" (float-quantized FP8 by tensor, channel or block;
 pack-quantized int4/int8 by group or channel, symmetric or not;
-int-quantized int8; dynamic FP8 or int8 activations per token or group),
+int-quantized int8; NVFP4 and MXFP4 weights; FP8 or int8 activations,
+dynamic per token or group, or static per tensor; an FP8 kv_cache_scheme),
 "gptq" (4 or 8 bits, any group size, desc_act with g_idx) and "awq"
 (version gemm). Schemes that quantize activations (W8A8) quantize them
 at run time as the scheme defines (fake_quantize_activations), then run
@@ -15,19 +16,20 @@ FP8 with block scales (quant_method "fp8" and weight_block_size: DeepSeek-V3
 and R1, Kimi K2, the Qwen3 -FP8 releases): each linear weight is
 float8_e4m3fn, and `weight_scale_inv` holds one float32 scale per block of
 block_n rows by block_k columns, blocks at the edges included. The weights
-stay FP8 in memory. On CUDA a linear layer runs kernels/fp8_linear.py,
-which decodes FP8 in its load loop; elsewhere (and for experts) a layer
-dequantizes its own weight for each matmul (`dequantize_fp8_blocks`) and
-drops it after, so at most one layer's weight is ever held at the compute
-dtype. Activations stay in the compute dtype (W8A16), which is what
-transformers computes on the CPU for the same checkpoint (it dequantizes on
-load), and what GPUs without FP8 tensor cores run. activation_scheme "dynamic" describes how FP8 GPUs quantize
+stay FP8 in memory. On CUDA a linear layer runs kernels/fp8_linear.py and
+experts kernels/fused_moe.py, which decode FP8 in their load loops;
+elsewhere a layer dequantizes its own weight for each matmul
+(`dequantize_fp8_blocks`) and drops it after, so at most one layer's weight
+is ever held at the compute dtype. Activations stay in the compute dtype
+(W8A16), which is what transformers computes on the CPU for the same
+checkpoint (it dequantizes on load), and what GPUs without FP8 tensor cores
+run. activation_scheme "dynamic" describes how FP8 GPUs quantize
 activations per token group; it does not change the stored weights.
 
 Every key that changes the math is read or refused by name, as with the
 rest of config.json; keys that only record how the checkpoint was made are
-accepted. The layers themselves are in layers.py (ColumnLinear.use_fp8,
-RowLinear.use_scheme, quantize_linears; experts: moe.FusedExperts.use_fp8).
+accepted. The layers themselves are in layers.py (ColumnLinear.use_scheme,
+RowLinear.use_scheme, quantize_linears; experts: moe.FusedExperts.use_scheme).
 """
 
 from __future__ import annotations
@@ -45,11 +47,10 @@ FP8_KEYS = {"quant_method", "weight_block_size", "activation_scheme", "fmt", "mo
             "ignored_layers", "scale_fmt", "dequantize"}
 # GPTQ's and AWQ's keys; those in *_RECORD_KEYS only record how the
 # checkpoint was made.
-GPTQ_KEYS = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", "static_groups",
-             "modules_to_not_convert", "lm_head"}
+GPTQ_KEYS = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", "format", "pack_dtype",
+             "static_groups", "modules_to_not_convert", "lm_head"}
 GPTQ_RECORD_KEYS = {"damp_percent", "true_sequential", "model_name_or_path", "model_file_base_name", "quantizer",
-                    "pack_dtype", "meta", "damp_auto_increment", "mse", "v2", "v2_alpha", "act_group_aware",
-                    "format", "tokenizer", "dataset", "use_cuda_fp16", "use_exllama", "exllama_config",
+                    "meta", "damp_auto_increment", "mse", "v2", "v2_alpha", "act_group_aware", "tokenizer", "dataset", "use_cuda_fp16", "use_exllama", "exllama_config",
                     "max_input_length", "cache_block_outputs", "batch_size", "module_name_preceding_first_block",
                     "block_name_to_quantize", "modules_in_block_to_quantize", "pad_token_id", "backend"}
 AWQ_KEYS = {"quant_method", "bits", "group_size", "zero_point", "version", "modules_to_not_convert"}
@@ -136,10 +137,16 @@ def _group(config: dict[str, Any], where: str) -> int | None:
 def _read_gptq(config: dict[str, Any], where: str) -> QuantSpec:
     _refuse_unknown(config, GPTQ_KEYS | GPTQ_RECORD_KEYS, where, "quant_method 'gptq'")
     bits = _int_arg(config, "bits", where, (4, 8))
-    fmt = config.get("checkpoint_format", "gptq")
-    if fmt != "gptq":
-        raise UnsupportedConfig(f"{where} checkpoint_format={fmt!r} is not supported; supported: 'gptq' "
-                                "(zero points stored minus one)")
+    # transformers writes checkpoint_format, GPTQModel format: gptq_v2 stores
+    # zero points as they are, which the v1 reading would shift by one.
+    for key in ("checkpoint_format", "format"):
+        fmt = config.get(key, "gptq")
+        if fmt != "gptq":
+            raise UnsupportedConfig(f"{where} {key}={fmt!r} is not supported; supported: 'gptq' (zero points "
+                                    "stored minus one)")
+    if config.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
+        raise UnsupportedConfig(f"{where} pack_dtype={config['pack_dtype']!r} is not supported; supported: "
+                                "'int32'")
     if config.get("lm_head"):
         raise UnsupportedConfig(f"{where} lm_head=true (a quantized head) is not supported; only decoder "
                                 "linears are read quantized")

@@ -229,6 +229,8 @@ def group(**change) -> dict:
     (CT | {"quantization_status": "frozen"}, r"quantization_status='frozen' is not supported"),
     (GPTQ | {"bits": 3}, r"bits=3 is not supported; supported: \[4, 8\]"),
     (GPTQ | {"checkpoint_format": "gptq_v2"}, r"checkpoint_format='gptq_v2' is not supported"),
+    (GPTQ | {"format": "gptq_v2"}, r"format='gptq_v2' is not supported"),
+    (GPTQ | {"pack_dtype": "int16"}, r"pack_dtype='int16' is not supported"),
     (GPTQ | {"group_size": 0}, r"group_size=0 must be positive, or -1"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, r"version='gemv' is not supported"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "scale_fmt": "e4m3"}, r"scale_fmt='e4m3' is not"),

@@ -43,7 +43,11 @@ from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 
 BLOCK = (128, 128)
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Decoder linears, experts' and shared experts' included, and DeepSeek-V3's
+# latent projections (bench/fp8_deepseek.py); routers (`mlp.gate`), norms,
+# embeddings and the head stay as they are.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+           "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def write_fp8(plain: Path, out: Path, block: tuple[int, int] = BLOCK) -> Path:

@@ -17,7 +17,13 @@
    carries its held-out step-time error;
 7. the quantized-weight GEMMs, FP8 block-scaled and int4 (group 128),
    against torch's bf16 GEMM of the same shape at batch 1 and 64
-   (python -m bench.quant_gemm): TFLOP/s, GB/s and the ratio to bf16.
+   (python -m bench.quant_gemm): TFLOP/s, GB/s and the ratio to bf16;
+8. an end-to-end FP8-block run of a DeepSeek-shaped model
+   (python -m bench.fp8_deepseek, Triton): a random 76M-parameter
+   DeepSeek-V3 (MLA, 16 experts top-4) served from its FP8 128 x 128 block
+   copy and from the same weights dequantized to bf16, --num-requests
+   greedy requests each: output tok/s, ms/token, the FP8 / bf16 ratios,
+   weight bytes and on how many requests the greedy tokens agree.
 
 Each part has its own time limit, so one that hangs cannot eat the others'
 time; summary.json records what each part did. Exits 2 at once, saying so,
@@ -37,8 +43,13 @@ REPO = Path(__file__).resolve().parents[1]
 # Seconds per part; the sum stays under 9 minutes. pytest_gpu includes the
 # two-GPU tensor-parallel tests (two service launches) where they run. The
 # quantized GEMMs' 30 s came out of P8 (about a minute on an H100) and P13.
-LIMITS = {"pytest_gpu": 140, "kernels_p8": 85, "e2e_graphs_auto": 70, "e2e_graphs_off": 70,
-          "tensor_parallel_p13": 60, "moe_mla_kernels": 50, "calibrate_sim": 35, "quant_gemm": 30}
+# The FP8 DeepSeek run's 60 s (build and quantize ~76M parameters on the
+# host, two launches, 2 rounds each; estimated, not measured) took 10 s
+# each from pytest_gpu, P8, both bench-small end-to-end runs (one launch
+# and 64 requests each), P13 (skipped on one GPU) and the --quick kernels.
+LIMITS = {"pytest_gpu": 130, "kernels_p8": 75, "e2e_graphs_auto": 60, "e2e_graphs_off": 60,
+          "tensor_parallel_p13": 50, "moe_mla_kernels": 40, "calibrate_sim": 35, "quant_gemm": 30,
+          "fp8_deepseek_e2e": 60}
 CALIBRATED_PROFILE = "profile_bench-small.json"
 # P13 needs this many devices (one per rank).
 P13_DEVICES = 2
@@ -81,6 +92,9 @@ def parts(out: Path, num_requests: int) -> dict[str, list[str]]:
                           "--executor-env", "EXECUTOR_ATTENTION_BACKEND=triton", "--out",
                           str(out / CALIBRATED_PROFILE)],
         "quant_gemm": [sys.executable, "-m", "bench.quant_gemm", "--out", str(out / "quant_gemm.json")],
+        "fp8_deepseek_e2e": [sys.executable, "-m", "bench.fp8_deepseek", "--attention-backend", "triton",
+                             "--prompts", str(num_requests), "--rounds", "2", "--out",
+                             str(out / "fp8_deepseek_e2e.json")],
     }
 
 
@@ -150,6 +164,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu-check: quant_gemm M={row['m']} [{row['n']}, {row['k']}]: " + ", ".join(
                 f"{name} {cell['tflops']:.1f} TFLOP/s {cell['gb_per_s']:.0f} GB/s ({cell['vs_bf16']:.2f}x bf16 time)"
                 for name, cell in row["kernels"].items()))
+    fp8_deepseek = args.out_dir / "fp8_deepseek_e2e.json"
+    if fp8_deepseek.exists():
+        r = json.loads(fp8_deepseek.read_text())
+        part = summary["parts"]["fp8_deepseek_e2e"]
+        for name, result in r["checkpoints"].items():
+            part[name] = {k: result[k] for k in ("output_tok_per_s", "ms_per_token", "weight_bytes", "quantization")
+                          if k in result}
+            if result["errors"]:
+                part[name]["errors"] = result["errors"][:3]
+        if "ratios" in r:
+            a = r["agreement"]
+            part.update(fp8_over_bf16=r["ratios"], greedy_identical=a["identical"], greedy_compared=a["compared"])
+            print(f"gpu-check: fp8_deepseek_e2e: FP8/bf16 output tok/s {r['ratios']['output_tok_per_s']:.2f}x, "
+                  f"weight bytes {r['ratios']['weight_bytes']:.2f}x, greedy tokens identical on "
+                  f"{a['identical']} of {a['compared']}")
     profile = args.out_dir / CALIBRATED_PROFILE
     if summary["parts"]["calibrate_sim"].get("returncode") == 0 and profile.exists():
         fit = json.loads(profile.read_text())["fit"]

@@ -133,3 +133,27 @@ def test_summary_carries_the_quantized_gemm_figures(monkeypatch, tmp_path):
     assert any("bench.quant_gemm" in cmd for cmd in ran)
     part = json.loads((tmp_path / "summary.json").read_text())["parts"]["quant_gemm"]
     assert part["gemms"][0]["int4_g128"]["vs_bf16"] == 0.4 and part["gemms"][0]["bf16"]["gb_per_s"] == 3000.0
+
+
+def test_summary_carries_the_fp8_deepseek_run_s_figures(monkeypatch, tmp_path):
+    ran = _fake_parts(monkeypatch, device_count=1)
+    real_run = gpu_check.subprocess.run
+
+    def run(cmd, **kwargs):
+        if "bench.fp8_deepseek" in cmd:
+            figures = {"output_tok_per_s": 900.0, "ms_per_token": 4.0, "errors": [], "runs": []}
+            Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({
+                "checkpoints": {"fp8": {**figures, "weight_bytes": 93, "quantization": "fp8 blocks [128, 128]"},
+                                "dequantized": {**figures, "weight_bytes": 152, "quantization": ""}},
+                "ratios": {"output_tok_per_s": 1.0, "ms_per_token": 1.0, "weight_bytes": 93 / 152},
+                "agreement": {"identical": 60, "compared": 64, "first_difference": [30, 41, 50, 63]}}))
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    assert gpu_check.main(["--out-dir", str(tmp_path), "--num-requests", "64"]) == 0
+    [cmd] = [cmd for cmd in ran if "bench.fp8_deepseek" in cmd]
+    assert cmd[cmd.index("--attention-backend") + 1] == "triton" and cmd[cmd.index("--prompts") + 1] == "64"
+    part = json.loads((tmp_path / "summary.json").read_text())["parts"]["fp8_deepseek_e2e"]
+    assert part["returncode"] == 0 and part["greedy_identical"] == 60 and part["greedy_compared"] == 64
+    assert part["fp8"]["quantization"] == "fp8 blocks [128, 128]" and part["dequantized"]["weight_bytes"] == 152
+    assert part["fp8_over_bf16"]["weight_bytes"] == 93 / 152 and "errors" not in part["fp8"]

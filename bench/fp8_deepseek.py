@@ -32,6 +32,13 @@ same weight values: on the CPU both dequantize them the same way, so all
 should match; on a GPU the FP8 GEMM accumulates in another order than
 bf16's, so a near-tie can flip a token (reported, not asserted).
 
+What the ratio compares on CUDA with the triton backend: the FP8 run's
+attention projections, dense MLP and shared expert run the FP8 GEMM
+(kernels/fp8_linear.py), but its routed experts run the torch loop, one
+routed expert dequantized at a time, because the fused-MoE kernel does not
+read FP8 yet; the dequantized run's experts run that kernel. Neither run
+captures CUDA graphs (`auto` leaves MoE and MLA models eager).
+
 Exits 1 when either launch fails or any request errors or comes back short.
 """
 

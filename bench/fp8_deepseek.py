@@ -34,10 +34,10 @@ bf16's, so a near-tie can flip a token (reported, not asserted).
 
 What the ratio compares on CUDA with the triton backend: the FP8 run's
 attention projections, dense MLP and shared expert run the FP8 GEMM
-(kernels/fp8_linear.py), but its routed experts run the torch loop, one
-routed expert dequantized at a time, because the fused-MoE kernel does not
-read FP8 yet; the dequantized run's experts run that kernel. Neither run
-captures CUDA graphs (`auto` leaves MoE and MLA models eager).
+(kernels/fp8_linear.py), and its routed experts the fused-MoE kernel
+reading FP8 blocks (kernels/fused_moe.py); the dequantized run's the same
+kernels on bf16 weights. Neither run captures CUDA graphs (`auto` leaves
+MoE and MLA models eager).
 
 Exits 1 when either launch fails or any request errors or comes back short.
 """

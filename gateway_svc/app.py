@@ -153,10 +153,11 @@ class Gateway:
         first is the one responses carry."""
         return self.settings.served_model_names or [info.model]
 
-    async def _prepare(self, request: Request, model: type[BaseModel]):
-        """What both endpoints do first: the body parsed and checked, the
-        model facts, the caller's metadata."""
-        body = await _parse(request, model)
+    async def _prepare(self, request: Request, model: type[BaseModel], body: BaseModel | None = None):
+        """What every endpoint does first: the body parsed (unless an API
+        that translates into this one built it) and checked, the model
+        facts, the caller's metadata."""
+        body = body if body is not None else await _parse(request, model)
         if body.n > self.settings.max_n:
             raise RequestError("n", f"n={body.n} exceeds the most this server allows ({self.settings.max_n})")
         constraint = constraints.from_request(body)
@@ -206,7 +207,15 @@ class Gateway:
         return await self._respond(request, job, requests, body.stream, metadata)
 
     async def chat(self, request: Request) -> Response:
-        body, constraint, metadata, info = await self._prepare(request, ChatCompletionRequest)
+        job, requests, body, metadata = await self.chat_job(request)
+        return await self._respond(request, job, requests, body.stream, metadata)
+
+    async def chat_job(self, request: Request, body: ChatCompletionRequest | None = None):
+        """A chat completion made ready to start: (the job, its Generate
+        requests, the body, the caller's metadata). `body` is given by the
+        APIs that translate into a chat completion (Responses, Messages)
+        and answer in their own format; else it is parsed from the request."""
+        body, constraint, metadata, info = await self._prepare(request, ChatCompletionRequest, body)
         if body.top_logprobs and not body.logprobs:
             raise RequestError("top_logprobs", "top_logprobs needs logprobs=true")
         plan = tools.plan(body, self.settings.tool_call_parser)
@@ -239,7 +248,7 @@ class Gateway:
         record = record_of(request)
         job = Job(f"chatcmpl-{record.request_id}", int(time.time()), self.served_names(info)[0], fmt,
                   bool(body.stream_options and body.stream_options.include_usage), record, constraint)
-        return await self._respond(request, job, requests, body.stream, metadata)
+        return job, requests, body, metadata
 
     async def _respond(self, request: Request, job: Job, requests, stream: bool, metadata) -> Response:
         firsts = await _until_disconnect(request, self._start(job, requests, metadata), job)

@@ -118,15 +118,10 @@ def unpack_words(words: torch.Tensor, bits: int, count: int, dim: int) -> torch.
     return values.movedim(-1, dim).contiguous()
 
 
-def to_held(scheme: LinearScheme, values: torch.Tensor) -> torch.Tensor:
-    """Unsigned integer values [N, K] as the layer holds them."""
-    return pack_int(values, scheme.bits)
-
-
 def canonical(scheme: LinearScheme, leaf: str, t: torch.Tensor, rows: int, cols: int) -> tuple[str, torch.Tensor]:
     """One whole checkpoint tensor -> (the leaf the layer holds, the tensor
-    in the held layout: rows first, whole). None for a leaf that is only
-    checked (weight_shape)."""
+    in the held layout: rows first, whole); ("", the tensor) for a leaf
+    that is only checked (weight_shape)."""
     layout, bits = scheme.layout, scheme.bits
     if leaf == "input_scale":
         return "input_scale", t.to(torch.float32).reshape(1)
@@ -143,7 +138,7 @@ def canonical(scheme: LinearScheme, leaf: str, t: torch.Tensor, rows: int, cols:
         return "scales", t.reshape(-1, 1).expand(rows, 1) if t.numel() == 1 else t.reshape(rows, 1)
     if layout == "ct-pack":
         if leaf == "weight_packed":
-            return "qweight", to_held(scheme, unpack_words(t, bits, cols, 1))
+            return "qweight", pack_int(unpack_words(t, bits, cols, 1), bits)
         if leaf == "weight_scale":
             return "scales", t
         if leaf == "weight_zero_point":
@@ -159,7 +154,7 @@ def canonical(scheme: LinearScheme, leaf: str, t: torch.Tensor, rows: int, cols:
         return held, t.to(torch.float32).reshape(1).expand(rows) if held == "global_scale" else t
     if layout == "gptq":
         if leaf == "qweight":
-            return "qweight", to_held(scheme, unpack_words(t, bits, cols, 0).T)
+            return "qweight", pack_int(unpack_words(t, bits, cols, 0).T, bits)
         if leaf == "qzeros":  # stored minus one (GPTQ v1 checkpoints)
             return "zeros", ((unpack_words(t, bits, rows, 1) + 1) & ((1 << bits) - 1)).T.to(torch.uint8)
         if leaf == "scales":
@@ -170,7 +165,7 @@ def canonical(scheme: LinearScheme, leaf: str, t: torch.Tensor, rows: int, cols:
         if leaf in ("qweight", "qzeros"):
             values = unpack_words(t, 4, t.shape[1] * 8, 1)  # [.., N] in nibble order within each 8
             values = values.unflatten(1, (-1, 8))[:, :, list(AWQ_NIBBLE)].flatten(1)
-            return ("qweight", to_held(scheme, values.T)) if leaf == "qweight" else ("zeros", values.T.to(torch.uint8))
+            return ("qweight", pack_int(values.T, 4)) if leaf == "qweight" else ("zeros", values.T.to(torch.uint8))
         if leaf == "scales":
             return "scales", t.T
     raise KeyError(f"{leaf} is not a tensor of the {layout} layout")

@@ -1,5 +1,6 @@
 """The gateway's side of the scheduler's public gRPC API: one channel, the
-model facts (cached briefly), health, and one Generate call per sample."""
+model facts (cached briefly), health, prompt token counts, and one
+Generate call per sample."""
 
 from __future__ import annotations
 
@@ -74,6 +75,13 @@ class SchedulerClient:
             self._info = ModelInfo.from_proto(await self.server_info(metadata))
             self._info_at = now
         return self._info
+
+    async def count_tokens(self, prompt: str, metadata) -> int:
+        """Tokens of a rendered chat prompt (no special tokens added), as a
+        Generate call with that prompt counts them."""
+        resp = await self.stub.Tokenize(spb.TokenizeRequest(prompt=prompt, add_special_tokens=False),
+                                        metadata=metadata, timeout=10.0)
+        return len(resp.token_ids)
 
     def generate(self, request: spb.GenerateRequest, metadata):
         return self.stub.Generate(request, metadata=metadata)

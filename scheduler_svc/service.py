@@ -108,22 +108,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             constraint = await engine.link.constraints.compile(spec)
         sampling = sampling_from_proto(msg.sampling, limits)
         if msg.prompt:
-            # No token is longer than the tokenizer's longest vocabulary
-            # entry, so a longer text cannot fit and is refused untokenized.
-            max_chars = limits.max_model_len * engine.link.max_token_chars
-            if len(msg.prompt) > max_chars:
-                raise InvalidRequest("prompt", f"{len(msg.prompt)} characters cannot fit max_model_len "
-                                               f"{limits.max_model_len} (at most {max_chars} characters)")
-            # Unset = true; a rendered chat prompt already holds its BOS.
-            add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
-            if len(msg.prompt) > INLINE_TOKENIZE_CHARS:
-                # The Rust tokenizer releases the GIL: long texts are encoded
-                # off the event loop, so running streams do not stall.
-                encoding = await asyncio.to_thread(engine.link.tokenizer.encode, msg.prompt,
-                                                   add_special_tokens=add_special)
-                prompt_ids = encoding.ids
-            else:
-                prompt_ids = engine.link.tokenizer.encode(msg.prompt, add_special_tokens=add_special).ids
+            prompt_ids = await self._encode(msg, limits)
         else:
             prompt_ids = list(msg.prompt_token_ids)
         if not prompt_ids:
@@ -140,6 +125,25 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             tenant=tenant,
             prefix_salt=prefix_salt(tenant, cache_salt, engine.settings.prefix_cache_scope),
         )
+
+    async def _encode(self, msg: spb.GenerateRequest | spb.TokenizeRequest, limits: Limits) -> list[int]:
+        """A text prompt's token ids, as Generate and Tokenize both take them."""
+        engine = self.engine
+        # No token is longer than the tokenizer's longest vocabulary
+        # entry, so a longer text cannot fit and is refused untokenized.
+        max_chars = limits.max_model_len * engine.link.max_token_chars
+        if len(msg.prompt) > max_chars:
+            raise InvalidRequest("prompt", f"{len(msg.prompt)} characters cannot fit max_model_len "
+                                           f"{limits.max_model_len} (at most {max_chars} characters)")
+        # Unset = true; a rendered chat prompt already holds its BOS.
+        add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
+        if len(msg.prompt) > INLINE_TOKENIZE_CHARS:
+            # The Rust tokenizer releases the GIL: long texts are encoded
+            # off the event loop, so running streams do not stall.
+            encoding = await asyncio.to_thread(engine.link.tokenizer.encode, msg.prompt,
+                                               add_special_tokens=add_special)
+            return encoding.ids
+        return engine.link.tokenizer.encode(msg.prompt, add_special_tokens=add_special).ids
 
     async def Generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext):
         span = self.tracing.tracer.start_span(
@@ -247,6 +251,16 @@ class SchedulerService(spb_grpc.SchedulerServicer):
 
     async def Abort(self, request: spb.AbortRequest, context):
         return spb.AbortResponse(found=self.engine.abort(request.request_id, self._owner(context)))
+
+    async def Tokenize(self, request: spb.TokenizeRequest, context: grpc.aio.ServicerContext):
+        # Counting only: nothing is queued, no KV block is touched.
+        if self.engine.link.facts is None or self.engine.link.tokenizer is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is connected")
+        try:
+            return spb.TokenizeResponse(token_ids=await self._encode(request, self._limits()))
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
+                                trailing_metadata=((metadata.FIELD, exc.field),))
 
     async def GetServerInfo(self, request, context):
         sched, facts, core = self.engine.scheduler, self.engine.link.facts, self.engine.core

@@ -50,6 +50,11 @@ class SchedulerStub:
                 request_serializer=llmsched_dot_v1_dot_scheduler__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=llmsched_dot_v1_dot_scheduler__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/llmsched.v1.Scheduler/Tokenize',
+                request_serializer=llmsched_dot_v1_dot_scheduler__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=llmsched_dot_v1_dot_scheduler__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -79,6 +84,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The prompt's token ids as Generate would tokenize it, without queueing
+        or computing anything: what an HTTP front end without a tokenizer
+        counts prompts with (e.g. Anthropic's /v1/messages/count_tokens).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +110,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=llmsched_dot_v1_dot_scheduler__pb2.GetServerInfoRequest.FromString,
                     response_serializer=llmsched_dot_v1_dot_scheduler__pb2.ServerInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=llmsched_dot_v1_dot_scheduler__pb2.TokenizeRequest.FromString,
+                    response_serializer=llmsched_dot_v1_dot_scheduler__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +199,33 @@ class Scheduler:
             '/llmsched.v1.Scheduler/GetServerInfo',
             llmsched_dot_v1_dot_scheduler__pb2.GetServerInfoRequest.SerializeToString,
             llmsched_dot_v1_dot_scheduler__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmsched.v1.Scheduler/Tokenize',
+            llmsched_dot_v1_dot_scheduler__pb2.TokenizeRequest.SerializeToString,
+            llmsched_dot_v1_dot_scheduler__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -115,6 +115,8 @@ def delta_to_response(request_id: str, d: RequestDelta, want_logprobs: bool,
             )
     if d.finish_status is not None:
         resp.finish_reason = FINISH_REASONS[d.finish_status]
+    if d.stop_string:
+        resp.stop_string = d.stop_string
     if d.usage is not None:
         resp.usage.CopyFrom(
             spb.Usage(

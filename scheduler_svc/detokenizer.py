@@ -60,15 +60,17 @@ class StopStringMatcher:
         self.stop = tuple(s for s in stop if s)
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.pending = ""
+        self.matched: str | None = None  # the stop string that was hit
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to release, whether a stop string was hit)."""
         if not self.stop:
             return text, False
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stop) if i >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            out, self.pending = self.pending[:at], ""
             return out, True
         cut = max(0, len(self.pending) - self.holdback)
         out, self.pending = self.pending[:cut], self.pending[cut:]

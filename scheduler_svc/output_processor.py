@@ -28,6 +28,7 @@ class RequestDelta:
     logprobs: list[tuple[int, float, list[int], list[float]]] = field(default_factory=list)
     finish_status: RequestStatus | None = None
     usage: Usage | None = None
+    stop_string: str | None = None  # on the last delta: the stop string that ended the request
     # Set when the request ends with an error status for the client.
     error: tuple[str, str] | None = None  # (grpc status name, message)
 
@@ -37,6 +38,7 @@ class RequestDelta:
         self.logprobs += later.logprobs
         self.finish_status = later.finish_status or self.finish_status
         self.usage = later.usage or self.usage
+        self.stop_string = later.stop_string or self.stop_string
         self.error = later.error or self.error
 
 
@@ -68,5 +70,7 @@ class RequestOutputState:
             status = RequestStatus.FINISHED_STOPPED
         req = self.request
         delta.finish_status = status
+        if self.stopped_by_string:
+            delta.stop_string = self.stops.matched
         delta.usage = Usage(req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_prompt_tokens)
         return delta

@@ -93,7 +93,7 @@ def test_stop_string_is_excluded_and_ends_the_stream(stories):
     assert "Lily" in full_text
     _, text, last, _ = stories.generate(prompt="Once upon a time", sampling={**GREEDY, "stop": ["Lily"]})
     assert text == full_text[: full_text.index("Lily")]
-    assert last.finish_reason == spb.FINISH_REASON_STOP
+    assert last.finish_reason == spb.FINISH_REASON_STOP and last.stop_string == "Lily"
 
 
 def test_stop_token_id_is_returned_and_ends_the_stream(stories):
@@ -101,7 +101,17 @@ def test_stop_token_id_is_returned_and_ends_the_stream(stories):
     stop_at = tokens[5]
     got, _, last, _ = stories.generate(prompt="Once upon a time", sampling={**GREEDY, "stop_token_ids": [stop_at]})
     assert got == tokens[: tokens.index(stop_at) + 1]
-    assert last.finish_reason == spb.FINISH_REASON_STOP
+    assert last.finish_reason == spb.FINISH_REASON_STOP and last.stop_string == ""
+
+
+def test_tokenize_counts_the_prompt_as_generate_does_and_queues_nothing(stories):
+    for add_special in (True, False):
+        ids = stories.stub.Tokenize(spb.TokenizeRequest(prompt="Once upon a time", add_special_tokens=add_special),
+                                    timeout=10).token_ids
+        *_, last = stories.stub.Generate(spb.GenerateRequest(prompt="Once upon a time", add_special_tokens=add_special,
+                                                             sampling={"max_tokens": 1}), timeout=60)
+        assert len(ids) == last.usage.prompt_tokens
+    stories.assert_no_leaked_blocks()
 
 
 def test_eos_stops_with_stop_and_ignore_eos_runs_past_it(tiny):

@@ -65,3 +65,10 @@ def test_text_that_only_looks_like_a_stop_prefix_is_released_at_flush():
     m = StopStringMatcher(("END",))
     assert m.feed("the EN") == ("the ", False)
     assert m.flush() == "EN"
+
+
+def test_stop_matcher_names_the_earliest_stop_string_hit():
+    m = StopStringMatcher(("END", "at"))
+    assert m.matched is None
+    assert m.feed("the cat sat. END") == ("the c", True)
+    assert m.matched == "at"

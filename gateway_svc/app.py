@@ -90,8 +90,11 @@ def _call_ids(request_id: str, count: int) -> list[str]:
 
 
 def _auth_metadata(request: Request) -> tuple:
-    # The client's bearer token is the scheduler's API key.
+    # The client's bearer token is the scheduler's API key; Anthropic's
+    # clients send it as x-api-key.
     header = request.headers.get("authorization")
+    if not header and request.headers.get("x-api-key"):
+        header = f"Bearer {request.headers['x-api-key']}"
     return (("authorization", header),) if header else ()
 
 
@@ -210,11 +213,14 @@ class Gateway:
         job, requests, body, metadata = await self.chat_job(request)
         return await self._respond(request, job, requests, body.stream, metadata)
 
-    async def chat_job(self, request: Request, body: ChatCompletionRequest | None = None):
+    async def chat_job(self, request: Request, body: ChatCompletionRequest | None = None,
+                       template_kwargs: dict | None = None):
         """A chat completion made ready to start: (the job, its Generate
         requests, the body, the caller's metadata). `body` is given by the
         APIs that translate into a chat completion (Responses, Messages)
-        and answer in their own format; else it is parsed from the request."""
+        and answer in their own format; else it is parsed from the request.
+        `template_kwargs` are extra chat template variables (Messages'
+        `thinking` -> `enable_thinking`)."""
         body, constraint, metadata, info = await self._prepare(request, ChatCompletionRequest, body)
         if body.top_logprobs and not body.logprobs:
             raise RequestError("top_logprobs", "top_logprobs needs logprobs=true")
@@ -230,7 +236,8 @@ class Gateway:
         try:
             tools.check_template(chat_template.names_read(info.chat_template), plan, messages)
             prompt = chat_template.render(info.chat_template, messages, bos_token=info.bos_token,
-                                          eos_token=info.eos_token, tools=plan.tools)
+                                          eos_token=info.eos_token, tools=plan.tools,
+                                          template_kwargs=template_kwargs)
         except chat_template.TemplateError as exc:
             raise RequestError("messages", str(exc)) from None
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -424,5 +431,9 @@ def create_app(settings: GatewaySettings, client_interceptors: list | None = Non
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await state["gw"].chat(request)
+
+    # Imported here: the Messages API builds on this module's Gateway.
+    from gateway_svc import anthropic_api
+    anthropic_api.add_routes(app, lambda: state["gw"])
 
     return app

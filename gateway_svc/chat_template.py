@@ -120,17 +120,20 @@ def names_read(source: str) -> frozenset[str]:
 
 
 def render(source: str, messages: list[dict], *, bos_token: str, eos_token: str,
-           add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+           add_generation_prompt: bool = True, tools: list[dict] | None = None,
+           template_kwargs: dict | None = None) -> str:
     """The prompt text; tokenize it without adding special tokens, as
     apply_chat_template(tokenize=True) does. `tools` are OpenAI tool
-    objects, passed to the template as transformers passes them."""
+    objects, passed to the template as transformers passes them;
+    `template_kwargs` are extra variables (e.g. `enable_thinking`), as
+    transformers passes apply_chat_template's keyword arguments."""
     # transformers drops keys whose value is None: templates test presence.
     messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
     variables = {"bos_token": bos_token, "eos_token": eos_token}
     try:
         return compile_template(source).render(
-            messages=messages, tools=tools or None, documents=None, add_generation_prompt=add_generation_prompt,
-            **{k: v for k, v in variables.items() if v},
+            **(template_kwargs or {}), messages=messages, tools=tools or None, documents=None,
+            add_generation_prompt=add_generation_prompt, **{k: v for k, v in variables.items() if v},
         )
     except jinja2.TemplateError as exc:
         raise TemplateError(f"the chat template refused these messages: {exc}") from exc

@@ -35,6 +35,7 @@ class Sample:
     usage: spb.Usage | None = None
     output: ChatOutput | None = None  # chat only: reasoning, content and calls read from the text
     num_tokens: int = 0  # received so far: the count of a call cut short, which has no usage
+    stop_string: str = ""  # the stop string that ended the call, if one did
 
     def add(self, resp: spb.GenerateResponse) -> None:
         self.num_tokens += len(resp.token_ids)
@@ -44,6 +45,8 @@ class Sample:
             self.finish_reason = FINISH_REASONS[resp.finish_reason]
         if resp.HasField("usage"):
             self.usage = resp.usage
+        if resp.stop_string:
+            self.stop_string = resp.stop_string
 
 
 def usage(samples: list[Sample]) -> dict:

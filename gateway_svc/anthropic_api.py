@@ -125,7 +125,9 @@ def _block(block, where: str, allowed: tuple[str, ...]) -> dict:
     if kind not in allowed:
         raise RequestError(f"{where}.type", f"{where}.type: content blocks of type {kind!r} are not supported "
                                             f"here (only {', '.join(allowed)})")
-    unknown = sorted(set(block) - _BLOCK_KEYS[kind])
+    # A null is a field left unset: the SDKs' own blocks, sent back as the
+    # history, carry their newer fields that way (e.g. tool_use `caller`).
+    unknown = sorted(k for k, v in block.items() if k not in _BLOCK_KEYS[kind] and v is not None)
     if unknown:
         raise RequestError(f"{where}.{unknown[0]}", f"{where}.{unknown[0]}: unsupported field of a {kind} block")
     if block.get("citations"):

@@ -11,13 +11,10 @@ import os
 import uuid
 
 import anthropic
-import grpc
 import jsonschema
 import pytest
 
 from llmsched.launch import launch
-from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
-from tests.integration.conftest import Client
 
 pytestmark = pytest.mark.slow
 
@@ -54,11 +51,9 @@ def gw(stories_path, tmp_path_factory):
     services = launch(executor_env={"EXECUTOR_MODEL": str(d), "EXECUTOR_NUM_THREADS": "1"},
                       scheduler_env={"SCHEDULER_API_KEYS": KEY},
                       gateway_env={"GATEWAY_REASONING_PARSER": "qwen3"}, with_gateway=True).start()
-    channel = grpc.insecure_channel(services.scheduler_address)
     client = anthropic.Anthropic(base_url=services.gateway_url, api_key=KEY, max_retries=0, timeout=60)
     yield services, client, d.name
     client.close()
-    channel.close()
     services.stop()
 
 

@@ -98,6 +98,7 @@ class SchedulerSettings(BaseSettings):
     max_stop_strings: int = Field(default=16, ge=0, description="Longest accepted `stop` list.")
     max_stop_string_chars: int = Field(default=256, ge=1, description="Longest accepted stop string, in characters.")
     max_stop_token_ids: int = Field(default=64, ge=0, description="Longest accepted `stop_token_ids` list.")
+    max_logit_bias: int = Field(default=1024, ge=0, description="Most `logit_bias` entries one request may set.")
     max_message_bytes: int = Field(
         default=4 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted or sent, in bytes; a bigger "
         "`GenerateRequest` is refused with RESOURCE_EXHAUSTED by gRPC itself.")

@@ -36,15 +36,29 @@ def finish_reason_name(status: RequestStatus) -> str:
     return spb.FinishReason.Name(FINISH_REASONS[status]).removeprefix("FINISH_REASON_").lower()
 
 
-def step_sampling(s: SamplingParams) -> epb.StepSampling:
-    return epb.StepSampling(
+def step_sampling(s: SamplingParams, eos_token_ids: frozenset[int] = frozenset()) -> epb.StepSampling:
+    out = epb.StepSampling(
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
         has_seed=s.seed is not None,
         seed=s.seed or 0,
         logprobs=s.logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p,
+        min_tokens=s.min_tokens,
     )
+    if s.min_tokens:
+        # What would end the request (Scheduler._check_stop) is masked
+        # until min_tokens tokens were generated.
+        held = set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_token_ids))
+        out.min_tokens_held_ids.extend(sorted(held))
+    if s.logit_bias:
+        out.logit_bias_ids.extend(t for t, _ in s.logit_bias)
+        out.logit_bias_values.extend(b for _, b in s.logit_bias)
+    return out
 
 
 def plan_to_proto(out: StepPlan) -> epb.StepPlan:
@@ -70,7 +84,7 @@ def plan_to_proto(out: StepPlan) -> epb.StepPlan:
                 block_ids=n.block_ids,
                 num_computed_tokens=n.num_computed_tokens,
                 num_scheduled_tokens=n.num_scheduled_tokens,
-                sampling=step_sampling(n.request.sampling),
+                sampling=step_sampling(n.request.sampling, n.request.eos_token_ids),
                 num_output_tokens=n.num_output_tokens,
                 constraint=constraint_to_proto(n.request),
             )

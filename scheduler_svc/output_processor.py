@@ -48,6 +48,7 @@ class RequestOutputState:
         self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
         self.stops = StopStringMatcher(request.sampling.stop)
         self.stopped_by_string = False
+        self.num_tokens = 0  # output tokens seen so far
 
     def on_tokens(self, tokens: list[SampledToken]) -> RequestDelta:
         """Text for new tokens. Sets stopped_by_string when a stop string
@@ -58,11 +59,23 @@ class RequestOutputState:
                 lp, top_ids, top_lps = t.logprobs
                 delta.logprobs.append((t.token_id, lp, top_ids, top_lps))
         if not self.stopped_by_string:
-            delta.text, self.stopped_by_string = self.stops.feed(self.detok.add_tokens(delta.token_ids))
+            # min_tokens, as vLLM reads it: a stop string counts only when
+            # the token completing it is the min_tokens-th or a later one,
+            # so the text of the tokens before that is never searched.
+            unsearched = max(0, self.request.sampling.min_tokens - 1 - self.num_tokens)
+            head, tail = delta.token_ids[:unsearched], delta.token_ids[unsearched:]
+            if head:
+                delta.text = self.detok.add_tokens(head)
+            if tail:
+                text, self.stopped_by_string = self.stops.feed(self.detok.add_tokens(tail))
+                delta.text += text
+        self.num_tokens += len(delta.token_ids)
         return delta
 
     def finish(self, delta: RequestDelta, status: RequestStatus) -> RequestDelta:
-        if not self.stopped_by_string and status != RequestStatus.FINISHED_ABORTED:
+        if self.num_tokens < self.request.sampling.min_tokens - 1 and status != RequestStatus.FINISHED_ABORTED:
+            delta.text += self.detok.flush()  # cut short (max_model_len) before stop strings count
+        elif not self.stopped_by_string and status != RequestStatus.FINISHED_ABORTED:
             text, self.stopped_by_string = self.stops.feed(self.detok.flush())
             delta.text += text + ("" if self.stopped_by_string else self.stops.flush())
         if self.stopped_by_string and status == RequestStatus.FINISHED_LENGTH:

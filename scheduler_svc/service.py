@@ -89,6 +89,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             max_stop_strings=s.max_stop_strings,
             max_stop_string_chars=s.max_stop_string_chars,
             max_stop_token_ids=s.max_stop_token_ids,
+            max_logit_bias=s.max_logit_bias,
         )
 
     async def _build_request(self, msg: spb.GenerateRequest, tenant: str, request_id: str) -> Request:
@@ -100,13 +101,18 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         cache_salt = msg.cache_salt if msg.HasField("cache_salt") else None
         if cache_salt is not None and not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS:
             raise InvalidRequest("cache_salt", f"1-{MAX_CACHE_SALT_CHARS} characters when set, got {len(cache_salt)}")
+        sampling = sampling_from_proto(msg.sampling, limits)
         constraint = None
         if msg.HasField("structured"):
+            if sampling.min_tokens:
+                # The grammar decides where a constrained output may end
+                # (EOS is its only token there), so nothing can hold it back.
+                raise InvalidRequest("sampling.min_tokens", "not supported with structured (a constrained output "
+                                                            "ends where its grammar allows)")
             spec = spec_from_proto(msg.structured)
             if not engine.link.facts.supports_constraints:
                 raise Unavailable("the connected executor does not enforce constraints (structured)")
             constraint = await engine.link.constraints.compile(spec)
-        sampling = sampling_from_proto(msg.sampling, limits)
         if msg.prompt:
             prompt_ids = await self._encode(msg, limits)
         else:

@@ -33,6 +33,7 @@ class Limits:
     max_stop_strings: int
     max_stop_string_chars: int
     max_stop_token_ids: int
+    max_logit_bias: int = 1024
 
 
 def validate_prompt(req: spb.GenerateRequest, limits: Limits) -> None:
@@ -72,6 +73,25 @@ def sampling_from_proto(s: spb.SamplingParams, limits: Limits) -> SamplingParams
             raise InvalidRequest(f"sampling.stop_token_ids[{i}]", f"token id {t} is outside the vocabulary")
     if s.logprobs > limits.max_logprobs:
         raise InvalidRequest("sampling.logprobs", f"at most {limits.max_logprobs}, got {s.logprobs}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise InvalidRequest(f"sampling.{name}", f"must be in [-2, 2], got {value}")
+    repetition_penalty = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+    if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+        raise InvalidRequest("sampling.repetition_penalty", f"must be a finite number > 0, got {repetition_penalty}")
+    if not (math.isfinite(s.min_p) and 0.0 <= s.min_p <= 1.0):
+        raise InvalidRequest("sampling.min_p", f"must be in [0, 1], got {s.min_p}")
+    if s.min_tokens > max_tokens:
+        raise InvalidRequest("sampling.min_tokens", f"{s.min_tokens} exceeds max_tokens {max_tokens}")
+    if len(s.logit_bias) > limits.max_logit_bias:
+        raise InvalidRequest("sampling.logit_bias", f"at most {limits.max_logit_bias} entries, got {len(s.logit_bias)}")
+    for token, bias in s.logit_bias.items():
+        if token >= limits.vocab_size:
+            raise InvalidRequest("sampling.logit_bias", f"token id {token} is outside the vocabulary "
+                                                        f"(size {limits.vocab_size})")
+        if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+            raise InvalidRequest("sampling.logit_bias", f"the bias of token {token} must be in [-100, 100], got {bias}")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=float(temperature),
@@ -82,6 +102,12 @@ def sampling_from_proto(s: spb.SamplingParams, limits: Limits) -> SamplingParams
         stop_token_ids=frozenset(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
+        presence_penalty=float(s.presence_penalty),
+        frequency_penalty=float(s.frequency_penalty),
+        repetition_penalty=float(repetition_penalty),
+        min_p=float(s.min_p),
+        min_tokens=s.min_tokens,
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
     )
 
 

@@ -16,6 +16,13 @@ def sampling_from_proto(s: pb.StepSampling) -> SamplingSettings:
         top_k=s.top_k,
         seed=s.seed if s.has_seed else None,
         logprobs=s.logprobs,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.repetition_penalty > 0 else 1.0,
+        min_p=s.min_p,
+        min_tokens=s.min_tokens,
+        min_tokens_held_ids=tuple(s.min_tokens_held_ids),
+        logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)),
     )
 
 

@@ -49,9 +49,17 @@ def hf_greedy(model: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos
     return list(tokens)
 
 
-def _hf_generate(model: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool) -> list[int]:
+def hf_greedy_penalised(model: str, prompt_ids: list[int], max_new_tokens: int, repetition_penalty: float,
+                        ignore_eos: bool = False) -> list[int]:
+    """Greedy continuation with HF's repetition penalty, as
+    generate(repetition_penalty=..., do_sample=False) produces it."""
+    return _hf_generate(model, prompt_ids, max_new_tokens, ignore_eos, repetition_penalty=repetition_penalty)
+
+
+def _hf_generate(model: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool, **extra) -> list[int]:
     hf = hf_model(model)
     kwargs = {"eos_token_id": None} if ignore_eos else {}
+    kwargs.update(extra)
     with torch.no_grad():
         out = hf.generate(
             torch.tensor([prompt_ids]),

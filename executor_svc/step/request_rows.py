@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from executor_svc.step.host_memory import to_device
+from executor_svc.step.logits_processors import TokenCounts
 from executor_svc.step.sampler import SamplingSettings, signed_seed
 
 INITIAL_ROWS = 16
@@ -34,8 +35,16 @@ class PlanError(ValueError):
 
 
 class RequestRows:
-    def __init__(self, max_model_len: int, block_size: int, device: torch.device, rows: int = INITIAL_ROWS):
+    def __init__(self, max_model_len: int, block_size: int, device: torch.device, rows: int = INITIAL_ROWS,
+                 vocab_size: int = 0):
         self.max_model_len, self.block_size, self.device = max_model_len, block_size, device
+        # Token counts of the requests with penalties, on the device
+        # (logits_processors.py); penalty_slot[row] = -1 for the others.
+        self.counts = TokenCounts(vocab_size, device)
+        # logit_bias (ids, values) and the ids min_tokens holds back, of
+        # the rows that set them; has_bias[row] says so without a lookup.
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.held_ids: dict[int, np.ndarray] = {}
         # One more column than max_model_len: a request that computed all
         # max_model_len positions still stores the token it sampled.
         self.width = max_model_len + 1
@@ -68,6 +77,14 @@ class RequestRows:
         self.seed = grow(get("seed"), (rows,), np.int64)
         self.seeded = grow(get("seeded"), (rows,), bool)
         self.num_logprobs = grow(get("num_logprobs"), (rows,), np.int64)
+        self.presence_penalty = grow(get("presence_penalty"), (rows,), np.float32)
+        self.frequency_penalty = grow(get("frequency_penalty"), (rows,), np.float32)
+        self.repetition_penalty = grow(get("repetition_penalty"), (rows,), np.float32)
+        self.penalty_slot = grow(get("penalty_slot"), (rows,), np.int64)
+        self.penalty_slot[old:] = -1
+        self.min_p = grow(get("min_p"), (rows,), np.float32)
+        self.min_tokens = grow(get("min_tokens"), (rows,), np.int64)
+        self.has_bias = grow(get("has_bias"), (rows,), bool)
         if self.device.type == "cpu":
             self.block_table = torch.from_numpy(self.block_table_host)  # [rows, max_blocks], shared
         else:
@@ -82,6 +99,10 @@ class RequestRows:
     def reset(self) -> None:
         self.handle_rows.clear()
         self._free = list(range(self.capacity))
+        self.counts.reset()
+        self.penalty_slot[:] = -1
+        self.logit_bias.clear()
+        self.held_ids.clear()
 
     def row_of(self, handle: int) -> int:
         try:
@@ -93,6 +114,9 @@ class RequestRows:
         row = self.handle_rows.pop(handle, None)
         if row is not None:
             heapq.heappush(self._free, row)
+            if self.penalty_slot[row] >= 0:
+                self.counts.free(int(self.penalty_slot[row]))
+                self.penalty_slot[row] = -1
 
     def add(self, handle: int, token_ids: list[int], block_ids: list[int], num_computed: int,
             sampling: SamplingSettings, num_output: int) -> tuple[int, np.ndarray]:
@@ -118,6 +142,26 @@ class RequestRows:
         self.seeded[row] = sampling.seed is not None
         self.seed[row] = signed_seed(sampling.seed or 0)
         self.num_logprobs[row] = sampling.logprobs
+        self.presence_penalty[row] = sampling.presence_penalty
+        self.frequency_penalty[row] = sampling.frequency_penalty
+        self.repetition_penalty[row] = sampling.repetition_penalty
+        self.min_p[row], self.min_tokens[row] = sampling.min_p, sampling.min_tokens
+        if sampling.has_penalties:
+            num_prompt = n - num_output
+            self.penalty_slot[row] = self.counts.add(token_ids[:num_prompt], token_ids[num_prompt:])
+        else:
+            self.penalty_slot[row] = -1
+        self.has_bias[row] = bool(sampling.logit_bias)
+        if sampling.logit_bias:
+            ids, values = zip(*sampling.logit_bias)
+            self.logit_bias[row] = (np.array(ids, dtype=np.int64), np.array(values, dtype=np.float32))
+        else:
+            self.logit_bias.pop(row, None)
+        if sampling.min_tokens and sampling.min_tokens_held_ids:
+            self.held_ids[row] = np.array(sampling.min_tokens_held_ids, dtype=np.int64)
+        else:
+            self.held_ids.pop(row, None)
+            self.min_tokens[row] = 0  # nothing to hold back
         return row, row * self.max_blocks + np.arange(nb)
 
     def append_block(self, handle: int, block_id: int) -> int:

@@ -24,6 +24,7 @@ from executor_svc.step.cuda_graphs import DecodeGraphs
 from executor_svc.step.host_kv import HostKVPool, SwapResult
 from executor_svc.step.host_memory import retain_freed_memory, to_device
 from executor_svc.step.kv_cache import KVCachePool
+from executor_svc.step.logits_processors import LogitsProcessors
 from executor_svc.model.model import CausalLM
 from executor_svc.step.request_rows import PlanError, RequestRows
 from executor_svc.step.sampler import SamplingBatch, SamplingSettings, sample
@@ -120,7 +121,7 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         # Positions past the model's RoPE tables cannot be computed.
         self.max_model_len = max_model_len or model.max_len
-        self.rows = RequestRows(self.max_model_len, pool.block_size, device)
+        self.rows = RequestRows(self.max_model_len, pool.block_size, device, vocab_size=self.vocab_size)
         # Decode steps replay captured graphs (cuda_graphs.py); the caller
         # decides whether the device and backend allow it.
         self.graphs = DecodeGraphs(model, self.kv_caches, backend, device, self.rows.max_blocks) if cuda_graphs else None
@@ -285,6 +286,10 @@ class ModelRunner:
             r.token_ids[sample_rows, n_known] = tokens
             r.num_tokens[sample_rows] = n_known + 1
             r.num_output[sample_rows] += 1
+            slots = r.penalty_slot[sample_rows]  # [n], -1 = no penalties
+            counted = slots >= 0
+            if counted.any():
+                r.counts.record(slots[counted], np.asarray(tokens, dtype=np.int64)[counted])
         if swaps is not None:
             self.host_kv.finish(swaps)  # long done: the forward waited for them
         t3 = time.perf_counter_ns()
@@ -302,6 +307,23 @@ class ModelRunner:
         COMPILED_STEPS.inc()
         return logits
 
+    def _processors(self, rows: np.ndarray) -> LogitsProcessors | None:
+        """logit_bias, min_tokens and penalties of the sampled rows; a few
+        vectorized checks when no row sets any (the common step)."""
+        r = self.rows
+        biased = r.has_bias[rows]
+        holding = r.min_tokens[rows] > r.num_output[rows]
+        slots = r.penalty_slot[rows]
+        penalised = slots >= 0
+        if not (biased.any() or holding.any() or penalised.any()):
+            return None
+        bias = [(i, *r.logit_bias[int(rows[i])]) for i in np.flatnonzero(biased)]
+        held = [(i, r.held_ids[int(rows[i])]) for i in np.flatnonzero(holding)]
+        which = np.flatnonzero(penalised)
+        prow = rows[which]
+        return LogitsProcessors.build(bias, held, which, slots[which], r.presence_penalty[prow],
+                                      r.frequency_penalty[prow], r.repetition_penalty[prow], r.counts, self.device)
+
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, handles: list[int],
                 masks: MaskJob | None) -> tuple[list[int], list | None, list[tuple[int, str]]]:
         r = self.rows
@@ -309,7 +331,8 @@ class ModelRunner:
         try:
             batch = SamplingBatch.from_arrays(
                 r.temperature[rows], r.top_p[rows], r.top_k[rows], r.seed[rows], r.seeded[rows], r.num_output[rows],
-                r.num_logprobs[rows], self.device, self.vocab_size,
+                r.num_logprobs[rows], self.device, self.vocab_size, min_p=r.min_p[rows],
+                processors=self._processors(rows),
             )
             if masks is None:
                 out = sample(logits, batch)

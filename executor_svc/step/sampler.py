@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from executor_svc.step.host_memory import to_device
+from executor_svc.step.logits_processors import LogitsProcessors
 
 # Temperatures below this are greedy: dividing logits by a tinier positive
 # number overflows to inf and softmax to NaN.
@@ -44,6 +45,18 @@ class SamplingSettings:
     top_k: int  # 0 = off
     seed: int | None
     logprobs: int  # top logprobs wanted
+    presence_penalty: float = 0.0  # 0 = off
+    frequency_penalty: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    min_tokens: int = 0
+    min_tokens_held_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens were generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the request needs its token counts kept (TokenCounts)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass(slots=True)
@@ -76,13 +89,18 @@ class SamplingBatch:
     any_top_p: bool
     max_top_k: int  # 0 = no row filters by top-k
     any_unseeded: bool
+    min_p: torch.Tensor | None = None  # [n] float32, 0 = off; None: no sampled row sets it
+    # logit_bias, min_tokens and penalties (logits_processors.py); None: no row sets any.
+    processors: LogitsProcessors | None = None
 
     @classmethod
     def from_arrays(cls, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, seed: np.ndarray,
                     seeded: np.ndarray, output_pos: np.ndarray, num_logprobs: np.ndarray,
-                    device: torch.device, vocab_size: int) -> SamplingBatch:
+                    device: torch.device, vocab_size: int, min_p: np.ndarray | None = None,
+                    processors: LogitsProcessors | None = None) -> SamplingBatch:
         random = temperature >= GREEDY_BELOW_TEMPERATURE
         filtering_k = random & (top_k > 0) & (top_k < vocab_size)
+        any_min_p = min_p is not None and bool((random & (min_p > 0)).any())
         return cls(
             temperature=to_device(temperature, device), top_p=to_device(top_p, device), top_k=to_device(top_k, device),
             seed=seed, seeded=seeded, output_pos=output_pos,
@@ -92,11 +110,23 @@ class SamplingBatch:
             any_top_p=bool((random & (top_p < 1.0)).any()),
             max_top_k=int(top_k[filtering_k].max()) if filtering_k.any() else 0,
             any_unseeded=bool((random & ~seeded).any()),
+            min_p=to_device(min_p, device) if any_min_p else None,
+            processors=processors if processors is not None and not processors.is_empty else None,
         )
 
     @classmethod
     def from_settings(cls, settings: list[SamplingSettings], output_positions: list[int],
                       device: torch.device | str = "cpu", vocab_size: int = 1 << 62) -> SamplingBatch:
+        """A batch from each row's settings: logit_bias, min_tokens (with
+        output_positions as each row's generated-token count) and min_p;
+        penalties need token counts, which the runner's rows keep."""
+        device = torch.device(device)
+        bias = [(i, np.array([t for t, _ in s.logit_bias], np.int64), np.array([b for _, b in s.logit_bias], np.float32))
+                for i, s in enumerate(settings) if s.logit_bias]
+        held = [(i, np.array(s.min_tokens_held_ids, np.int64)) for i, (s, pos) in enumerate(zip(settings, output_positions))
+                if pos < s.min_tokens and s.min_tokens_held_ids]
+        none = np.zeros(0, np.int64)
+        processors = LogitsProcessors.build(bias, held, none, none, none, none, none, None, device)
         return cls.from_arrays(
             np.array([s.temperature for s in settings], dtype=np.float32),
             np.array([s.top_p for s in settings], dtype=np.float32),
@@ -105,7 +135,9 @@ class SamplingBatch:
             np.array([s.seed is not None for s in settings], dtype=bool),
             np.array(output_positions, dtype=np.int64),
             np.array([s.logprobs for s in settings], dtype=np.int64),
-            torch.device(device), vocab_size,
+            device, vocab_size,
+            min_p=np.array([s.min_p for s in settings], dtype=np.float32),
+            processors=processors,
         )
 
 
@@ -236,12 +268,28 @@ def _apply_top_k(scaled: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> t
     return scaled.masked_fill(active & (scaled < kth), float("-inf"))
 
 
+def _apply_min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    # scaled: [n, vocab]. p < min_p * p_max  <=>  scaled < max + log(min_p);
+    # rows with min_p = 0 compare against -inf and keep all.
+    bar = scaled.max(dim=-1, keepdim=True).values + min_p.log()[:, None]  # [n, 1]
+    return scaled.masked_fill(scaled < bar, float("-inf"))
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch, logprob_logits: torch.Tensor | None = None) -> SampleOutput:
     """logits: [n, vocab] float32, one row per sampled request. Copies to
     the host once (twice in the rare step where a CUDA row is still drawing
     after the sync-free rounds). Logprobs are taken from logprob_logits
     when given (the model's logits before a constraint's mask), else from
-    logits."""
+    logits, before logit_bias and penalties either way.
+
+    Order, as vLLM's: logit_bias and the min_tokens mask, penalties (greedy
+    rows too), temperature, then top-k and min-p, then top-p."""
+    if b.processors is not None:
+        wants_logprobs = max(b.num_logprobs, default=0) > 0
+        if wants_logprobs and logprob_logits is None:
+            logprob_logits = logits
+            logits = logits.clone()
+        logits = b.processors.apply(logits)
     done = None
     if b.all_greedy:
         tokens = _argmax(logits)  # [n]
@@ -250,6 +298,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch, logprob_logits: torch.Tensor 
         scaled = logits / torch.where(is_greedy, 1.0, b.temperature)[:, None]
         if b.max_top_k:
             scaled = _apply_top_k(scaled, b.top_k, b.max_top_k)
+        if b.min_p is not None:
+            scaled = _apply_min_p(scaled, b.min_p)
         probs = scaled.softmax(-1)  # [n, vocab]
         tokens, done, pivot, uniforms = _draw(probs, b)
         if b.any_greedy:

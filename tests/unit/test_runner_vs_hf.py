@@ -9,7 +9,7 @@ from executor_svc.model.families import build_model, read_config
 from executor_svc.step.kv_cache import KVCachePool
 from executor_svc.step.runner import ModelRunner, NewRequestData, PlanError, StepPlan
 from executor_svc.step.sampler import SamplingSettings
-from tests.oracle import hf_greedy
+from tests.oracle import hf_greedy, hf_greedy_penalised
 
 GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=0)
 BLOCK = 4
@@ -23,7 +23,7 @@ def make_runner(model: str, num_blocks=128, torch_compile=False):
     return ModelRunner(m, pool, make_backend("torch"), torch.device("cpu"), torch_compile=torch_compile)
 
 
-def generate(runner, prompts, max_new, chunk):
+def generate(runner, prompts, max_new, chunk, settings=None):
     """Drives the runner the way the scheduler would: chunked prefill, then
     decode, all requests in one batch, blocks handed out sequentially."""
     next_block, outputs, state = 0, {}, {}
@@ -41,7 +41,7 @@ def generate(runner, prompts, max_new, chunk):
                 continue
             n = min(chunk, st["total"] - st["computed"])
             if step == 0:
-                inp.new_requests.append(NewRequestData(h, p, st["blocks"], 0, n, GREEDY, 0))
+                inp.new_requests.append(NewRequestData(h, p, st["blocks"], 0, n, (settings or [GREEDY] * len(prompts))[h], 0))
             else:
                 inp.cached_handles.append(h)
                 inp.cached_num_scheduled_tokens.append(n)
@@ -76,3 +76,18 @@ def test_plan_scheduling_past_known_tokens_is_rejected(stories_path):
     runner = make_runner(str(stories_path))
     with pytest.raises(PlanError, match="scheduled"):
         runner.execute(StepPlan(0, [NewRequestData(0, [1, 2], [0], 0, 3, GREEDY, 0)]))
+
+
+def test_greedy_with_repetition_penalty_matches_hf_generate(stories_path):
+    """HF's RepetitionPenaltyLogitsProcessor over prompt and output, from
+    token counts the runner keeps on the device, with a request without
+    penalties in the same batch."""
+    name = str(stories_path)
+    runner = make_runner(name)
+    penalised = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=0, repetition_penalty=1.3)
+    prompts = [[1, 403, 407, 261, 378], [1, 403, 407, 261, 378], [1, 300, 301, 302, 303, 304, 305]]
+    got = generate(runner, prompts, max_new=30, chunk=3, settings=[penalised, GREEDY, penalised])
+    assert got[0] == hf_greedy_penalised(name, prompts[0], 30, 1.3, ignore_eos=True)
+    assert got[1] == hf_greedy(name, prompts[1], 30, ignore_eos=True)
+    assert got[0] != got[1], "the penalty changes this continuation"
+    assert got[2] == hf_greedy_penalised(name, prompts[2], 30, 1.3, ignore_eos=True)

@@ -137,6 +137,14 @@ def _sampling(body, max_tokens: int, num_logprobs: int | None, sub: int) -> spb.
         # The scheduler returns the sampled token's logprob only alongside
         # at least one alternative.
         s.logprobs = max(num_logprobs, 1)
+    s.presence_penalty = body.presence_penalty or 0.0
+    s.frequency_penalty = body.frequency_penalty or 0.0
+    if body.repetition_penalty is not None:
+        s.repetition_penalty = body.repetition_penalty
+    s.min_p = body.min_p or 0.0
+    s.min_tokens = body.min_tokens
+    for token, bias in body.logit_bias_ids().items():
+        s.logit_bias[token] = bias
     return s
 
 

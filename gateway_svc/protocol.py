@@ -52,9 +52,6 @@ def param_of(loc: tuple) -> str | None:
 _INERT_VALUES: dict[str, tuple] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "echo": (None, False),
     # Added by sglang-router 0.3.2 at SGLang's defaults (seen on the wire).
     # skip_special_tokens=true is what our detokenizer does; the others are off.
@@ -129,8 +126,16 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     # End-user id, for the caller's own abuse tracking; changes no output.
     user: str | None = None
+    # OpenAI's penalties over generated tokens, and its logit_bias: token
+    # id (a string in JSON) -> bias; the scheduler checks ids and biases.
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
     # vLLM's extras, as it accepts them in the body.
     top_k: int | None = Field(default=None, ge=-1, lt=UINT32)  # -1 or 0: off
+    repetition_penalty: float | None = Field(default=None, gt=0)  # HF's, over prompt and output
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    min_tokens: int = Field(default=0, ge=0, lt=UINT32)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
@@ -158,6 +163,20 @@ class _Common(BaseModel):
                 raise RequestError(name, f"{name}={value!r} is not supported (only {shown})")
         if self.stop_token_ids and any(not 0 <= t < UINT32 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids", "token ids must be in [0, 2^32)")
+        self.logit_bias_ids()
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """logit_bias with its keys read as token ids."""
+        out: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise RequestError("logit_bias", f"logit_bias keys are token ids, got {key!r}") from None
+            if not 0 <= token < UINT32:
+                raise RequestError("logit_bias", f"logit_bias: token id {token} must be in [0, 2^32)")
+            out[token] = bias
+        return out
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -185,8 +185,11 @@ def test_max_tokens_bounds_the_completion(gw):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"5": 200}}, "logit_bias"),
+    ({"logit_bias": {"100000": 1}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"extra_body": {"min_tokens": 3}}, "min_tokens"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ({"extra_body": {"guided_decoding_backend": "xgrammar"}}, "guided_decoding_backend"),
     ({"extra_body": {"guided_json": {"type": "objectx"}}}, "guided_json"),
     ({"best_of": 3}, "best_of"),

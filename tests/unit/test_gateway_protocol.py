@@ -33,9 +33,9 @@ def test_gateway_modules_never_import_torch():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"frequency_penalty": 0.1}, "frequency_penalty"),
-    ({"logit_bias": {"1": 2}}, "logit_bias"),
     ({"best_of": 2}, "best_of"),
+    ({"logit_bias": {"a": 2}}, "logit_bias"),
+    ({"logit_bias": {"-1": 2}}, "logit_bias"),
     ({"suffix": "x"}, "suffix"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
     ({"skip_special_tokens": False}, "skip_special_tokens"),
@@ -55,6 +55,35 @@ def test_default_values_a_router_adds_pass():
         "no_stop_trim": False, "return_hidden_states": False, "frequency_penalty": 0.0, "presence_penalty": 0.0,
         "tools": None, "tool_choice": "none", "response_format": {"type": "text"}, "user": "someone"})
     body.check_inert_fields()
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.1}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias"),
+])
+def test_sampling_fields_out_of_range_are_refused_by_name(extra, param):
+    with pytest.raises(ValidationError) as exc:
+        CompletionRequest.model_validate({"prompt": "hi", **extra})
+    assert param_of(exc.value.errors()[0]["loc"]) == param
+
+
+def test_sampling_fields_reach_the_generate_request():
+    from gateway_svc.app import _sampling
+
+    body = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5, "frequency_penalty": -1,
+        "repetition_penalty": 1.3, "min_p": 0.1, "min_tokens": 4, "logit_bias": {"7": 100, "9": -50.5}})
+    body.check_inert_fields()
+    s = _sampling(body, 16, None, 0)
+    assert (s.presence_penalty, s.frequency_penalty, s.min_tokens) == (0.5, -1.0, 4)
+    assert s.repetition_penalty == pytest.approx(1.3) and s.min_p == pytest.approx(0.1)
+    assert dict(s.logit_bias) == {7: 100.0, 9: -50.5}
+    unset = _sampling(CompletionRequest.model_validate({"prompt": "hi"}), 16, None, 0)
+    assert not unset.HasField("repetition_penalty") and not unset.logit_bias and unset.min_tokens == 0
 
 
 def test_message_fields_and_parts():

@@ -6,7 +6,7 @@ from llmsched.v1 import scheduler_pb2 as spb
 from scheduler_svc.validation import InvalidRequest, Limits, sampling_from_proto, validate_prompt
 
 LIMITS = Limits(vocab_size=512, max_model_len=512, max_logprobs=20, max_stop_strings=4, max_stop_string_chars=8,
-                max_stop_token_ids=4)
+                max_stop_token_ids=4, max_logit_bias=4)
 
 
 def sampling(**kw):
@@ -38,6 +38,20 @@ def test_zero_temperature_is_greedy_and_explicit_values_are_kept():
         ({"stop": ["x" * 9]}, "sampling.stop[0]"),
         ({"stop_token_ids": [600]}, "sampling.stop_token_ids[0]"),
         ({"stop_token_ids": [1] * 5}, "sampling.stop_token_ids"),
+        ({"presence_penalty": 2.5}, "sampling.presence_penalty"),
+        ({"presence_penalty": math.nan}, "sampling.presence_penalty"),
+        ({"frequency_penalty": -2.5}, "sampling.frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "sampling.repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "sampling.repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "sampling.repetition_penalty"),
+        ({"min_p": 1.5}, "sampling.min_p"),
+        ({"min_p": -0.1}, "sampling.min_p"),
+        ({"min_tokens": 17}, "sampling.min_tokens"),
+        ({"max_tokens": 4, "min_tokens": 5}, "sampling.min_tokens"),
+        ({"logit_bias": {600: 1.0}}, "sampling.logit_bias"),
+        ({"logit_bias": {5: 100.5}}, "sampling.logit_bias"),
+        ({"logit_bias": {5: math.nan}}, "sampling.logit_bias"),
+        ({"logit_bias": {i: 1.0 for i in range(5)}}, "sampling.logit_bias"),
         ({"top_k": 513}, "sampling.top_k"),
     ],
 )
@@ -60,3 +74,14 @@ def test_bad_prompt_field_is_named_in_the_error(msg, field):
     with pytest.raises(InvalidRequest) as exc:
         validate_prompt(msg, LIMITS)
     assert exc.value.field == field
+
+
+def test_sampling_parity_fields_are_kept_and_default_off():
+    s = sampling()
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p, s.min_tokens, s.logit_bias) == (
+        0.0, 0.0, 1.0, 0.0, 0, ())
+    s = sampling(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.5, min_p=0.25, min_tokens=16,
+                 logit_bias={9: -100, 3: 100})
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p, s.min_tokens) == (
+        -2.0, 2.0, 1.5, 0.25, 16)
+    assert s.logit_bias == ((3, 100.0), (9, -100.0))

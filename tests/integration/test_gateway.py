@@ -177,6 +177,22 @@ def test_logprobs_for_completions_and_chat(gw):
     assert all(c.bytes == list(c.token.encode()) for c in content)
 
 
+def test_penalties_logit_bias_and_min_tokens_over_both_endpoints(gw):
+    _, _, client, model = gw
+    greedy = dict(model=model, prompt="Once upon a time", max_tokens=40, temperature=0)
+    plain = client.completions.create(**greedy).choices[0].text
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        assert client.completions.create(**greedy, **{penalty: 2.0}).choices[0].text != plain, penalty
+    assert client.completions.create(**greedy, extra_body={"repetition_penalty": 1.3}).choices[0].text != plain
+    chat = dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0.9, seed=1)
+    forced = client.chat.completions.create(**chat, logit_bias={"42": 100})
+    assert forced.choices[0].message.content == "'" * 4
+    # EOS (id 2) forced, yet held back for min_tokens tokens.
+    held = client.chat.completions.create(**{**chat, "max_tokens": 10}, logit_bias={"2": 100},
+                                          extra_body={"min_tokens": 3, "min_p": 0.1})
+    assert held.usage.completion_tokens == 4 and held.choices[0].finish_reason == "stop"
+
+
 def test_max_tokens_bounds_the_completion(gw):
     _, _, client, model = gw
     out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],

@@ -148,7 +148,13 @@ def _anchor(name: str) -> str:
     return name.lower()
 
 
-def _type_name(field, package: str) -> str:
+def _type_name(field, package: str, map_entries: dict | None = None) -> str:
+    entry = (map_entries or {}).get(field.type_name.rsplit(".", 1)[-1]) if field.type_name else None
+    if entry is not None:  # a map<K, V> field: protoc's nested XEntry message has no section of its own
+        key, value = (_type_name(f, package) for f in entry.field)
+        if value.startswith("`"):
+            return f"`map<{key.strip('`')}, {value.strip('`')}>`"
+        return f"`map<{key.strip('`')}, ` {value} `>`"
     if field.type_name:  # message or enum: link to its section
         short = field.type_name.removeprefix(f".{package}.")
         label = f"[`{short}`](#{_anchor(short)})"
@@ -193,8 +199,9 @@ def api_reference(file) -> str:
                 lines += ["No fields.", ""]
                 continue
             lines += ["| field | number | type | description |", "|---|---|---|---|"]
+            map_entries = {nested.name: nested for nested in desc.nested_type if nested.options.map_entry}
             for f, field in enumerate(desc.field):
-                lines.append(f"| `{field.name}` | {field.number} | {_type_name(field, package)} | "
+                lines.append(f"| `{field.name}` | {field.number} | {_type_name(field, package, map_entries)} | "
                              f"{_cell(notes.get((*top, _FIELD, f), ('', 0))[0])} |")
         else:
             lines += ["| value | number | description |", "|---|---|---|"]

@@ -121,9 +121,11 @@ class SamplingBatch:
         output_positions as each row's generated-token count) and min_p;
         penalties need token counts, which the runner's rows keep."""
         device = torch.device(device)
-        bias = [(i, np.array([t for t, _ in s.logit_bias], np.int64), np.array([b for _, b in s.logit_bias], np.float32))
+        bias = [(i, np.array([t for t, _ in s.logit_bias], np.int64),
+                 np.array([b for _, b in s.logit_bias], np.float32))
                 for i, s in enumerate(settings) if s.logit_bias]
-        held = [(i, np.array(s.min_tokens_held_ids, np.int64)) for i, (s, pos) in enumerate(zip(settings, output_positions))
+        held = [(i, np.array(s.min_tokens_held_ids, np.int64))
+                for i, (s, pos) in enumerate(zip(settings, output_positions))
                 if pos < s.min_tokens and s.min_tokens_held_ids]
         none = np.zeros(0, np.int64)
         processors = LogitsProcessors.build(bias, held, none, none, none, none, none, None, device)

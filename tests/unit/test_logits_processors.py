@@ -137,7 +137,8 @@ def test_min_p_draws_match_the_reference(min_p, top_k):
     n = 4000
     logits_row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(4)) * 2
     rows = [settings(temperature=0.8, top_k=top_k, min_p=min_p, seed=i) for i in range(n)]
-    ids = sample(logits_row.expand(n, -1).contiguous(), SamplingBatch.from_settings(rows, [0] * n, vocab_size=VOCAB)).token_ids
+    batch = SamplingBatch.from_settings(rows, [0] * n, vocab_size=VOCAB)
+    ids = sample(logits_row.expand(n, -1).contiguous(), batch).token_ids
     freq = torch.bincount(torch.tensor(ids), minlength=VOCAB).double() / n
     want = reference_min_p(logits_row, 0.8, min_p)
     if top_k:

@@ -41,7 +41,8 @@ def generate(runner, prompts, max_new, chunk, settings=None):
                 continue
             n = min(chunk, st["total"] - st["computed"])
             if step == 0:
-                inp.new_requests.append(NewRequestData(h, p, st["blocks"], 0, n, (settings or [GREEDY] * len(prompts))[h], 0))
+                sampling = settings[h] if settings else GREEDY
+                inp.new_requests.append(NewRequestData(h, p, st["blocks"], 0, n, sampling, 0))
             else:
                 inp.cached_handles.append(h)
                 inp.cached_num_scheduled_tokens.append(n)

@@ -55,6 +55,18 @@ class GatewaySettings(BaseSettings):
         "`reasoning_content` on chat responses. `qwen3`: only an output that opens with `<think>` thinks; "
         "`deepseek_r1`: the output starts inside the thought (the template opened it), up to `</think>`. "
         "Empty = off: the text is returned as the model wrote it.")
+    responses_store_max_entries: int = Field(
+        default=1000, ge=1, description="Most responses the Responses API keeps (`store: true`, the default) for "
+        "one API key, for `GET /v1/responses/{id}` and `previous_response_id`; the oldest is dropped first. The "
+        "store is in this gateway's memory: behind a router keep a conversation on one gateway "
+        "([Deployment](deployment.md)).")
+    responses_store_max_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024, description="Most bytes (as JSON) of stored responses and their "
+        "conversations for one API key; the oldest are dropped first, and one response bigger than this is not "
+        "kept.")
+    responses_store_ttl_s: float = Field(
+        default=3600.0, gt=0, description="Seconds a stored response is kept; then `GET` and "
+        "`previous_response_id` answer 404 for it.")
     log_level: LogLevel = Field(default="INFO", description=LOG_LEVEL_HELP)
     log_format: LogFormat = Field(
         default="text", validation_alias=AliasChoices("GATEWAY_LOG_FORMAT", "LOG_FORMAT"),

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from gateway_svc import chat_template, constraints, metrics, tools
+from gateway_svc import chat_template, constraints, metrics, responses_api, tools
 from gateway_svc.config import GatewaySettings
 from gateway_svc.errors import error_body, error_response, from_rpc_error
 from gateway_svc.openai_format import ChatFormat, CompletionFormat, Sample, usage
@@ -443,5 +443,6 @@ def create_app(settings: GatewaySettings, client_interceptors: list | None = Non
     # Imported here: the Messages API builds on this module's Gateway.
     from gateway_svc import anthropic_api
     anthropic_api.add_routes(app, lambda: state["gw"])
+    responses_api.register(app, settings, lambda: state["gw"])
 
     return app

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 import uuid
@@ -35,6 +36,7 @@ from gateway_svc.openai_format import usage as chat_usage
 from gateway_svc.protocol import UINT32, ChatCompletionRequest, RequestError, param_of
 from gateway_svc.response_store import ResponseStore, owner_of
 
+log = logging.getLogger("gateway_svc")
 # Item fields a client may send back as it got them; they change nothing.
 _ECHOED_ITEM_KEYS = {"id", "status"}
 _MESSAGE_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -474,7 +476,7 @@ class ResponsesService:
             raise RequestError("background", "background needs store=true")
         conversation = []
         if body.previous_response_id is not None:
-            if body.previous_response_id in self._running:
+            if self._live(owner, body.previous_response_id) is not None:
                 raise RequestError("previous_response_id", f"{body.previous_response_id!r} is still in progress")
             entry = self.store.get(owner, body.previous_response_id)
             if entry is None:
@@ -502,7 +504,10 @@ class ResponsesService:
             return JSONResponse(run.response())
         if body.stream:
             return StreamingResponse(self._stream(run, job, firsts), media_type="text/event-stream")
-        done = await gateway_app._until_disconnect(request, self._drain(run, job, firsts, raise_errors=True), job)
+        try:
+            done = await gateway_app._until_disconnect(request, self._drain(run, job, firsts, raise_errors=True), job)
+        except RequestError as err:
+            raise translate_error(err, translation.tool_index) from None
         if done is None:
             return Response(status_code=499)
         return JSONResponse(run.response())
@@ -559,6 +564,12 @@ class ResponsesService:
     async def _background(self, run: Run, job, firsts) -> None:
         try:
             await self._drain(run, job, firsts, raise_errors=False)
+        except Exception as exc:  # nobody awaits this task: the response says what went wrong
+            log.exception("background response %s failed", run.id)
+            run.status = "failed"
+            run.error = {"code": "server_error", "message": f"internal error: {type(exc).__name__}"}
+            if run.store:
+                self.store.put(run.owner, run.id, run.response(), run.conversation + run.builder.items)
         finally:
             job.cancel()
             self._running.pop(run.id, None)
@@ -629,10 +640,7 @@ class ResponsesService:
         its next step) and waits for the run to record it."""
         run.cancelled = True
         run.job.cancel()
-        try:
-            await asyncio.wait_for(asyncio.shield(run.task), timeout=10)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
-            pass
+        await asyncio.wait({run.task}, timeout=10)
 
 
 def register(app: FastAPI, settings: GatewaySettings, gateway: Callable[[], Any]) -> ResponsesService:

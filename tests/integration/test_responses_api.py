@@ -260,3 +260,12 @@ def test_agents_sdk_tool_loop_with_the_chat_completions_model(stack):
     from agents import OpenAIChatCompletionsModel
 
     _agent_tool_loop(stack, OpenAIChatCompletionsModel)
+
+
+def test_the_store_keeps_its_cap_in_the_gateway(stack):
+    # The stack's gateway keeps 20 responses per key: the 21st drops the first.
+    ids = [stack.openai.responses.create(model=stack.model, input=f"{i}", max_output_tokens=1).id
+           for i in range(21)]
+    with pytest.raises(openai.NotFoundError):
+        stack.openai.responses.retrieve(ids[0])
+    assert all(stack.openai.responses.retrieve(i).id == i for i in ids[1:])

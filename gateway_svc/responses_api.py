@@ -450,7 +450,7 @@ def _echo(body: ResponsesRequest, translation: Translation, model: str) -> dict:
 
 def _not_found(response_id: str, param: str = "response_id") -> RequestError:
     return RequestError(param, f"no response with id {response_id!r} (responses are kept on the gateway "
-                                       "that made them, for the API key that made them, until evicted or expired)",
+                               "that made them, for the API key that made them, until evicted or expired)",
                         status=404, code="not_found", type_="invalid_request_error")
 
 

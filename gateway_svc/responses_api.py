@@ -122,7 +122,7 @@ class Translation:
     input_items: list[dict]  # this request's input, as items, for the stored conversation
     tools: list[dict]  # the function tools kept, in the Responses shape
     tool_index: list[int]  # chat tools[k] is the request's tools[tool_index[k]]
-    template_vars: dict = field(default_factory=dict)
+    template_kwargs: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -252,11 +252,11 @@ def to_chat(body: ResponsesRequest, conversation: list[dict], template_reads: fr
     if not messages:
         raise RequestError("input", "input is required (a string or a list of items)")
     tools, tool_index = _tools(body, warnings)
-    template_vars = {}
+    template_kwargs = {}
     effort = body.reasoning.effort if body.reasoning is not None else None
     if effort is not None:
         if "reasoning_effort" in template_reads:
-            template_vars["reasoning_effort"] = effort
+            template_kwargs["reasoning_effort"] = effort
         else:
             warnings.append(f"reasoning.effort={effort!r} was ignored: the model's chat template takes no "
                             "reasoning_effort")
@@ -276,7 +276,7 @@ def to_chat(body: ResponsesRequest, conversation: list[dict], template_reads: fr
     except ValidationError as exc:
         first = exc.errors()[0]
         raise translate_error(RequestError(param_of(first["loc"]), first["msg"]), tool_index) from None
-    return Translation(chat, items, tools, tool_index, template_vars, warnings)
+    return Translation(chat, items, tools, tool_index, template_kwargs, warnings)
 
 
 _CHAT_PARAMS = [
@@ -486,7 +486,7 @@ class ResponsesService:
         reads = chat_template.names_read(info.chat_template) if info.chat_template else frozenset()
         translation = to_chat(body, conversation, reads)
         try:
-            job, requests, _, metadata = await gw.chat_job(request, translation.chat, translation.template_vars)
+            job, requests, _, metadata = await gw.chat_job(request, translation.chat, translation.template_kwargs)
         except RequestError as err:
             raise translate_error(err, translation.tool_index) from None
         run = Run(_new_id("resp"), owner, int(time.time()), _echo(body, translation, job.model),

@@ -80,9 +80,9 @@ def test_text_format_becomes_response_format():
 
 def test_reasoning_effort_goes_to_a_template_that_reads_it_else_a_warning():
     body = make_request(reasoning={"effort": "low"})
-    assert to_chat(body, [], frozenset({"reasoning_effort"})).template_vars == {"reasoning_effort": "low"}
+    assert to_chat(body, [], frozenset({"reasoning_effort"})).template_kwargs == {"reasoning_effort": "low"}
     t = to_chat(body, [], frozenset())
-    assert t.template_vars == {} and "reasoning.effort" in t.warnings[0]
+    assert t.template_kwargs == {} and "reasoning.effort" in t.warnings[0]
 
 
 @pytest.mark.parametrize("fields, param", [

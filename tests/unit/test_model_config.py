@@ -92,7 +92,7 @@ def test_phi35_longrope_is_refused_and_plain_phi3_is_served():
     ("some_future_key", 1, r"does not implement.*\['some_future_key'\]"),
     ("sliding_window", 16, r"\['sliding_window'\]"),  # Llama has no window: an unread key
     ("attn_logit_softcapping", 50.0, r"\['attn_logit_softcapping'\]"),
-    ("quantization_config", {"quant_method": "awq"}, r"quant_method=.awq. is not supported"),
+    ("quantization_config", {"quant_method": "bitsandbytes"}, r"quant_method=.bitsandbytes. is not supported"),
     ("attention_bias", True, "attention_bias=True is not supported"),
     ("mlp_bias", True, "mlp_bias=True is not supported"),
     ("hidden_act", "gelu", "hidden_act='gelu' is not supported"),

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway_svc import chat_template
-from gateway_svc.app import Gateway, Job, _auth_metadata, _responses, _until_disconnect
+from gateway_svc.gateway import Gateway, Job, _auth_metadata, _responses, _until_disconnect
 from gateway_svc.chat_output import ChatDelta
 from gateway_svc.openai_format import Sample, usage
 from gateway_svc.protocol import UINT32, ChatCompletionRequest, ChatMessage, RequestError, param_of

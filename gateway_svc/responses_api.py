@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway_svc import app as gateway_app  # app.py imports this module too; names are read at call time
+from gateway_svc import gateway as gateway_app
 from gateway_svc import chat_template
 from gateway_svc.config import GatewaySettings
 from gateway_svc.openai_format import usage as chat_usage
@@ -423,7 +423,7 @@ class Run:
     completed_at: int | None = None
     num_reasoning_tokens: int = 0
     cancelled: bool = False
-    job: Any = None  # the chat Job (gateway_svc.app.Job)
+    job: Any = None  # the chat Job (gateway_svc.gateway.Job)
     task: asyncio.Task | None = None  # a background run's
 
     def response(self) -> dict:

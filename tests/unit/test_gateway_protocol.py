@@ -72,7 +72,7 @@ def test_sampling_fields_out_of_range_are_refused_by_name(extra, param):
 
 
 def test_sampling_fields_reach_the_generate_request():
-    from gateway_svc.app import _sampling
+    from gateway_svc.gateway import _sampling
 
     body = ChatCompletionRequest.model_validate({
         "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5, "frequency_penalty": -1,

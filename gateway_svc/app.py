@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway_svc import anthropic_api, metrics, responses_api
 from gateway_svc.config import GatewaySettings
@@ -20,6 +22,7 @@ from gateway_svc.request_log import RequestLogMiddleware, record_of
 from gateway_svc.scheduler_client import SchedulerClient
 
 log = logging.getLogger("gateway_svc")
+LLMSCHED_VERSION = importlib.metadata.version("llmsched")
 
 
 def create_app(settings: GatewaySettings, client_interceptors: list | None = None) -> FastAPI:
@@ -43,6 +46,18 @@ def create_app(settings: GatewaySettings, client_interceptors: list | None = Non
         if record is not None:
             record.reason = exc.message
         return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        # Unknown routes and methods in OpenAI's error shape, not FastAPI's.
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(error_body(message, "not_found_error" if exc.status_code == 404 else "invalid_request_error"),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):
@@ -71,6 +86,24 @@ def create_app(settings: GatewaySettings, client_interceptors: list | None = Non
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "llmsched",
                                              "root": info.model, "max_model_len": info.max_model_len}
                                             for name in state["gw"].served_names(info)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        listed = await models(request)
+        for entry in listed["data"]:
+            if entry["id"] == model_id:
+                return entry
+        raise RequestError("model", f"The model {model_id!r} does not exist; served: "
+                                    f"{[e['id'] for e in listed['data']]}", status=404, type_="not_found_error",
+                           code="model_not_found")
+
+    @app.get("/version")
+    async def version():
+        return {"version": LLMSCHED_VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await state["gw"].tokenize(request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -137,3 +137,14 @@ def render(source: str, messages: list[dict], *, bos_token: str, eos_token: str,
         )
     except jinja2.TemplateError as exc:
         raise TemplateError(f"the chat template refused these messages: {exc}") from exc
+
+
+def continue_final(prompt: str, final_content: str) -> str:
+    """The rendered prompt cut right after the final message's text, so the
+    model continues it, as transformers' continue_final_message does (the
+    template renders the turn closed; its end is dropped)."""
+    end = prompt.rfind(final_content.strip()) if final_content.strip() else -1
+    if end < 0:
+        raise TemplateError("continue_final_message: the final message's text does not appear in the rendered "
+                            "prompt, so there is no place to continue it from")
+    return prompt[: end + len(final_content.strip())]

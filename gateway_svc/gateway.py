@@ -24,7 +24,7 @@ from gateway_svc import chat_template, constraints, metrics, tools
 from gateway_svc.config import GatewaySettings
 from gateway_svc.errors import error_body, from_rpc_error
 from gateway_svc.openai_format import ChatFormat, CompletionFormat, Sample, usage
-from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError, param_of
+from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError, TokenizeRequest, param_of
 from gateway_svc.reasoning import PARSERS as REASONING_PARSERS
 from gateway_svc.request_log import RequestRecord, record_of
 from gateway_svc.scheduler_client import ModelInfo, SchedulerClient
@@ -241,12 +241,16 @@ class Gateway:
             constraint = plan.constraint
         if not info.chat_template:
             raise RequestError("messages", f"the model {info.model!r} has no chat template; use /v1/completions")
+        body.check_template_controls()
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         try:
             tools.check_template(chat_template.names_read(info.chat_template), plan, messages)
             prompt = chat_template.render(info.chat_template, messages, bos_token=info.bos_token,
                                           eos_token=info.eos_token, tools=plan.tools,
-                                          template_kwargs=template_kwargs)
+                                          add_generation_prompt=body.add_generation_prompt,
+                                          template_kwargs=(body.chat_template_kwargs or {}) | (template_kwargs or {}))
+            if body.continue_final_message:
+                prompt = chat_template.continue_final(prompt, messages[-1].get("content") or "")
         except chat_template.TemplateError as exc:
             raise RequestError("messages", str(exc)) from None
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -265,6 +269,33 @@ class Gateway:
         job = Job(f"chatcmpl-{record.request_id}", int(time.time()), self.served_names(info)[0], fmt,
                   bool(body.stream_options and body.stream_options.include_usage), record, constraint)
         return job, requests, body, metadata
+
+    async def tokenize(self, request: Request) -> dict:
+        """POST /tokenize: a prompt's token ids, or chat messages' as
+        rendered by the chat template (vLLM's shape)."""
+        body = await _parse(request, TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("prompt", "give exactly one of prompt and messages")
+        metadata = _auth_metadata(request)
+        info = await self._info(metadata)
+        _check_model(body.model, self.served_names(info))
+        prompt, special = body.prompt, body.add_special_tokens
+        if body.messages is not None:
+            if not info.chat_template:
+                raise RequestError("messages", f"the model {info.model!r} has no chat template")
+            messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+            try:
+                prompt = chat_template.render(info.chat_template, messages, bos_token=info.bos_token,
+                                              eos_token=info.eos_token,
+                                              add_generation_prompt=body.add_generation_prompt)
+            except chat_template.TemplateError as exc:
+                raise RequestError("messages", str(exc)) from None
+            special = False  # the rendered template spells out its special tokens
+        try:
+            tokens = await self.client.tokenize(prompt, special, metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
 
     async def _respond(self, request: Request, job: Job, requests, stream: bool, metadata) -> Response:
         firsts = await _until_disconnect(request, self._start(job, requests, metadata), job)

@@ -55,13 +55,18 @@ _INERT_VALUES: dict[str, tuple] = {
     "echo": (None, False),
     # Added by sglang-router 0.3.2 at SGLang's defaults (seen on the wire).
     # skip_special_tokens=true is what our detokenizer does; the others are off.
-    "continue_final_message": (None, False),
     "skip_special_tokens": (None, True),
     "separate_reasoning": (None, True),
     "stream_reasoning": (None, True),
     "no_stop_trim": (None, False),
     "return_hidden_states": (None, False),
+    # OpenAI's SDKs send store=false on chat; stored chat completions are not kept.
+    "store": (None, False),
 }
+# The variables a chat template gets from the request itself, which
+# chat_template_kwargs may not replace.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token",
+                                         "eos_token"})
 
 
 class StreamOptions(BaseModel):
@@ -274,6 +279,41 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # Chat template controls (vLLM's extras): variables for the template
+    # (e.g. Qwen3's enable_thinking), whether to open the assistant's turn,
+    # or to continue the final assistant message where it stops.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check_template_controls(self) -> None:
+        taken = sorted(RESERVED_TEMPLATE_VARIABLES & set(self.chat_template_kwargs or {}))
+        if taken:
+            raise RequestError("chat_template_kwargs", f"chat_template_kwargs may not set {taken}: the request "
+                                                       "itself gives the template those")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise RequestError("continue_final_message", "continue_final_message=true needs "
+                                                             "add_generation_prompt=false: the final message is "
+                                                             "continued, not answered")
+            if self.messages[-1].role != "assistant":
+                raise RequestError("continue_final_message", "continue_final_message=true needs the last message "
+                                                             f"to be the assistant's, not {self.messages[-1].role!r}")
 
     def resolved_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered with the
+    model's chat template, tokenized as a completion or chat request would be."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def check_inert_fields(self) -> None:
+        """Nothing inert to check: unknown fields are already refused."""

@@ -29,10 +29,11 @@ class ModelInfo:
     chat_template: str
     bos_token: str
     eos_token: str
+    max_model_len: int = 0
 
     @classmethod
     def from_proto(cls, info: spb.ServerInfo) -> "ModelInfo":
-        return cls(info.model, info.chat_template, info.bos_token, info.eos_token)
+        return cls(info.model, info.chat_template, info.bos_token, info.eos_token, info.max_model_len)
 
 
 class SchedulerClient:
@@ -79,9 +80,13 @@ class SchedulerClient:
     async def count_tokens(self, prompt: str, metadata) -> int:
         """Tokens of a rendered chat prompt (no special tokens added), as a
         Generate call with that prompt counts them."""
-        resp = await self.stub.Tokenize(spb.TokenizeRequest(prompt=prompt, add_special_tokens=False),
+        return len(await self.tokenize(prompt, False, metadata))
+
+    async def tokenize(self, prompt: str, add_special_tokens: bool, metadata) -> list[int]:
+        """The prompt's token ids, as a Generate call with it would have them."""
+        resp = await self.stub.Tokenize(spb.TokenizeRequest(prompt=prompt, add_special_tokens=add_special_tokens),
                                         metadata=metadata, timeout=10.0)
-        return len(resp.token_ids)
+        return list(resp.token_ids)
 
     def generate(self, request: spb.GenerateRequest, metadata):
         return self.stub.Generate(request, metadata=metadata)

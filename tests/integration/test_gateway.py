@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -247,6 +248,63 @@ def test_router_style_defaults_are_accepted(gw):
                                                      "separate_reasoning": True, "stream_reasoning": True,
                                                      "no_stop_trim": False, "return_hidden_states": False})
     assert out.usage.completion_tokens >= 1
+
+
+def _http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
+    """(status, JSON body) of one plain HTTP call, errors included."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_chat_template_controls_match_transformers_apply_chat_template(gw, chat_model):
+    """chat_template_kwargs reach the template, add_generation_prompt=false
+    leaves the assistant's turn unopened, and continue_final_message
+    continues the last assistant message, each as transformers renders it
+    (counted through /tokenize and by a chat request's usage)."""
+    from transformers import AutoTokenizer
+
+    services, _, client, model = gw
+    hf = AutoTokenizer.from_pretrained(chat_model)
+    messages = [{"role": "user", "content": "A cat."}, {"role": "assistant", "content": "Once upon a"}]
+    for kwargs in ({"add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": True}):
+        want = hf.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+        status, got = _http("POST", f"{services.gateway_url}/tokenize", {"model": model, "messages": messages, **kwargs})
+        if not kwargs.get("continue_final_message"):
+            assert status == 200 and got["tokens"] == want, got
+        out = client.chat.completions.create(model=model, messages=messages, max_tokens=3, temperature=0,
+                                             extra_body=kwargs | {"chat_template_kwargs": {"unused_flag": True}})
+        assert out.usage.prompt_tokens == len(want), kwargs
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+    assert exc.value.body["param"] == "continue_final_message"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"messages": []}})
+    assert exc.value.body["param"] == "chat_template_kwargs"
+    out = client.chat.completions.create(model=model, messages=messages[:1], max_tokens=2, store=False)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_small_endpoints_and_unknown_routes_answer_in_openais_shape(gw, chat_model):
+    services, _, client, model = gw
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.models.retrieve("gpt-4")
+    assert exc.value.body["code"] == "model_not_found"
+    assert _http("GET", f"{services.gateway_url}/version")[1]["version"]
+    tok = Tokenizer.from_file(str(chat_model / "tokenizer.json"))
+    _, got = _http("POST", f"{services.gateway_url}/tokenize", {"prompt": PROMPT})
+    assert got["tokens"] == tok.encode(PROMPT).ids and got["count"] == len(got["tokens"]) and got["max_model_len"]
+    status, missing = _http("GET", f"{services.gateway_url}/v1/nothing")
+    assert status == 404 and missing["error"]["message"] == "no route GET /v1/nothing"
+    status, wrong = _http("GET", f"{services.gateway_url}/v1/chat/completions")
+    assert status == 405 and wrong["error"]["type"] == "invalid_request_error"
 
 
 def test_mid_stream_disconnect_frees_every_kv_block(gw):

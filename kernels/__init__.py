@@ -13,6 +13,7 @@ Modules:
 * ``kernels.kv_write``       Triton ``write_kv_cache``
 * ``kernels.paged_attention`` Triton ``paged_attention``
 * ``kernels.int_linear``     Triton ``int_weight_linear`` (W4A16 / W8A16 GEMM)
+* ``kernels.triton_bits``    what the kernels share: e4m3 decoded from its bits, bf16 rounding, the interpreter check
 
 Nothing here imports Triton at package import time: the CPU executor imports
 ``kernels.reference`` on machines where Triton is not installed.

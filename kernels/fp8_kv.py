@@ -23,13 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_bits import e4m3_over_256
+
 __all__ = ["fp8_kind", "as_kernel_cache", "max_finite", "encode_fp8", "decode_fp8"]
 
 _KINDS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-
-# 0xBF80 as int16: the sign (bit 15) and bits 13..7, e4m3's exponent and mantissa in float16's places.
-_E4M3_HALF_MASK = tl.constexpr(-16512)
-
 
 def fp8_kind(dtype: torch.dtype) -> int:
     """The KV_FP8 constexpr for a cache of this dtype: 0 when it is not FP8."""
@@ -50,8 +48,7 @@ def max_finite(dtype: torch.dtype) -> float:
 def decode_fp8(bits, KIND: tl.constexpr):
     """int8 bits -> their FP8 value (KIND 1: e4m3fn, 2: e5m2) in float32, exactly."""
     if KIND == 1:
-        half = ((bits.to(tl.int16) << 7) & _E4M3_HALF_MASK).to(tl.int16).to(tl.float16, bitcast=True)
-        return half.to(tl.float32) * 256.0
+        return e4m3_over_256(bits) * 256.0
     else:
         return (bits.to(tl.int16) << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 

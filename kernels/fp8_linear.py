@@ -21,18 +21,13 @@ Shapes (see ``kernels.reference.fp8_block_linear`` for the semantics):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_bits import e4m3_over_256, interpreting, round_to_bf16
+
 __all__ = ["fp8_block_linear"]
-
-# 0xBF80 as int16: keeps the sign (bit 15) and bits 13..7, the exponent and
-# mantissa shifted into float16's places (quantization.fp8_as_half).
-_HALF_MASK = tl.constexpr(-16512)
-
 
 @triton.jit
 def _fp8_block_linear_kernel(
@@ -73,12 +68,11 @@ def _fp8_block_linear_kernel(
         w_ok = k_ok[:, None] & n_ok[None, :]
         bits = tl.load(w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + k[:, None], mask=w_ok,
                        other=0)  # [BLOCK_K, BLOCK_N] int8
-        half = ((bits.to(tl.int16) << 7) & _HALF_MASK).to(tl.int16).to(tl.float16, bitcast=True)
         scale = tl.load(s_ptr + grid_row[None, :] * stride_sg + (k // SCALE_K)[:, None], mask=w_ok,
                         other=0.0)  # [BLOCK_K, BLOCK_N]
-        w = half.to(tl.float32) * scale  # the dequantized weight, as the torch path has it, then in x's dtype
+        w = e4m3_over_256(bits) * scale  # the dequantized weight, as the torch path has it, then in x's dtype
         if ROUND_BY_HAND:
-            w = _round_to_bf16(w)
+            w = round_to_bf16(w)
         else:
             w = w.to(a.dtype)
         if DOT_UPCAST:
@@ -86,23 +80,9 @@ def _fp8_block_linear_kernel(
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if ROUND_BY_HAND:
-        acc = _round_to_bf16(acc)
+        acc = round_to_bf16(acc)
     tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """x (float32) rounded to the nearest bfloat16, ties to even, kept in
-    float32 (finite values): what a GPU's cast does, and the interpreter's
-    does not."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grid_rows: torch.Tensor,
@@ -127,8 +107,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
         x.stride(0), weight.stride(0), scales.stride(0), y.stride(0),
         SCALE_K=block_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k_tile,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=x.dtype == torch.bfloat16 and _interpreting(),
-        ROUND_BY_HAND=x.dtype == torch.bfloat16 and _interpreting(),
+        DOT_UPCAST=x.dtype == torch.bfloat16 and interpreting(),
+        ROUND_BY_HAND=x.dtype == torch.bfloat16 and interpreting(),
         num_warps=4,
     )
     return y

@@ -42,7 +42,6 @@ total exit at once.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,12 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_bits import e4m3_over_256, interpreting, round_to_bf16
+
 __all__ = ["fused_moe", "align_by_expert", "grouped_gemm", "QuantizedExperts"]
-
-# 0xBF80 as int16: keeps the sign (bit 15) and bits 13..7, the e4m3 exponent and
-# mantissa shifted into float16's places (quantization.fp8_as_half): e4m3 / 256.
-_HALF_MASK = tl.constexpr(-16512)
-
 
 @triton.jit
 def _grouped_gemm_kernel(
@@ -134,7 +130,7 @@ def _grouped_gemm_kernel(
                     scale = tl.load(s_base + ((k0 + offs_k) // SCALE_K)[:, None], mask=w_ok,
                                     other=0.0)  # [BLOCK_K, BLOCK_N]
                 # The product in float32, as dequantize_fp8_blocks has it (times 256: exact).
-                w = _e4m3_over_256(bits) * 256.0 * scale
+                w = e4m3_over_256(bits) * 256.0 * scale
             else:
                 col = col0 + k0 + offs_k  # [BLOCK_K] stored column
                 byte = tl.load(w_base + offs_n[None, :] * stride_wn + (col >> 1)[:, None], mask=w_ok,
@@ -147,9 +143,9 @@ def _grouped_gemm_kernel(
                 else:
                     e4m3 = tl.load(s_base + (col // SCALE_K)[:, None], mask=w_ok, other=0)  # int8 bits
                     # value * scale is exact in float32; the division is rounded once, as in torch.
-                    w = tl.math.div_rn(value * (_e4m3_over_256(e4m3) * 256.0), global_scale)
+                    w = tl.math.div_rn(value * (e4m3_over_256(e4m3) * 256.0), global_scale)
             if ROUND_BY_HAND:
-                w = _round_to_bf16(w)
+                w = round_to_bf16(w)
             else:
                 w = w.to(a.dtype)
         if DOT_UPCAST:
@@ -163,15 +159,9 @@ def _grouped_gemm_kernel(
         weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)  # [BLOCK_M]
         acc = acc * weight.to(tl.float32)[:, None]
     if ROUND_BY_HAND:
-        acc = _round_to_bf16(acc)
+        acc = round_to_bf16(acc)
     tl.store(c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _e4m3_over_256(bits):
-    """e4m3 bits (int8) -> the value / 256 in float32, exactly, with integer ops only."""
-    return ((bits.to(tl.int16) << 7) & _HALF_MASK).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -183,16 +173,6 @@ def _e2m1(code):
     value = tl.where(magnitude >= 2, ((magnitude + 252) << 22).to(tl.float32, bitcast=True),
                      magnitude.to(tl.float32) * 0.5)
     return tl.where((code & 8) != 0, -value, value)
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """x (float32) rounded to the nearest bfloat16, ties to even, kept in
-    float32 (finite values): what a GPU's cast does, and the interpreter's
-    does not."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,10 +256,6 @@ def align_by_expert(ids: torch.Tensor, num_experts: int,
     return sorted_pairs, block_expert, run_end[-1:].to(torch.int32)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor | QuantizedExperts, bias: torch.Tensor | None,
                  sorted_pairs: torch.Tensor, block_expert: torch.Tensor, num_padded: torch.Tensor, num_pairs: int,
                  a_rows_per: int, weights: torch.Tensor | None, block_m: int) -> torch.Tensor:
@@ -305,7 +281,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor | QuantizedExperts, bias: torc
     if quantized and a.dtype == torch.float32:
         # fp32 tiles beside the decode's temporaries spill at 64 x 64 (sm_80/sm_90): halve them.
         block_n, block_k = min(block_n, 32), min(block_k, 32)
-    interpreting = _interpreting()
+    under_interpreter = interpreting()
     grid = (sorted_pairs.shape[0] // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, data, scales, extra if extra is not None else data, bias if bias is not None else data, c,
@@ -318,8 +294,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor | QuantizedExperts, bias: torc
         FORMAT=w.format if quantized else "plain", SCALE_K=w.scale_k if quantized else 1,
         SCALE_PER_TILE=quantized and w.format == "fp8" and w.scale_k % block_k == 0,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=a.dtype == torch.bfloat16 and interpreting,
-        ROUND_BY_HAND=a.dtype == torch.bfloat16 and interpreting,
+        DOT_UPCAST=a.dtype == torch.bfloat16 and under_interpreter,
+        ROUND_BY_HAND=a.dtype == torch.bfloat16 and under_interpreter,
         num_warps=4,
     )
     return c

@@ -26,11 +26,11 @@ Shapes (see ``kernels.reference.int_weight_linear`` for the semantics):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_bits import interpreting, round_to_bf16
 
 __all__ = ["int_weight_linear"]
 
@@ -104,11 +104,11 @@ def _int_weight_linear_kernel(
         # (q - zero) is exact; the product is rounded once, to the scales' dtype, as the torch path has it.
         w = (q - zero).to(tl.float32) * scale  # [BLOCK_N, BLOCK_K]
         if ROUND_S_BY_HAND:
-            w = _round_to_bf16(w)
+            w = round_to_bf16(w)
         else:
             w = w.to(s_ptr.dtype.element_ty)
         if ROUND_X_BY_HAND:
-            w = _round_to_bf16(w.to(tl.float32))
+            w = round_to_bf16(w.to(tl.float32))
         else:
             w = w.to(a.dtype)
         if DOT_UPCAST:
@@ -118,23 +118,9 @@ def _int_weight_linear_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ROUND_X_BY_HAND:
-        acc = _round_to_bf16(acc)
+        acc = round_to_bf16(acc)
     tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """x (float32) rounded to the nearest bfloat16, ties to even, kept in
-    float32 (finite values): what a GPU's cast does, and the interpreter's
-    does not."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def int_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -167,7 +153,7 @@ def int_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     group_per_tile = g_idx is None and (group_size % block_k == 0 or group_size >= k)
     if not group_per_tile:
         block_n = 32  # a scale and a zero per element: narrower tiles keep their addresses in registers
-    interpreting = _interpreting()
+    under_interpreter = interpreting()
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int_weight_linear_kernel[grid](
         x, qweight, scales, zeros, y if g_idx is None else g_idx.contiguous(),
@@ -176,9 +162,9 @@ def int_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
         GROUP_SIZE=group_size, BITS=bits, HAS_G_IDX=g_idx is not None, GROUP_PER_TILE=group_per_tile,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=x.dtype != torch.float32 and interpreting,
-        ROUND_S_BY_HAND=scales.dtype == torch.bfloat16 and interpreting,
-        ROUND_X_BY_HAND=x.dtype == torch.bfloat16 and interpreting,
+        DOT_UPCAST=x.dtype != torch.float32 and under_interpreter,
+        ROUND_S_BY_HAND=scales.dtype == torch.bfloat16 and under_interpreter,
+        ROUND_X_BY_HAND=x.dtype == torch.bfloat16 and under_interpreter,
         num_warps=4,
     )
     return y

@@ -22,13 +22,12 @@ with integer ops (kernels/fp8_kv.py), times k_scale, in the query's dtype.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.fp8_kv import as_kernel_cache, decode_fp8, fp8_kind
+from kernels.triton_bits import interpreting
 
 __all__ = ["mla_decode"]
 
@@ -114,10 +113,6 @@ def _mla_decode_kernel(
              out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & v_ok[None, :])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def mla_decode(
     query: torch.Tensor,  # [num_reqs, num_heads, latent_dim]
     cache: torch.Tensor,  # [num_blocks, block_size, 1, latent_dim]
@@ -154,7 +149,7 @@ def mla_decode(
         VALUE_DIM=value_dim, ROPE_DIM=rope_dim, V_PAD=v_pad, R_PAD=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_H=block_h, TILE_N=tile_n, BLOCK_SIZE=cache.shape[1],
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=query.dtype == torch.bfloat16 and _interpreting(),
+        DOT_UPCAST=query.dtype == torch.bfloat16 and interpreting(),
         KV_FP8=fp8_kind(cache.dtype),
         num_warps=4 if v_pad <= 128 else 8,
     )

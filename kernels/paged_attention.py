@@ -46,13 +46,13 @@ to HEAD_DIM_PAD >= 16 (next power of two, masked) and TILE_N >= 16.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.fp8_kv import as_kernel_cache, decode_fp8, fp8_kind
+from kernels.triton_bits import interpreting
 
 __all__ = ["paged_attention"]
 
@@ -352,10 +352,6 @@ _MAX_SPLITS = 16
 _MIN_POSITIONS_PER_SPLIT = 128
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _compute_capability(device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device)
@@ -570,7 +566,7 @@ def paged_attention(
         HEAD_DIM_PAD=head_dim_pad,
         NUM_SPLITS=cfg.num_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=query.dtype == torch.bfloat16 and _interpreting(),
+        DOT_UPCAST=query.dtype == torch.bfloat16 and interpreting(),
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None,

@@ -1,0 +1,40 @@
+"""What the Triton kernels share: decoding e4m3 from its int8 bits with
+integer ops (so kernels run where Triton has no FP8 type: sm_80, the
+A100), rounding to bfloat16 by hand (the interpreter's float32 -> bfloat16
+cast truncates; a GPU's rounds to nearest even), and whether the
+interpreter runs them. Imported by the kernel modules only, never at
+package import time."""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# 0xBF80 as int16: keeps the sign (bit 15) and bits 13..7, e4m3's exponent
+# and mantissa shifted into float16's places (quantization.fp8_as_half).
+_E4M3_HALF_MASK = tl.constexpr(-16512)
+
+
+@triton.jit
+def e4m3_over_256(bits):
+    """e4m3 bits (int8) -> the value / 256 in float32, exactly: e4m3 / 256
+    is the float16 whose bits are e4m3's sign, a zero, then its exponent and
+    mantissa bits (e4m3's bias is 8 below float16's)."""
+    return ((bits.to(tl.int16) << 7) & _E4M3_HALF_MASK).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """x (float32) rounded to the nearest bfloat16, ties to even, kept in
+    float32 (finite values): what a GPU's cast does, and the interpreter's
+    does not."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+def interpreting() -> bool:
+    """The kernels run under the Triton interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway_svc import chat_template
-from gateway_svc.gateway import Gateway, Job, _auth_metadata, _responses, _until_disconnect
+from gateway_svc.gateway import Gateway, Job, _auth_metadata, _responses, _until_disconnect, _validated
 from gateway_svc.chat_output import ChatDelta
 from gateway_svc.openai_format import Sample, usage
 from gateway_svc.protocol import UINT32, ChatCompletionRequest, ChatMessage, RequestError, param_of
@@ -384,23 +384,8 @@ class EventWriter:
 
 # ----- the routes ------------------------------------------------------------------
 
-async def _parse(request: Request, model: type[CountTokensRequest]) -> CountTokensRequest:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(None, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise RequestError(None, "the body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = param_of(first["loc"])
-        raise RequestError(param, f"{param}: {first['msg']}") from None
-
-
 async def _chat_job(gw: Gateway, request: Request, model: type[CountTokensRequest]):
-    body = await _parse(request, model)
+    body = await _validated(request, model)
     chat = chat_request(body)
     info = await gw._info(_auth_metadata(request))
     try:

@@ -99,7 +99,8 @@ def _auth_metadata(request: Request) -> tuple:
     return (("authorization", header),) if header else ()
 
 
-async def _parse(request: Request, model: type[BaseModel]):
+async def _validated(request: Request, model: type[BaseModel]):
+    """The JSON body as `model`, or a 400 naming the first bad field."""
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -107,11 +108,17 @@ async def _parse(request: Request, model: type[BaseModel]):
     if not isinstance(body, dict):
         raise RequestError(None, "the body must be a JSON object")
     try:
-        parsed = model.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = param_of(first["loc"])
         raise RequestError(param, f"{param}: {first['msg']}") from None
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    """A generating endpoint's body: validated, and its unimplemented fields
+    refused unless at their "off" values."""
+    parsed = await _validated(request, model)
     parsed.check_inert_fields()
     return parsed
 
@@ -273,7 +280,7 @@ class Gateway:
     async def tokenize(self, request: Request) -> dict:
         """POST /tokenize: a prompt's token ids, or chat messages' as
         rendered by the chat template (vLLM's shape)."""
-        body = await _parse(request, TokenizeRequest)
+        body = await _validated(request, TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("prompt", "give exactly one of prompt and messages")
         metadata = _auth_metadata(request)

@@ -314,6 +314,3 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-
-    def check_inert_fields(self) -> None:
-        """Nothing inert to check: unknown fields are already refused."""

@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
+
+from bench.cuda_timing import agree, time_ms
 
 MOE = dict(hidden=2048, num_experts=128, top_k=8, inter=768)
 MOE_TOKENS = (1, 16, 64, 256, 512)
 MLA = dict(num_heads=16, kv_lora_rank=512, rope_dim=64, block_size=64)
 MLA_CONTEXTS = (1024, 4096)
 MLA_BATCHES = (1, 16, 64)
-TOLERANCE = 3e-2  # bf16, relative to the output's scale
 
 
 def moe_flops(tokens: int, hidden: int, top_k: int, inter: int, **_) -> int:
@@ -46,28 +46,6 @@ def moe_flops(tokens: int, hidden: int, top_k: int, inter: int, **_) -> int:
 def mla_flops(batch: int, context: int, num_heads: int, kv_lora_rank: int, rope_dim: int, **_) -> int:
     """Scores over latent + RoPE dims, then the weighted sum of latents."""
     return 2 * batch * num_heads * context * ((kv_lora_rank + rope_dim) + kv_lora_rank)
-
-
-def _time_ms(fn, repeats: int) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _agree(got, want) -> dict:
-    scale = max(1.0, want.float().abs().max().item())
-    diff = (got.float() - want.float()).abs().max().item()
-    return {"max_abs_diff": diff, "scale": scale, "ok": diff <= TOLERANCE * scale}
 
 
 def bench_moe(tokens: int, repeats: int) -> dict:
@@ -102,8 +80,8 @@ def bench_moe(tokens: int, repeats: int) -> dict:
         return (x @ dense_1)[:, : i * k] @ dense_2
 
     with torch.inference_mode():
-        agreement = _agree(triton_path(), torch_path())
-        times = {name: _time_ms(fn, repeats) for name, fn in
+        agreement = agree(triton_path(), torch_path())
+        times = {name: time_ms(fn, repeats) for name, fn in
                  (("triton", triton_path), ("torch", torch_path), ("dense_gemm", dense))}
     flops = moe_flops(tokens, **MOE)
     return {"tokens": tokens, "ms": times, "tflops": {n: flops / (t * 1e-3) / 1e12 for n, t in times.items()},
@@ -146,8 +124,8 @@ def bench_mla(batch: int, context: int, repeats: int) -> dict:
         return torch.bmm(torch.bmm(query, dense_k), dense_v)
 
     with torch.inference_mode():
-        agreement = _agree(triton_path(), torch_path())
-        times = {name: _time_ms(fn, repeats) for name, fn in
+        agreement = agree(triton_path(), torch_path())
+        times = {name: time_ms(fn, repeats) for name, fn in
                  (("triton", triton_path), ("torch", torch_path), ("dense_gemm", dense))}
     flops = mla_flops(batch, context, **MLA)
     latent_bytes = batch * context * latent * 2

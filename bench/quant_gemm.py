@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
+
+from bench.cuda_timing import agree, time_ms
 
 SHAPES = ((4096, 4096), (14336, 4096))  # [N, K]
 BATCHES = (1, 64)
 FP8_BLOCK = 128
 INT4_GROUP = 128
-TOLERANCE = 3e-2  # bf16, relative to the output's scale
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # over any GPU's L2 (H100/H200: 50 MB)
 
 
@@ -52,29 +52,6 @@ def weight_bytes(kind: str, n: int, k: int) -> int:
 def gemm_bytes(kind: str, m: int, n: int, k: int) -> int:
     """Weight as stored + bf16 activations read + bf16 output written."""
     return weight_bytes(kind, n, k) + 2 * m * k + 2 * m * n
-
-
-def _time_ms(fn, repeats: int, flush) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _agree(got, want) -> dict:
-    scale = max(1.0, want.float().abs().max().item())
-    diff = (got.float() - want.float()).abs().max().item()
-    return {"max_abs_diff": diff, "ok": diff <= TOLERANCE * scale}
 
 
 def bench_shape(m: int, n: int, k: int, repeats: int, flush) -> dict:
@@ -106,12 +83,12 @@ def bench_shape(m: int, n: int, k: int, repeats: int, flush) -> dict:
     }
     with torch.inference_mode():
         agreement = {
-            "fp8_block": _agree(kernels["fp8_block"](), reference.fp8_block_linear(x, w_fp8, fp8_scales, grid_rows,
+            "fp8_block": agree(kernels["fp8_block"](), reference.fp8_block_linear(x, w_fp8, fp8_scales, grid_rows,
                                                                                    FP8_BLOCK)),
-            "int4_g128": _agree(kernels["int4_g128"](), reference.int_weight_linear(x, qweight, int_scales, zeros,
+            "int4_g128": agree(kernels["int4_g128"](), reference.int_weight_linear(x, qweight, int_scales, zeros,
                                                                                      INT4_GROUP, 4)),
         }
-        times = {name: _time_ms(fn, repeats, flush) for name, fn in kernels.items()}
+        times = {name: time_ms(fn, repeats, flush) for name, fn in kernels.items()}
     rows = {}
     for name, ms in times.items():
         rows[name] = {"ms": ms, "tflops": gemm_flops(m, n, k) / (ms * 1e-3) / 1e12,

@@ -7,6 +7,19 @@ import functools
 
 import torch
 
+# Story openings stories260K continues (the oracle tests' prompts).
+STORY_PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went to the park. They",
+    "One day, a big bird",
+    "Sam had a red ball.",
+    "The sun was hot and",
+    "Mom said",
+    "There was a cat who liked to",
+    "Tim wanted to play with his friend, but",
+]
+
 
 @functools.lru_cache(maxsize=4)
 def hf_model(model: str):

@@ -24,17 +24,9 @@ from executor_svc.model.checkpoint import load_checkpoint
 from executor_svc.model.families import build_model, read_config
 from executor_svc.step.kv_cache import MIB, KVCachePool, resolve_kv_cache_dtype
 from tests.integration.conftest import start_services
+from tests.oracle import STORY_PROMPTS
 
-PROMPTS = [
-    "Once upon a time",
-    "The little dog",
-    "Lily and Tom went to the park. They",
-    "One day, a big bird",
-    "Sam had a red ball.",
-    "The sun was hot and",
-    "Mom said",
-    "There was a cat who liked to",
-]
+PROMPTS = STORY_PROMPTS[:8]  # the figures in docs/architecture.md are over these 8
 NEW_TOKENS = 120
 BLOCK_SIZE = 16
 # Per format: auto's top-1 over top-2 by at least this many logits must not

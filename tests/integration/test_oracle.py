@@ -9,19 +9,9 @@ from tokenizers import Tokenizer
 from executor_svc.model.checkpoint import load_checkpoint
 from tests.integration.conftest import assert_32_concurrent_mixed_requests_match_hf, start_services
 from tests.integration.test_observability import metric, scrape
-from tests.oracle import hf_greedy
+from tests.oracle import STORY_PROMPTS, hf_greedy
 
-PROMPTS = [
-    "Once upon a time",
-    "The little dog",
-    "Lily and Tom went to the park. They",
-    "One day, a big bird",
-    "Sam had a red ball.",
-    "The sun was hot and",
-    "Mom said",
-    "There was a cat who liked to",
-    "Tim wanted to play with his friend, but",
-]
+PROMPTS = STORY_PROMPTS
 
 
 @pytest.fixture(params=["stories", "tiny"])

@@ -29,7 +29,6 @@ elsewhere it dequantizes its weight for each matmul and drops it after.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -240,7 +239,7 @@ class ColumnLinear(_Linear):
         """Holds the weight quantized as the checkpoint stores it. With FP8
         blocks, each part's rows must start on a block, and end on one
         unless they end the checkpoint tensor (its edge block)."""
-        bn = scheme.block[0] if scheme.kind == "fp8" and scheme.block else 1
+        bn = scheme.split_units()[0]
         for p in self.parts:
             if p.start % bn or (p.rows % bn and p.start + p.rows != p.whole):
                 raise BlockSplitError(f"rows [{p.start}, {p.start + p.rows}) of {p.name or 'the weight'}'s {p.whole} "
@@ -335,18 +334,11 @@ class RowLinear(_Linear):
         """As ColumnLinear.use_scheme; this rank's columns must be whole
         blocks (FP8) or whole groups (packed ints, unless act-order keeps
         every group), and whole bytes of 4-bit values."""
-        unit = 1
-        if scheme.kind == "fp8" and scheme.block:
-            unit = scheme.block[1]
-        elif scheme.kind in ("int", "fp4"):
-            unit = 2 if scheme.bits == 4 else 1
-            if scheme.group_size is not None and not scheme.act_order:
-                unit = math.lcm(unit, scheme.group_size)
+        bn, unit = scheme.split_units()
         if self.start % unit or (self.cols % unit and self.start + self.cols != self.whole_in):
             what = "FP8 blocks" if scheme.kind == "fp8" else "quantization groups"
             raise BlockSplitError(f"columns [{self.start}, {self.start + self.cols}) of {self.whole_in} are not whole "
                                   f"{what} of {unit}")
-        bn = scheme.block[0] if scheme.kind == "fp8" and scheme.block else 1
         self._use_scheme(scheme, self.out_features, self.cols, cdiv(self.out_features, bn))
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...] | None]:

@@ -214,6 +214,18 @@ class LinearScheme:
     act_order: bool = False
     activations: ActivationQuant | None = None
 
+    def split_units(self) -> tuple[int, int]:
+        """The rows and columns a tensor-parallel rank's part of such a
+        weight must be a multiple of: FP8 blocks; for packed values, whole
+        bytes of 4 bits and, split by columns, whole groups (act-order keeps
+        every group on every rank)."""
+        if self.kind == "fp8":
+            return self.block or (1, 1)
+        cols = 2 if self.bits == 4 else 1
+        if self.group_size is not None and not self.act_order:
+            cols = math.lcm(cols, self.group_size)
+        return 1, cols
+
     def describe(self) -> str:
         if self.kind == "fp8":
             weights = f"fp8 blocks {list(self.block)}" if self.block else "fp8 per channel"

@@ -52,6 +52,7 @@ import torch
 
 from executor_svc.model.model_config import LinearScheme
 from executor_svc.model.mxfp4 import FP4_VALUES
+from executor_svc.model.quantization import cdiv
 from kernels.reference import pack_int, unpack_int
 
 # AWQ's GEMM layout puts output n of each group of 8 in nibble AWQ_NIBBLE[n % 8].
@@ -59,10 +60,6 @@ AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
 # A checkpoint leaf whose shape the layer checks itself (per-tensor scales
 # come as [] or [1]).
 ANY_SHAPE = None
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def num_groups(scheme: LinearScheme, cols: int) -> int:

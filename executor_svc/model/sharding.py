@@ -51,17 +51,12 @@ def size_problems(cfg: ModelConfig, size: int) -> list[str]:
 
 
 def quantization_units(cfg: ModelConfig) -> tuple[int, int]:
-    """The rows and columns that a rank's part of a quantized weight must be
-    a multiple of: FP8 blocks; packed ints' groups (split by columns, unless
-    act-order keeps every group on every rank) and whole bytes of 4 bits."""
+    """The rows and columns that a rank's part of every quantized weight
+    must be a multiple of (LinearScheme.split_units, over the schemes)."""
     rows = cols = 1
     for _, scheme in (cfg.quantization.schemes if cfg.quantization is not None else ()):
-        if scheme.kind == "fp8" and scheme.block:
-            rows, cols = math.lcm(rows, scheme.block[0]), math.lcm(cols, scheme.block[1])
-        elif scheme.kind in ("int", "fp4"):
-            cols = math.lcm(cols, 2 if scheme.bits == 4 else 1)
-            if scheme.group_size is not None and not scheme.act_order:
-                cols = math.lcm(cols, scheme.group_size)
+        r, c = scheme.split_units()
+        rows, cols = math.lcm(rows, r), math.lcm(cols, c)
     return rows, cols
 
 

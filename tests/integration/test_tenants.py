@@ -99,9 +99,13 @@ def test_an_abort_of_another_tenants_request_is_refused(keyed):
     wait_until(lambda: idle(keyed), 10, "A's cancelled request to free its blocks")
 
 
-def idle(stack) -> bool:
-    info = stack.grpc.stub.GetServerInfo(spb.GetServerInfoRequest(),
+def server_info(stack) -> spb.ServerInfo:
+    return stack.grpc.stub.GetServerInfo(spb.GetServerInfoRequest(),
                                          metadata=(("authorization", f"Bearer {KEYS['A']}"),), timeout=10)
+
+
+def idle(stack) -> bool:
+    info = server_info(stack)
     return info.num_running == info.num_waiting == 0 and info.num_free_kv_blocks == info.num_kv_blocks
 
 
@@ -154,7 +158,12 @@ def test_through_the_gateway_a_flood_from_one_key_does_not_starve_another(keyed)
         finished.append(tenant)
 
     with ThreadPoolExecutor(12) as pool:
-        flood = [pool.submit(one, "A") for _ in range(8)]
+        # Two first, running before the other six arrive: eight at once could
+        # all be waiting before a step admits any, and the seventh and eighth
+        # would be shed by A's limit of 6 waiting.
+        flood = [pool.submit(one, "A") for _ in range(2)]
+        wait_until(lambda: server_info(keyed).num_running == 2, 30, "A's first two requests to run")
+        flood += [pool.submit(one, "A") for _ in range(6)]
         time.sleep(0.5)
         late = [pool.submit(one, "B") for _ in range(3)]
         for f in flood + late:

@@ -23,6 +23,7 @@ def sampling_from_proto(s: pb.StepSampling) -> SamplingSettings:
         min_tokens=s.min_tokens,
         min_tokens_held_ids=tuple(s.min_tokens_held_ids),
         logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)),
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
 
 
@@ -42,6 +43,7 @@ def step_from_proto(plan: pb.StepPlan, keep_wire: bool = False) -> StepPlan:
                 num_output_tokens=r.num_output_tokens,
                 grammar=r.constraint.grammar if r.HasField("constraint") else None,
                 ignore_eos=r.constraint.ignore_eos,
+                embed=r.embed,
             )
             for r in plan.new_requests
         ],
@@ -85,6 +87,11 @@ def result_to_proto(out: StepResult) -> pb.StepResult:
     if out.logprobs is not None:
         for lp, top_ids, top_lps in out.logprobs:
             result.logprobs.add(logprob=lp, top_token_ids=top_ids, top_logprobs=top_lps)
+    for p in out.prompt_logprobs:
+        result.prompt_logprobs.add(handle=p.handle, first=p.first, logprobs=p.logprobs, top_k=p.top_k,
+                                   top_token_ids=p.top_token_ids, top_logprobs=p.top_logprobs)
+    for handle, values in out.embeddings:
+        result.embeddings.add(handle=handle, values=values)
     for handle, message in out.request_errors:
         result.request_errors.add(handle=handle, message=message)
     if out.swaps is not None:

@@ -135,7 +135,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     constraints = None if tp and tp.rank != 0 else ConstraintMatchers(ckpt.tokenizer_json, cfg.vocab_size,
                                                                        list(cfg.eos_token_ids))
     runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp,
-                       constraints=constraints, host_kv=host_kv)
+                       constraints=constraints, host_kv=host_kv, pooling=ckpt.pooling.pooling)
     try:
         runner = ModelRunner(model, pool, backend, device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
                              **runner_args)

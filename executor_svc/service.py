@@ -34,6 +34,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.pool, self.cuda_graphs = loaded.pool, loaded.cuda_graphs
         self.host_kv = loaded.host_kv
         self.weight_bytes = loaded.weight_bytes
+        self.pooling = loaded.ckpt.pooling.pooling
+        log.info("embeddings: %s", f"pooled {self.pooling.describe()} (sentence-transformers config)"
+                 if self.pooling else f"not served: {loaded.ckpt.pooling.why_not}")
         self.tp = loaded.tp
         self.tp_size = self.tp.size if self.tp else 1
         log.info("CUDA graphs for decode steps: %s (EXECUTOR_CUDA_GRAPHS=%s)", "on" if self.cuda_graphs else "off",
@@ -94,6 +97,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             num_host_kv_blocks=self.num_host_kv_blocks,
             weight_bytes=self.weight_bytes,
             quantization=self.cfg.quantization.describe() if self.cfg.quantization else "",
+            pooling=self.pooling.describe() if self.pooling else "",
+            hidden_size=self.cfg.hidden_size,
         )
 
     async def heartbeats(self) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from llmsched.v1 import executor_pb2 as epb
 from llmsched.v1 import scheduler_pb2 as spb
 from scheduler_svc.core.model_facts import ModelFacts
-from scheduler_svc.core.plan import StepPlan, StepResult
+from scheduler_svc.core.plan import PromptLogprobsResult, StepPlan, StepResult
 from scheduler_svc.core.request import Request, RequestStatus, SamplingParams
 from scheduler_svc.output_processor import RequestDelta
 
@@ -27,7 +27,7 @@ def model_facts(h: epb.HandshakeResponse) -> ModelFacts:
         eos_token_ids=tuple(h.eos_token_ids), max_logprobs=h.max_logprobs, supports_constraints=h.supports_constraints,
         chat_template=h.chat_template, bos_token=h.bos_token, eos_token=h.eos_token, block_size=h.block_size,
         num_kv_blocks=h.num_kv_blocks, num_host_kv_blocks=h.num_host_kv_blocks, max_model_len=h.max_model_len,
-        weight_bytes=h.weight_bytes, quantization=h.quantization,
+        weight_bytes=h.weight_bytes, quantization=h.quantization, pooling=h.pooling, hidden_size=h.hidden_size,
     )
 
 
@@ -36,7 +36,11 @@ def finish_reason_name(status: RequestStatus) -> str:
     return spb.FinishReason.Name(FINISH_REASONS[status]).removeprefix("FINISH_REASON_").lower()
 
 
-def step_sampling(s: SamplingParams, eos_token_ids: frozenset[int] = frozenset()) -> epb.StepSampling:
+def step_sampling(s: SamplingParams, eos_token_ids: frozenset[int] = frozenset(),
+                  prompt_logprobs: bool = False) -> epb.StepSampling:
+    """prompt_logprobs: whether this plan asks for the prompt's logprobs
+    (not once they were all streamed, for a request resent after a
+    preemption)."""
     out = epb.StepSampling(
         temperature=s.temperature,
         top_p=s.top_p,
@@ -55,6 +59,8 @@ def step_sampling(s: SamplingParams, eos_token_ids: frozenset[int] = frozenset()
         # until min_tokens tokens were generated.
         held = set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos_token_ids))
         out.min_tokens_held_ids.extend(sorted(held))
+    if prompt_logprobs and s.prompt_logprobs is not None:
+        out.prompt_logprobs = s.prompt_logprobs
     if s.logit_bias:
         out.logit_bias_ids.extend(t for t, _ in s.logit_bias)
         out.logit_bias_values.extend(b for _, b in s.logit_bias)
@@ -84,9 +90,11 @@ def plan_to_proto(out: StepPlan) -> epb.StepPlan:
                 block_ids=n.block_ids,
                 num_computed_tokens=n.num_computed_tokens,
                 num_scheduled_tokens=n.num_scheduled_tokens,
-                sampling=step_sampling(n.request.sampling, n.request.eos_token_ids),
+                sampling=step_sampling(n.request.sampling, n.request.eos_token_ids,
+                                       prompt_logprobs=not n.num_output_tokens),
                 num_output_tokens=n.num_output_tokens,
                 constraint=constraint_to_proto(n.request),
+                embed=n.request.embed,
             )
         )
     return plan
@@ -106,7 +114,11 @@ def outcome_from_proto(result: epb.StepResult) -> StepResult:
     return StepResult(sampled=sampled_from_proto(result), request_errors=request_errors_from_proto(result),
                        error=result.error, discarded=result.discarded, forward_ns=result.forward_ns,
                        sample_ns=result.sample_ns, failed_swap_outs=list(result.failed_swap_outs),
-                       failed_swap_ins=list(result.failed_swap_ins), swap_ns=result.swap_ns)
+                       failed_swap_ins=list(result.failed_swap_ins), swap_ns=result.swap_ns,
+                       prompt_logprobs=[PromptLogprobsResult(p.handle, p.first, list(p.logprobs), p.top_k,
+                                                             list(p.top_token_ids), list(p.top_logprobs))
+                                        for p in result.prompt_logprobs],
+                       embeddings=[(e.handle, list(e.values)) for e in result.embeddings])
 
 
 def sampled_from_proto(result: epb.StepResult) -> list[tuple[int, int, tuple | None]]:
@@ -122,11 +134,9 @@ def delta_to_response(request_id: str, d: RequestDelta, want_logprobs: bool,
     """decode gives the text of one token id, for TokenLogprobs.token(s)."""
     resp = spb.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text)
     if want_logprobs:
-        for token_id, lp, top_ids, top_lps in d.logprobs:
-            resp.logprobs.add(
-                token_id=token_id, logprob=lp, top_token_ids=top_ids, top_logprobs=top_lps,
-                token=decode(token_id) if decode else "", top_tokens=[decode(t) for t in top_ids] if decode else [],
-            )
+        _add_logprobs(resp.logprobs, d.logprobs, decode)
+    if d.prompt_logprobs:
+        _add_logprobs(resp.prompt_logprobs, d.prompt_logprobs, decode)
     if d.finish_status is not None:
         resp.finish_reason = FINISH_REASONS[d.finish_status]
     if d.stop_string:
@@ -140,3 +150,10 @@ def delta_to_response(request_id: str, d: RequestDelta, want_logprobs: bool,
             )
         )
     return resp
+
+
+def _add_logprobs(field, entries: list[tuple[int, float, list[int], list[float]]],
+                  decode: Callable[[int], str] | None) -> None:
+    for token_id, lp, top_ids, top_lps in entries:
+        field.add(token_id=token_id, logprob=lp, top_token_ids=top_ids, top_logprobs=top_lps,
+                  token=decode(token_id) if decode else "", top_tokens=[decode(t) for t in top_ids] if decode else [])

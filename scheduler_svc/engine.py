@@ -33,7 +33,7 @@ from scheduler_svc.core.clock import SYSTEM_CLOCK, Clock
 from scheduler_svc.core.engine_core import (CoreListener, EngineCore, InFlightStep, Tee, TurnKind, core_limits,
                                        scheduler_config)
 from scheduler_svc.core.model_facts import ModelFacts
-from scheduler_svc.core.plan import SampledToken
+from scheduler_svc.core.plan import PromptOutput, SampledToken
 from scheduler_svc.core.policy import parse_weights
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
@@ -289,6 +289,10 @@ class Engine(CoreListener):
         self.link.progress()
         self.streams.emit(tokens, stop=lambda request_id: self.scheduler.finish_request(
             request_id, RequestStatus.FINISHED_STOPPED))
+
+    def prompt_outputs(self, outputs: list[PromptOutput]) -> None:
+        self.link.progress()
+        self.streams.emit_prompt_outputs(outputs)
 
     def request_failed(self, request_id: str, code: str, message: str) -> None:
         self.streams.fail(request_id, code, message)

@@ -1,5 +1,5 @@
 """Turns sampled tokens into what the client sees: text deltas, stop
-strings, logprobs and the final usage."""
+strings, logprobs, prompt logprobs, an embedding and the final usage."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from scheduler_svc.core.plan import SampledToken
+from scheduler_svc.core.plan import PromptOutput, SampledToken
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -31,6 +31,9 @@ class RequestDelta:
     stop_string: str | None = None  # on the last delta: the stop string that ended the request
     # Set when the request ends with an error status for the client.
     error: tuple[str, str] | None = None  # (grpc status name, message)
+    # Every prompt token's after the first, once (GenerateResponse.prompt_logprobs).
+    prompt_logprobs: list[tuple[int, float, list[int], list[float]]] = field(default_factory=list)
+    embedding: list[float] | None = None  # an embedding request's pooled vector, on its last delta
 
     def merge(self, later: "RequestDelta") -> None:
         self.token_ids += later.token_ids
@@ -40,6 +43,8 @@ class RequestDelta:
         self.usage = later.usage or self.usage
         self.stop_string = later.stop_string or self.stop_string
         self.error = later.error or self.error
+        self.prompt_logprobs += later.prompt_logprobs
+        self.embedding = later.embedding or self.embedding
 
 
 class RequestOutputState:
@@ -49,11 +54,28 @@ class RequestOutputState:
         self.stops = StopStringMatcher(request.sampling.stop)
         self.stopped_by_string = False
         self.num_tokens = 0  # output tokens seen so far
+        # Prompt logprobs as they arrive, entry i for prompt token i + 1; sent
+        # with the first tokens. A recompute after a preemption sends
+        # positions again, which are skipped.
+        self.prompt_logprobs: list[tuple[int, float, list[int], list[float]]] = []
+        self.prompt_logprobs_sent = False
+
+    def on_prompt_logprobs(self, output: PromptOutput) -> None:
+        known = len(self.prompt_logprobs) + 1  # the next prompt token without its logprob
+        skip = known - output.first
+        if 0 <= skip < len(output.logprobs):
+            self.prompt_logprobs += output.logprobs[skip:]
+
+    def _take_prompt_logprobs(self, delta: RequestDelta) -> None:
+        if self.request.sampling.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            delta.prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, []
+            self.prompt_logprobs_sent = True
 
     def on_tokens(self, tokens: list[SampledToken]) -> RequestDelta:
         """Text for new tokens. Sets stopped_by_string when a stop string
         appears; the scheduler then finishes the request."""
         delta = RequestDelta(token_ids=[t.token_id for t in tokens])
+        self._take_prompt_logprobs(delta)
         for t in tokens:
             if t.logprobs is not None:
                 lp, top_ids, top_lps = t.logprobs
@@ -82,6 +104,8 @@ class RequestOutputState:
             # The stop string completed on the last allowed token.
             status = RequestStatus.FINISHED_STOPPED
         req = self.request
+        if status != RequestStatus.FINISHED_ABORTED:
+            self._take_prompt_logprobs(delta)
         delta.finish_status = status
         if self.stopped_by_string:
             delta.stop_string = self.stops.matched

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
 from dataclasses import dataclass
 
@@ -20,9 +21,10 @@ from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 from scheduler_svc import convert, telemetry
 from scheduler_svc.core.backpressure import Overloaded
 from scheduler_svc.core.clock import SYSTEM_CLOCK
-from scheduler_svc.core.request import Request
+from scheduler_svc.core.request import Request, SamplingParams
 from scheduler_svc.detokenizer import token_text_decoder
 from scheduler_svc.engine import Engine, Unavailable
+from scheduler_svc.streams import RequestStream
 from scheduler_svc.output_processor import RequestDelta
 from scheduler_svc.tenants import DEFAULT_TENANT, MAX_CACHE_SALT_CHARS, TENANT_NAME, ApiKeys, prefix_salt
 from scheduler_svc.validation import InvalidRequest, Limits, sampling_from_proto, spec_from_proto, validate_prompt
@@ -41,6 +43,7 @@ class CallOutcome:
 
     request_id: str
     started: float
+    route: str = "Generate"
     tenant: str | None = None
     status: str = "OK"  # a grpc.StatusCode name
     reason: str | None = None  # why it was refused or failed
@@ -50,7 +53,7 @@ class CallOutcome:
     finish_reason: str | None = None
 
     def fields(self, now: float) -> dict[str, object]:
-        return {"request_id": self.request_id, "tenant": self.tenant, "route": "Generate", "status": self.status,
+        return {"request_id": self.request_id, "tenant": self.tenant, "route": self.route, "status": self.status,
                 "latency_ms": round((now - self.started) * 1000, 1), "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens, "output_tokens": self.output_tokens,
                 "finish_reason": self.finish_reason, "reason": self.reason}
@@ -69,7 +72,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
     def _owner(self, context: grpc.aio.ServicerContext) -> str | None:
         return api_key_owner(context.invocation_metadata()) if self.api_keys else None
 
-    def _tenant(self, msg: spb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+    def _tenant(self, msg: spb.GenerateRequest | spb.EmbedRequest, context: grpc.aio.ServicerContext) -> str:
         if self.api_keys is not None:
             # The interceptor let the call in, so the key is one of ours.
             tenant = self.api_keys.tenant_of(context.invocation_metadata()) or DEFAULT_TENANT
@@ -113,26 +116,56 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             if not engine.link.facts.supports_constraints:
                 raise Unavailable("the connected executor does not enforce constraints (structured)")
             constraint = await engine.link.constraints.compile(spec)
-        if msg.prompt:
-            prompt_ids = await self._encode(msg, limits)
-        else:
-            prompt_ids = list(msg.prompt_token_ids)
-        if not prompt_ids:
-            raise InvalidRequest("prompt", "tokenizes to no tokens")
-        if engine.is_live(request_id):
-            raise InvalidRequest("request_id", f"{request_id!r} is already live")
         return Request(
             request_id=request_id,
-            prompt_token_ids=prompt_ids,
+            prompt_token_ids=await self._prompt_ids(msg, limits, request_id),
             sampling=sampling,
             eos_token_ids=frozenset(engine.link.facts.eos_token_ids),
             priority=msg.priority,
             constraint=constraint,
             tenant=tenant,
             prefix_salt=prefix_salt(tenant, cache_salt, engine.settings.prefix_cache_scope),
+            skip_prefix_cache=sampling.prompt_logprobs is not None,
         )
 
-    async def _encode(self, msg: spb.GenerateRequest | spb.TokenizeRequest, limits: Limits) -> list[int]:
+    async def _build_embed_request(self, msg: spb.EmbedRequest, tenant: str, request_id: str) -> Request:
+        engine = self.engine
+        facts = engine.link.facts
+        if facts is None or engine.link.tokenizer is None:
+            raise Unavailable("no executor is connected")
+        if not facts.pooling:
+            raise NoEmbeddings(f"model {facts.model!r} cannot serve embeddings: its checkpoint has no "
+                               "sentence-transformers pooling config this server applies (modules.json and "
+                               "1_Pooling/config.json; the executor's log says why)")
+        if msg.HasField("dimensions") and not 0 < msg.dimensions <= facts.hidden_size:
+            raise InvalidRequest("dimensions", f"must be in [1, {facts.hidden_size}] (the model's hidden size), "
+                                               f"got {msg.dimensions}")
+        limits = self._limits()
+        validate_prompt(msg, limits)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=await self._prompt_ids(msg, limits, request_id),
+            sampling=SamplingParams(max_tokens=0),
+            eos_token_ids=frozenset(),
+            priority=msg.priority,
+            tenant=tenant,
+            prefix_salt=prefix_salt(tenant, None, engine.settings.prefix_cache_scope),
+            embed=True,
+            # Last-token pooling reads only the last position, which is always computed.
+            skip_prefix_cache=not facts.pooling.startswith("last"),
+        )
+
+    async def _prompt_ids(self, msg: spb.GenerateRequest | spb.EmbedRequest, limits: Limits,
+                          request_id: str) -> list[int]:
+        prompt_ids = await self._encode(msg, limits) if msg.prompt else list(msg.prompt_token_ids)
+        if not prompt_ids:
+            raise InvalidRequest("prompt", "tokenizes to no tokens")
+        if self.engine.is_live(request_id):
+            raise InvalidRequest("request_id", f"{request_id!r} is already live")
+        return prompt_ids
+
+    async def _encode(self, msg: spb.GenerateRequest | spb.EmbedRequest | spb.TokenizeRequest,
+                      limits: Limits) -> list[int]:
         """A text prompt's token ids, as Generate and Tokenize both take them."""
         engine = self.engine
         # No token is longer than the tokenizer's longest vocabulary
@@ -180,31 +213,20 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         outcome.status, outcome.reason = code.name, message
         await context.abort(code, message)
 
-    async def _generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext, span: trace.Span,
-                        outcome: CallOutcome):
+    async def _admit(self, request: spb.GenerateRequest | spb.EmbedRequest, context: grpc.aio.ServicerContext,
+                     span: trace.Span, outcome: CallOutcome, build) -> tuple[Request, RequestStream, str | None]:
+        """Builds the request (build: _build_request or _build_embed_request)
+        and queues it; a refusal aborts the call with its status."""
         req_tenant = request.tenant or DEFAULT_TENANT
         trailers: tuple = ()
         try:
             req_tenant = outcome.tenant = self._tenant(request, context)
             trailers = ((metadata.TENANT, req_tenant),)
             context.set_trailing_metadata(trailers)
-            req = await self._build_request(request, req_tenant, outcome.request_id)
+            req = await build(request, req_tenant, outcome.request_id)
             outcome.prompt_tokens = req.num_prompt_tokens
-            if self.tracing.enabled:
-                span.set_attributes({
-                    "gen_ai.operation.name": "text_completion",
-                    "gen_ai.request.model": self.engine.link.facts.model,
-                    "gen_ai.request.max_tokens": req.sampling.max_tokens,
-                    "gen_ai.request.temperature": req.sampling.temperature,
-                    "gen_ai.request.top_p": req.sampling.top_p,
-                    "gen_ai.request.top_k": req.sampling.top_k,
-                    "llmsched.request_id": req.request_id,
-                    "llmsched.priority": req.priority,
-                    "llmsched.constraint": req.constraint.kind if req.constraint else "",
-                    "llmsched.tenant": req.tenant,
-                })
             owner = self._owner(context)
-            stream = self.engine.submit(req, span, owner)
+            return req, self.engine.submit(req, span, owner), owner
         except InvalidRequest as exc:
             details = ((metadata.FIELD, exc.field),)
             if exc.grammar_line is not None:
@@ -213,6 +235,9 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             await self._reject(context, span, outcome, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
         except PermissionDenied as exc:
             await self._reject(context, span, outcome, grpc.StatusCode.PERMISSION_DENIED, "permission_denied",
+                               str(exc))
+        except NoEmbeddings as exc:
+            await self._reject(context, span, outcome, grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition",
                                str(exc))
         except Unavailable as exc:
             await self._reject(context, span, outcome, grpc.StatusCode.UNAVAILABLE, "unavailable", str(exc))
@@ -223,10 +248,28 @@ class SchedulerService(spb_grpc.SchedulerServicer):
                                f"overloaded: {exc}")
         except ValueError as exc:  # can never fit, or a duplicate id
             await self._reject(context, span, outcome, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", str(exc))
+        raise AssertionError("unreachable: every refusal aborts the call")
 
+    async def _generate(self, request: spb.GenerateRequest, context: grpc.aio.ServicerContext, span: trace.Span,
+                        outcome: CallOutcome):
+        req, stream, owner = await self._admit(request, context, span, outcome, self._build_request)
+        if self.tracing.enabled:
+            span.set_attributes({
+                "gen_ai.operation.name": "text_completion",
+                "gen_ai.request.model": self.engine.link.facts.model,
+                "gen_ai.request.max_tokens": req.sampling.max_tokens,
+                "gen_ai.request.temperature": req.sampling.temperature,
+                "gen_ai.request.top_p": req.sampling.top_p,
+                "gen_ai.request.top_k": req.sampling.top_k,
+                "llmsched.request_id": req.request_id,
+                "llmsched.priority": req.priority,
+                "llmsched.constraint": req.constraint.kind if req.constraint else "",
+                "llmsched.tenant": req.tenant,
+            })
         want_logprobs = req.sampling.logprobs > 0
         # Logprob entries carry token text, for HTTP front ends without a tokenizer.
-        decode = token_text_decoder(self.engine.link.tokenizer) if want_logprobs else None
+        decode = token_text_decoder(self.engine.link.tokenizer) \
+            if want_logprobs or req.sampling.prompt_logprobs is not None else None
         finished = False
         try:
             while not finished:
@@ -254,6 +297,54 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             # next step boundary. A no-op when it already finished.
             if not finished:
                 self.engine.abort(req.request_id, owner)
+
+    async def Embed(self, request: spb.EmbedRequest, context: grpc.aio.ServicerContext):
+        span = self.tracing.tracer.start_span(
+            "Embed", context=context_from_metadata(context.invocation_metadata()), kind=trace.SpanKind.SERVER
+        )
+        outcome = CallOutcome(request.request_id or uuid.uuid4().hex, SYSTEM_CLOCK.monotonic(), route="Embed")
+        finished = False
+        req = owner = None
+        try:
+            req, stream, owner = await self._admit(request, context, span, outcome, self._build_embed_request)
+            delta = await stream.queue.get()  # an embedding request's stream carries its one last delta
+            finished = True
+            if delta.error is not None:
+                code, message = delta.error
+                span.set_status(trace.Status(trace.StatusCode.ERROR, message))
+                outcome.status, outcome.reason = code, message
+                await context.abort(getattr(grpc.StatusCode, code), message)
+            if delta.embedding is None:  # aborted (a drain, Abort by id) before its prompt was computed
+                outcome.status, outcome.reason = "ABORTED", "aborted before its embedding was computed"
+                await context.abort(grpc.StatusCode.ABORTED, outcome.reason)
+            outcome.cached_tokens, outcome.output_tokens = delta.usage.cached_prompt_tokens, 0
+            outcome.finish_reason = "stop"
+            vector = delta.embedding
+            if request.HasField("dimensions"):
+                vector = truncate_embedding(vector, request.dimensions)
+            return spb.EmbedResponse(request_id=req.request_id, embedding=vector, usage=spb.Usage(
+                prompt_tokens=delta.usage.prompt_tokens, cached_prompt_tokens=delta.usage.cached_prompt_tokens))
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome.status, outcome.finish_reason = "CANCELLED", "abort"
+            raise
+        finally:
+            if req is not None and not finished:
+                self.engine.abort(req.request_id, owner)
+            span.end()
+            if self.request_log:
+                log_request(request_logger, outcome.fields(SYSTEM_CLOCK.monotonic()))
+
+    async def Detokenize(self, request: spb.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        facts, tokenizer = self.engine.link.facts, self.engine.link.tokenizer
+        if facts is None or tokenizer is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no executor is connected")
+        for i, t in enumerate(request.token_ids):
+            if t >= facts.vocab_size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token_ids[{i}]: token id {t} is outside "
+                                    f"the vocabulary (size {facts.vocab_size})",
+                                    trailing_metadata=((metadata.FIELD, f"token_ids[{i}]"),))
+        return spb.DetokenizeResponse(text=tokenizer.decode(list(request.token_ids),
+                                                            skip_special_tokens=request.skip_special_tokens))
 
     async def Abort(self, request: spb.AbortRequest, context):
         return spb.AbortResponse(found=self.engine.abort(request.request_id, self._owner(context)))
@@ -292,11 +383,24 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             tensor_parallel_size=facts.tensor_parallel_size or 1,  # 0: an executor older than the field
             weight_bytes=facts.weight_bytes,
             quantization=facts.quantization,
+            pooling=facts.pooling,
         )
 
 
 class PermissionDenied(Exception):
     """The request asks for what its API key may not: another tenant."""
+
+
+class NoEmbeddings(Exception):
+    """An embedding asked of a model that cannot pool (FAILED_PRECONDITION)."""
+
+
+def truncate_embedding(vector: list[float], dimensions: int) -> list[float]:
+    """The first `dimensions` values at unit length (Matryoshka truncation,
+    as OpenAI's `dimensions` does); a zero vector stays zero."""
+    head = vector[:dimensions]
+    norm = math.sqrt(math.fsum(v * v for v in head))
+    return [v / norm for v in head] if norm > 0 else head
 
 
 def _without_finish(delta: RequestDelta) -> RequestDelta:

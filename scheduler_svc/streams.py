@@ -9,8 +9,7 @@ import asyncio
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from scheduler_svc import telemetry
-from scheduler_svc.core.plan import SampledToken
+from scheduler_svc.core.plan import PromptOutput, SampledToken
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.output_processor import RequestDelta, RequestOutputState
 
@@ -70,6 +69,18 @@ class Streams:
                 self.finish(req, delta)
             else:
                 stream.queue.put_nowait(delta)
+
+    def emit_prompt_outputs(self, outputs: list[PromptOutput]) -> None:
+        """Prompt logprobs wait in their request's state for its first
+        tokens; an embedding ends its (finished) request's stream."""
+        for output in outputs:
+            stream = self._streams.get(output.request.request_id)
+            if stream is None:
+                continue
+            if output.embedding is not None:
+                self.finish(output.request, RequestDelta(embedding=output.embedding))
+            else:
+                stream.state.on_prompt_logprobs(output)
 
     def finish(self, req: Request, delta: RequestDelta) -> None:
         """Ends a finished request's stream with its last text and usage."""

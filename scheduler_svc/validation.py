@@ -36,7 +36,7 @@ class Limits:
     max_logit_bias: int = 1024
 
 
-def validate_prompt(req: spb.GenerateRequest, limits: Limits) -> None:
+def validate_prompt(req: spb.GenerateRequest | spb.EmbedRequest, limits: Limits) -> None:
     has_text, has_ids = bool(req.prompt), len(req.prompt_token_ids) > 0
     if has_text == has_ids:
         raise InvalidRequest("prompt", "set exactly one of prompt and prompt_token_ids")
@@ -73,6 +73,9 @@ def sampling_from_proto(s: spb.SamplingParams, limits: Limits) -> SamplingParams
             raise InvalidRequest(f"sampling.stop_token_ids[{i}]", f"token id {t} is outside the vocabulary")
     if s.logprobs > limits.max_logprobs:
         raise InvalidRequest("sampling.logprobs", f"at most {limits.max_logprobs}, got {s.logprobs}")
+    prompt_logprobs = s.prompt_logprobs if s.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and prompt_logprobs > limits.max_logprobs:
+        raise InvalidRequest("sampling.prompt_logprobs", f"at most {limits.max_logprobs}, got {prompt_logprobs}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(s, name)
         if not (math.isfinite(value) and -2.0 <= value <= 2.0):
@@ -108,6 +111,7 @@ def sampling_from_proto(s: spb.SamplingParams, limits: Limits) -> SamplingParams
         min_p=float(s.min_p),
         min_tokens=s.min_tokens,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from executor_svc.model.builtin import BUILTIN_MODELS, load_builtin
+from executor_svc.model.pooling import PoolingConfig, read_pooling
 from llmsched.errors import StartupError
 
 
@@ -64,6 +65,8 @@ class Checkpoint:
     generation_config: dict | None = None  # generation_config.json, when present
     shards: tuple[Path, ...] = ()  # safetensors files, read lazily
     in_memory: dict[str, torch.Tensor] | None = None  # built-ins: HF-named tensors
+    # How embeddings pool (pooling.py); built-ins ship no pooling config.
+    pooling: PoolingConfig = PoolingConfig(None, "a built-in model ships no sentence-transformers pooling config")
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) pairs, read one at a time."""
@@ -125,6 +128,7 @@ def load_checkpoint(model: str) -> Checkpoint:
         tokenizer_json=tokenizer_json,
         generation_config=_read_config(gen) if gen.exists() else None,
         shards=_shards(path),
+        pooling=read_pooling(path),
     )
 
 

@@ -383,6 +383,10 @@ def build_model(cfg: ModelConfig,
             continue  # HF ignores it too: the head is the embedding matrix
         lazy = tensor if isinstance(tensor, LazyTensor) else LazyTensor.of(tensor)
         for name, whole in (rename(ckpt_name, lazy, cfg) if rename else [(ckpt_name, lazy)]):
+            if name not in owners and f"model.{name}" in owners:
+                # Saved from the bare decoder (AutoModel), as sentence-transformers
+                # saves Qwen3-Embedding: the body's tensors lack the prefix.
+                name = f"model.{name}"
             if name not in owners:
                 unexpected.append(name)
                 continue

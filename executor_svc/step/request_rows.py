@@ -45,6 +45,9 @@ class RequestRows:
         # the rows that set them; has_bias[row] says so without a lookup.
         self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.held_ids: dict[int, np.ndarray] = {}
+        # Embedding rows' pooling so far (mean: the sum of the hidden states
+        # computed; CLS: the first one), until their last prompt chunk.
+        self.pooled: dict[int, torch.Tensor] = {}
         # One more column than max_model_len: a request that computed all
         # max_model_len positions still stores the token it sampled.
         self.width = max_model_len + 1
@@ -85,6 +88,8 @@ class RequestRows:
         self.min_p = grow(get("min_p"), (rows,), np.float32)
         self.min_tokens = grow(get("min_tokens"), (rows,), np.int64)
         self.has_bias = grow(get("has_bias"), (rows,), bool)
+        self.prompt_logprobs = grow(get("prompt_logprobs"), (rows,), np.int64)  # top alternatives; -1 = none
+        self.embed = grow(get("embed"), (rows,), bool)  # prefill only: pooled, never sampled
         if self.device.type == "cpu":
             self.block_table = torch.from_numpy(self.block_table_host)  # [rows, max_blocks], shared
         else:
@@ -103,6 +108,7 @@ class RequestRows:
         self.penalty_slot[:] = -1
         self.logit_bias.clear()
         self.held_ids.clear()
+        self.pooled.clear()
 
     def row_of(self, handle: int) -> int:
         try:
@@ -114,12 +120,13 @@ class RequestRows:
         row = self.handle_rows.pop(handle, None)
         if row is not None:
             heapq.heappush(self._free, row)
+            self.pooled.pop(row, None)
             if self.penalty_slot[row] >= 0:
                 self.counts.free(int(self.penalty_slot[row]))
                 self.penalty_slot[row] = -1
 
     def add(self, handle: int, token_ids: list[int], block_ids: list[int], num_computed: int,
-            sampling: SamplingSettings, num_output: int) -> tuple[int, np.ndarray]:
+            sampling: SamplingSettings, num_output: int, embed: bool = False) -> tuple[int, np.ndarray]:
         """Takes a row for a new (or re-sent) request; returns it and the
         flat block-table indices it wrote."""
         n, nb = len(token_ids), len(block_ids)
@@ -146,6 +153,8 @@ class RequestRows:
         self.frequency_penalty[row] = sampling.frequency_penalty
         self.repetition_penalty[row] = sampling.repetition_penalty
         self.min_p[row], self.min_tokens[row] = sampling.min_p, sampling.min_tokens
+        self.prompt_logprobs[row] = -1 if sampling.prompt_logprobs is None else sampling.prompt_logprobs
+        self.embed[row] = embed
         if sampling.has_penalties:
             num_prompt = n - num_output
             self.penalty_slot[row] = self.counts.add(token_ids[:num_prompt], token_ids[num_prompt:])

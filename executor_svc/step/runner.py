@@ -26,10 +26,15 @@ from executor_svc.step.host_memory import retain_freed_memory, to_device
 from executor_svc.step.kv_cache import KVCachePool
 from executor_svc.step.logits_processors import LogitsProcessors
 from executor_svc.model.model import CausalLM
+from executor_svc.model.pooling import Pooling
 from executor_svc.step.request_rows import PlanError, RequestRows
 from executor_svc.step.sampler import SamplingBatch, SamplingSettings, sample
 
 log = logging.getLogger(__name__)
+
+# Prompt positions whose logprobs one lm_head call computes: the logits of a
+# whole chunk at once would take chunk x vocabulary floats.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -45,6 +50,8 @@ class NewRequestData:
     # waits until it is the only token left (NewRequest.constraint).
     grammar: str | None = None
     ignore_eos: bool = False
+    # An embedding request (NewRequest.embed): prefill only, pooled.
+    embed: bool = False
 
 
 @dataclass(slots=True)
@@ -76,6 +83,19 @@ class StepPlan:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of one request's prompt tokens [first, first + len(logprobs)),
+    with top_k alternatives each, flattened."""
+
+    handle: int
+    first: int
+    logprobs: list[float]
+    top_k: int = 0
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StepResult:
     step_id: int
     sampled_handles: list[int]
@@ -92,6 +112,10 @@ class StepResult:
     error: str | None = None
     # A plan of an epoch that already failed, not run (step_loop.py).
     was_discarded: bool = False
+    # What the step read from prompt positions: prompt logprobs, and the
+    # pooled vectors of embedding requests it completed, as (handle, values).
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    embeddings: list[tuple[int, list[float]]] = field(default_factory=list)
 
     @classmethod
     def failed(cls, step_id: int, error: str) -> "StepResult":
@@ -106,8 +130,11 @@ class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
                  fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False,
                  torch_compile: bool = False, tp=None, constraints: ConstraintMatchers | None = None,
-                 host_kv: HostKVPool | None = None):
+                 host_kv: HostKVPool | None = None, pooling: Pooling | None = None):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
+        # How embedding requests pool (pooling.py); None: the checkpoint has
+        # no pooling config, and the scheduler sends none.
+        self.pooling = pooling
         # The host KV tier (host_kv.py); None when EXECUTOR_HOST_KV_CACHE_MEMORY_MB is 0.
         self.host_kv = host_kv
         # Constraint matchers of constrained requests (constraints.py); None
@@ -147,8 +174,10 @@ class ModelRunner:
         counts: list[int] = []
         written: list[np.ndarray] = []
         for new in step.new_requests:
+            if new.embed and self.pooling is None:
+                raise PlanError(f"handle {new.handle}: an embedding request, but the checkpoint has no pooling config")
             row, flat = rows.add(new.handle, new.token_ids, new.block_ids, new.num_computed_tokens, new.sampling,
-                                 new.num_output_tokens)
+                                 new.num_output_tokens, new.embed)
             if constraints is not None:
                 if new.grammar is None:
                     constraints.remove(new.handle)
@@ -228,7 +257,10 @@ class ModelRunner:
         # slot = block_table[row, pos // block_size] * block_size + pos % block_size
         slots = r.block_table_host.reshape(-1)[tok_rows * r.max_blocks + positions // block_size]
         slot_mapping = slots.astype(np.int64) * block_size + positions % block_size  # [num_tokens]
-        samples = end == r.num_tokens[rows]  # prompt fully computed: this row samples
+        embeds = r.embed[rows]
+        # Rows whose outputs read prompt positions: prompt logprobs, pooling.
+        reads_prompt = embeds | (r.prompt_logprobs[rows] >= 0)
+        samples = (end == r.num_tokens[rows]) & ~embeds  # prompt fully computed: this row samples
         sample_rows = rows[samples]
         sample_tokens = cu[1:][samples] - 1  # index of each sampling row's last token
         # Constrained rows' masks are computed on a worker thread while the
@@ -256,13 +288,19 @@ class ModelRunner:
         t1 = time.perf_counter_ns()
 
         logits = None  # rank 0's only, under tensor parallelism
-        decode_only = num_tokens == len(sample_rows) == len(rows)
+        prompt_logprobs: list[PromptLogprobs] = []
+        embeddings: list[tuple[int, list[float]]] = []
+        decode_only = num_tokens == len(sample_rows) == len(rows) and not reads_prompt.any()
         if self.graphs is not None and decode_only and len(rows) <= self.graphs.max_batch:
             logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
         elif self.compiled is not None and decode_only and self.compiled.fits(len(rows), max_blocks):
             logits = self._run_compiled(ids_t, positions_t, meta)  # [n, vocab], or None: run eagerly
         if logits is None:
             hidden = self.model(ids_t, positions_t, self.kv_caches, meta, self.backend)  # [num_tokens, hidden]
+            if reads_prompt.any():
+                prompt_logprobs = self._prompt_logprobs(hidden, rows, cu, start, end)
+                embeddings = self._pool(hidden, rows[embeds], cu[:-1][embeds], cu[1:][embeds], start[embeds],
+                                        end[embeds])
             if len(sample_rows):
                 if len(sample_rows) < num_tokens:
                     hidden = hidden[to_device(sample_tokens, dev)]
@@ -293,7 +331,81 @@ class ModelRunner:
         if swaps is not None:
             self.host_kv.finish(swaps)  # long done: the forward waited for them
         t3 = time.perf_counter_ns()
-        return StepResult(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2, errors, swaps)
+        return StepResult(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2, errors, swaps,
+                          prompt_logprobs=prompt_logprobs, embeddings=embeddings)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: np.ndarray, cu: np.ndarray, start: np.ndarray,
+                         end: np.ndarray) -> list[PromptLogprobs]:
+        """The model's own log-softmax (no bias, penalty or mask) at every
+        prompt position this step computed, for the prompt token after it:
+        position p gives token p + 1's. The prompt's last position predicts
+        the first sampled token, so it gives none. Under tensor parallelism
+        every rank runs the lm_head (it is split) and rank 0 alone gets the
+        logits."""
+        r, dev = self.rows, self.device
+        picks: list[np.ndarray] = []
+        spans: list[tuple[int, int, int, int]] = []  # (row, first token, count, top k)
+        for i in np.flatnonzero(r.prompt_logprobs[rows] >= 0):
+            row = int(rows[i])
+            num_prompt = int(r.num_tokens[row] - r.num_output[row])
+            n = min(int(end[i]), num_prompt - 1) - int(start[i])
+            if n > 0:
+                picks.append(np.arange(cu[i], cu[i] + n))
+                spans.append((row, int(start[i]) + 1, n, int(r.prompt_logprobs[row])))
+        if not spans:
+            return []
+        index = np.concatenate(picks)
+        targets = np.concatenate([r.token_ids[row, first:first + n] for row, first, n, _ in spans]).astype(np.int64)
+        max_k = max(k for *_, k in spans)
+        lps, top_lps, top_ids = [], [], []
+        for s in range(0, len(index), PROMPT_LOGPROBS_ROWS):
+            logits = self.model.compute_logits(hidden[to_device(index[s:s + PROMPT_LOGPROBS_ROWS], dev)])
+            if logits is None:
+                continue  # not rank 0
+            logp = torch.log_softmax(logits, dim=-1)  # [m, vocab] fp32
+            lps.append(logp.gather(1, to_device(targets[s:s + PROMPT_LOGPROBS_ROWS], dev)[:, None])[:, 0].cpu())
+            if max_k:
+                values, ids = logp.topk(max_k, dim=-1)
+                top_lps.append(values.cpu())
+                top_ids.append(ids.cpu())
+        if not lps:
+            return []
+        lp = torch.cat(lps).tolist()
+        if max_k:
+            all_top_lps, all_top_ids = torch.cat(top_lps), torch.cat(top_ids)
+        out, at = [], 0
+        for row, first, n, k in spans:
+            entry = PromptLogprobs(int(r.handle[row]), first, lp[at:at + n], k)
+            if k:
+                entry.top_logprobs = all_top_lps[at:at + n, :k].reshape(-1).tolist()
+                entry.top_token_ids = all_top_ids[at:at + n, :k].reshape(-1).tolist()
+            out.append(entry)
+            at += n
+        return out
+
+    def _pool(self, hidden: torch.Tensor, rows: np.ndarray, first: np.ndarray, last: np.ndarray, start: np.ndarray,
+              end: np.ndarray) -> list[tuple[int, list[float]]]:
+        """Embedding rows: hidden[first[i]:last[i]] are positions
+        [start[i], end[i]) of rows[i]. Pooled in float32 across a prompt's
+        chunks; a row whose prompt this step completes gets its vector."""
+        r, mode, out = self.rows, self.pooling.mode if self.pooling else "", []
+        for row, a, b, s, e in zip(rows.tolist(), first.tolist(), last.tolist(), start.tolist(), end.tolist()):
+            h = hidden[a:b]
+            if s and mode != "last" and row not in r.pooled:
+                raise PlanError(f"handle {int(r.handle[row])}: {mode} pooling needs every prompt position, but "
+                                f"positions before {s} were not computed here")
+            if mode == "mean":
+                part = h.float().sum(0)
+                r.pooled[row] = part if s == 0 else r.pooled[row] + part
+            elif mode == "cls" and s == 0:
+                r.pooled[row] = h[0].float()
+            if e == r.num_tokens[row]:
+                if mode == "last":
+                    vector = h[-1].float()
+                else:
+                    vector = r.pooled.pop(row) / (e if mode == "mean" else 1)
+                out.append((int(r.handle[row]), self.pooling.finish(vector)))
+        return out
 
     def _run_compiled(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Logits from the compiled decode graph; None (and eager from now on)

@@ -52,6 +52,9 @@ class SamplingSettings:
     min_tokens: int = 0
     min_tokens_held_ids: tuple[int, ...] = ()  # masked while fewer than min_tokens were generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    # Top alternatives per prompt token's logprob (StepSampling.prompt_logprobs);
+    # None = no prompt logprobs.
+    prompt_logprobs: int | None = None
 
     @property
     def has_penalties(self) -> bool:

@@ -11,7 +11,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("model", "tokenizer_json", "block_size", "num_kv_blocks", "max_model_len", "instance_id", "vocab_size", "eos_token_ids", "max_logprobs", "device", "chat_template", "bos_token", "eos_token", "architecture", "rope_type", "tensor_parallel_size", "supports_constraints", "kv_bytes_per_token", "num_host_kv_blocks", "weight_bytes", "quantization")
+    __slots__ = ("model", "tokenizer_json", "block_size", "num_kv_blocks", "max_model_len", "instance_id", "vocab_size", "eos_token_ids", "max_logprobs", "device", "chat_template", "bos_token", "eos_token", "architecture", "rope_type", "tensor_parallel_size", "supports_constraints", "kv_bytes_per_token", "num_host_kv_blocks", "weight_bytes", "quantization", "pooling", "hidden_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,8 @@ class HandshakeResponse(_message.Message):
     NUM_HOST_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer_json: str
     block_size: int
@@ -54,10 +56,12 @@ class HandshakeResponse(_message.Message):
     num_host_kv_blocks: int
     weight_bytes: int
     quantization: str
-    def __init__(self, model: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., supports_constraints: _Optional[bool] = ..., kv_bytes_per_token: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
+    pooling: str
+    hidden_size: int
+    def __init__(self, model: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., supports_constraints: _Optional[bool] = ..., kv_bytes_per_token: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., pooling: _Optional[str] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class StepSampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "min_tokens_held_ids", "logit_bias_ids", "logit_bias_values")
+    __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "min_tokens_held_ids", "logit_bias_ids", "logit_bias_values", "prompt_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +76,7 @@ class StepSampling(_message.Message):
     MIN_TOKENS_HELD_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -86,10 +91,11 @@ class StepSampling(_message.Message):
     min_tokens_held_ids: _containers.RepeatedScalarFieldContainer[int]
     logit_bias_ids: _containers.RepeatedScalarFieldContainer[int]
     logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., min_tokens_held_ids: _Optional[_Iterable[int]] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., min_tokens_held_ids: _Optional[_Iterable[int]] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("handle", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_output_tokens", "constraint")
+    __slots__ = ("handle", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "num_output_tokens", "constraint", "embed")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +104,7 @@ class NewRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
     handle: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -106,7 +113,8 @@ class NewRequest(_message.Message):
     sampling: StepSampling
     num_output_tokens: int
     constraint: Constraint
-    def __init__(self, handle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[StepSampling, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+    embed: bool
+    def __init__(self, handle: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[StepSampling, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., embed: _Optional[bool] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("grammar", "ignore_eos")
@@ -158,8 +166,32 @@ class SampledLogprobs(_message.Message):
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class PromptLogprobs(_message.Message):
+    __slots__ = ("handle", "first", "logprobs", "top_k", "top_token_ids", "top_logprobs")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    first: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_k: int
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, handle: _Optional[int] = ..., first: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_k: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("handle", "values")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, handle: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_handles", "sampled_token_ids", "logprobs", "prepare_ns", "forward_ns", "sample_ns", "error", "discarded", "request_errors", "swap_ns", "failed_swap_outs", "failed_swap_ins")
+    __slots__ = ("step_id", "sampled_handles", "sampled_token_ids", "logprobs", "prepare_ns", "forward_ns", "sample_ns", "error", "discarded", "request_errors", "swap_ns", "failed_swap_outs", "failed_swap_ins", "prompt_logprobs", "embeddings")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_HANDLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +205,8 @@ class StepResult(_message.Message):
     SWAP_NS_FIELD_NUMBER: _ClassVar[int]
     FAILED_SWAP_OUTS_FIELD_NUMBER: _ClassVar[int]
     FAILED_SWAP_INS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_handles: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -186,7 +220,9 @@ class StepResult(_message.Message):
     swap_ns: int
     failed_swap_outs: _containers.RepeatedScalarFieldContainer[int]
     failed_swap_ins: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., error: _Optional[str] = ..., discarded: _Optional[bool] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., swap_ns: _Optional[int] = ..., failed_swap_outs: _Optional[_Iterable[int]] = ..., failed_swap_ins: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., error: _Optional[str] = ..., discarded: _Optional[bool] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., swap_ns: _Optional[int] = ..., failed_swap_outs: _Optional[_Iterable[int]] = ..., failed_swap_ins: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("handle", "message")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllmsched/v1/scheduler.proto\x12\x0bllmsched.v1\"\xb3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.llmsched.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x31\n\nstructured\x18\x07 \x01(\x0b\x32\x1d.llmsched.v1.StructuredOutput\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x17\n\ncache_salt\x18\t \x01(\tH\x01\x88\x01\x01\x42\x15\n\x13_add_special_tokensB\r\n\x0b_cache_salt\"\x99\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.llmsched.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x18\n\x06\x43hoice\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xe5\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\r\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.llmsched.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xdf\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmsched.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.llmsched.v1.Usage\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.llmsched.v1.TokenLogprobs\x12\x13\n\x0bstop_string\x18\x07 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x82\x01\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\r\n\x05token\x18\x05 \x01(\t\x12\x12\n\ntop_tokens\x18\x06 \x03(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"Y\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x16\n\x14GetServerInfoRequest\"\xc7\x03\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x1c\n\x14\x65xecutor_instance_id\x18\x08 \x01(\t\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x14\n\x0c\x61rchitecture\x18\n \x01(\t\x12\x11\n\trope_type\x18\x0b \x01(\t\x12\x15\n\rchat_template\x18\x0c \x01(\t\x12\x11\n\tbos_token\x18\r \x01(\t\x12\x11\n\teos_token\x18\x0e \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0f \x01(\r\x12\x1a\n\x12num_host_kv_blocks\x18\x10 \x01(\r\x12\x1f\n\x17num_free_host_kv_blocks\x18\x11 \x01(\r\x12\x14\n\x0cweight_bytes\x18\x12 \x01(\x04\x12\x14\n\x0cquantization\x18\x13 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xac\x02\n\tScheduler\x12I\n\x08Generate\x12\x1c.llmsched.v1.GenerateRequest\x1a\x1d.llmsched.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmsched.v1.AbortRequest\x1a\x1a.llmsched.v1.AbortResponse\x12K\n\rGetServerInfo\x12!.llmsched.v1.GetServerInfoRequest\x1a\x17.llmsched.v1.ServerInfo\x12G\n\x08Tokenize\x12\x1c.llmsched.v1.TokenizeRequest\x1a\x1d.llmsched.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllmsched/v1/scheduler.proto\x12\x0bllmsched.v1\"\xb3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.llmsched.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x31\n\nstructured\x18\x07 \x01(\x0b\x32\x1d.llmsched.v1.StructuredOutput\x12\x0e\n\x06tenant\x18\x08 \x01(\t\x12\x17\n\ncache_salt\x18\t \x01(\tH\x01\x88\x01\x01\x42\x15\n\x13_add_special_tokensB\r\n\x0b_cache_salt\"\x99\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.llmsched.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x18\n\x06\x43hoice\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x97\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\r\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12>\n\nlogit_bias\x18\x0f \x03(\x0b\x32*.llmsched.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\x94\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmsched.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.llmsched.v1.Usage\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.llmsched.v1.TokenLogprobs\x12\x13\n\x0bstop_string\x18\x07 \x01(\t\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.llmsched.v1.TokenLogprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x82\x01\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\r\n\x05token\x18\x05 \x01(\t\x12\x12\n\ntop_tokens\x18\x06 \x03(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"Y\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\xce\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x0e\n\x06tenant\x18\x07 \x01(\tB\x15\n\x13_add_special_tokensB\r\n\x0b_dimensions\"Y\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tembedding\x18\x02 \x03(\x02\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.llmsched.v1.Usage\"\x16\n\x14GetServerInfoRequest\"\xd8\x03\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x1c\n\x14\x65xecutor_instance_id\x18\x08 \x01(\t\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x14\n\x0c\x61rchitecture\x18\n \x01(\t\x12\x11\n\trope_type\x18\x0b \x01(\t\x12\x15\n\rchat_template\x18\x0c \x01(\t\x12\x11\n\tbos_token\x18\r \x01(\t\x12\x11\n\teos_token\x18\x0e \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0f \x01(\r\x12\x1a\n\x12num_host_kv_blocks\x18\x10 \x01(\r\x12\x1f\n\x17num_free_host_kv_blocks\x18\x11 \x01(\r\x12\x14\n\x0cweight_bytes\x18\x12 \x01(\x04\x12\x14\n\x0cquantization\x18\x13 \x01(\t\x12\x0f\n\x07pooling\x18\x14 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xbb\x03\n\tScheduler\x12I\n\x08Generate\x12\x1c.llmsched.v1.GenerateRequest\x1a\x1d.llmsched.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.llmsched.v1.AbortRequest\x1a\x1a.llmsched.v1.AbortResponse\x12K\n\rGetServerInfo\x12!.llmsched.v1.GetServerInfoRequest\x1a\x17.llmsched.v1.ServerInfo\x12G\n\x08Tokenize\x12\x1c.llmsched.v1.TokenizeRequest\x1a\x1d.llmsched.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.llmsched.v1.DetokenizeRequest\x1a\x1f.llmsched.v1.DetokenizeResponse\x12>\n\x05\x45mbed\x12\x19.llmsched.v1.EmbedRequest\x1a\x1a.llmsched.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2152
-  _globals['_FINISHREASON']._serialized_end=2272
+  _globals['_FINISHREASON']._serialized_start=2677
+  _globals['_FINISHREASON']._serialized_end=2797
   _globals['_GENERATEREQUEST']._serialized_start=45
   _globals['_GENERATEREQUEST']._serialized_end=352
   _globals['_STRUCTUREDOUTPUT']._serialized_start=355
@@ -42,27 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICE']._serialized_start=510
   _globals['_CHOICE']._serialized_end=534
   _globals['_SAMPLINGPARAMS']._serialized_start=537
-  _globals['_SAMPLINGPARAMS']._serialized_end=1022
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=916
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=964
-  _globals['_GENERATERESPONSE']._serialized_start=1025
-  _globals['_GENERATERESPONSE']._serialized_end=1248
-  _globals['_USAGE']._serialized_start=1250
-  _globals['_USAGE']._serialized_end=1337
-  _globals['_TOKENLOGPROBS']._serialized_start=1340
-  _globals['_TOKENLOGPROBS']._serialized_end=1470
-  _globals['_ABORTREQUEST']._serialized_start=1472
-  _globals['_ABORTREQUEST']._serialized_end=1506
-  _globals['_ABORTRESPONSE']._serialized_start=1508
-  _globals['_ABORTRESPONSE']._serialized_end=1538
-  _globals['_TOKENIZEREQUEST']._serialized_start=1540
-  _globals['_TOKENIZEREQUEST']._serialized_end=1629
-  _globals['_TOKENIZERESPONSE']._serialized_start=1631
-  _globals['_TOKENIZERESPONSE']._serialized_end=1668
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1670
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1692
-  _globals['_SERVERINFO']._serialized_start=1695
-  _globals['_SERVERINFO']._serialized_end=2150
-  _globals['_SCHEDULER']._serialized_start=2275
-  _globals['_SCHEDULER']._serialized_end=2575
+  _globals['_SAMPLINGPARAMS']._serialized_end=1072
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=946
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=994
+  _globals['_GENERATERESPONSE']._serialized_start=1075
+  _globals['_GENERATERESPONSE']._serialized_end=1351
+  _globals['_USAGE']._serialized_start=1353
+  _globals['_USAGE']._serialized_end=1440
+  _globals['_TOKENLOGPROBS']._serialized_start=1443
+  _globals['_TOKENLOGPROBS']._serialized_end=1573
+  _globals['_ABORTREQUEST']._serialized_start=1575
+  _globals['_ABORTREQUEST']._serialized_end=1609
+  _globals['_ABORTRESPONSE']._serialized_start=1611
+  _globals['_ABORTRESPONSE']._serialized_end=1641
+  _globals['_TOKENIZEREQUEST']._serialized_start=1643
+  _globals['_TOKENIZEREQUEST']._serialized_end=1732
+  _globals['_TOKENIZERESPONSE']._serialized_start=1734
+  _globals['_TOKENIZERESPONSE']._serialized_end=1771
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1773
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1840
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1842
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1876
+  _globals['_EMBEDREQUEST']._serialized_start=1879
+  _globals['_EMBEDREQUEST']._serialized_end=2085
+  _globals['_EMBEDRESPONSE']._serialized_start=2087
+  _globals['_EMBEDRESPONSE']._serialized_end=2176
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2178
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2200
+  _globals['_SERVERINFO']._serialized_start=2203
+  _globals['_SERVERINFO']._serialized_end=2675
+  _globals['_SCHEDULER']._serialized_start=2800
+  _globals['_SCHEDULER']._serialized_end=3243
 # @@protoc_insertion_point(module_scope)

@@ -61,7 +61,7 @@ class Choice(_message.Message):
     def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class SamplingParams(_message.Message):
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -99,10 +100,11 @@ class SamplingParams(_message.Message):
     min_p: float
     min_tokens: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "logprobs", "stop_string")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "logprobs", "stop_string", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +112,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -117,7 +120,8 @@ class GenerateResponse(_message.Message):
     usage: Usage
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     stop_string: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., stop_string: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., stop_string: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -171,12 +175,54 @@ class TokenizeResponse(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_ids", "skip_special_tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    skip_special_tokens: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "add_special_tokens", "dimensions", "priority", "tenant")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    add_special_tokens: bool
+    dimensions: int
+    priority: int
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., add_special_tokens: _Optional[bool] = ..., dimensions: _Optional[int] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("request_id", "embedding", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    usage: Usage
+    def __init__(self, request_id: _Optional[str] = ..., embedding: _Optional[_Iterable[float]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "block_size", "num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting", "executor_instance_id", "num_preemptions", "architecture", "rope_type", "chat_template", "bos_token", "eos_token", "tensor_parallel_size", "num_host_kv_blocks", "num_free_host_kv_blocks", "weight_bytes", "quantization")
+    __slots__ = ("model", "max_model_len", "block_size", "num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting", "executor_instance_id", "num_preemptions", "architecture", "rope_type", "chat_template", "bos_token", "eos_token", "tensor_parallel_size", "num_host_kv_blocks", "num_free_host_kv_blocks", "weight_bytes", "quantization", "pooling")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +242,7 @@ class ServerInfo(_message.Message):
     NUM_FREE_HOST_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     block_size: int
@@ -215,4 +262,5 @@ class ServerInfo(_message.Message):
     num_free_host_kv_blocks: int
     weight_bytes: int
     quantization: str
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., executor_instance_id: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
+    pooling: str
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., executor_instance_id: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., pooling: _Optional[str] = ...) -> None: ...

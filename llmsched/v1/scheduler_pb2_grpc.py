@@ -55,6 +55,16 @@ class SchedulerStub:
                 request_serializer=llmsched_dot_v1_dot_scheduler__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=llmsched_dot_v1_dot_scheduler__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/llmsched.v1.Scheduler/Detokenize',
+                request_serializer=llmsched_dot_v1_dot_scheduler__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=llmsched_dot_v1_dot_scheduler__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/llmsched.v1.Scheduler/Embed',
+                request_serializer=llmsched_dot_v1_dot_scheduler__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=llmsched_dot_v1_dot_scheduler__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -93,6 +103,25 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """The text of token ids, as Generate's text would spell them: what an
+        HTTP front end without a tokenizer serves /detokenize with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """One prompt's embedding: the model's final hidden states pooled as its
+        checkpoint's sentence-transformers config says (last token, mean or
+        CLS; normalised when it says so). The prompt is computed as a
+        prefill-only row in the same steps as generation. A model without a
+        pooling config is refused with FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +144,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=llmsched_dot_v1_dot_scheduler__pb2.TokenizeRequest.FromString,
                     response_serializer=llmsched_dot_v1_dot_scheduler__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=llmsched_dot_v1_dot_scheduler__pb2.DetokenizeRequest.FromString,
+                    response_serializer=llmsched_dot_v1_dot_scheduler__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=llmsched_dot_v1_dot_scheduler__pb2.EmbedRequest.FromString,
+                    response_serializer=llmsched_dot_v1_dot_scheduler__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +265,60 @@ class Scheduler:
             '/llmsched.v1.Scheduler/Tokenize',
             llmsched_dot_v1_dot_scheduler__pb2.TokenizeRequest.SerializeToString,
             llmsched_dot_v1_dot_scheduler__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmsched.v1.Scheduler/Detokenize',
+            llmsched_dot_v1_dot_scheduler__pb2.DetokenizeRequest.SerializeToString,
+            llmsched_dot_v1_dot_scheduler__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmsched.v1.Scheduler/Embed',
+            llmsched_dot_v1_dot_scheduler__pb2.EmbedRequest.SerializeToString,
+            llmsched_dot_v1_dot_scheduler__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from scheduler_svc.core.backpressure import AdmissionLimits, Overloaded, StepTimeEstimator, check_admission
-from scheduler_svc.core.plan import SampledToken, StepPlan, StepResult
+from scheduler_svc.core.plan import PromptOutput, SampledToken, StepPlan, StepResult
 from scheduler_svc.core.policy import parse_weights
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
@@ -87,6 +87,10 @@ class CoreListener:
     def tokens(self, tokens: list[SampledToken], num_dropped: int) -> None:
         """A result's new tokens, matched to their requests."""
 
+    def prompt_outputs(self, outputs: list[PromptOutput]) -> None:
+        """What a result read from prompt positions (prompt logprobs,
+        embeddings; an embedding's request has finished), before its tokens."""
+
     def swaps_applied(self, step: InFlightStep, outcome: StepResult) -> None:
         """A result whose plan copied blocks between the tiers was applied."""
 
@@ -129,6 +133,10 @@ class Tee(CoreListener):
     def tokens(self, tokens: list[SampledToken], num_dropped: int) -> None:
         self.first.tokens(tokens, num_dropped)
         self.second.tokens(tokens, num_dropped)
+
+    def prompt_outputs(self, outputs: list[PromptOutput]) -> None:
+        self.first.prompt_outputs(outputs)
+        self.second.prompt_outputs(outputs)
 
     def swaps_applied(self, step: InFlightStep, outcome: StepResult) -> None:
         self.first.swaps_applied(step, outcome)
@@ -339,6 +347,9 @@ class EngineCore:
                 return step
             self._fail_constrained(sched, out, outcome.request_errors)
             live_before = len(sched.requests)
+            if outcome.prompt_logprobs or outcome.embeddings:
+                self.listener.prompt_outputs(sched.apply_prompt_outputs(out, outcome.prompt_logprobs,
+                                                                        outcome.embeddings))
             dropped = sched.num_dropped_tokens
             tokens = sched.update_from_output(out, outcome.sampled, outcome.failed_swap_outs, outcome.failed_swap_ins)
             self.listener.tokens(tokens, sched.num_dropped_tokens - dropped)

@@ -108,7 +108,7 @@ class KVCacheManager:
             # after a step in flight sampled it, see Scheduler._preempt).
             num_tokens = min(record.num_tokens, request.num_tokens - 1)
             return CacheHit(list(record.host_blocks), num_tokens, 0, [True] * len(record.host_blocks), record)
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skip_prefix_cache:
             return CacheHit.make_empty()
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[int] = []

@@ -31,6 +31,10 @@ class ModelFacts:
     # The weights on one rank, as loaded, and how the checkpoint stores them.
     weight_bytes: int = 0
     quantization: str = ""
+    # How embeddings pool ("last+normalize"); empty: no embeddings. And the
+    # pooled vector's width.
+    pooling: str = ""
+    hidden_size: int = 0
 
     @property
     def geometry(self) -> tuple:

@@ -113,6 +113,31 @@ class SampledToken:
 
 
 @dataclass(slots=True)
+class PromptOutput:
+    """What a step read from a request's prompt positions, already matched
+    to its request: logprobs of prompt tokens [first, first + len(logprobs))
+    as (token id, logprob, top ids, top logprobs), or, for an embedding
+    request, its pooled vector (the request is then finished)."""
+
+    request: Request
+    first: int = 0
+    logprobs: list[tuple[int, float, list[int], list[float]]] = field(default_factory=list)
+    embedding: list[float] | None = None
+
+
+@dataclass(slots=True)
+class PromptLogprobsResult:
+    """StepResult.prompt_logprobs for one request, out of protobuf."""
+
+    handle: int
+    first: int
+    logprobs: list[float]
+    top_k: int = 0
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StepResult:
     """The executor's answer to one plan, out of protobuf."""
 
@@ -130,3 +155,7 @@ class StepResult:
     failed_swap_outs: list[int] = field(default_factory=list)
     failed_swap_ins: list[int] = field(default_factory=list)
     swap_ns: int = 0
+    # What the step read from prompt positions (executor.proto's
+    # PromptLogprobs and Embedding).
+    prompt_logprobs: list[PromptLogprobsResult] = field(default_factory=list)
+    embeddings: list[tuple[int, list[float]]] = field(default_factory=list)

@@ -52,6 +52,8 @@ class SamplingParams:
     # EOS, stop tokens and stop strings wait until this many output tokens.
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by id
+    # Top alternatives with each prompt token's logprob; None = no prompt logprobs.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -106,6 +108,14 @@ class Request:
     # Prompt positions already counted as served (policy.py): recomputing
     # them after a preemption does not count again.
     num_charged_prompt_tokens: int = 0
+    # An embedding request (the Embed RPC): its prompt is computed as a
+    # prefill-only row, nothing is sampled, and the step that completes it
+    # returns the pooled vector.
+    embed: bool = False
+    # Its outputs read prompt positions the prefix cache would skip (prompt
+    # logprobs, or an embedding pooled over every position): it takes no
+    # cached blocks and computes its whole prompt.
+    skip_prefix_cache: bool = False
 
     @property
     def num_tokens(self) -> int:

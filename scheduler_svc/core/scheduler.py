@@ -29,7 +29,8 @@ from typing import Protocol
 
 from scheduler_svc.core.host_tier import SwappedOut
 from scheduler_svc.core.kv_cache_manager import KVCacheManager, blocks_needed
-from scheduler_svc.core.plan import NewRequestData, SampledToken, ScheduledRequest, StepPlan
+from scheduler_svc.core.plan import (NewRequestData, PromptLogprobsResult, PromptOutput, SampledToken,
+                                     ScheduledRequest, StepPlan)
 from scheduler_svc.core.policy import make_policy
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.scheduler_config import SchedulerConfig
@@ -249,6 +250,8 @@ class Scheduler:
     def _last_token_in_flight(self, req: Request) -> bool:
         """A step in flight samples the request's last allowed token, so
         scheduling it again could only compute past its end."""
+        if req.embed:
+            return req.num_computed_tokens >= req.num_tokens  # its last chunk is in flight
         return req.num_output_placeholders > 0 and (
             len(req.output_token_ids) + req.num_output_placeholders >= req.sampling.max_tokens
             or req.num_tokens_with_placeholders >= self.config.max_model_len
@@ -274,7 +277,7 @@ class Scheduler:
         start = req.num_computed_tokens
         if start < req.num_lost_tokens:
             self.num_recomputed_tokens[req.lost_cause] += min(start + n, req.num_lost_tokens) - start
-        samples = start + n == req.num_tokens_with_placeholders
+        samples = start + n == req.num_tokens_with_placeholders and not req.embed
         out.entries[req.handle] = ScheduledRequest(req, n, start, samples, req.epoch)
         self.policy.charge(req, start, n, samples)
         req.num_computed_tokens += n
@@ -307,7 +310,9 @@ class Scheduler:
 
     def _should_swap(self, req: Request) -> bool:
         mode = self.config.preemption_mode
-        if mode == "recompute" or self.kv.host is None or req.num_computed_tokens == 0:
+        # An embedding's pooling so far lives in the executor's row, which a
+        # preemption drops: it recomputes.
+        if mode == "recompute" or req.embed or self.kv.host is None or req.num_computed_tokens == 0:
             return False
         if mode == "swap":
             return True
@@ -376,6 +381,40 @@ class Scheduler:
         while self._releasing and self._releasing[0][0] <= out.step_id:
             self._free_handles.extend(self._releasing.pop(0)[1])
         return results
+
+    def apply_prompt_outputs(self, out: StepPlan, prompt_logprobs: list[PromptLogprobsResult],
+                             embeddings: list[tuple[int, list[float]]]) -> list[PromptOutput]:
+        """Matches what a step read from prompt positions to its requests
+        (stale entries dropped, as their tokens are). An embedding request
+        whose vector arrived is finished: its computed blocks become
+        findable first, for later prompts with the same prefix. Call before
+        update_from_output: the prompt's logprobs come before its first
+        token."""
+        results: list[PromptOutput] = []
+        for p in prompt_logprobs:
+            e = self._entry_for(out, p.handle, "prompt logprobs")
+            if e.is_stale:
+                continue
+            req = e.request
+            k = p.top_k
+            results.append(PromptOutput(req, p.first, [
+                (req.prompt_token_ids[p.first + i], lp, p.top_token_ids[i * k:(i + 1) * k],
+                 p.top_logprobs[i * k:(i + 1) * k]) for i, lp in enumerate(p.logprobs)]))
+        for handle, values in embeddings:
+            e = self._entry_for(out, handle, "an embedding")
+            if e.is_stale:
+                continue
+            self.kv.cache_computed_blocks(e.request, e.start + e.num_tokens)
+            results.append(PromptOutput(e.request, embedding=values))
+            self.finish_request(e.request.request_id, RequestStatus.FINISHED_STOPPED)
+        return results
+
+    @staticmethod
+    def _entry_for(out: StepPlan, handle: int, what: str) -> ScheduledRequest:
+        e = out.entries.get(handle)
+        if e is None:
+            raise RuntimeError(f"executor returned {what} for handle {handle}, which step {out.step_id} did not run")
+        return e
 
     def _complete_swaps(self, out: StepPlan, failed_outs: set[int], failed_ins: set[int]) -> None:
         lost, failed = self.kv.complete_swaps(out.swaps, failed_outs, failed_ins)

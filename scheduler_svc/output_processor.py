@@ -3,6 +3,7 @@ strings, logprobs, prompt logprobs, an embedding and the final usage."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
@@ -54,15 +55,16 @@ class RequestOutputState:
         self.stops = StopStringMatcher(request.sampling.stop)
         self.stopped_by_string = False
         self.num_tokens = 0  # output tokens seen so far
-        # Prompt logprobs as they arrive, entry i for prompt token i + 1; sent
-        # with the first tokens. A recompute after a preemption sends
-        # positions again, which are skipped.
+        # Prompt logprobs as they arrive, entry i for prompt token i (the
+        # first has none: NaN); sent with the first tokens. A recompute after
+        # a preemption sends positions again, which are skipped.
         self.prompt_logprobs: list[tuple[int, float, list[int], list[float]]] = []
+        if request.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs.append((request.prompt_token_ids[0], math.nan, [], []))
         self.prompt_logprobs_sent = False
 
     def on_prompt_logprobs(self, output: PromptOutput) -> None:
-        known = len(self.prompt_logprobs) + 1  # the next prompt token without its logprob
-        skip = known - output.first
+        skip = len(self.prompt_logprobs) - output.first  # entries already known
         if 0 <= skip < len(output.logprobs):
             self.prompt_logprobs += output.logprobs[skip:]
 

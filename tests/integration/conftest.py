@@ -140,3 +140,16 @@ def num_admitted(services) -> float:
     is neither)."""
     return (scheduler_metric(services, "llmsched_request_queue_time_seconds_count")
             + scheduler_metric(services, "llmsched_request_success_total"))
+
+
+@pytest.fixture(scope="session")
+def embedder(stories_path, tmp_path_factory):
+    """stories260K with a sentence-transformers pooling config (mean, then
+    Normalize), behind the gateway, prompts prefilled in chunks of 16: the
+    stack for embeddings and prompt logprobs."""
+    from tests.embeddings import embedding_checkpoint
+
+    path = embedding_checkpoint(stories_path, tmp_path_factory.mktemp("embedder") / "stories-embed")
+    stack = start_gateway_stack(str(path), scheduler_env={"SCHEDULER_MAX_PREFILL_CHUNK": "16"})
+    yield stack
+    stack.stop()

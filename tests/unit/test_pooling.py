@@ -5,48 +5,18 @@ sentence-transformers configs are read or refused (issue 35, part 6)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from executor_svc.model.pooling import Pooling, read_pooling
 from executor_svc.step.runner import NewRequestData, PlanError, StepPlan
+from tests.embeddings import hf_pooled, hf_prompt_logprobs, write_pooling
 from tests.oracle import hf_greedy, hf_model
 from tests.unit.test_runner_vs_hf import BLOCK, GREEDY, make_runner
 
 PROMPTS = [[1, 403, 407, 261, 378, 280, 300, 301, 302, 303, 304], [1, 291, 376, 400, 428]]
-ST = "sentence_transformers.models."
-
-
-def write_pooling(path: Path, mode_key: str = "pooling_mode_mean_tokens", normalize: bool = True,
-                  modules: list[str] | None = None, **pooling) -> Path:
-    """A sentence-transformers pipeline over the checkpoint: modules.json
-    and 1_Pooling/config.json, as Qwen3-Embedding ships them."""
-    kinds = modules or ["Transformer", "Pooling", *(["Normalize"] if normalize else [])]
-    (path / "modules.json").write_text(json.dumps([
-        {"idx": i, "name": str(i), "path": {"Pooling": "1_Pooling"}.get(k, f"{i}_{k}" if i else ""), "type": ST + k}
-        for i, k in enumerate(kinds)]))
-    (path / "1_Pooling").mkdir(exist_ok=True)
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, mode_key: True,
-                                                                **pooling}))
-    return path
-
-
-def hf_pooled(model: str, ids: list[int], pooling: Pooling) -> torch.Tensor:
-    with torch.no_grad():
-        hidden = hf_model(model).model(torch.tensor([ids])).last_hidden_state[0].float()  # [n, hidden]
-    vector = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooling.mode]
-    return torch.nn.functional.normalize(vector, dim=-1) if pooling.normalize else vector
-
-
-def hf_prompt_logprobs(model: str, ids: list[int]) -> torch.Tensor:
-    """log_softmax at each position for the next prompt token: [n - 1]."""
-    with torch.no_grad():
-        logp = torch.log_softmax(hf_model(model)(torch.tensor([ids])).logits[0].float(), dim=-1)
-    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
 
 
 def run_prompts(runner, embed: list[bool], chunk: int, prompt_logprobs: int | None = None):

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from scheduler_svc.core.kv_cache_manager import ROOT_HASH, hash_block
+from scheduler_svc.core.plan import PromptLogprobsResult
 from scheduler_svc.core.request import RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.scheduler_config import SchedulerConfig
@@ -50,9 +51,14 @@ class ParityCost:
 
 # Requests there from the start: hypothesis draws many short runs, which
 # would otherwise rarely get as far as pressing the pool.
+# What a request asks for: tokens, or tokens and its prompt's logprobs, or
+# an embedding (prefill only) pooled from the last position (it may use the
+# prefix cache) or from every position (it may not).
+KINDS = st.sampled_from(["generate", "generate", "prompt_logprobs", "embed_last", "embed_mean"])
 FIRST_ARRIVALS = st.lists(st.fixed_dictionaries(dict(
     prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(300, 310), max_size=8),
-    max_tokens=st.integers(1, 10), priority=st.integers(0, 3), copies=st.integers(1, 3))), max_size=3)
+    max_tokens=st.integers(1, 10), priority=st.integers(0, 3), copies=st.integers(1, 3), kind=KINDS)),
+    max_size=3)
 
 
 def shaped_scheduler(num_blocks, block_size, max_num_seqs, budget, chunk, policy, caching, host_blocks,
@@ -80,8 +86,15 @@ def assert_drained(sched, admitted) -> None:
 class Row:
     """The executor's copy of one request."""
 
-    def __init__(self, token_ids, num_computed, block_ids, mirror):
+    def __init__(self, token_ids, num_computed, block_ids, mirror, request=None):
         self.tokens, self.computed, self.table = [], num_computed, list(block_ids)
+        # An embedding row returns a vector where it would sample; a row with
+        # prompt logprobs returns one per prompt position it computes.
+        self.embed = request is not None and request.embed
+        self.num_prompt = request.num_prompt_tokens if request is not None else 0
+        # Sent only while nothing was generated (convert.plan_to_proto).
+        self.prompt_logprobs = (request is not None and request.sampling.prompt_logprobs is not None
+                                and len(token_ids) == self.num_prompt)
         self.ids: list[int] = []  # per known token: the identity of the prefix ending there
         self.poisoned = False  # a swap_in of its failed: what it computes is garbage
         self.mirror = mirror
@@ -117,6 +130,9 @@ class ExecutorMirror:
         self.host = [[None] * cfg.block_size for _ in range(cfg.num_host_blocks)]
         self.parent: dict[int, int] = {}
         self.block_hash: dict[int, bytes] = {}
+        # By step id: the prompt logprobs and embeddings of a plan run, until
+        # its result is applied (apply).
+        self.prompt_outputs: dict[int, tuple[list, list]] = {}
 
     def forget_all(self, host_lost: bool, num_host_blocks: int | None = None) -> None:
         """The executor dropped its request state (a failed step) or died
@@ -146,10 +162,10 @@ class ExecutorMirror:
             return []
         for new in out.new_requests:
             assert new.handle not in self.requests, f"handle {new.handle} added while the executor still holds it"
-            self.requests[new.handle] = Row(new.token_ids, new.num_computed_tokens, new.block_ids, self)
+            self.requests[new.handle] = Row(new.token_ids, new.num_computed_tokens, new.block_ids, self, new.request)
         for h, b in zip(out.new_block_handles, out.new_block_ids):
             self.requests[h].table.append(b)
-        sampled = []
+        sampled, lps, embeddings = [], [], []
         for h, e in out.entries.items():
             row = self.requests.get(h)
             assert row is not None, f"step {out.step_id} names handle {h}, which the executor does not hold"
@@ -165,13 +181,33 @@ class ExecutorMirror:
             for p in range(e.start, end):
                 self.device[row.table[p // bs]][p % bs] = None if row.poisoned else row.ids[p]
             row.computed = end
-            if end == len(row.tokens):
+            if row.prompt_logprobs and min(end, row.num_prompt - 1) > e.start:
+                lps.append(PromptLogprobsResult(h, e.start + 1, [-1.0] * (min(end, row.num_prompt - 1) - e.start)))
+            if row.embed and end == len(row.tokens):
+                embeddings.append((h, [float(end)]))
+            elif end == len(row.tokens):
                 t = token(len(sampled))
                 row.append(t)
                 sampled.append((h, t))
         assert sorted(h for h, _ in sampled) == sorted(out.sampling_handles()), (
             "executor and scheduler disagree on who samples")
+        self.prompt_outputs[out.step_id] = (lps, embeddings)
         return sampled
+
+    def apply(self, sched, out, sampled, failed_outs=frozenset(), failed_ins=frozenset()):
+        """Applies a plan's result as the engine does: what it read from
+        prompt positions first, then its tokens. Each embedding request ends
+        with its one vector, having sampled nothing."""
+        lps, embeddings = self.prompt_outputs.pop(out.step_id, ([], []))
+        for output in sched.apply_prompt_outputs(out, lps, embeddings):
+            req = output.request
+            if output.embedding is not None:
+                assert req.embed and req.status == RequestStatus.FINISHED_STOPPED and not req.output_token_ids
+                assert output.embedding == [float(req.num_prompt_tokens)], "pooled over its whole prompt"
+            else:
+                assert req.sampling.prompt_logprobs is not None and output.first >= 1
+                assert output.first + len(output.logprobs) <= req.num_prompt_tokens
+        return sched.update_from_output(out, [(h, t, None) for h, t in sampled], failed_outs, failed_ins)
 
     def holds(self, slots, h: bytes) -> bool:
         """A block's slots hold, in order, the KV of the prefix block named h."""
@@ -220,15 +256,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.arrive(**arrival)
 
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(300, 310), max_size=8),
-          max_tokens=st.integers(1, 10), priority=st.integers(0, 3), copies=st.integers(1, 3))
-    def arrive(self, prefix, suffix, max_tokens, priority, copies):
+          max_tokens=st.integers(1, 10), priority=st.integers(0, 3), copies=st.integers(1, 3), kind=KINDS)
+    def arrive(self, prefix, suffix, max_tokens, priority, copies, kind="generate"):
         """One request, or a few alike (the same prefix, then a suffix of
         their own), as a burst of traffic would bring."""
+        if kind.startswith("embed"):
+            max_tokens = 0
         for i in range(copies):
             prompt = prefix + suffix + [320 + i] * (i > 0) or [999]
             if self.sched.fits(len(prompt), max_tokens) is not None:
                 return
-            req = make_request(prompt=prompt, max_tokens=max_tokens, priority=priority)
+            req = make_request(prompt=prompt, max_tokens=max_tokens, priority=priority,
+                               **({"prompt_logprobs": 1} if kind == "prompt_logprobs" else {}))
+            req.embed = kind.startswith("embed")
+            req.skip_prefix_cache = kind in ("prompt_logprobs", "embed_mean")
             self.sched.add_request(req)
             self.admitted.append(req)
 
@@ -260,7 +301,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         note_swaps(out)
         failed_outs, failed_ins = drawn_failures(data, out)
         sampled = self.executor.run(out, lambda i: tokens[i % len(tokens)], failed_outs, failed_ins)
-        sched.update_from_output(out, [(h, t, None) for h, t in sampled], failed_outs, failed_ins)
+        self.executor.apply(sched, out, sampled, failed_outs, failed_ins)
         if stop_one and sched.running:  # a stop string matched in the output processor
             sched.finish_request(sched.running[0].request_id, RequestStatus.FINISHED_STOPPED)
 
@@ -271,7 +312,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(num_steps):
             out = self.sched.schedule()
             note_swaps(out)
-            self.sched.update_from_output(out, [(h, t, None) for h, t in self.executor.run(out)])
+            self.executor.apply(self.sched, out, self.executor.run(out))
 
     @rule(host_blocks=st.sampled_from([None, 0, 4, 32]))
     def executor_restart(self, host_blocks):
@@ -297,6 +338,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.executor.run(out)
             assert self.sched.update_from_output(out, []) == []
         assert self.sched.flush_forgets() is None, "everything was forgotten"
+
+    @invariant()
+    def a_request_that_skips_the_prefix_cache_takes_no_cached_block(self):
+        for req in self.sched.running:
+            if req.skip_prefix_cache:
+                assert req.num_cached_prompt_tokens == 0, f"{req.request_id} took cached blocks"
 
     @invariant()
     def live_handles_are_distinct_and_never_free(self):
@@ -379,7 +426,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             out = sched.schedule()
             sampled = self.executor.run(out)
-            sched.update_from_output(out, [(h, t, None) for h, t in sampled])
+            self.executor.apply(sched, out, sampled)
         assert_drained(sched, self.admitted)
 
 
@@ -434,7 +481,7 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
         failed_outs, failed_ins = drawn_failures(data, out)
         sampled = self.executor.run(out, lambda i: tokens[i % len(tokens)], failed_outs, failed_ins)
         finished_before = {r.request_id for r in self.admitted if r.status.is_finished}
-        results = sched.update_from_output(out, [(h, t, None) for h, t in sampled], failed_outs, failed_ins)
+        results = self.executor.apply(sched, out, sampled, failed_outs, failed_ins)
         for t in results:
             rid = t.request.request_id
             assert rid not in finished_before, f"token streamed for {rid} after it finished"
@@ -455,7 +502,7 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
                 return
             out = self.in_flight.pop(0)
             note_swaps(out)
-            results = self.sched.update_from_output(out, [(h, t, None) for h, t in self.executor.run(out)])
+            results = self.executor.apply(self.sched, out, self.executor.run(out))
             for t in results:
                 self.streamed[t.request.request_id].append(t.token_id)
 
@@ -525,7 +572,7 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
                 self.in_flight.append(out)
             if self.in_flight:
                 out = self.in_flight.pop(0)
-                sched.update_from_output(out, [(h, t, None) for h, t in self.executor.run(out)])
+                self.executor.apply(sched, out, self.executor.run(out))
         assert_drained(sched, self.admitted)
 
 

@@ -168,7 +168,7 @@ def test_a_hung_rank_stops_the_group_within_its_timeout(stories_path):
     """SIGSTOP freezes rank 1; the next heartbeat (every timeout / 4) gets no
     answer, so rank 0 exits non-zero within about 1.25 timeouts, and takes
     the frozen rank with it."""
-    timeout_s = 4.0
+    timeout_s = 6.0  # also bounds the rendezvous: rank 1 must import torch within it
     services, client = start_services(str(stories_path), executor_env={
         **TP2, "EXECUTOR_TENSOR_PARALLEL_TIMEOUT_S": str(timeout_s)})
     try:

@@ -1,9 +1,12 @@
-"""The whole tool end to end: `python -m bench --launch` against tiny-random
-with a tiny hf-static baseline. Checks the report is complete, not speed."""
+"""The bench tools end to end against services they launch: `python -m
+bench --launch` on tiny-random with a tiny hf-static baseline, the single
+stream, and the agent APIs' latency and Responses store memory runs. Checks
+the reports are complete, not speed."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +100,21 @@ def test_single_stream_reports_each_configuration_against_hf_with_equal_tokens(t
     for name, run in report["ours"].items():
         assert run["tokens_equal_hf"], name
         assert run["ms_per_token"] > 0 and len(run["runs_ms"]) == 1, name
+
+
+@pytest.mark.slow
+def test_agent_api_overhead_times_the_three_apis_on_equal_answers(tmp_path):
+    out = tmp_path / "agent.json"
+    cmd = [sys.executable, "-m", "bench.agent_api_overhead", "--rounds", "5", "--warmup", "1", "--max-tokens", "4",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["mismatches"] == [], "the APIs answered the same conversation differently"
+    assert report["output_tokens"] > 0 and len(report["round_seconds"]) == 5
+    assert set(report["per_api"]) == {"chat", "responses", "messages"}
+    for api, s in report["per_api"].items():
+        assert 0 < s["p50_ms"] <= s["p90_ms"], api
+    assert set(report["added_over_chat_ms"]) == {"responses", "messages"}
+    assert all(math.isfinite(d["p50_ms"]) for d in report["added_over_chat_ms"].values())
+

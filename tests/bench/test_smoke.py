@@ -118,3 +118,17 @@ def test_agent_api_overhead_times_the_three_apis_on_equal_answers(tmp_path):
     assert set(report["added_over_chat_ms"]) == {"responses", "messages"}
     assert all(math.isfinite(d["p50_ms"]) for d in report["added_over_chat_ms"].values())
 
+
+@pytest.mark.slow
+def test_response_store_memory_run_evicts_down_to_the_cap(tmp_path):
+    out = tmp_path / "store.json"
+    cmd = [sys.executable, "-m", "bench.response_store_memory", "--responses", "200", "--cap", "50", "--threads", "4",
+           "--max-output-tokens", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["checks"] == {"num_still_stored": 50, "num_still_stored_is_cap": True, "first_sent_is_gone": True,
+                                "last_batch_is_stored": True}
+    assert [s["stored"] for s in report["samples"]] == [50, 100, 150, 200]
+    assert all(s["rss_kib"] > 0 for s in report["samples"]) and report["rss_when_full_kib"] > 0
+    assert math.isfinite(report["growth_after_full"])

@@ -13,7 +13,11 @@ return the same text and output token count as the round's chat
 completion, or the comparison would not be of equal work (exit 1). Prints
 each API's p50 and p90 wall time, its p50 against chat's, and the p50 and
 p90 of the paired differences (API - chat of the same round), the figure
-the target is about; writes bench_results/agent_api_overhead.json.
+the target is about. On a busy machine those differences are noisy, so the
+gateway's CPU time per call (all its threads, from /proc/PID/task/*/schedstat,
+read before and after each call) is reported the same way: it counts the
+work the gateway does, whatever else runs. Writes
+bench_results/agent_api_overhead.json.
 """
 
 from __future__ import annotations
@@ -59,14 +63,28 @@ def answer_of(api: str, body: dict) -> tuple[str, int]:
     return text, body["usage"]["output_tokens"]
 
 
-def timed_call(conn: JsonConnection, path: str, body: dict) -> tuple[float, int, dict]:
+def cpu_seconds(pid: int) -> float:
+    """CPU time of all the process's threads so far, in seconds (the
+    scheduler's own count, in ns; /proc/PID/stat's is in 10 ms ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
+def timed_call(conn: JsonConnection, path: str, body: dict, pid: int) -> tuple[float, float, int, dict]:
     """(seconds from sending the request to the last byte of the answer,
-    status, answer). Encoding and decoding the JSON stay outside the time."""
+    the gateway's CPU seconds meanwhile, status, answer). Encoding and
+    decoding the JSON stay outside the time."""
     raw = json.dumps(body).encode()
+    cpu0 = cpu_seconds(pid)
     t0 = time.perf_counter()
     status, answer = conn.request("POST", path, raw)
     elapsed = time.perf_counter() - t0
-    return elapsed, status, json.loads(answer)
+    return elapsed, cpu_seconds(pid) - cpu0, status, json.loads(answer)
 
 
 def summary_ms(values_s: list[float]) -> dict:
@@ -74,29 +92,38 @@ def summary_ms(values_s: list[float]) -> dict:
     return {"p50_ms": percentile(ms, 50), "p90_ms": percentile(ms, 90), "mean_ms": sum(ms) / len(ms)}
 
 
-def run_rounds(conn: JsonConnection, calls: dict[str, tuple[str, dict]],
-               num_rounds: int) -> tuple[list[dict], list[str]]:
-    """Each round's time per API, and what disagreed with chat's answer."""
+def run_rounds(conn: JsonConnection, calls: dict[str, tuple[str, dict]], num_rounds: int,
+               pid: int) -> tuple[list[dict], list[str]]:
+    """Each round's wall and gateway CPU seconds per API, and what
+    disagreed with chat's answer."""
     rounds, mismatches = [], []
     for r in range(num_rounds):
         order = APIS[r % len(APIS):] + APIS[:r % len(APIS)]
-        times, answers = {}, {}
+        times, cpu, answers = {}, {}, {}
         for api in order:
             path, body = calls[api]
-            times[api], status, answer = timed_call(conn, path, body)
+            times[api], cpu[api], status, answer = timed_call(conn, path, body, pid)
             if status != 200:
                 raise RuntimeError(f"{api}: HTTP {status}: {answer}")
             answers[api] = answer_of(api, answer)
         for api in APIS[1:]:
             if answers[api] != answers["chat"]:
                 mismatches.append(f"round {r}: {api} answered {answers[api]!r}, chat {answers['chat']!r}")
-        rounds.append({"order": list(order), "seconds": times, "answer": answers["chat"]})
+        rounds.append({"order": list(order), "seconds": times, "cpu_seconds": cpu, "answer": answers["chat"]})
     return rounds, mismatches
 
 
+def compared(rounds: list[dict], key: str) -> tuple[dict, dict]:
+    """Each API's summary of rounds' `key`, and of its paired difference
+    with chat in the same round."""
+    per_api = {api: summary_ms([r[key][api] for r in rounds]) for api in APIS}
+    paired = {api: summary_ms([r[key][api] - r[key]["chat"] for r in rounds]) for api in APIS[1:]}
+    return per_api, paired
+
+
 def report_of(rounds: list[dict], args: argparse.Namespace) -> dict:
-    per_api = {api: summary_ms([r["seconds"][api] for r in rounds]) for api in APIS}
-    paired = {api: summary_ms([r["seconds"][api] - r["seconds"]["chat"] for r in rounds]) for api in APIS[1:]}
+    per_api, paired = compared(rounds, "seconds")
+    cpu_per_api, cpu_paired = compared(rounds, "cpu_seconds")
     text, num_tokens = rounds[0]["answer"]
     return {
         "model": args.model, "rounds": len(rounds), "warmup_rounds": args.warmup, "max_tokens": args.max_tokens,
@@ -104,20 +131,27 @@ def report_of(rounds: list[dict], args: argparse.Namespace) -> dict:
         "per_api": per_api,
         "ratio_p50_to_chat": {api: per_api[api]["p50_ms"] / per_api["chat"]["p50_ms"] for api in APIS},
         "added_over_chat_ms": paired,
+        "gateway_cpu_per_api": cpu_per_api,
+        "gateway_cpu_added_over_chat_ms": cpu_paired,
         "environment": environment(args.num_threads),
         "round_seconds": [r["seconds"] for r in rounds],
+        "round_gateway_cpu_seconds": [r["cpu_seconds"] for r in rounds],
     }
 
 
 def print_report(report: dict) -> None:
     print(f"Agent APIs over chat, {report['model']}, {report['rounds']} rounds after {report['warmup_rounds']} "
           f"warm-up, {report['output_tokens']} output tokens each, non-streamed, one call at a time")
-    print(f"{'':10} {'p50 ms':>8} {'p90 ms':>8} {'p50 vs chat':>12} {'added p50 ms':>13} {'added p90 ms':>13}")
+    print(f"{'':10} {'wall p50':>9} {'p90':>8} {'p50/chat':>9} {'added p50':>10} {'p90':>8}   "
+          f"{'gateway CPU p50':>15} {'added p50':>10} {'p90':>8}   (ms)")
     for api in APIS:
-        s = report["per_api"][api]
+        s, cpu = report["per_api"][api], report["gateway_cpu_per_api"][api]
         added = report["added_over_chat_ms"].get(api)
-        extra = f" {added['p50_ms']:13.3f} {added['p90_ms']:13.3f}" if added else ""
-        print(f"{api:10} {s['p50_ms']:8.3f} {s['p90_ms']:8.3f} {report['ratio_p50_to_chat'][api]:11.3f}x{extra}")
+        cpu_added = report["gateway_cpu_added_over_chat_ms"].get(api)
+        wall_diff = f"{added['p50_ms']:10.3f} {added['p90_ms']:8.3f}" if added else f"{'':10} {'':8}"
+        cpu_diff = f"{cpu_added['p50_ms']:10.3f} {cpu_added['p90_ms']:8.3f}" if cpu_added else ""
+        print(f"{api:10} {s['p50_ms']:9.3f} {s['p90_ms']:8.3f} {report['ratio_p50_to_chat'][api]:8.3f}x "
+              f"{wall_diff}   {cpu['p50_ms']:15.3f} {cpu_diff}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             services.start()
             conn = JsonConnection(services.gateway_url)
             calls = requests_for(Path(args.model).name, args.prompt, args.max_tokens, args.store)
-            run_rounds(conn, calls, args.warmup)
-            rounds, mismatches = run_rounds(conn, calls, args.rounds)
+            run_rounds(conn, calls, args.warmup, services.gateway.pid)
+            rounds, mismatches = run_rounds(conn, calls, args.rounds, services.gateway.pid)
             conn.close()
         finally:
             services.stop()

@@ -115,8 +115,10 @@ def test_agent_api_overhead_times_the_three_apis_on_equal_answers(tmp_path):
     assert set(report["per_api"]) == {"chat", "responses", "messages"}
     for api, s in report["per_api"].items():
         assert 0 < s["p50_ms"] <= s["p90_ms"], api
-    assert set(report["added_over_chat_ms"]) == {"responses", "messages"}
-    assert all(math.isfinite(d["p50_ms"]) for d in report["added_over_chat_ms"].values())
+    for key in ("added_over_chat_ms", "gateway_cpu_added_over_chat_ms"):
+        assert set(report[key]) == {"responses", "messages"}, key
+        assert all(math.isfinite(d["p50_ms"]) for d in report[key].values()), key
+    assert all(s["p50_ms"] > 0 for s in report["gateway_cpu_per_api"].values())
 
 
 @pytest.mark.slow

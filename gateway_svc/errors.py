@@ -64,6 +64,10 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, fields: Mapping[str, str | None] |
     if code == grpc.StatusCode.UNAVAILABLE:
         return RequestError(None, message or "the scheduler is unavailable", status=503,
                             type_="service_unavailable_error")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        # The served model cannot do what was asked (Embed on a model
+        # without a pooling config); the scheduler's message says why.
+        return RequestError(None, message, status=400, code="model_not_supported")
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return RequestError(None, message, status=401, code="invalid_api_key", type_="authentication_error")
     if code == grpc.StatusCode.PERMISSION_DENIED:

@@ -1,6 +1,6 @@
 """The gateway's side of the scheduler's public gRPC API: one channel, the
-model facts (cached briefly), health, prompt token counts, and one
-Generate call per sample."""
+model facts (cached briefly), health, prompt token counts and texts, one
+Generate call per sample, and one Embed call per embedding input."""
 
 from __future__ import annotations
 
@@ -88,5 +88,16 @@ class SchedulerClient:
                                         metadata=metadata, timeout=10.0)
         return list(resp.token_ids)
 
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool, metadata) -> str:
+        resp = await self.stub.Detokenize(spb.DetokenizeRequest(token_ids=token_ids,
+                                                                skip_special_tokens=skip_special_tokens),
+                                          metadata=metadata, timeout=10.0)
+        return resp.text
+
     def generate(self, request: spb.GenerateRequest, metadata):
         return self.stub.Generate(request, metadata=metadata)
+
+    def embed(self, request: spb.EmbedRequest, metadata):
+        """The call, to await for its EmbedResponse; its trailers carry the
+        tenant."""
+        return self.stub.Embed(request, metadata=metadata)

@@ -151,3 +151,9 @@ def test_validation_errors_name_the_field_as_the_client_wrote_it(model, body, pa
     with pytest.raises(ValidationError) as exc:
         model.model_validate(body)
     assert param_of(exc.value.errors()[0]["loc"]) == param
+
+
+def test_failed_precondition_is_a_400_with_the_schedulers_reason():
+    why = "model 'm' cannot serve embeddings: its checkpoint has no sentence-transformers pooling config"
+    err = from_rpc_error(FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, why))
+    assert (err.status, err.type, err.code, err.message) == (400, "invalid_request_error", "model_not_supported", why)

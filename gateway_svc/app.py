@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions,
-/v1/models, /health and /metrics, Anthropic's /v1/messages and OpenAI's
-/v1/responses, all served by gateway.py's Gateway."""
+/v1/models, /tokenize, /detokenize, /health and /metrics, Anthropic's
+/v1/messages and OpenAI's /v1/responses, all served by gateway.py's
+Gateway."""
 
 from __future__ import annotations
 
@@ -104,6 +105,10 @@ def create_app(settings: GatewaySettings, client_interceptors: list | None = Non
     @app.post("/tokenize")
     async def tokenize(request: Request):
         return await state["gw"].tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await state["gw"].detokenize(request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -24,7 +24,8 @@ from gateway_svc import chat_template, constraints, metrics, tools
 from gateway_svc.config import GatewaySettings
 from gateway_svc.errors import error_body, from_rpc_error
 from gateway_svc.openai_format import ChatFormat, CompletionFormat, Sample, usage
-from gateway_svc.protocol import ChatCompletionRequest, CompletionRequest, RequestError, TokenizeRequest, param_of
+from gateway_svc.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestError,
+                                  TokenizeRequest, param_of)
 from gateway_svc.reasoning import PARSERS as REASONING_PARSERS
 from gateway_svc.request_log import RequestRecord, record_of
 from gateway_svc.scheduler_client import ModelInfo, SchedulerClient
@@ -303,6 +304,19 @@ class Gateway:
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
         return {"count": len(tokens), "max_model_len": info.max_model_len, "tokens": tokens}
+
+    async def detokenize(self, request: Request) -> dict:
+        """POST /detokenize: token ids to their text, special tokens spelled
+        out (vLLM's shape)."""
+        body = await _validated(request, DetokenizeRequest)
+        token_ids = body.token_ids()
+        metadata = _auth_metadata(request)
+        info = await self._info(metadata)
+        _check_model(body.model, self.served_names(info))
+        try:
+            return {"prompt": await self.client.detokenize(token_ids, False, metadata)}
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, {"token_ids": "tokens"}) from None
 
     async def _respond(self, request: Request, job: Job, requests, stream: bool, metadata) -> Response:
         firsts = await _until_disconnect(request, self._start(job, requests, metadata), job)

@@ -314,3 +314,18 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids to their text, special tokens
+    spelled out as vLLM's does."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+    def token_ids(self) -> list[int]:
+        for i, t in enumerate(self.tokens):
+            if not 0 <= t < UINT32:
+                raise RequestError(f"tokens[{i}]", f"tokens[{i}]: token ids must be in [0, 2^32), got {t}")
+        return self.tokens

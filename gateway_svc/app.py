@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions,
-/v1/models, /tokenize, /detokenize, /health and /metrics, Anthropic's
-/v1/messages and OpenAI's /v1/responses, all served by gateway.py's
-Gateway."""
+/v1/embeddings, /v1/models, /tokenize, /detokenize, /health and /metrics,
+Anthropic's /v1/messages and OpenAI's /v1/responses, all served by
+gateway.py's Gateway."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway_svc import anthropic_api, metrics, responses_api
+from gateway_svc import anthropic_api, embeddings, metrics, responses_api
 from gateway_svc.config import GatewaySettings
 from gateway_svc.errors import error_body, error_response, from_rpc_error
 from gateway_svc.gateway import Gateway, _auth_metadata
@@ -117,6 +117,10 @@ def create_app(settings: GatewaySettings, client_interceptors: list | None = Non
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await state["gw"].chat(request)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(request: Request):
+        return await embeddings.embeddings(state["gw"], request)
 
     anthropic_api.add_routes(app, lambda: state["gw"])
     responses_api.register(app, settings, lambda: state["gw"])

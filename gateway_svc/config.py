@@ -42,6 +42,9 @@ class GatewaySettings(BaseSettings):
     max_n: int = Field(
         default=16, ge=1, description="Most completions one request may ask for with `n` (each is one `Generate` "
         "call); more is a 400 naming `n`.")
+    max_embedding_inputs: int = Field(
+        default=2048, ge=1, description="Most inputs one `/v1/embeddings` request may embed (each is one `Embed` "
+        "call, all sent at once); more is a 400 naming `input`. 2048, as OpenAI's.")
     max_message_bytes: int = Field(
         default=4 * 1024 * 1024, ge=1024, description="Largest gRPC message sent to or accepted from the "
         "scheduler, in bytes; match `SCHEDULER_MAX_MESSAGE_BYTES`.")

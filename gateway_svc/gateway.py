@@ -414,9 +414,10 @@ async def _responses(job: Job, firsts: list) -> AsyncIterator[tuple[Sample, obje
             p.cancel()
 
 
-async def _until_disconnect(request: Request, coro, job: Job):
-    """Runs coro unless the client disconnects first; then cancels the
-    calls and returns None."""
+async def _until_disconnect(request: Request, coro, job: Job | None):
+    """Runs coro unless the client disconnects first; then cancels it and
+    the job's calls (a coro that owns its calls cancels them itself) and
+    returns None."""
     work = asyncio.ensure_future(coro)
 
     async def disconnected() -> None:
@@ -431,5 +432,6 @@ async def _until_disconnect(request: Request, coro, job: Job):
     if work in done:
         return work.result()
     work.cancel()
-    job.cancel()
+    if job is not None:
+        job.cancel()
     return None

@@ -10,8 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, ge
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Paths outside this set are counted as "other", so that scanners cannot
 # grow the label set without bound.
-ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health",
-                       "/metrics"})
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/models",
+                       "/health", "/metrics"})
 
 REQUESTS = Counter("llmsched_gateway_requests_total", "HTTP requests answered, by endpoint and status code.",
                    ["endpoint", "code"])

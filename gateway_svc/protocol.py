@@ -329,3 +329,61 @@ class DetokenizeRequest(BaseModel):
             if not 0 <= t < UINT32:
                 raise RequestError(f"tokens[{i}]", f"tokens[{i}]: token ids must be in [0, 2^32), got {t}")
         return self.tokens
+
+
+# What /v1/embeddings takes besides OpenAI's fields; vLLM's other extras
+# (truncate_prompt_tokens, normalize, embed_dtype, ...) are refused by name.
+EMBEDDING_EXTRAS = ("add_special_tokens", "priority")
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: OpenAI's fields, and the vLLM extras the
+    scheduler's Embed implements."""
+
+    # Unknown fields are kept so that they can be refused by name.
+    model_config = ConfigDict(extra="allow")
+
+    # Checked by inputs(), so that a wrong element is named (`input[2]`).
+    input: Any
+    model: str | None = None
+    # base64: the little-endian float32 bytes, which the `openai` client
+    # asks for unless told otherwise and decodes itself.
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = Field(default=None, ge=1, lt=UINT32)
+    user: str | None = None  # changes no output
+    add_special_tokens: bool = True
+    priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
+
+    def check_fields(self) -> None:
+        for name in self.model_extra or {}:
+            raise RequestError(name, f"unsupported field {name!r}: /v1/embeddings takes input, model, "
+                                     f"encoding_format, dimensions, user and {', '.join(EMBEDDING_EXTRAS)}")
+
+    def inputs(self) -> list[tuple[str, str | list[int]]]:
+        """One (field name, input) per embedding: text, or token ids used as
+        they are. A lone string or token list is `input`; the others
+        `input[i]`."""
+        given = self.input
+        if isinstance(given, str) or isinstance(given, list) and given and all(_is_id(x) for x in given):
+            inputs = [("input", given)]
+        elif isinstance(given, list) and given and (all(isinstance(x, str) for x in given)
+                                                    or all(isinstance(x, list) for x in given)):
+            inputs = [(f"input[{i}]", one) for i, one in enumerate(given)]
+        elif given == []:
+            raise RequestError("input", "input: an empty list has no embedding")
+        else:
+            raise RequestError("input", f"input: {EMBEDDING_INPUTS}")
+        for name, one in inputs:
+            if not one:
+                raise RequestError(name, f"{name}: an empty {'string' if isinstance(one, str) else 'list'} has "
+                                         "no embedding")
+            if isinstance(one, list) and not all(_is_id(t) and 0 <= t < UINT32 for t in one):
+                raise RequestError(name, f"{name}: token ids are integers in [0, 2^32)")
+        return inputs
+
+
+EMBEDDING_INPUTS = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+
+
+def _is_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

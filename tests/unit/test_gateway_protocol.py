@@ -157,3 +157,35 @@ def test_failed_precondition_is_a_400_with_the_schedulers_reason():
     why = "model 'm' cannot serve embeddings: its checkpoint has no sentence-transformers pooling config"
     err = from_rpc_error(FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, why))
     assert (err.status, err.type, err.code, err.message) == (400, "invalid_request_error", "model_not_supported", why)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": [1, "a"]}, "input"),
+    ({"input": ["a", [1]]}, "input"),
+    ({"input": ["a", ""]}, "input[1]"),
+    ({"input": [[1], []]}, "input[1]"),
+    ({"input": [[1], ["x"]]}, "input[1]"),
+    ({"input": [[1], [2**32]]}, "input[1]"),
+    ({"input": [-1]}, "input"),
+    ({"input": "a", "normalize": True}, "normalize"),
+])
+def test_embedding_inputs_are_refused_naming_the_input(body, param):
+    from gateway_svc.protocol import EmbeddingRequest
+
+    with pytest.raises(RequestError) as exc:
+        parsed = EmbeddingRequest.model_validate(body)
+        parsed.check_fields()
+        parsed.inputs()
+    assert exc.value.param == param and param in exc.value.message
+
+
+def test_embedding_inputs_each_get_their_own_call_and_name():
+    from gateway_svc.protocol import EmbeddingRequest
+
+    assert EmbeddingRequest.model_validate({"input": "a"}).inputs() == [("input", "a")]
+    assert EmbeddingRequest.model_validate({"input": [1, 2]}).inputs() == [("input", [1, 2])]
+    assert EmbeddingRequest.model_validate({"input": [[1], [2, 3]]}).inputs() == [("input[0]", [1]),
+                                                                                  ("input[1]", [2, 3])]

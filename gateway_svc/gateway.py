@@ -131,7 +131,8 @@ def _check_model(requested: str | None, names: list[str]) -> None:
                            status=404, code="model_not_found", type_="not_found_error")
 
 
-def _sampling(body, max_tokens: int, num_logprobs: int | None, sub: int) -> spb.SamplingParams:
+def _sampling(body, max_tokens: int, num_logprobs: int | None, sub: int,
+              num_prompt_logprobs: int | None = None) -> spb.SamplingParams:
     s = spb.SamplingParams(max_tokens=max_tokens, stop=body.stop_list(), stop_token_ids=body.stop_token_ids or [],
                            ignore_eos=body.ignore_eos, top_k=max(body.top_k or 0, 0))
     if body.temperature is not None:
@@ -146,6 +147,8 @@ def _sampling(body, max_tokens: int, num_logprobs: int | None, sub: int) -> spb.
         # The scheduler returns the sampled token's logprob only alongside
         # at least one alternative.
         s.logprobs = max(num_logprobs, 1)
+    if num_prompt_logprobs is not None:
+        s.prompt_logprobs = num_prompt_logprobs
     s.presence_penalty = body.presence_penalty or 0.0
     s.frequency_penalty = body.frequency_penalty or 0.0
     if body.repetition_penalty is not None:
@@ -208,10 +211,15 @@ class Gateway:
 
     async def completions(self, request: Request) -> Response:
         body, constraint, metadata, info = await self._prepare(request, CompletionRequest)
+        prompts = body.prompts()
+        # echo with max_tokens 0 still generates one token (the scheduler
+        # computes a prompt on the way to a token) and drops it.
+        max_tokens = 1 if body.prompt_only() else body.max_tokens
+        num_prompt_logprobs = body.num_prompt_logprobs()
         requests = []
-        for prompt in body.prompts():
+        for prompt in prompts:
             for sub in range(body.n):
-                r = spb.GenerateRequest(sampling=_sampling(body, body.max_tokens, body.logprobs, sub),
+                r = spb.GenerateRequest(sampling=_sampling(body, max_tokens, body.logprobs, sub, num_prompt_logprobs),
                                         priority=body.priority, cache_salt=body.cache_salt)
                 if isinstance(prompt, str):
                     r.prompt = prompt
@@ -220,11 +228,24 @@ class Gateway:
                 if constraint is not None:
                     r.structured.CopyFrom(constraint.structured)
                 requests.append((sub, r))
+        echo = await self._prompt_texts(prompts, metadata) if body.echo else None
         record = record_of(request)
-        job = Job(f"cmpl-{record.request_id}", int(time.time()), self.served_names(info)[0],
-                  CompletionFormat(body.logprobs), bool(body.stream_options and body.stream_options.include_usage),
-                  record, constraint)
+        fmt = CompletionFormat(body.logprobs, echo, body.n, body.prompt_only(), body.prompt_logprobs)
+        job = Job(f"cmpl-{record.request_id}", int(time.time()), self.served_names(info)[0], fmt,
+                  bool(body.stream_options and body.stream_options.include_usage), record, constraint)
         return await self._respond(request, job, requests, body.stream, metadata)
+
+    async def _prompt_texts(self, prompts: list[str | list[int]], metadata) -> list[str]:
+        """Each prompt's text, as echo returns it: a text prompt as sent, a
+        token-id prompt decoded by the scheduler with its special tokens
+        spelled out (as vLLM echoes one)."""
+        async def text(prompt: str | list[int]) -> str:
+            return prompt if isinstance(prompt, str) else await self.client.detokenize(prompt, False, metadata)
+
+        try:
+            return list(await asyncio.gather(*(text(p) for p in prompts)))
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, {"token_ids": "prompt"}) from None
 
     async def chat(self, request: Request) -> Response:
         job, requests, body, metadata = await self.chat_job(request)
@@ -266,13 +287,15 @@ class Gateway:
         # The rendered template already spells out BOS and friends.
         requests = [(sub, spb.GenerateRequest(prompt=prompt, add_special_tokens=False, priority=body.priority,
                                               cache_salt=body.cache_salt,
-                                              sampling=_sampling(body, max_tokens, num_logprobs, sub),
+                                              sampling=_sampling(body, max_tokens, num_logprobs, sub,
+                                                                 body.prompt_logprobs),
                                               structured=constraint.structured if constraint else None))
                     for sub in range(body.n)]
         # A constraint covers the whole output, so there is no thought to
         # split off it.
         reasoning = REASONING_PARSERS.get(self.settings.reasoning_parser) if constraint is None else None
-        fmt = ChatFormat(num_logprobs, plan.parser, reasoning, plan.parallel, self.settings.tool_call_parser)
+        fmt = ChatFormat(num_logprobs, plan.parser, reasoning, plan.parallel, self.settings.tool_call_parser,
+                         body.prompt_logprobs)
         record = record_of(request)
         job = Job(f"chatcmpl-{record.request_id}", int(time.time()), self.served_names(info)[0], fmt,
                   bool(body.stream_options and body.stream_options.include_usage), record, constraint)
@@ -342,7 +365,8 @@ class Gateway:
             raise job.rpc_error(exc) from None
         await job.note_outcome()
         return {"id": job.id, "object": job.fmt.object, "created": job.created, "model": job.model,
-                "choices": [job.fmt.choice(s) for s in job.samples], "usage": usage(job.samples)}
+                "choices": [job.fmt.choice(s) for s in job.samples], "usage": usage(job.samples),
+                **job.fmt.response_fields(job.samples)}
 
     def _chunk(self, job: Job, choices: list[dict], **extra) -> str:
         obj = {"id": job.id, "object": job.fmt.chunk_object, "created": job.created, "model": job.model,

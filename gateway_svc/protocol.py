@@ -52,6 +52,7 @@ def param_of(loc: tuple) -> str | None:
 _INERT_VALUES: dict[str, tuple] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
+    # Chat's (vLLM's echo of the last message); /v1/completions implements echo.
     "echo": (None, False),
     # Added by sglang-router 0.3.2 at SGLang's defaults (seen on the wire).
     # skip_special_tokens=true is what our detokenizer does; the others are off.
@@ -155,6 +156,9 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's extra: each prompt token's logprob, with this many top
+    # alternatives (openai_format.vllm_prompt_logprobs); not with stream.
+    prompt_logprobs: int | None = Field(default=None, ge=0, lt=UINT32)
 
     def check_inert_fields(self) -> None:
         """Unknown fields and non-default values of unimplemented ones are
@@ -166,6 +170,9 @@ class _Common(BaseModel):
             if value not in allowed:
                 shown = ", ".join("null" if v is None else repr(v) for v in allowed)
                 raise RequestError(name, f"{name}={value!r} is not supported (only {shown})")
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestError("prompt_logprobs", "prompt_logprobs are not returned when streaming (as vLLM); "
+                                                  "use stream=false")
         if self.stop_token_ids and any(not 0 <= t < UINT32 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids", "token ids must be in [0, 2^32)")
         self.logit_bias_ids()
@@ -191,10 +198,33 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    # OpenAI's default for completions.
-    max_tokens: int | None = Field(default=16, ge=1, lt=UINT32)
+    # OpenAI's default for completions; 0 only with echo (the prompt alone).
+    max_tokens: int | None = Field(default=16, ge=0, lt=UINT32)
     # Top alternatives per token; 0 = only the sampled token's logprob.
     logprobs: int | None = Field(default=None, ge=0, lt=UINT32)
+    # The prompt before the completion in `text`, and with `logprobs` the
+    # prompt tokens' logprobs first (OpenAI's legacy API, as vLLM does).
+    echo: bool = False
+
+    def check_inert_fields(self) -> None:
+        super().check_inert_fields()
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise RequestError("max_tokens", "max_tokens=0 generates nothing; it is offered with echo=true, "
+                                                 "which returns the prompt (and its logprobs) alone")
+            if self.min_tokens:
+                raise RequestError("min_tokens", f"min_tokens={self.min_tokens} exceeds max_tokens=0")
+
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt is returned and nothing is
+        generated (one token is, to compute the prompt, and dropped)."""
+        return self.echo and self.max_tokens == 0
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Top alternatives the scheduler computes at each prompt position:
+        for echo with logprobs and for the prompt_logprobs extra alike."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids used as they are."""

@@ -211,7 +211,7 @@ def test_max_tokens_bounds_the_completion(gw):
     ({"extra_body": {"guided_json": {"type": "objectx"}}}, "guided_json"),
     ({"best_of": 3}, "best_of"),
     ({"suffix": "end"}, "suffix"),
-    ({"echo": True}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"),  # offered only with echo
     ({"n": 1000}, "n"),
     ({"temperature": -1}, "temperature"),
     ({"stop": [""]}, "stop"),

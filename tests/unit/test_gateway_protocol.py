@@ -189,3 +189,45 @@ def test_embedding_inputs_each_get_their_own_call_and_name():
     assert EmbeddingRequest.model_validate({"input": [1, 2]}).inputs() == [("input", [1, 2])]
     assert EmbeddingRequest.model_validate({"input": [[1], [2, 3]]}).inputs() == [("input[0]", [1]),
                                                                                   ("input[1]", [2, 3])]
+
+
+def _entry(token_id, logprob, top=()):
+    from llmsched.v1 import scheduler_pb2 as spb
+
+    return spb.TokenLogprobs(token_id=token_id, logprob=logprob, token=f"t{token_id}",
+                             top_token_ids=[t for t, _ in top], top_logprobs=[lp for _, lp in top],
+                             top_tokens=[f"t{t}" for t, _ in top])
+
+
+def test_vllm_prompt_logprobs_rank_only_what_is_among_the_top():
+    from gateway_svc.openai_format import vllm_prompt_logprobs
+
+    entries = [_entry(1, float("nan")), _entry(7, -0.5, [(7, -0.5), (9, -1.0)]),
+               _entry(8, -3.0, [(9, -0.1), (5, -2.0)]), _entry(4, float("-inf"), [(9, -0.2), (5, -1.9)])]
+    got = vllm_prompt_logprobs(entries, 2)
+    assert got[0] is None
+    assert got[1] == {"7": {"logprob": -0.5, "rank": 1, "decoded_token": "t7"},
+                      "9": {"logprob": -1.0, "rank": 2, "decoded_token": "t9"}}
+    assert list(got[2]) == ["8", "9", "5"] and got[2]["8"]["rank"] is None and got[2]["5"]["rank"] == 2
+    assert got[3]["4"]["logprob"] == -9999.0, "-inf is not JSON"
+    assert list(vllm_prompt_logprobs(entries, 1)[2]) == ["8", "9"], "k alternatives at most"
+
+
+def test_echo_with_max_tokens_0_drops_the_one_generated_token():
+    from gateway_svc.openai_format import CompletionFormat, Sample, usage
+    from llmsched.v1 import scheduler_pb2 as spb
+
+    fmt = CompletionFormat(1, echo=["Once"], prompt_only=True)
+    sample = Sample(0, 0, call=None)
+    fmt.start(sample)
+    resp = spb.GenerateResponse(token_ids=[2], text="", finish_reason=spb.FINISH_REASON_STOP,
+                                logprobs=[_entry(2, -0.1, [(2, -0.1)])],
+                                prompt_logprobs=[_entry(1, float("nan")), _entry(7, -0.5, [(7, -0.5)])],
+                                usage=spb.Usage(prompt_tokens=2, completion_tokens=1))
+    sample.add(resp)
+    [chunk] = fmt.delta_choices(sample, resp)
+    choice = fmt.choice(sample)
+    for c in (chunk, choice):
+        assert c["text"] == "Once" and c["finish_reason"] == "length", "EOS ended the dropped token, not the client's"
+        assert c["logprobs"]["tokens"] == ["t1", "t7"] and c["logprobs"]["token_logprobs"] == [None, -0.5]
+    assert usage([sample])["completion_tokens"] == 0 and usage([sample])["prompt_tokens"] == 2

@@ -307,6 +307,17 @@ def test_small_endpoints_and_unknown_routes_answer_in_openais_shape(gw, chat_mod
     assert status == 405 and wrong["error"]["type"] == "invalid_request_error"
 
 
+def test_embeddings_of_a_model_without_a_pooling_config_are_refused_with_the_reason(gw, chat_model):
+    """The scheduler's FAILED_PRECONDITION, as a 400 that says why."""
+    services, grpc_client, client, model = gw
+    assert not grpc_client.info().pooling
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.embeddings.create(model=model, input=["a story", "another"])
+    assert exc.value.body["code"] == "model_not_supported", exc.value.body
+    assert "cannot serve embeddings" in exc.value.body["message"] and "modules.json" in exc.value.body["message"]
+    grpc_client.assert_no_leaked_blocks()
+
+
 def test_mid_stream_disconnect_frees_every_kv_block(gw):
     services, grpc_client, client, model = gw
     for kind in ("completions", "chat"):

@@ -4,12 +4,12 @@ pooled embeddings and prompt logprobs on the same weights."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from executor_svc.model.pooling import Pooling
+from tests.chat_templates import LLAMA3_STYLE
 from tests.oracle import hf_model
 
 ST = "sentence_transformers.models."
@@ -36,18 +36,26 @@ def hf_pooled(model: str, ids: list[int], pooling: Pooling) -> torch.Tensor:
     return torch.nn.functional.normalize(vector, dim=-1) if pooling.normalize else vector
 
 
-def hf_prompt_logprobs(model: str, ids: list[int]) -> torch.Tensor:
-    """log_softmax at each position for the next prompt token: [n - 1]."""
+def hf_log_softmax(model: str, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the logits at each position: [n, vocab]; row i is the
+    distribution of token i + 1."""
     with torch.no_grad():
-        logp = torch.log_softmax(hf_model(model)(torch.tensor([ids])).logits[0].float(), dim=-1)
+        return torch.log_softmax(hf_model(model)(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def hf_prompt_logprobs(model: str, ids: list[int]) -> torch.Tensor:
+    """Each prompt token's logprob given those before it: [n - 1]."""
+    logp = hf_log_softmax(model, ids)
     return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
 
 
 def embedding_checkpoint(stories: Path, into: Path) -> Path:
-    """stories260K with a sentence-transformers pipeline: mean pooling, then
-    Normalize."""
+    """stories260K as an embedding model too: links to its files, a
+    sentence-transformers pipeline (mean pooling, then Normalize), and a
+    chat template."""
     into.mkdir(parents=True, exist_ok=True)
-    for f in stories.iterdir():
-        if f.is_file():
-            shutil.copy(f, into / f.name)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (into / name).symlink_to(stories / name)
+    config = json.loads((stories / "tokenizer_config.json").read_text())
+    (into / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LLAMA3_STYLE}))
     return write_pooling(into)

@@ -145,11 +145,13 @@ def num_admitted(services) -> float:
 @pytest.fixture(scope="session")
 def embedder(stories_path, tmp_path_factory):
     """stories260K with a sentence-transformers pooling config (mean, then
-    Normalize), behind the gateway, prompts prefilled in chunks of 16: the
-    stack for embeddings and prompt logprobs."""
+    Normalize) and a chat template, behind the gateway, prompts prefilled in
+    chunks of 16, at most 4 inputs per /v1/embeddings request: the stack for
+    embeddings and prompt logprobs."""
     from tests.embeddings import embedding_checkpoint
 
     path = embedding_checkpoint(stories_path, tmp_path_factory.mktemp("embedder") / "stories-embed")
-    stack = start_gateway_stack(str(path), scheduler_env={"SCHEDULER_MAX_PREFILL_CHUNK": "16"})
+    stack = start_gateway_stack(str(path), scheduler_env={"SCHEDULER_MAX_PREFILL_CHUNK": "16"},
+                                gateway_env={"GATEWAY_MAX_EMBEDDING_INPUTS": "4"})
     yield stack
     stack.stop()

@@ -10,48 +10,34 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
 import struct
 import urllib.error
 import urllib.request
+from pathlib import Path
 
-import openai
 import pytest
 import torch
 from tokenizers import Tokenizer
 
-from tests.chat_templates import LLAMA3_STYLE
-from tests.integration.conftest import start_gateway_stack
-from tests.oracle import hf_greedy, hf_log_softmax, hf_pooled, write_pooling
+from executor_svc.model.pooling import Pooling
+from tests.embeddings import hf_log_softmax, hf_pooled
+from tests.oracle import hf_greedy
 
 pytestmark = pytest.mark.slow
 PROMPT = "Once upon a time, there was a little dog named Max. He liked to"
-MEAN_NORMALIZED = type("Pooling", (), {"mode": "mean", "normalize": True})
-MAX_INPUTS = 4  # GATEWAY_MAX_EMBEDDING_INPUTS of the stack
+MEAN_NORMALIZED = Pooling("mean", normalize=True)
+MAX_INPUTS = 4  # GATEWAY_MAX_EMBEDDING_INPUTS of the embedder stack
 
 
 @pytest.fixture(scope="module")
-def embed_model(stories_path, tmp_path_factory):
-    """stories260K as an embedding model too: links to its files, a
-    modules.json / 1_Pooling pipeline, and a chat template."""
-    d = tmp_path_factory.mktemp("stories-embed")
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
-        os.symlink(stories_path / name, d / name)
-    config = json.loads((stories_path / "tokenizer_config.json").read_text())
-    (d / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LLAMA3_STYLE}))
-    return write_pooling(d)
+def stack(embedder):
+    """The shared embedding stack (tests/integration/conftest.py)."""
+    return embedder
 
 
 @pytest.fixture(scope="module")
-def stack(embed_model):
-    s = start_gateway_stack(str(embed_model), gateway_env={"GATEWAY_MAX_EMBEDDING_INPUTS": str(MAX_INPUTS)})
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def tok(embed_model) -> Tokenizer:
-    return Tokenizer.from_file(str(embed_model / "tokenizer.json"))
+def tok(embedder) -> Tokenizer:
+    return Tokenizer.from_file(str(Path(embedder.grpc.model) / "tokenizer.json"))
 
 
 def _post(stack, path: str, body: dict) -> tuple[int, dict]:

@@ -79,6 +79,7 @@ class LoadedModel:
     torch_compile: bool
     tp: TPGroup | None
     weight_bytes: int  # this rank's, as loaded (weight_bytes())
+    generates: bool = True  # False: no lm_head in the checkpoint, embeddings only
 
 
 def _set_threads(settings: ExecutorSettings, device: torch.device) -> None:
@@ -100,7 +101,13 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     shard = tp.shard if tp else Shard()
     dtype = resolve_dtype(settings.dtype, device)
     max_model_len = settings.max_model_len or cfg.max_position_embeddings
-    model = build_model(cfg, ckpt.lazy_tensors(), max_model_len, device, dtype, shard, tp)
+    model = build_model(cfg, ckpt.lazy_tensors(), max_model_len, device, dtype, shard, tp,
+                        headless_ok=ckpt.pooling.pooling is not None)
+    generates = model.lm_head is not None
+    if not generates:
+        # Nothing is ever sampled, so no decode step is captured or compiled.
+        log.info("the checkpoint ships no lm_head.weight (tie_word_embeddings is false): it serves embeddings only")
+        torch_compile = False
     loaded_bytes = weight_bytes(model)
     log.info("weights: %.1f MiB on this rank (%s)", loaded_bytes / 2**20,
              f"{cfg.quantization.describe()}, kept quantized" if cfg.quantization is not None else dtype)
@@ -130,7 +137,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     elif backend.name == "triton" and cfg.moe is not None:
         log.info("quantized experts run the torch loop through each expert's own quantized linears: the triton "
                  "fused-MoE kernel reads plain, FP8-block and MXFP4 experts only")
-    cuda_graphs = use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
+    cuda_graphs = generates and use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
     # Rank 0 alone samples, so it alone keeps constraint matchers.
     constraints = None if tp and tp.rank != 0 else ConstraintMatchers(ckpt.tokenizer_json, cfg.vocab_size,
                                                                        list(cfg.eos_token_ids))
@@ -150,7 +157,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         cuda_graphs = torch_compile = False
         runner = ModelRunner(model, pool, backend, device, **runner_args)
     return LoadedModel(ckpt, cfg, device, dtype, max_model_len, pool, host_kv, runner, cuda_graphs, torch_compile, tp,
-                       loaded_bytes)
+                       loaded_bytes, generates)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

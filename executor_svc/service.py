@@ -35,6 +35,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.host_kv = loaded.host_kv
         self.weight_bytes = loaded.weight_bytes
         self.pooling = loaded.ckpt.pooling.pooling
+        self.generates = loaded.generates
         log.info("embeddings: %s", f"pooled {self.pooling.describe()} (sentence-transformers config)"
                  if self.pooling else f"not served: {loaded.ckpt.pooling.why_not}")
         self.tp = loaded.tp
@@ -99,6 +100,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             quantization=self.cfg.quantization.describe() if self.cfg.quantization else "",
             pooling=self.pooling.describe() if self.pooling else "",
             hidden_size=self.cfg.hidden_size,
+            embedding_only=not self.generates,
         )
 
     async def heartbeats(self) -> None:

@@ -28,6 +28,7 @@ def model_facts(h: epb.HandshakeResponse) -> ModelFacts:
         chat_template=h.chat_template, bos_token=h.bos_token, eos_token=h.eos_token, block_size=h.block_size,
         num_kv_blocks=h.num_kv_blocks, num_host_kv_blocks=h.num_host_kv_blocks, max_model_len=h.max_model_len,
         weight_bytes=h.weight_bytes, quantization=h.quantization, pooling=h.pooling, hidden_size=h.hidden_size,
+        embedding_only=h.embedding_only,
     )
 
 

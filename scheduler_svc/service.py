@@ -99,6 +99,9 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         engine = self.engine
         if engine.link.facts is None or engine.link.tokenizer is None:
             raise Unavailable("no executor is connected")
+        if engine.link.facts.embedding_only:
+            raise NotServed(f"model {engine.link.facts.model!r} serves embeddings only: its checkpoint ships no "
+                            "lm_head.weight (tie_word_embeddings is false), so it cannot generate")
         limits = self._limits()
         validate_prompt(msg, limits)
         cache_salt = msg.cache_salt if msg.HasField("cache_salt") else None
@@ -134,7 +137,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         if facts is None or engine.link.tokenizer is None:
             raise Unavailable("no executor is connected")
         if not facts.pooling:
-            raise NoEmbeddings(f"model {facts.model!r} cannot serve embeddings: its checkpoint has no "
+            raise NotServed(f"model {facts.model!r} cannot serve embeddings: its checkpoint has no "
                                "sentence-transformers pooling config this server applies (modules.json and "
                                "1_Pooling/config.json; the executor's log says why)")
         if msg.HasField("dimensions") and not 0 < msg.dimensions <= facts.hidden_size:
@@ -236,7 +239,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         except PermissionDenied as exc:
             await self._reject(context, span, outcome, grpc.StatusCode.PERMISSION_DENIED, "permission_denied",
                                str(exc))
-        except NoEmbeddings as exc:
+        except NotServed as exc:
             await self._reject(context, span, outcome, grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition",
                                str(exc))
         except Unavailable as exc:
@@ -384,6 +387,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             weight_bytes=facts.weight_bytes,
             quantization=facts.quantization,
             pooling=facts.pooling,
+            embedding_only=facts.embedding_only,
         )
 
 
@@ -391,8 +395,9 @@ class PermissionDenied(Exception):
     """The request asks for what its API key may not: another tenant."""
 
 
-class NoEmbeddings(Exception):
-    """An embedding asked of a model that cannot pool (FAILED_PRECONDITION)."""
+class NotServed(Exception):
+    """What the model cannot do (FAILED_PRECONDITION): embeddings of a model
+    that cannot pool, generation by one that has no lm_head."""
 
 
 def truncate_embedding(vector: list[float], dimensions: int) -> list[float]:

@@ -59,3 +59,19 @@ def embedding_checkpoint(stories: Path, into: Path) -> Path:
     config = json.loads((stories / "tokenizer_config.json").read_text())
     (into / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": LLAMA3_STYLE}))
     return write_pooling(into)
+
+
+def headless_checkpoint(stories: Path, into: Path) -> Path:
+    """stories260K as Qwen3-Embedding-8B ships: saved from the bare decoder
+    (no `model.` prefix), untied embeddings and no lm_head.weight, with a
+    mean-pooling sentence-transformers pipeline. It can embed, not generate."""
+    from safetensors.torch import load_file, save_file
+
+    into.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(stories / "model.safetensors"))
+    save_file({k.removeprefix("model."): v for k, v in tensors.items() if k != "lm_head.weight"},
+              str(into / "model.safetensors"))
+    config = json.loads((stories / "config.json").read_text())
+    (into / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    (into / "tokenizer.json").symlink_to(stories / "tokenizer.json")
+    return write_pooling(into)

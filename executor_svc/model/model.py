@@ -295,6 +295,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [num_sampled, hidden] -> [num_sampled, vocab] in fp32. Under
         tensor parallelism only rank 0 gets them (it samples): None elsewhere."""
+        if self.lm_head is None:
+            raise RuntimeError("this checkpoint ships no lm_head: it serves embeddings only")
         logits = self.lm_head(hidden)  # [num_sampled, padded vocab / size]
         if self.comm is not None:
             logits = self.comm.gather_logits(logits)
@@ -358,13 +360,16 @@ def set_kv_scales(model: CausalLM, scales: dict[str, LazyTensor]) -> list[str]:
 def build_model(cfg: ModelConfig,
                 tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]] | dict[str, torch.Tensor],
                 max_len: int, device: torch.device, dtype: torch.dtype, shard: Shard = Shard(), comm=None, *,
-                model_cls: type[CausalLM] = CausalLM, rename: Rename | None = None) -> CausalLM:
+                model_cls: type[CausalLM] = CausalLM, rename: Rename | None = None,
+                headless_ok: bool = False) -> CausalLM:
     """Fills a meta-device model one checkpoint tensor at a time, each moved
     to device and dtype as it arrives, so the host never holds more than one
     copy of the weights; given LazyTensors, a tensor-parallel rank reads only
     its part of each, as the layer that owns it decides (layers.py). Every
     parameter must come from the checkpoint, and every checkpoint tensor
-    must land somewhere."""
+    must land somewhere. headless_ok: an untied lm_head may be missing (an
+    embedding checkpoint saved without it, as Qwen3-Embedding-8B is); the
+    model then pools but cannot generate (lm_head is None)."""
     with torch.device("meta"):
         model = model_cls(cfg, max_len, shard, comm)
         if cfg.quantization is not None and cfg.quantization.schemes:
@@ -400,6 +405,9 @@ def build_model(cfg: ModelConfig,
             loaded.add(name)
     unexpected += set_kv_scales(model, kv_scales)
     missing = sorted(owners.keys() - loaded)
+    if headless_ok and missing == ["lm_head.weight"]:
+        model.lm_head = None
+        missing = []
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the {cfg.architecture} layout: "
                          f"missing={missing} unexpected={sorted(unexpected)}")

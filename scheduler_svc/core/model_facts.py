@@ -35,6 +35,7 @@ class ModelFacts:
     # pooled vector's width.
     pooling: str = ""
     hidden_size: int = 0
+    embedding_only: bool = False  # no lm_head: Generate is refused
 
     @property
     def geometry(self) -> tuple:

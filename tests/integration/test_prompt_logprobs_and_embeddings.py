@@ -18,6 +18,7 @@ from llmsched.v1 import scheduler_pb2 as spb
 from tests.embeddings import hf_pooled, hf_prompt_logprobs
 from tests.oracle import STORY_PROMPTS, hf_greedy
 
+pytestmark = pytest.mark.slow
 # 35 tokens: three chunks of 16 on the embedder stack.
 LONG = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun with her dog."
 MEAN = Pooling("mean", normalize=True)
@@ -139,3 +140,22 @@ def test_detokenize_spells_out_special_tokens_unless_asked_not_to(stories):
     with pytest.raises(grpc.RpcError) as exc:
         stories.stub.Detokenize(spb.DetokenizeRequest(token_ids=[10**6]), timeout=10)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.value.details().startswith("token_ids[0]:")
+
+
+def test_a_checkpoint_without_its_head_embeds_and_refuses_to_generate(stories_path, tmp_path):
+    """Qwen3-Embedding-8B's layout (flat keys, untied, no lm_head.weight)."""
+    from tests.embeddings import headless_checkpoint
+    from tests.integration.conftest import start_services
+
+    services, client = start_services(str(headless_checkpoint(stories_path, tmp_path / "headless")))
+    try:
+        assert client.info().embedding_only and client.info().pooling == "mean+normalize"
+        got = client.stub.Embed(spb.EmbedRequest(prompt=LONG), timeout=60).embedding
+        want = hf_pooled(str(stories_path), tokenize(client, LONG), MEAN)
+        assert (torch.tensor(list(got)) - want).abs().max() < 1e-5
+        with pytest.raises(grpc.RpcError) as exc:
+            client.generate(prompt="Hi")
+        assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "embeddings only" in exc.value.details()
+    finally:
+        client.channel.close()
+        services.stop()

@@ -19,16 +19,16 @@ from tests.unit.test_runner_vs_hf import BLOCK, GREEDY, make_runner
 PROMPTS = [[1, 403, 407, 261, 378, 280, 300, 301, 302, 303, 304], [1, 291, 376, 400, 428]]
 
 
-def run_prompts(runner, embed: list[bool], chunk: int, prompt_logprobs: int | None = None):
-    """Every prompt prefilled in chunks in the same steps, plus one
-    generating row throughout; returns (embeddings by handle, prompt
-    logprob entries by handle, the generating row's tokens)."""
+def run_prompts(runner, embed: list[bool], chunk: int, prompt_logprobs: int | None = None, generate: bool = True):
+    """Every prompt prefilled in chunks in the same steps, plus (with
+    generate) one generating row throughout; returns (embeddings by handle,
+    prompt logprob entries by handle, the generating row's tokens)."""
     gen_prompt, settings = [1, 300, 301], replace(GREEDY, prompt_logprobs=prompt_logprobs)
     computed = [0] * len(PROMPTS)
     embeddings, logprobs, generated = {}, {}, []
     blocks = [list(range(i * 16, i * 16 + 16)) for i in range(len(PROMPTS) + 1)]
     step = 0
-    while any(c < len(p) for c, p in zip(computed, PROMPTS)) or len(generated) < 4:
+    while any(c < len(p) for c, p in zip(computed, PROMPTS)) or (generate and len(generated) < 4):
         plan = StepPlan(step_id=step)
         for h, p in enumerate(PROMPTS):
             n = min(chunk, len(p) - computed[h])
@@ -41,7 +41,9 @@ def run_prompts(runner, embed: list[bool], chunk: int, prompt_logprobs: int | No
                 plan.cached_num_scheduled_tokens.append(n)
             computed[h] += n
         g = len(PROMPTS)
-        if step == 0:
+        if not generate:
+            pass
+        elif step == 0:
             plan.new_requests.append(NewRequestData(g, gen_prompt, blocks[g], 0, len(gen_prompt), GREEDY, 0))
         elif len(generated) < 4:
             plan.cached_handles.append(g)
@@ -124,3 +126,27 @@ def test_a_pooling_config_this_server_cannot_reproduce_leaves_no_embeddings_with
     setup(tmp_path)
     config = read_pooling(tmp_path)
     assert config.pooling is None and why in config.why_not
+
+
+def test_a_checkpoint_without_its_head_loads_for_embeddings_only(stories_path, tmp_path):
+    """Flat keys, untied, no lm_head.weight (Qwen3-Embedding-8B's layout):
+    with a pooling config it loads without a head and pools HF's vectors;
+    without one it is refused as a checkpoint missing its head."""
+    from executor_svc.model.checkpoint import load_checkpoint
+    from executor_svc.model.families import build_model, read_config
+    from tests.embeddings import headless_checkpoint
+
+    path = headless_checkpoint(stories_path, tmp_path / "headless")
+    ckpt = load_checkpoint(str(path))
+    cfg = read_config(ckpt.hf_config)
+    model = build_model(cfg, ckpt.lazy_tensors(), 64, torch.device("cpu"), torch.float32,
+                        headless_ok=ckpt.pooling.pooling is not None)
+    assert model.lm_head is None
+    runner = make_runner(str(stories_path))
+    runner.model, runner.pooling = model, ckpt.pooling.pooling
+    embeddings, _, _ = run_prompts(runner, embed=[True, True], chunk=4, generate=False)
+    for h, ids in enumerate(PROMPTS):
+        want = hf_pooled(str(stories_path), ids, ckpt.pooling.pooling)
+        assert (torch.tensor(embeddings[h]) - want).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        build_model(cfg, ckpt.lazy_tensors(), 64, torch.device("cpu"), torch.float32)

@@ -112,7 +112,8 @@ def family_of(cfg: ModelConfig) -> Family:
 def build_model(cfg: ModelConfig,
                 tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]] | dict[str, torch.Tensor],
                 max_len: int, device: torch.device, dtype: torch.dtype, shard: Shard = Shard(),
-                comm=None) -> CausalLM:
+                comm=None, headless_ok: bool = False) -> CausalLM:
     """The family's decoder, filled from checkpoint tensors (see model.build_model)."""
     fam = family_of(cfg)
-    return _build_model(cfg, tensors, max_len, device, dtype, shard, comm, model_cls=fam.model_cls, rename=fam.rename)
+    return _build_model(cfg, tensors, max_len, device, dtype, shard, comm, model_cls=fam.model_cls, rename=fam.rename,
+                        headless_ok=headless_ok)

@@ -97,6 +97,21 @@ class ExecutorSettings(BaseSettings):
     num_threads: int = Field(
         default=0, ge=0, description="torch intra-op CPU threads; 0 = torch's default, divided among the ranks "
         "sharing a node's cores under tensor parallelism.")
+    speculative_method: Literal["off", "ngram", "draft", "mtp", "eagle3"] = Field(
+        default="off", description="Speculative decoding: `ngram` proposes each request's next tokens from the "
+        "last place its own prompt and output repeat their last few tokens, and verifies them in one forward "
+        "(greedy requests without constraints, logprobs, penalties, `logit_bias`, `min_tokens` or stop strings "
+        "speculate; the others decode as usual). `draft`, `mtp` and `eagle3` are not implemented yet and are "
+        "refused.")
+    speculative_tokens: int = Field(
+        default=4, ge=1, le=16, description="Most drafts per request per step (the scheduler chooses fewer, or "
+        "none, as the batch grows: `SCHEDULER_SPECULATIVE_MAX_BATCH`).")
+    speculative_ngram_min: int = Field(
+        default=2, ge=1, le=16, description="`ngram`: the shortest run of a request's last tokens matched against "
+        "its earlier tokens.")
+    speculative_ngram_max: int = Field(
+        default=4, ge=1, le=16, description="`ngram`: the longest run of a request's last tokens matched; longer "
+        "matches are tried first.")
     max_logprobs: int = Field(
         default=20, ge=0, le=1024, description="Most top logprobs per token a request may ask for; capped at the "
         "vocabulary size.")

@@ -142,7 +142,8 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     constraints = None if tp and tp.rank != 0 else ConstraintMatchers(ckpt.tokenizer_json, cfg.vocab_size,
                                                                        list(cfg.eos_token_ids))
     runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp,
-                       constraints=constraints, host_kv=host_kv, pooling=ckpt.pooling.pooling)
+                       constraints=constraints, host_kv=host_kv, pooling=ckpt.pooling.pooling,
+                       ngram=speculative_ngram(settings, size, generates))
     try:
         runner = ModelRunner(model, pool, backend, device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
                              **runner_args)
@@ -158,6 +159,25 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         runner = ModelRunner(model, pool, backend, device, **runner_args)
     return LoadedModel(ckpt, cfg, device, dtype, max_model_len, pool, host_kv, runner, cuda_graphs, torch_compile, tp,
                        loaded_bytes, generates)
+
+
+def speculative_ngram(settings: ExecutorSettings, tp_size: int, generates: bool) -> tuple[int, int] | None:
+    """The n-gram window (min, max) when the executor speculates, else None;
+    a method or combination not implemented is refused by name."""
+    method = settings.speculative_method
+    if method == "off":
+        return None
+    if method != "ngram":
+        raise StartupError(f"EXECUTOR_SPECULATIVE_METHOD={method} is not implemented yet (implemented: off, ngram)")
+    if tp_size > 1:
+        raise StartupError("EXECUTOR_SPECULATIVE_METHOD=ngram is not implemented with "
+                           "EXECUTOR_TENSOR_PARALLEL_SIZE > 1")
+    if not generates:
+        raise StartupError("EXECUTOR_SPECULATIVE_METHOD=ngram: the checkpoint has no lm_head and cannot generate")
+    if settings.speculative_ngram_min > settings.speculative_ngram_max:
+        raise StartupError(f"EXECUTOR_SPECULATIVE_NGRAM_MIN={settings.speculative_ngram_min} exceeds "
+                           f"EXECUTOR_SPECULATIVE_NGRAM_MAX={settings.speculative_ngram_max}")
+    return settings.speculative_ngram_min, settings.speculative_ngram_max
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -101,6 +101,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             pooling=self.pooling.describe() if self.pooling else "",
             hidden_size=self.cfg.hidden_size,
             embedding_only=not self.generates,
+            speculative_method="" if self.settings.speculative_method == "off" else self.settings.speculative_method,
+            speculative_tokens=0 if self.settings.speculative_method == "off" else self.settings.speculative_tokens,
         )
 
     async def heartbeats(self) -> None:

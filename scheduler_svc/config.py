@@ -48,6 +48,11 @@ class SchedulerSettings(BaseSettings):
         "FINISH_REASON_ABORT. Closing connections afterwards gets 10 s more; should that hang, the process exits "
         "anyway and logs the pending tasks.")
     max_num_seqs: int = Field(default=256, ge=1, description="Most requests running in one step.")
+    speculative_max_batch: int = Field(
+        default=16, ge=0, description="With an executor that speculates (`EXECUTOR_SPECULATIVE_METHOD`): requests "
+        "draft up to `EXECUTOR_SPECULATIVE_TOKENS` each while at most half this many run, half as many (at least "
+        "one) up to this many, and none above it, so a loaded server does not pay for verifying drafts it cannot "
+        "use. 0 = never speculate.")
     max_num_batched_tokens: int = Field(
         default=2048, ge=1, description="Most tokens (prefill + decode) computed per step: the step token budget.")
     # Chunking lets long prompts share steps with running decodes instead of

@@ -28,7 +28,8 @@ def model_facts(h: epb.HandshakeResponse) -> ModelFacts:
         chat_template=h.chat_template, bos_token=h.bos_token, eos_token=h.eos_token, block_size=h.block_size,
         num_kv_blocks=h.num_kv_blocks, num_host_kv_blocks=h.num_host_kv_blocks, max_model_len=h.max_model_len,
         weight_bytes=h.weight_bytes, quantization=h.quantization, pooling=h.pooling, hidden_size=h.hidden_size,
-        embedding_only=h.embedding_only,
+        embedding_only=h.embedding_only, speculative_method=h.speculative_method,
+        speculative_tokens=h.speculative_tokens,
     )
 
 
@@ -77,6 +78,8 @@ def plan_to_proto(out: StepPlan) -> epb.StepPlan:
         new_block_ids=out.new_block_ids,
         finished_handles=out.finished_handles,
         epoch=out.executor_epoch,
+        draft_handles=out.draft_handles,
+        draft_counts=out.draft_counts,
     )
     if out.swaps is not None:
         plan.swap_out_device_blocks.extend(out.swaps.out_device)

@@ -31,11 +31,16 @@ class EngineTelemetry(CoreListener):
         # Per cause, the tokens recomputed already published (the scheduler
         # counts them; planned() publishes what grew).
         self._recomputed_published: dict[str, int] = {}
+        self._accepted_published: Counter[int] = Counter()
+        self._drafts_published = self._accepted_tokens_published = 0
 
     def attach(self, scheduler: Scheduler) -> None:
         """A new scheduler (a first connect, or another model): its counts start at 0."""
         self.scheduler = scheduler
         self._recomputed_published = {}
+        # The speculative-decoding counts already published.
+        self._accepted_published: Counter[int] = Counter()
+        self._drafts_published = self._accepted_tokens_published = 0
 
     def plan_started(self) -> int:
         return self.clock.time_ns()
@@ -80,8 +85,21 @@ class EngineTelemetry(CoreListener):
     def tokens(self, tokens: list[SampledToken], num_dropped: int) -> None:
         telemetry.DROPPED_TOKENS.inc(num_dropped)
         sched = self.scheduler
+        if sched.accepted_lengths != self._accepted_published:
+            self._publish_speculation(sched)
         if sched.kv.host is not None:
             telemetry.HOST_KV_USAGE.set(1.0 - sched.num_free_host_blocks / sched.kv.host.num_blocks)
+
+    def _publish_speculation(self, sched) -> None:
+        """The scheduler's speculative-decoding counts since the last result."""
+        for length, steps in (sched.accepted_lengths - self._accepted_published).items():
+            for _ in range(steps):
+                telemetry.SPEC_ACCEPTED_LENGTH.observe(length)
+        telemetry.SPEC_DRAFT_TOKENS.inc(sched.num_draft_tokens - self._drafts_published)
+        telemetry.SPEC_ACCEPTED_TOKENS.inc(sched.num_accepted_tokens - self._accepted_tokens_published)
+        telemetry.SPEC_MEAN_ACCEPTANCE.set(1 + sched.num_accepted_tokens / max(1, sched.accepted_lengths.total()))
+        self._accepted_published = Counter(sched.accepted_lengths)
+        self._drafts_published, self._accepted_tokens_published = sched.num_draft_tokens, sched.num_accepted_tokens
 
     def swaps_applied(self, step: InFlightStep, outcome: StepResult) -> None:
         telemetry.record_swaps(step.out.swaps, len(outcome.failed_swap_outs) + len(outcome.failed_swap_ins))

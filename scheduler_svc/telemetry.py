@@ -33,6 +33,15 @@ STEP_DURATION = Histogram("llmsched_step_duration_seconds",
 DROPPED_TOKENS = Counter("llmsched_dropped_tokens",
                          "Tokens sampled by a step in flight for a request that had finished, been preempted or "
                          "reset meanwhile; never streamed")
+SPEC_DRAFT_TOKENS = Counter("llmsched_spec_decode_draft_tokens",
+                            "Speculative drafts verified (EXECUTOR_SPECULATIVE_METHOD), over applied results")
+SPEC_ACCEPTED_TOKENS = Counter("llmsched_spec_decode_accepted_tokens", "Speculative drafts accepted")
+SPEC_ACCEPTED_LENGTH = Histogram("llmsched_spec_decode_accepted_length",
+                                 "Drafts accepted per speculative step of one request",
+                                 buckets=[0, 1, 2, 3, 4, 6, 8, 12, 16])
+SPEC_MEAN_ACCEPTANCE = Gauge("llmsched_spec_decode_mean_acceptance_length",
+                             "Tokens a speculative step of one request yields on average since start: 1 + the mean "
+                             "of drafts accepted")
 NUM_RUNNING = Gauge("llmsched_num_requests_running", "Requests in the running set")
 NUM_WAITING = Gauge("llmsched_num_requests_waiting", "Requests waiting for admission")
 KV_USAGE = Gauge("llmsched_kv_cache_usage_ratio", "Share of KV blocks held by live requests")

@@ -25,6 +25,7 @@ from executor_svc.step.host_kv import HostKVPool, SwapResult
 from executor_svc.step.host_memory import retain_freed_memory, to_device
 from executor_svc.step.kv_cache import KVCachePool
 from executor_svc.step.logits_processors import LogitsProcessors
+from executor_svc.step.ngram import propose
 from executor_svc.model.model import CausalLM
 from executor_svc.model.pooling import Pooling
 from executor_svc.step.request_rows import PlanError, RequestRows
@@ -68,6 +69,9 @@ class StepPlan:
     swap_out_host_blocks: list[int] = field(default_factory=list)
     swap_in_host_blocks: list[int] = field(default_factory=list)
     swap_in_device_blocks: list[int] = field(default_factory=list)
+    # Requests that speculate, and their draft counts (StepPlan.draft_*).
+    draft_handles: list[int] = field(default_factory=list)
+    draft_counts: list[int] = field(default_factory=list)
     # What the step stream needs beside the step itself (step_loop.py): the
     # scheduler's epoch, whether an idle wait came before (telemetry), the
     # trace to join, and the message as received, for the other
@@ -130,11 +134,15 @@ class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
                  fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False,
                  torch_compile: bool = False, tp=None, constraints: ConstraintMatchers | None = None,
-                 host_kv: HostKVPool | None = None, pooling: Pooling | None = None):
+                 host_kv: HostKVPool | None = None, pooling: Pooling | None = None,
+                 ngram: tuple[int, int] | None = None):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
         # How embedding requests pool (pooling.py); None: the checkpoint has
         # no pooling config, and the scheduler sends none.
         self.pooling = pooling
+        # Speculative decoding's n-gram window (min, max), or None when the
+        # executor does not speculate (a plan with drafts then fails).
+        self.ngram = ngram
         # The host KV tier (host_kv.py); None when EXECUTOR_HOST_KV_CACHE_MEMORY_MB is 0.
         self.host_kv = host_kv
         # Constraint matchers of constrained requests (constraints.py); None
@@ -163,8 +171,9 @@ class ModelRunner:
         if self.constraints is not None:
             self.constraints.reset()
 
-    def _apply_diffs(self, step: StepPlan) -> tuple[np.ndarray, np.ndarray]:
-        """Updates the rows; returns the scheduled rows and their token counts."""
+    def _apply_diffs(self, step: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Updates the rows; returns the scheduled rows, their token counts
+        and their draft counts."""
         rows, constraints = self.rows, self.constraints
         for h in step.finished_handles:
             rows.finish(h)
@@ -192,13 +201,23 @@ class ModelRunner:
                                     dtype=np.int64))
         if written:
             rows.sync_block_table(np.concatenate(written))
+        num_new = len(scheduled)
         scheduled.extend(rows.row_of(h) for h in step.cached_handles)
         counts.extend(step.cached_num_scheduled_tokens)
-        return np.array(scheduled, dtype=np.int64), np.array(counts, dtype=np.int64)
+        drafts = np.zeros(len(scheduled), dtype=np.int64)
+        if step.draft_handles:
+            if self.ngram is None:
+                raise PlanError("plan has drafts, but this executor does not speculate")
+            at = {h: num_new + i for i, h in enumerate(step.cached_handles)}
+            for h, k in zip(step.draft_handles, step.draft_counts):
+                if h not in at:
+                    raise PlanError(f"handle {h}: drafts for a request the plan does not schedule as running")
+                drafts[at[h]] = k
+        return np.array(scheduled, dtype=np.int64), np.array(counts, dtype=np.int64), drafts
 
-    def _check(self, rows: np.ndarray, q: np.ndarray, start: np.ndarray, end: np.ndarray) -> None:
+    def _check(self, rows: np.ndarray, q: np.ndarray, start: np.ndarray, end: np.ndarray, drafts: np.ndarray) -> None:
         r = self.rows
-        bad = (q <= 0) | (end > r.num_tokens[rows])
+        bad = (q <= 0) | (end > r.num_tokens[rows] + drafts)
         if bad.any():
             i = int(bad.argmax())
             raise PlanError(f"handle {r.handle[rows[i]]}: {q[i]} tokens scheduled after {start[i]} computed, "
@@ -213,6 +232,11 @@ class ModelRunner:
             raise PlanError(f"handle {r.handle[rows[i]]}: position {end[i] - 1} is past max_model_len {r.max_model_len}")
         if len(rows) > 1 and (rows[1:] == rows[:-1]).any():  # rows are sorted
             raise PlanError("plan schedules a request twice in one step")
+        bad = (drafts > 0) & ((start != r.num_tokens[rows] - 1) | (end != r.num_tokens[rows] + drafts))
+        if bad.any():
+            i = int(bad.argmax())
+            raise PlanError(f"handle {r.handle[rows[i]]}: {drafts[i]} drafts, but the step is not its next token and "
+                            "the drafts after it")
 
     def _swap(self, step: StepPlan) -> SwapResult | None:
         """The plan's copies between the tiers, before anything reads or
@@ -229,7 +253,7 @@ class ModelRunner:
     def execute(self, step: StepPlan) -> StepResult:
         swaps = self._swap(step)  # timed on its own (SwapResult.swap_ns)
         t0 = time.perf_counter_ns()
-        rows, q = self._apply_diffs(step)  # [n] each
+        rows, q, drafts = self._apply_diffs(step)  # [n] each
         if not len(rows):
             if swaps is not None:
                 self.host_kv.finish(swaps)
@@ -237,11 +261,15 @@ class ModelRunner:
         # The batch runs in row order: when its rows are contiguous, as in a
         # steady decode, the block table is a view of the persistent one.
         order = np.argsort(rows, kind="stable")
-        rows, q = rows[order], q[order]
+        rows, q, drafts = rows[order], q[order], drafts[order]
         r, dev, block_size = self.rows, self.device, self.pool.block_size
         start = r.num_computed[rows]
         end = start + q
-        self._check(rows, q, start, end)
+        self._check(rows, q, start, end, drafts)
+        speculates = drafts > 0
+        for row, k in zip(rows[speculates].tolist(), drafts[speculates].tolist()):
+            n = int(r.num_tokens[row])  # the proposer's drafts go where the next tokens will
+            r.token_ids[row, n:n + k] = propose(r.token_ids[row, :n], k, *self.ngram)
 
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(q, out=cu[1:])
@@ -260,7 +288,9 @@ class ModelRunner:
         embeds = r.embed[rows]
         # Rows whose outputs read prompt positions: prompt logprobs, pooling.
         reads_prompt = embeds | (r.prompt_logprobs[rows] >= 0)
-        samples = (end == r.num_tokens[rows]) & ~embeds  # prompt fully computed: this row samples
+        # Prompt fully computed: this row samples (a speculating row, whose
+        # end is past its known tokens, is verified instead).
+        samples = (end == r.num_tokens[rows]) & ~embeds
         sample_rows = rows[samples]
         sample_tokens = cu[1:][samples] - 1  # index of each sampling row's last token
         # Constrained rows' masks are computed on a worker thread while the
@@ -290,6 +320,7 @@ class ModelRunner:
         logits = None  # rank 0's only, under tensor parallelism
         prompt_logprobs: list[PromptLogprobs] = []
         embeddings: list[tuple[int, list[float]]] = []
+        verified: list[tuple[int, list[int]]] = []  # (row, the tokens it yields)
         decode_only = num_tokens == len(sample_rows) == len(rows) and not reads_prompt.any()
         if self.graphs is not None and decode_only and len(rows) <= self.graphs.max_batch:
             logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
@@ -301,6 +332,8 @@ class ModelRunner:
                 prompt_logprobs = self._prompt_logprobs(hidden, rows, cu, start, end)
                 embeddings = self._pool(hidden, rows[embeds], cu[:-1][embeds], cu[1:][embeds], start[embeds],
                                         end[embeds])
+            if speculates.any():
+                verified = self._verify(hidden, rows[speculates], cu[:-1][speculates], drafts[speculates])
             if len(sample_rows):
                 if len(sample_rows) < num_tokens:
                     hidden = hidden[to_device(sample_tokens, dev)]
@@ -328,11 +361,41 @@ class ModelRunner:
             counted = slots >= 0
             if counted.any():
                 r.counts.record(slots[counted], np.asarray(tokens, dtype=np.int64)[counted])
+        for row, accepted in verified:
+            n, m = int(r.num_tokens[row]), len(accepted)
+            r.token_ids[row, n:n + m] = accepted
+            r.num_tokens[row] = n + m
+            r.num_output[row] += m
+            # KV past the last accepted draft is the rejected drafts': not computed.
+            r.num_computed[row] = n - 1 + m
+            handles += [int(r.handle[row])] * m
+            tokens += accepted
+            if logprobs is not None:
+                logprobs += [(0.0, [], [])] * m  # parallel to the tokens; these rows asked for none
         if swaps is not None:
             self.host_kv.finish(swaps)  # long done: the forward waited for them
         t3 = time.perf_counter_ns()
         return StepResult(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2, errors, swaps,
                           prompt_logprobs=prompt_logprobs, embeddings=embeddings)
+
+    def _verify(self, hidden: torch.Tensor, rows: np.ndarray, first: np.ndarray,
+                drafts: np.ndarray) -> list[tuple[int, list[int]]]:
+        """Greedy verification: hidden[first[i]:first[i] + 1 + drafts[i]] are
+        rows[i]'s last known token and its drafts. The model's argmax after
+        each is what greedy decoding would produce there; the drafts it
+        agrees with are accepted, and its token after the last of them is
+        one more. Returns (row, the 1 to 1 + drafts tokens it yields)."""
+        r = self.rows
+        index = np.concatenate([np.arange(a, a + 1 + k) for a, k in zip(first.tolist(), drafts.tolist())])
+        best = self.model.compute_logits(hidden[to_device(index, self.device)]).argmax(dim=-1).cpu().numpy()
+        out, at = [], 0
+        for row, k in zip(rows.tolist(), drafts.tolist()):
+            n = int(r.num_tokens[row])
+            agree = best[at:at + k] == r.token_ids[row, n:n + k]
+            accepted = k if agree.all() else int(agree.argmin())
+            out.append((row, best[at:at + accepted + 1].tolist()))
+            at += 1 + k
+        return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: np.ndarray, cu: np.ndarray, start: np.ndarray,
                          end: np.ndarray) -> list[PromptLogprobs]:

@@ -11,7 +11,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("model", "tokenizer_json", "block_size", "num_kv_blocks", "max_model_len", "instance_id", "vocab_size", "eos_token_ids", "max_logprobs", "device", "chat_template", "bos_token", "eos_token", "architecture", "rope_type", "tensor_parallel_size", "supports_constraints", "kv_bytes_per_token", "num_host_kv_blocks", "weight_bytes", "quantization", "pooling", "hidden_size", "embedding_only")
+    __slots__ = ("model", "tokenizer_json", "block_size", "num_kv_blocks", "max_model_len", "instance_id", "vocab_size", "eos_token_ids", "max_logprobs", "device", "chat_template", "bos_token", "eos_token", "architecture", "rope_type", "tensor_parallel_size", "supports_constraints", "kv_bytes_per_token", "num_host_kv_blocks", "weight_bytes", "quantization", "pooling", "hidden_size", "embedding_only", "speculative_method", "speculative_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class HandshakeResponse(_message.Message):
     POOLING_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer_json: str
     block_size: int
@@ -60,7 +62,9 @@ class HandshakeResponse(_message.Message):
     pooling: str
     hidden_size: int
     embedding_only: bool
-    def __init__(self, model: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., supports_constraints: _Optional[bool] = ..., kv_bytes_per_token: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., pooling: _Optional[str] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ...) -> None: ...
+    speculative_method: str
+    speculative_tokens: int
+    def __init__(self, model: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., supports_constraints: _Optional[bool] = ..., kv_bytes_per_token: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., pooling: _Optional[str] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class StepSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "min_tokens_held_ids", "logit_bias_ids", "logit_bias_values", "prompt_logprobs")
@@ -127,7 +131,7 @@ class Constraint(_message.Message):
     def __init__(self, grammar: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_handles", "cached_num_scheduled_tokens", "new_block_handles", "new_block_ids", "finished_handles", "traceparent", "epoch", "after_idle", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks")
+    __slots__ = ("step_id", "new_requests", "cached_handles", "cached_num_scheduled_tokens", "new_block_handles", "new_block_ids", "finished_handles", "traceparent", "epoch", "after_idle", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks", "draft_handles", "draft_counts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_HANDLES_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +146,8 @@ class StepPlan(_message.Message):
     SWAP_OUT_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_handles: _containers.RepeatedScalarFieldContainer[int]
@@ -156,7 +162,9 @@ class StepPlan(_message.Message):
     swap_out_host_blocks: _containers.RepeatedScalarFieldContainer[int]
     swap_in_host_blocks: _containers.RepeatedScalarFieldContainer[int]
     swap_in_device_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_handles: _Optional[_Iterable[int]] = ..., cached_num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_handles: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_handles: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ..., epoch: _Optional[int] = ..., after_idle: _Optional[bool] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_handles: _containers.RepeatedScalarFieldContainer[int]
+    draft_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_handles: _Optional[_Iterable[int]] = ..., cached_num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_handles: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_handles: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ..., epoch: _Optional[int] = ..., after_idle: _Optional[bool] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., draft_handles: _Optional[_Iterable[int]] = ..., draft_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampledLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")

@@ -415,7 +415,7 @@ def core_limits(settings: SchedulerSettings) -> CoreLimits:
 
 
 def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size: int,
-                     max_model_len: int, num_host_blocks: int = 0) -> SchedulerConfig:
+                     max_model_len: int, num_host_blocks: int = 0, speculative_tokens: int = 0) -> SchedulerConfig:
     """The scheduler's configuration: the executor's KV geometry (from its
     handshake: device pool, host tier) and the SCHEDULER_* settings."""
     return SchedulerConfig(
@@ -429,6 +429,8 @@ def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size
         enable_prefix_caching=settings.enable_prefix_caching,
         num_host_blocks=num_host_blocks,
         preemption_mode=settings.preemption_mode,
+        speculative_tokens=speculative_tokens,
+        speculative_max_batch=settings.speculative_max_batch,
         prompt_token_weight=settings.prompt_token_weight,
         output_token_weight=settings.output_token_weight,
         tenant_weights=tuple(parse_weights(settings.tenant_weights).items()),

@@ -36,9 +36,14 @@ class ModelFacts:
     pooling: str = ""
     hidden_size: int = 0
     embedding_only: bool = False  # no lm_head: Generate is refused
+    # The executor's speculative decoding: its proposer ("" = off) and most
+    # drafts per request per step.
+    speculative_method: str = ""
+    speculative_tokens: int = 0
 
     @property
     def geometry(self) -> tuple:
         """What the live requests' state depends on. Not the host tier's
         size: it comes back empty after a restart anyway."""
-        return (self.model, self.block_size, self.num_kv_blocks, self.max_model_len, self.vocab_size)
+        return (self.model, self.block_size, self.num_kv_blocks, self.max_model_len, self.vocab_size,
+                self.speculative_tokens)

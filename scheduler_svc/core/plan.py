@@ -50,6 +50,8 @@ class ScheduledRequest:
     # request.epoch when planned; a different epoch at update time means the
     # executor lost the request since, and this part of the result is stale.
     epoch: int
+    # Speculative drafts verified in this step (num_tokens includes them).
+    num_drafts: int = 0
 
     @property
     def is_stale(self) -> bool:
@@ -68,6 +70,9 @@ class StepPlan:
     # Blocks appended to cached requests' tables, as parallel lists.
     new_block_handles: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
+    # Requests that speculate this step and their draft counts, in parallel.
+    draft_handles: list[int] = field(default_factory=list)
+    draft_counts: list[int] = field(default_factory=list)
     # Handles the executor must forget before this step.
     finished_handles: list[int] = field(default_factory=list)
     # Requests preempted while building this step (see Request.preempted_by).

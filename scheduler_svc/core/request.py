@@ -116,6 +116,22 @@ class Request:
     # logprobs, or an embedding pooled over every position): it takes no
     # cached blocks and computes its whole prompt.
     skip_prefix_cache: bool = False
+    # Drafts of its speculative step in flight (0: none in flight). That
+    # step holds 1 + this many placeholders, and how many tokens it yields
+    # is known only from its result, so the request is not scheduled again
+    # until then.
+    num_drafts_in_flight: int = 0
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether drafts verified greedily give exactly its tokens: greedy,
+        and nothing that changes the logits per position or cuts the output
+        mid-step (constraints, penalties, bias, min_tokens, stop strings) or
+        reports per token (logprobs)."""
+        s = self.sampling
+        return (s.temperature == 0 and self.constraint is None and not self.embed and not s.logprobs
+                and not s.stop and not s.min_tokens and not s.logit_bias and s.presence_penalty == 0
+                and s.frequency_penalty == 0 and s.repetition_penalty == 1)
 
     @property
     def num_tokens(self) -> int:

@@ -98,6 +98,11 @@ class Scheduler:
         # Sampled tokens dropped because their request had finished, been
         # preempted or reset while the step was in flight.
         self.num_dropped_tokens = 0
+        # Speculative decoding: drafts verified, and drafts accepted, over
+        # the results applied; accepted_lengths[a] = steps that accepted a.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_lengths: Counter[int] = Counter()
 
     # ----- admission -------------------------------------------------------
 
@@ -161,10 +166,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self._last_token_in_flight(req):
-                i += 1  # it finishes when that result arrives
+            if self._last_token_in_flight(req) or req.num_drafts_in_flight:
+                # It finishes when that result arrives, or (a speculative
+                # step) only that result says how many tokens it has.
+                i += 1
                 continue
             n = self._num_tokens_to_schedule(req, budget)
+            drafts = self._num_drafts(req, n, budget)
+            n += drafts
             new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
                 # Only from those not yet in this plan: a victim scheduled
@@ -184,7 +193,7 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(req, n)
             if new_blocks is None:
                 break  # req preempted itself: nothing after it can run either
-            self._record(out, req, n, new_blocks)
+            self._record(out, req, n, new_blocks, drafts)
             budget -= n
             i += 1
 
@@ -265,24 +274,45 @@ class Scheduler:
             raise RuntimeError(f"request {req.request_id} is scheduled with nothing left to compute")
         return n
 
-    def _record(self, out: StepPlan, req: Request, n: int, new_blocks: list[int]) -> None:
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """Drafts for a decode step of a running request: the executor's
+        most while at most half of speculative_max_batch run, half as many
+        (at least 1) up to speculative_max_batch, none above it; never past
+        max_tokens or max_model_len (the step yields up to 1 + drafts
+        tokens), nor past the step's budget."""
+        cfg = self.config
+        running = len(self.running)
+        decoding = req.num_tokens_with_placeholders - req.num_computed_tokens == 1  # not a prompt's chunk of 1
+        if (not cfg.speculative_tokens or n != 1 or not decoding or running > cfg.speculative_max_batch
+                or not req.on_executor or not req.can_speculate):
+            return 0
+        most = cfg.speculative_tokens if 2 * running <= cfg.speculative_max_batch else max(1, cfg.speculative_tokens // 2)
+        left = req.sampling.max_tokens - len(req.output_token_ids) - req.num_output_placeholders - 1
+        room = cfg.max_model_len - req.num_tokens_with_placeholders - 1
+        return max(0, min(most, left, room, budget - 1))
+
+    def _record(self, out: StepPlan, req: Request, n: int, new_blocks: list[int], drafts: int = 0) -> None:
         if req.on_executor:
             out.cached_requests.append(req)
             out.cached_num_scheduled_tokens.append(n)
             out.new_block_handles.extend([req.handle] * len(new_blocks))
             out.new_block_ids.extend(new_blocks)
+            if drafts:
+                out.draft_handles.append(req.handle)
+                out.draft_counts.append(drafts)
         else:
             out.new_requests.append(NewRequestData.from_request(req, self.kv.get_block_table(req), n))
             req.on_executor = True
         start = req.num_computed_tokens
         if start < req.num_lost_tokens:
             self.num_recomputed_tokens[req.lost_cause] += min(start + n, req.num_lost_tokens) - start
-        samples = start + n == req.num_tokens_with_placeholders and not req.embed
-        out.entries[req.handle] = ScheduledRequest(req, n, start, samples, req.epoch)
-        self.policy.charge(req, start, n, samples)
+        samples = start + n - drafts == req.num_tokens_with_placeholders and not req.embed
+        out.entries[req.handle] = ScheduledRequest(req, n, start, samples, req.epoch, drafts)
+        self.policy.charge(req, start, n - drafts, samples)
         req.num_computed_tokens += n
         if samples:
-            req.num_output_placeholders += 1
+            req.num_output_placeholders += 1 + drafts
+            req.num_drafts_in_flight = drafts
 
     def _preempt(self, req: Request) -> None:
         """Takes the request off the executor and puts it back in the queue,
@@ -312,7 +342,10 @@ class Scheduler:
         mode = self.config.preemption_mode
         # An embedding's pooling so far lives in the executor's row, which a
         # preemption drops: it recomputes.
-        if mode == "recompute" or req.embed or self.kv.host is None or req.num_computed_tokens == 0:
+        # Nor a request whose speculative step is in flight: until its
+        # result, which of its computed positions hold verified tokens is
+        # unknown.
+        if mode == "recompute" or req.embed or req.num_drafts_in_flight or self.kv.host is None or req.num_computed_tokens == 0:
             return False
         if mode == "swap":
             return True
@@ -327,6 +360,7 @@ class Scheduler:
         req.lost_cause = cause
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0
+        req.num_drafts_in_flight = 0
         req.epoch += 1
 
     def _lose_swapped(self, record: SwappedOut) -> None:
@@ -364,20 +398,33 @@ class Scheduler:
                 # it has been applied), so its blocks can be named.
                 self.kv.cache_computed_blocks(e.request, e.start + e.num_tokens)
         results: list[SampledToken] = []
-        for handle, token, logprobs in sampled:
+        for handle, tokens in _by_handle(sampled):
             e = out.entries.get(handle)
-            if e is None or not e.samples:
-                raise RuntimeError(f"executor sampled for handle {handle}, which step {out.step_id} did not sample")
+            if e is None or not e.samples or len(tokens) > 1 + e.num_drafts:
+                raise RuntimeError(f"executor sampled {len(tokens)} tokens for handle {handle}, which step "
+                                   f"{out.step_id} {'samples once' if e is not None and e.samples else 'did not sample'}"
+                                   + (f" after {e.num_drafts} drafts" if e is not None and e.num_drafts else ""))
             if e.is_stale:
-                self.num_dropped_tokens += 1
+                self.num_dropped_tokens += len(tokens)
                 continue
             req = e.request
-            req.num_output_placeholders -= 1
-            req.output_token_ids.append(token)
-            results.append(SampledToken(req, token, logprobs))
-            status = self._check_stop(req, token)
-            if status is not None:
-                self.finish_request(req.request_id, status)
+            req.num_output_placeholders -= 1 + e.num_drafts
+            if e.num_drafts:
+                # Positions past the last accepted draft hold the rejected
+                # drafts' KV: they count as not computed, and are computed
+                # again (overwritten) by later steps.
+                req.num_drafts_in_flight = 0
+                req.num_computed_tokens = e.start + len(tokens)
+                self.num_draft_tokens += e.num_drafts
+                self.num_accepted_tokens += len(tokens) - 1
+                self.accepted_lengths[len(tokens) - 1] += 1
+            for token, logprobs in tokens:
+                req.output_token_ids.append(token)
+                results.append(SampledToken(req, token, logprobs))
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self.finish_request(req.request_id, status)  # tokens accepted past its stop are cut
+                    break
         while self._releasing and self._releasing[0][0] <= out.step_id:
             self._free_handles.extend(self._releasing.pop(0)[1])
         return results
@@ -519,3 +566,15 @@ class Scheduler:
     @property
     def num_free_host_blocks(self) -> int:
         return self.kv.host.num_free_blocks if self.kv.host is not None else 0
+
+
+def _by_handle(sampled: list[tuple[int, int, tuple | None]]) -> list[tuple[int, list[tuple[int, tuple | None]]]]:
+    """A result's (handle, token, logprobs) as (handle, its tokens in order):
+    a request that speculated has several, one after the other."""
+    out: list[tuple[int, list[tuple[int, tuple | None]]]] = []
+    for handle, token, logprobs in sampled:
+        if out and out[-1][0] == handle:
+            out[-1][1].append((token, logprobs))
+        else:
+            out.append((handle, [(token, logprobs)]))
+    return out

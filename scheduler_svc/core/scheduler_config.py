@@ -36,3 +36,8 @@ class SchedulerConfig:
     # it and recompute. auto swaps when the host tier has room and the
     # copy is cheaper (SwapCost); swap whenever the host tier has room.
     preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
+    # Speculative decoding: the executor's most drafts per request per step
+    # (0 = it does not speculate), and the batch size above which no request
+    # drafts (Scheduler._num_drafts).
+    speculative_tokens: int = 0
+    speculative_max_batch: int = 16

@@ -39,6 +39,10 @@ SCHEDULER_SHAPES = dict(
     caching=st.booleans(),
     host_blocks=st.sampled_from([0, 3, 16, 64]),
     preemption_mode=st.sampled_from(["auto", "recompute", "swap"]),
+    # Speculative decoding off, or up to 2 or 4 drafts while at most 1, 4
+    # or 16 requests run.
+    speculative_tokens=st.sampled_from([0, 0, 2, 4]),
+    speculative_max_batch=st.sampled_from([1, 4, 16]),
 )
 
 
@@ -62,11 +66,12 @@ FIRST_ARRIVALS = st.lists(st.fixed_dictionaries(dict(
 
 
 def shaped_scheduler(num_blocks, block_size, max_num_seqs, budget, chunk, policy, caching, host_blocks,
-                     preemption_mode):
+                     preemption_mode, speculative_tokens=0, speculative_max_batch=16):
     return Scheduler(SchedulerConfig(
         num_kv_blocks=num_blocks, block_size=block_size, max_model_len=64, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget, max_prefill_chunk=chunk, policy=policy, enable_prefix_caching=caching,
-        num_host_blocks=host_blocks, preemption_mode=preemption_mode,
+        num_host_blocks=host_blocks, preemption_mode=preemption_mode, speculative_tokens=speculative_tokens,
+        speculative_max_batch=speculative_max_batch,
     ), swap_cost=ParityCost())
 
 
@@ -100,6 +105,10 @@ class Row:
         self.mirror = mirror
         for t in token_ids:
             self.append(t)
+
+    def truncate(self, n: int) -> None:
+        """Forgets the tokens past the first n (rejected drafts)."""
+        del self.tokens[n:], self.ids[n:]
 
     def append(self, token: int) -> None:
         parent = self.ids[-1] if self.ids else 0
@@ -144,8 +153,12 @@ class ExecutorMirror:
             self.host = [[None] * self.block_size for _ in range(len(self.host) if num_host_blocks is None
                                                                    else num_host_blocks)]
 
-    def run(self, out, token=lambda i: 7, failed_outs=frozenset(), failed_ins=frozenset(), forward=True) -> list:
-        """Runs a plan; returns (handle, token) for every row that samples."""
+    def run(self, out, token=lambda i: 7, failed_outs=frozenset(), failed_ins=frozenset(), forward=True,
+            accept=lambda i, k: i % (k + 1)) -> list:
+        """Runs a plan; returns (handle, token) for every token a row yields:
+        one for a row that samples, 1 + accept(i, drafts) (the accepted
+        drafts, then one more) for a row that speculates, whose drafts are
+        token(...) values and whose KV is written for every draft."""
         bs = self.block_size
         for h in out.finished_handles:
             self.requests.pop(h, None)
@@ -171,7 +184,13 @@ class ExecutorMirror:
             assert row is not None, f"step {out.step_id} names handle {h}, which the executor does not hold"
             assert row.computed == e.start, f"handle {h}: executor computed {row.computed}, plan starts at {e.start}"
             end = e.start + e.num_tokens
-            assert end <= len(row.tokens), f"handle {h}: plan computes past the tokens the executor knows"
+            known = len(row.tokens)
+            assert end <= known + e.num_drafts, f"handle {h}: plan computes past the tokens the executor knows"
+            if e.num_drafts:
+                assert e.start == known - 1 and end == known + e.num_drafts, "drafts follow the next token"
+                drafts = [token(len(sampled) + j) for j in range(e.num_drafts)]
+                for t in drafts:  # proposed: their KV is written like any token's, then mostly rolled back
+                    row.append(t)
             assert len(row.table) * bs >= end, "table must cover the step"
             row.poisoned |= h in poisoned
             if not row.poisoned:
@@ -180,6 +199,15 @@ class ExecutorMirror:
                     assert got == row.ids[p], f"handle {h} reads wrong KV at position {p} (block {row.table[p // bs]})"
             for p in range(e.start, end):
                 self.device[row.table[p // bs]][p % bs] = None if row.poisoned else row.ids[p]
+            if e.num_drafts:
+                accepted = min(e.num_drafts, max(0, accept(len(sampled), e.num_drafts)))
+                yielded = drafts[:accepted] + [token(len(sampled) + e.num_drafts)]
+                row.truncate(known + accepted)
+                for t in yielded[accepted:]:
+                    row.append(t)
+                row.computed = known + accepted
+                sampled += [(h, t) for t in yielded]
+                continue
             row.computed = end
             if row.prompt_logprobs and min(end, row.num_prompt - 1) > e.start:
                 lps.append(PromptLogprobsResult(h, e.start + 1, [-1.0] * (min(end, row.num_prompt - 1) - e.start)))
@@ -189,7 +217,7 @@ class ExecutorMirror:
                 t = token(len(sampled))
                 row.append(t)
                 sampled.append((h, t))
-        assert sorted(h for h, _ in sampled) == sorted(out.sampling_handles()), (
+        assert sorted({h for h, _ in sampled}) == sorted(out.sampling_handles()), (
             "executor and scheduler disagree on who samples")
         self.prompt_outputs[out.step_id] = (lps, embeddings)
         return sampled
@@ -300,7 +328,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(table) * sched.config.block_size >= e.start + e.num_tokens, "table must cover the step"
         note_swaps(out)
         failed_outs, failed_ins = drawn_failures(data, out)
-        sampled = self.executor.run(out, lambda i: tokens[i % len(tokens)], failed_outs, failed_ins)
+        sampled = self.executor.run(out, lambda i: tokens[i % len(tokens)], failed_outs, failed_ins,
+                                     accept=lambda i, k: data.draw(st.integers(0, k), label="drafts accepted"))
         self.executor.apply(sched, out, sampled, failed_outs, failed_ins)
         if stop_one and sched.running:  # a stop string matched in the output processor
             sched.finish_request(sched.running[0].request_id, RequestStatus.FINISHED_STOPPED)
@@ -479,7 +508,8 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
         out = self.in_flight.pop(0)
         note_swaps(out)
         failed_outs, failed_ins = drawn_failures(data, out)
-        sampled = self.executor.run(out, lambda i: tokens[i % len(tokens)], failed_outs, failed_ins)
+        sampled = self.executor.run(out, lambda i: tokens[i % len(tokens)], failed_outs, failed_ins,
+                                     accept=lambda i, k: data.draw(st.integers(0, k), label="drafts accepted"))
         finished_before = {r.request_id for r in self.admitted if r.status.is_finished}
         results = self.executor.apply(sched, out, sampled, failed_outs, failed_ins)
         for t in results:
@@ -531,7 +561,7 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
         for out in self.in_flight:
             for e in out.entries.values():
                 if not e.is_stale:
-                    expected[e.request.request_id] += e.samples
+                    expected[e.request.request_id] += e.samples * (1 + e.num_drafts)  # a draft may be a token
         for req in self.sched.requests.values():
             # A request swapped out with a step in flight still expects its token.
             assert req.num_output_placeholders == expected[req.request_id], (

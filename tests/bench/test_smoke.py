@@ -134,3 +134,16 @@ def test_response_store_memory_run_evicts_down_to_the_cap(tmp_path):
     assert [s["stored"] for s in report["samples"]] == [50, 100, 150, 200]
     assert all(s["rss_kib"] > 0 for s in report["samples"]) and report["rss_when_full_kib"] > 0
     assert math.isfinite(report["growth_after_full"])
+
+
+@pytest.mark.slow
+def test_speculative_bench_runs_both_stacks_on_equal_greedy_tokens(tmp_path):
+    out = tmp_path / "p21.json"
+    cmd = [sys.executable, "-m", "bench.speculative", "--rounds", "1", "--story-tokens", "24", "--copy-tokens", "16",
+           "--streams", "4", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["greedy_equal"], "speculation changed a greedy output"
+    assert report["drafts"] > 0 and report["mean_acceptance_length"] >= 1
+    assert report["copy_speedup"] > 0 and report["mixed_ratio"] > 0

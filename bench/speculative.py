@@ -1,0 +1,164 @@
+"""P21: speculative decoding (EXECUTOR_SPECULATIVE_METHOD=ngram) against
+none, in the same run, through the real services.
+
+    python -m bench.speculative                      # stories260K, K=4, 3 rounds
+    python -m bench.speculative --tokens 2 --rounds 5
+
+Two stacks serve the same checkpoint, one speculating and one not; each
+round runs both, in alternating order, on:
+
+- `copy`, one stream: prompts whose answers repeat their input, as a code
+  edit's answer does. stories260K does not follow an instruction to
+  repeat, so each prompt is built from text the model itself produces: a
+  story opening, the model's own greedy continuation of it
+  (--story-tokens), then the opening again; the model goes on copying its
+  story for a while. Requests are sent one after another; the figure is
+  milliseconds per output token.
+- `mixed`, --streams at once: random token prompts and lengths (the mixed
+  workload's laws, scaled to fit the model's context), greedy, all sent at
+  once; the figure is output tokens per second.
+
+Prints the medians, the ratios (speculating / not), the mean acceptance
+length (tokens per speculative step, from the scheduler's metrics) and
+whether every request's greedy tokens are equal on both stacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from bench.workloads import MIXED_OUTPUT, MIXED_PROMPT, mixed
+from llmsched.launch import launch
+from llmsched.v1 import scheduler_pb2 as spb
+from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES = REPO / "assets" / "models" / "stories260K"
+OPENINGS = ["Once upon a time", "The little dog", "One day, a big bird", "Lily and Tom went to the park. They"]
+
+
+class Stack:
+    def __init__(self, model: str, speculative: bool, tokens: int, threads: int):
+        env = {"EXECUTOR_MODEL": model, "EXECUTOR_NUM_THREADS": str(threads)}
+        if speculative:
+            env |= {"EXECUTOR_SPECULATIVE_METHOD": "ngram", "EXECUTOR_SPECULATIVE_TOKENS": str(tokens)}
+        self.services = launch(executor_env=env, scheduler_env={"SCHEDULER_MAX_QUEUE_DELAY_MS": "0",
+                                                                "SCHEDULER_SPECULATIVE_MAX_BATCH": "16"}).start()
+        self.channel = grpc.insecure_channel(self.services.scheduler_address)
+        self.stub = spb_grpc.SchedulerStub(self.channel)
+
+    def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
+        req = spb.GenerateRequest(prompt_token_ids=prompt, sampling=spb.SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        return [t for resp in self.stub.Generate(req, timeout=600) for t in resp.token_ids]
+
+    def metric(self, name: str) -> float:
+        url = f"http://127.0.0.1:{self.services.scheduler_metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+    def close(self) -> None:
+        self.channel.close()
+        self.services.stop()
+
+
+def copy_prompts(stack: Stack, story_tokens: int) -> list[list[int]]:
+    """Each opening, the model's greedy story after it, the opening again
+    (without its BOS)."""
+    prompts = []
+    for text in OPENINGS:
+        opening = list(stack.stub.Tokenize(spb.TokenizeRequest(prompt=text), timeout=10).token_ids)
+        prompts.append(opening + stack.generate(opening, story_tokens) + opening[1:])
+    return prompts
+
+
+def run_copy(stack: Stack, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    """ms per output token over the prompts sent one after another."""
+    started, outputs = time.perf_counter(), []
+    for p in prompts:
+        outputs.append(stack.generate(p, max_tokens))
+    return (time.perf_counter() - started) * 1000 / sum(map(len, outputs)), outputs
+
+
+def run_mixed(stack: Stack, requests: list[tuple[list[int], int]]) -> tuple[float, list[list[int]]]:
+    """Output tokens per second with every request sent at once."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(requests)) as pool:
+        outputs = list(pool.map(lambda r: stack.generate(*r), requests))
+    return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(STORIES))
+    p.add_argument("--tokens", type=int, default=4, help="EXECUTOR_SPECULATIVE_TOKENS")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--story-tokens", type=int, default=120, help="the model's own story placed in each copy prompt")
+    p.add_argument("--copy-tokens", type=int, default=100, help="output tokens per copy request")
+    p.add_argument("--streams", type=int, default=64, help="mixed requests sent at once")
+    p.add_argument("--num-threads", type=int, default=1, help="EXECUTOR_NUM_THREADS of each stack")
+    p.add_argument("--out", type=Path, default=REPO / "bench_results" / "p21_speculative.json")
+    args = p.parse_args(argv)
+
+    with ThreadPoolExecutor(2) as pool:  # both start at once
+        stacks = dict(zip((False, True), pool.map(lambda spec: Stack(args.model, spec, args.tokens, args.num_threads),
+                                                  (False, True))))
+    try:
+        prompts = copy_prompts(stacks[False], args.story_tokens)
+        # Mixed lengths scaled to stories260K's 512 positions.
+        work = mixed(args.streams, 512, seed=0, prompt=MIXED_PROMPT.scaled(0.25), output=MIXED_OUTPUT.scaled(0.5))
+        rng = random.Random(0)
+        requests = [(r.prompt_token_ids, r.max_tokens) for r in work.requests]
+        rng.shuffle(requests)
+        results = {"copy": {False: [], True: []}, "mixed": {False: [], True: []}}
+        outputs = {}
+        for r in range(args.rounds):
+            for spec in ((False, True) if r % 2 == 0 else (True, False)):
+                ms, copied = run_copy(stacks[spec], prompts, args.copy_tokens)
+                tps, mixed_out = run_mixed(stacks[spec], requests)
+                results["copy"][spec].append(ms)
+                results["mixed"][spec].append(tps)
+                outputs.setdefault(spec, (copied, mixed_out))
+                print(f"round {r} {'ngram' if spec else 'off'}: copy {ms:.2f} ms/token, mixed x{args.streams} "
+                      f"{tps:.0f} tok/s", file=sys.stderr, flush=True)
+        spec_stack = stacks[True]
+        steps = spec_stack.metric("llmsched_spec_decode_accepted_length_count")
+        accepted = spec_stack.metric("llmsched_spec_decode_accepted_tokens_total")
+        drafted = spec_stack.metric("llmsched_spec_decode_draft_tokens_total")
+    finally:
+        for s in stacks.values():
+            s.close()
+
+    med = {kind: {spec: statistics.median(v) for spec, v in by.items()} for kind, by in results.items()}
+    copy_speedup = med["copy"][False] / med["copy"][True]
+    mixed_ratio = med["mixed"][True] / med["mixed"][False]
+    equal = outputs[False] == outputs[True]
+    mean_acceptance = 1 + accepted / steps if steps else 0.0
+    print(f"P21 {Path(args.model).name}, ngram K={args.tokens}, {args.rounds} round(s): copy single stream "
+          f"{med['copy'][False]:.2f} -> {med['copy'][True]:.2f} ms/token ({copy_speedup:.2f}x faster), "
+          f"mean acceptance length {mean_acceptance:.2f} ({accepted:.0f} of {drafted:.0f} drafts accepted); "
+          f"mixed x{args.streams} {med['mixed'][False]:.0f} -> {med['mixed'][True]:.0f} tok/s ({mixed_ratio:.2f}x); "
+          f"greedy tokens equal with and without: {equal}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "copy_ms_per_token": {str(k): v for k, v in results["copy"].items()},
+        "mixed_tokens_per_s": {str(k): v for k, v in results["mixed"].items()},
+        "copy_speedup": copy_speedup, "mixed_ratio": mixed_ratio, "mean_acceptance_length": mean_acceptance,
+        "drafts": drafted, "accepted": accepted, "greedy_equal": equal}, indent=2))
+    print(f"summary: {args.out}", file=sys.stderr)
+    return 0 if equal else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -32,7 +32,7 @@ class RequestDelta:
     stop_string: str | None = None  # on the last delta: the stop string that ended the request
     # Set when the request ends with an error status for the client.
     error: tuple[str, str] | None = None  # (grpc status name, message)
-    # Every prompt token's after the first, once (GenerateResponse.prompt_logprobs).
+    # Every prompt token's, the first with a NaN logprob, once (GenerateResponse.prompt_logprobs).
     prompt_logprobs: list[tuple[int, float, list[int], list[float]]] = field(default_factory=list)
     embedding: list[float] | None = None  # an embedding request's pooled vector, on its last delta
 

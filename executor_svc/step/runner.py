@@ -451,7 +451,7 @@ class ModelRunner:
         """Embedding rows: hidden[first[i]:last[i]] are positions
         [start[i], end[i]) of rows[i]. Pooled in float32 across a prompt's
         chunks; a row whose prompt this step completes gets its vector."""
-        r, mode, out = self.rows, self.pooling.mode if self.pooling else "", []
+        r, mode, out = self.rows, self.pooling.mode if self.pooling else "", []  # called with no rows when no pooling
         for row, a, b, s, e in zip(rows.tolist(), first.tolist(), last.tolist(), start.tolist(), end.tolist()):
             h = hidden[a:b]
             if s and mode != "last" and row not in r.pooled:

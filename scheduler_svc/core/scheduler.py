@@ -345,7 +345,8 @@ class Scheduler:
         # Nor a request whose speculative step is in flight: until its
         # result, which of its computed positions hold verified tokens is
         # unknown.
-        if mode == "recompute" or req.embed or req.num_drafts_in_flight or self.kv.host is None or req.num_computed_tokens == 0:
+        if (mode == "recompute" or req.embed or req.num_drafts_in_flight or self.kv.host is None
+                or req.num_computed_tokens == 0):
             return False
         if mode == "swap":
             return True

@@ -94,6 +94,9 @@ def result_to_proto(out: StepResult) -> pb.StepResult:
                                    top_token_ids=p.top_token_ids, top_logprobs=p.top_logprobs)
     for handle, values in out.embeddings:
         result.embeddings.add(handle=handle, values=values)
+    for handle, count in out.verified_drafts:
+        result.verified_handles.append(handle)
+        result.verified_draft_counts.append(count)
     for handle, message in out.request_errors:
         result.request_errors.add(handle=handle, message=message)
     if out.swaps is not None:

@@ -122,7 +122,8 @@ def outcome_from_proto(result: epb.StepResult) -> StepResult:
                        prompt_logprobs=[PromptLogprobsResult(p.handle, p.first, list(p.logprobs), p.top_k,
                                                              list(p.top_token_ids), list(p.top_logprobs))
                                         for p in result.prompt_logprobs],
-                       embeddings=[(e.handle, list(e.values)) for e in result.embeddings])
+                       embeddings=[(e.handle, list(e.values)) for e in result.embeddings],
+                       verified_drafts=dict(zip(result.verified_handles, result.verified_draft_counts)))
 
 
 def sampled_from_proto(result: epb.StepResult) -> list[tuple[int, int, tuple | None]]:

@@ -11,24 +11,30 @@ verification, never correctness.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose(tokens: np.ndarray, num_drafts: int, min_n: int, max_n: int) -> np.ndarray:
-    """num_drafts guesses for what follows tokens ([num_tokens] ints). With
-    no match, or fewer tokens after it than asked, the rest repeat the last
-    token: a draft the verifier will most likely reject, but the step's
-    shape (1 + num_drafts positions, as the scheduler planned) holds."""
-    out = np.full(num_drafts, tokens[-1], dtype=tokens.dtype)
+    """Up to num_drafts guesses for what follows tokens ([num_tokens] ints):
+    the tokens after the latest earlier place where its last n tokens
+    occur, for the longest n that occurs. Fewer when that place is near
+    the end, none without a match: a guess is worth verifying only where
+    the request repeats itself, and the step then verifies only what was
+    proposed."""
     n_tokens = len(tokens)
+    if n_tokens < min_n + 1:
+        return tokens[:0]
+    # Where the last token occurs earlier: every n-gram match ends at one
+    # of these, so one pass over the tokens narrows the search to them.
+    ends = np.flatnonzero(tokens[:n_tokens - 1] == tokens[-1])  # ascending
     for n in range(min(max_n, n_tokens - 1), min_n - 1, -1):
         tail = tokens[n_tokens - n:]
-        # Every earlier window of n tokens (the tail itself excluded).
-        windows = sliding_window_view(tokens[:n_tokens - 1], n)  # [num_tokens - n, n]
-        hits = np.flatnonzero((windows == tail).all(axis=1))
+        cand = ends[ends >= n - 1]
+        if not len(cand):
+            continue
+        # cand[j] - n + 1 .. cand[j]: the n tokens ending at each candidate.
+        windows = tokens[cand[:, None] + np.arange(1 - n, 1)]  # [candidates, n]
+        hits = cand[(windows == tail).all(axis=1)]
         if len(hits):
-            start = int(hits[-1]) + n  # what followed the latest match
-            follow = tokens[start:start + num_drafts]
-            out[:len(follow)] = follow
-            return out
-    return out
+            start = int(hits[-1]) + 1  # what followed the latest match
+            return tokens[start:start + num_drafts]
+    return tokens[:0]

@@ -120,6 +120,8 @@ class StepResult:
     # pooled vectors of embedding requests it completed, as (handle, values).
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     embeddings: list[tuple[int, list[float]]] = field(default_factory=list)
+    # (handle, drafts verified) of each request the plan let speculate.
+    verified_drafts: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def failed(cls, step_id: int, error: str) -> "StepResult":
@@ -266,10 +268,18 @@ class ModelRunner:
         start = r.num_computed[rows]
         end = start + q
         self._check(rows, q, start, end, drafts)
+        allowed = np.flatnonzero(drafts)
+        for i in allowed:
+            # The plan allows drafts[i]; the row verifies what the proposer
+            # finds (none: it just decodes). Its positions past them count
+            # as not computed, as rejected drafts' do.
+            row, n = int(rows[i]), int(r.num_tokens[rows[i]])
+            found = propose(r.token_ids[row, :n], int(drafts[i]), *self.ngram)
+            r.token_ids[row, n:n + len(found)] = found  # where the next tokens will go
+            drafts[i] = len(found)
+            q[i] = 1 + len(found)
+        end = start + q
         speculates = drafts > 0
-        for row, k in zip(rows[speculates].tolist(), drafts[speculates].tolist()):
-            n = int(r.num_tokens[row])  # the proposer's drafts go where the next tokens will
-            r.token_ids[row, n:n + k] = propose(r.token_ids[row, :n], k, *self.ngram)
 
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(q, out=cu[1:])
@@ -376,7 +386,8 @@ class ModelRunner:
             self.host_kv.finish(swaps)  # long done: the forward waited for them
         t3 = time.perf_counter_ns()
         return StepResult(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2, errors, swaps,
-                          prompt_logprobs=prompt_logprobs, embeddings=embeddings)
+                          prompt_logprobs=prompt_logprobs, embeddings=embeddings,
+                          verified_drafts=list(zip(r.handle[rows[allowed]].tolist(), drafts[allowed].tolist())))
 
     def _verify(self, hidden: torch.Tensor, rows: np.ndarray, first: np.ndarray,
                 drafts: np.ndarray) -> list[tuple[int, list[int]]]:

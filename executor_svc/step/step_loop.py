@@ -49,9 +49,13 @@ Plan = StepPlan | UndecodablePlan
 
 
 def decode_only(plan: Plan) -> bool:
-    """One token for each request the executor already holds."""
-    return (isinstance(plan, StepPlan) and not plan.new_requests
-            and all(n == 1 for n in plan.cached_num_scheduled_tokens))
+    """One token for each request the executor already holds, after its
+    speculative drafts if it has any: such a step costs about what a decode
+    step does, so it runs where decode steps run."""
+    if not isinstance(plan, StepPlan) or plan.new_requests:
+        return False
+    drafts = dict(zip(plan.draft_handles, plan.draft_counts))
+    return all(n == 1 + drafts.get(h, 0) for h, n in zip(plan.cached_handles, plan.cached_num_scheduled_tokens))
 
 
 def num_scheduled_tokens(plan: Plan) -> int:

@@ -201,7 +201,7 @@ class Embedding(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_handles", "sampled_token_ids", "logprobs", "prepare_ns", "forward_ns", "sample_ns", "error", "discarded", "request_errors", "swap_ns", "failed_swap_outs", "failed_swap_ins", "prompt_logprobs", "embeddings")
+    __slots__ = ("step_id", "sampled_handles", "sampled_token_ids", "logprobs", "prepare_ns", "forward_ns", "sample_ns", "error", "discarded", "request_errors", "swap_ns", "failed_swap_outs", "failed_swap_ins", "prompt_logprobs", "embeddings", "verified_handles", "verified_draft_counts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_HANDLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,8 @@ class StepResult(_message.Message):
     FAILED_SWAP_INS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_handles: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -232,7 +234,9 @@ class StepResult(_message.Message):
     failed_swap_ins: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., error: _Optional[str] = ..., discarded: _Optional[bool] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., swap_ns: _Optional[int] = ..., failed_swap_outs: _Optional[_Iterable[int]] = ..., failed_swap_ins: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...
+    verified_handles: _containers.RepeatedScalarFieldContainer[int]
+    verified_draft_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., error: _Optional[str] = ..., discarded: _Optional[bool] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., swap_ns: _Optional[int] = ..., failed_swap_outs: _Optional[_Iterable[int]] = ..., failed_swap_ins: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., verified_handles: _Optional[_Iterable[int]] = ..., verified_draft_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("handle", "message")

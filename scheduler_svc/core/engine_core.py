@@ -351,7 +351,8 @@ class EngineCore:
                 self.listener.prompt_outputs(sched.apply_prompt_outputs(out, outcome.prompt_logprobs,
                                                                         outcome.embeddings))
             dropped = sched.num_dropped_tokens
-            tokens = sched.update_from_output(out, outcome.sampled, outcome.failed_swap_outs, outcome.failed_swap_ins)
+            tokens = sched.update_from_output(out, outcome.sampled, outcome.failed_swap_outs, outcome.failed_swap_ins,
+                                              outcome.verified_drafts)
             self.listener.tokens(tokens, sched.num_dropped_tokens - dropped)
             swaps = out.swaps
             if swaps is not None:

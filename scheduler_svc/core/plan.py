@@ -164,3 +164,6 @@ class StepResult:
     # PromptLogprobs and Embedding).
     prompt_logprobs: list[PromptLogprobsResult] = field(default_factory=list)
     embeddings: list[tuple[int, list[float]]] = field(default_factory=list)
+    # Drafts each speculating request verified, by handle (the plan allowed
+    # up to ScheduledRequest.num_drafts).
+    verified_drafts: dict[int, int] = field(default_factory=dict)

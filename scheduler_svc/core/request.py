@@ -116,10 +116,12 @@ class Request:
     # logprobs, or an embedding pooled over every position): it takes no
     # cached blocks and computes its whole prompt.
     skip_prefix_cache: bool = False
-    # Drafts of its speculative step in flight (0: none in flight). That
-    # step holds 1 + this many placeholders, and how many tokens it yields
-    # is known only from its result, so the request is not scheduled again
-    # until then.
+    # Drafts of its speculative steps in flight (0: none in flight). Each
+    # such step holds 1 + its drafts in placeholders and counts them all as
+    # computed, as if every draft will be accepted; its result says how
+    # many were, and the request's later steps move back by the rest
+    # (Scheduler.update_from_output). Until then it is never swapped: which
+    # of its computed positions hold verified tokens is unknown.
     num_drafts_in_flight: int = 0
 
     @property

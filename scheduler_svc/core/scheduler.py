@@ -166,10 +166,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self._last_token_in_flight(req) or req.num_drafts_in_flight:
-                # It finishes when that result arrives, or (a speculative
-                # step) only that result says how many tokens it has.
-                i += 1
+            if self._last_token_in_flight(req):
+                i += 1  # it finishes when that result arrives
                 continue
             n = self._num_tokens_to_schedule(req, budget)
             drafts = self._num_drafts(req, n, budget)
@@ -312,7 +310,7 @@ class Scheduler:
         req.num_computed_tokens += n
         if samples:
             req.num_output_placeholders += 1 + drafts
-            req.num_drafts_in_flight = drafts
+            req.num_drafts_in_flight += drafts
 
     def _preempt(self, req: Request) -> None:
         """Takes the request off the executor and puts it back in the queue,
@@ -384,12 +382,15 @@ class Scheduler:
         return True
 
     def update_from_output(self, out: StepPlan, sampled: list[tuple[int, int, tuple | None]],
-                           failed_swap_outs: list[int] = (), failed_swap_ins: list[int] = ()) -> list[SampledToken]:
+                           failed_swap_outs: list[int] = (), failed_swap_ins: list[int] = (),
+                           verified_drafts: dict[int, int] | None = None) -> list[SampledToken]:
         """Applies a step's result, in step order: confirms its swaps,
         turns placeholders into the sampled tokens, makes newly computed
         full blocks findable, and finishes requests that hit a token-level
         stop (EOS, stop token, max_tokens, max_model_len). Tokens of stale
-        entries are dropped."""
+        entries are dropped. verified_drafts: how many drafts each
+        speculating request verified (by handle; without it, the plan's
+        count), for the acceptance figures."""
         if out.swaps is not None:
             self._complete_swaps(out, set(failed_swap_outs), set(failed_swap_ins))
         for e in out.entries.values():
@@ -413,12 +414,17 @@ class Scheduler:
             if e.num_drafts:
                 # Positions past the last accepted draft hold the rejected
                 # drafts' KV: they count as not computed, and are computed
-                # again (overwritten) by later steps.
-                req.num_drafts_in_flight = 0
-                req.num_computed_tokens = e.start + len(tokens)
-                self.num_draft_tokens += e.num_drafts
-                self.num_accepted_tokens += len(tokens) - 1
-                self.accepted_lengths[len(tokens) - 1] += 1
+                # again (overwritten) by later steps. A step planned for it
+                # since (while this one was in flight) assumed every draft
+                # accepted; the executor ran it from where the accepted
+                # tokens end, so it moves back by as much.
+                req.num_drafts_in_flight -= e.num_drafts
+                req.num_computed_tokens -= 1 + e.num_drafts - len(tokens)
+                verified = e.num_drafts if verified_drafts is None else verified_drafts.get(handle, e.num_drafts)
+                if verified:  # else the proposer found nothing: a plain decode step
+                    self.num_draft_tokens += verified
+                    self.num_accepted_tokens += len(tokens) - 1
+                    self.accepted_lengths[len(tokens) - 1] += 1
             for token, logprobs in tokens:
                 req.output_token_ids.append(token)
                 results.append(SampledToken(req, token, logprobs))

@@ -142,12 +142,22 @@ class ExecutorMirror:
         # By step id: the prompt logprobs and embeddings of a plan run, until
         # its result is applied (apply).
         self.prompt_outputs: dict[int, tuple[list, list]] = {}
+        # By step id: the drafts each row of a plan run rejected; and the
+        # plans in flight (unapplied) when a plan was made (note_planned).
+        self.rejections: dict[int, list[tuple[Row, int]]] = {}
+        self.in_flight_when_planned: dict[int, list[int]] = {}
+
+    def note_planned(self, out, in_flight) -> None:
+        """out was planned while in_flight were unapplied: the scheduler
+        counted their drafts as accepted."""
+        self.in_flight_when_planned[out.step_id] = [p.step_id for p in in_flight]
 
     def forget_all(self, host_lost: bool, num_host_blocks: int | None = None) -> None:
         """The executor dropped its request state (a failed step) or died
         (every block's content gone, the host tier's too; it may come back
         with num_host_blocks)."""
         self.requests.clear()
+        self.rejections.clear()
         if host_lost:
             self.device = [[None] * self.block_size for _ in self.device]
             self.host = [[None] * self.block_size for _ in range(len(self.host) if num_host_blocks is None
@@ -178,26 +188,34 @@ class ExecutorMirror:
             self.requests[new.handle] = Row(new.token_ids, new.num_computed_tokens, new.block_ids, self, new.request)
         for h, b in zip(out.new_block_handles, out.new_block_ids):
             self.requests[h].table.append(b)
-        sampled, lps, embeddings = [], [], []
+        sampled, lps, embeddings, rejections = [], [], [], []
         for h, e in out.entries.items():
             row = self.requests.get(h)
             assert row is not None, f"step {out.step_id} names handle {h}, which the executor does not hold"
-            assert row.computed == e.start, f"handle {h}: executor computed {row.computed}, plan starts at {e.start}"
-            end = e.start + e.num_tokens
+            # The executor runs the step from what it computed: earlier than
+            # the plan says by exactly the drafts of this row that steps in
+            # flight when it was planned rejected.
+            start = row.computed
+            unknown = sum(n for step in self.in_flight_when_planned.get(out.step_id, ())
+                          for r, n in self.rejections.get(step, ()) if r is row)
+            assert e.start - start == unknown, (
+                f"handle {h}: executor computed {start}, plan starts at {e.start}, and steps in flight when it "
+                f"was planned rejected {unknown} of its drafts")
+            end = start + e.num_tokens
             known = len(row.tokens)
             assert end <= known + e.num_drafts, f"handle {h}: plan computes past the tokens the executor knows"
             if e.num_drafts:
-                assert e.start == known - 1 and end == known + e.num_drafts, "drafts follow the next token"
+                assert start == known - 1 and end == known + e.num_drafts, "drafts follow the next token"
                 drafts = [token(len(sampled) + j) for j in range(e.num_drafts)]
                 for t in drafts:  # proposed: their KV is written like any token's, then mostly rolled back
                     row.append(t)
             assert len(row.table) * bs >= end, "table must cover the step"
             row.poisoned |= h in poisoned
             if not row.poisoned:
-                for p in range(e.start):  # attention reads every earlier position
+                for p in range(start):  # attention reads every earlier position
                     got = self.device[row.table[p // bs]][p % bs]
                     assert got == row.ids[p], f"handle {h} reads wrong KV at position {p} (block {row.table[p // bs]})"
-            for p in range(e.start, end):
+            for p in range(start, end):
                 self.device[row.table[p // bs]][p % bs] = None if row.poisoned else row.ids[p]
             if e.num_drafts:
                 accepted = min(e.num_drafts, max(0, accept(len(sampled), e.num_drafts)))
@@ -206,11 +224,12 @@ class ExecutorMirror:
                 for t in yielded[accepted:]:
                     row.append(t)
                 row.computed = known + accepted
+                rejections.append((row, e.num_drafts - accepted))
                 sampled += [(h, t) for t in yielded]
                 continue
             row.computed = end
-            if row.prompt_logprobs and min(end, row.num_prompt - 1) > e.start:
-                lps.append(PromptLogprobsResult(h, e.start + 1, [-1.0] * (min(end, row.num_prompt - 1) - e.start)))
+            if row.prompt_logprobs and min(end, row.num_prompt - 1) > start:
+                lps.append(PromptLogprobsResult(h, start + 1, [-1.0] * (min(end, row.num_prompt - 1) - start)))
             if row.embed and end == len(row.tokens):
                 embeddings.append((h, [float(end)]))
             elif end == len(row.tokens):
@@ -220,6 +239,7 @@ class ExecutorMirror:
         assert sorted({h for h, _ in sampled}) == sorted(out.sampling_handles()), (
             "executor and scheduler disagree on who samples")
         self.prompt_outputs[out.step_id] = (lps, embeddings)
+        self.rejections[out.step_id] = rejections
         return sampled
 
     def apply(self, sched, out, sampled, failed_outs=frozenset(), failed_ins=frozenset()):
@@ -498,7 +518,11 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
     def plan(self):
         out = self.sched.schedule()
         if not out.is_empty:
-            self.in_flight.append(out)
+            self._send(out)
+
+    def _send(self, out) -> None:
+        self.executor.note_planned(out, self.in_flight)
+        self.in_flight.append(out)
 
     @precondition(lambda self: self.in_flight)
     @rule(tokens=st.lists(st.sampled_from([EOS, 7, 8, 9]), min_size=8, max_size=8), stop_one=st.booleans(),
@@ -527,7 +551,7 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
         finishing early: outputs grow, and so does the pressure on the pool."""
         for _ in range(num_steps):
             while len(self.in_flight) < self.MAX_IN_FLIGHT and not (out := self.sched.schedule()).is_empty:
-                self.in_flight.append(out)
+                self._send(out)
             if not self.in_flight:
                 return
             out = self.in_flight.pop(0)
@@ -599,7 +623,7 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
                 out = sched.schedule()
                 if out.is_empty:
                     break
-                self.in_flight.append(out)
+                self._send(out)
             if self.in_flight:
                 out = self.in_flight.pop(0)
                 self.executor.apply(sched, out, self.executor.run(out))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from executor_svc.config import ExecutorSettings
 from executor_svc.loading import speculative_ngram
@@ -19,9 +21,9 @@ from tests.unit.test_runner_vs_hf import GREEDY, make_runner
 @pytest.mark.parametrize("tokens, k, want", [
     ([5, 6, 7, 8, 5, 6], 3, [7, 8, 5]),  # the tail 5 6 was followed by 7 8 5
     ([2, 3, 9, 2, 3, 4, 2, 3], 2, [4, 2]),  # of two matches as long, the latest wins
-    ([1, 2, 3, 4], 2, [4, 4]),  # no match: the last token repeated
-    ([5, 6, 7, 5, 6], 4, [7, 5, 6, 6]),  # fewer tokens after the match than asked: padded
-], ids=["follow", "latest", "none", "padded"])
+    ([1, 2, 3, 4], 2, []),  # no match: nothing worth verifying
+    ([5, 6, 7, 5, 6], 4, [7, 5, 6]),  # fewer tokens after the match than asked
+], ids=["follow", "latest", "none", "short"])
 def test_ngram_proposes_what_followed_the_latest_earlier_match_of_the_tail(tokens, k, want):
     assert propose(np.array(tokens), k, 2, 4).tolist() == want
 
@@ -46,6 +48,48 @@ def test_greedy_verification_yields_the_tokens_plain_decoding_would(stories_path
         tokens += out.sampled_token_ids
         steps += 1
     assert tokens[:60] == hf_greedy(str(stories_path), prompt, 60, ignore_eos=True)[:60]
+
+
+def by_definition(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The longest n (max_n down to min_n) whose last n tokens occur
+    earlier; of those places the latest; the up to k tokens after it."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        tail = tokens[len(tokens) - n:]
+        places = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tail]
+        if places:
+            return tokens[places[-1] + n:places[-1] + n + k]
+    return []
+
+
+@settings(max_examples=500, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), min_size=1, max_size=40), k=st.integers(1, 6), min_n=st.integers(1, 3),
+       extra=st.integers(0, 2))
+def test_ngram_proposal_equals_its_definition(tokens, k, min_n, extra):
+    got = propose(np.array(tokens, dtype=np.int32), k, min_n, min_n + extra).tolist()
+    assert got == by_definition(tokens, k, min_n, min_n + extra)
+
+
+def test_a_row_verifies_only_what_the_proposer_found(stories_path):
+    """The plan allows 3 drafts; with no earlier match of its tail the row
+    decodes its one next token, with a match shorter than 3 it verifies
+    just those, and the drafted positions it did not use count as not
+    computed."""
+    runner = make_runner(str(stories_path))
+    runner.ngram = (1, 1)
+    prompt = [1, 403, 407, 261, 378]  # no token repeats: no match
+    runner.execute(StepPlan(0, [NewRequestData(0, prompt, list(range(32)), 0, len(prompt), GREEDY, 0)]))
+    plan = dict(cached_handles=[0], cached_num_scheduled_tokens=[4], draft_handles=[0], draft_counts=[3])
+    out = runner.execute(StepPlan(1, **plan))
+    first = out.sampled_token_ids
+    assert len(first) == 1 and runner.rows.num_computed[0] == len(prompt) + 1
+    # Make the tail (the last sampled token) occur once before, one place
+    # from the end: the proposer then has a single token to offer.
+    rows = runner.rows
+    n = int(rows.num_tokens[0])
+    rows.token_ids[0, n - 3] = rows.token_ids[0, n - 1]
+    out = runner.execute(StepPlan(2, **plan))
+    assert 1 <= len(out.sampled_token_ids) <= 2, "one draft verified, plus one more token"
+    assert runner.rows.num_computed[0] == runner.rows.num_tokens[0] - 1
 
 
 def test_drafts_for_an_executor_that_does_not_speculate_fail_the_plan(stories_path):

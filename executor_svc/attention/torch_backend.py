@@ -17,6 +17,12 @@ from executor_svc.attention.metadata import AttentionMetadata
 # enough that the gathered copies are still in cache when SDPA reads them
 # back; 1 MiB measured best for head_dim 8 and 32 (bench/attention.py).
 DECODE_CHUNK_BYTES = 1 << 20
+# A request with at most this many query tokens (a step verifying
+# speculative drafts, a prefill's short tail) is attended as that many
+# decodes, each query seeing the keys up to its own position: batched with
+# the other decodes, instead of an SDPA call of its own per layer, which
+# costs more than the attention itself at these sizes.
+SHORT_QUERY_MAX = 8
 
 
 @dataclass(slots=True)
@@ -65,9 +71,11 @@ class TorchAttentionBackend:
       gathered into reused buffers and attended in one call, with the GQA
       group as the query axis so K/V are never repeated per head. A context
       longer than one chunk is cut into pieces whose outputs are merged by
-      their log-sum-exp (split-KV, as flash-decoding does on GPUs);
-    - prefills and chunks are attended one request at a time (their query
-      lengths differ, so batching them would mostly multiply padding).
+      their log-sum-exp (split-KV, as flash-decoding does on GPUs). A
+      request with up to SHORT_QUERY_MAX query tokens (drafts being
+      verified) joins them as that many decodes;
+    - longer prefills and chunks are attended one request at a time (their
+      query lengths differ, so batching them would mostly multiply padding).
 
     Which blocks, the padding masks and the order are worked out once per
     step (and window) and kept in meta.cache for every layer. A sliding
@@ -266,8 +274,10 @@ def _plan_step(
     for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
         # First key position the request's first query can see.
         first = max(0, seq_len - q_len - window + 1) if window is not None else 0
-        if q_len == 1:
-            decodes.append((r, starts, first, seq_len))
+        if q_len <= SHORT_QUERY_MAX:
+            for i in range(q_len):  # query i sees the keys up to its own position
+                seen = seq_len - q_len + 1 + i
+                decodes.append((r, starts + i, max(0, seen - window) if window is not None else 0, seen))
         else:
             prefills.append(_plan_prefill(meta, r, starts, q_len, seq_len, first, block_size, window, dtype, device))
         starts += q_len

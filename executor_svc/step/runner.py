@@ -99,6 +99,14 @@ class PromptLogprobs:
     top_logprobs: list[float] = field(default_factory=list)
 
 
+# A logprobs entry for a token whose request asked for none, in a result
+# whose other tokens carry them (StepResult.logprobs is parallel to tokens).
+NO_LOGPROBS = (0.0, [], [])
+# A speculating row's outcome: its row, the tokens it yields, and their
+# logprobs (None when it asked for none).
+Verified = tuple[int, list[int], list | None]
+
+
 @dataclass(slots=True)
 class StepResult:
     step_id: int
@@ -330,7 +338,7 @@ class ModelRunner:
         logits = None  # rank 0's only, under tensor parallelism
         prompt_logprobs: list[PromptLogprobs] = []
         embeddings: list[tuple[int, list[float]]] = []
-        verified: list[tuple[int, list[int]]] = []  # (row, the tokens it yields)
+        verified: list[Verified] = []
         decode_only = num_tokens == len(sample_rows) == len(rows) and not reads_prompt.any()
         if self.graphs is not None and decode_only and len(rows) <= self.graphs.max_batch:
             logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
@@ -371,17 +379,19 @@ class ModelRunner:
             counted = slots >= 0
             if counted.any():
                 r.counts.record(slots[counted], np.asarray(tokens, dtype=np.int64)[counted])
-        for row, accepted in verified:
+        for row, accepted, accepted_logprobs in verified:
             n, m = int(r.num_tokens[row]), len(accepted)
             r.token_ids[row, n:n + m] = accepted
             r.num_tokens[row] = n + m
             r.num_output[row] += m
             # KV past the last accepted draft is the rejected drafts': not computed.
             r.num_computed[row] = n - 1 + m
+            if accepted_logprobs is not None and logprobs is None:
+                logprobs = [NO_LOGPROBS] * len(tokens)  # parallel to the tokens; those rows asked for none
             handles += [int(r.handle[row])] * m
             tokens += accepted
             if logprobs is not None:
-                logprobs += [(0.0, [], [])] * m  # parallel to the tokens; these rows asked for none
+                logprobs += accepted_logprobs if accepted_logprobs is not None else [NO_LOGPROBS] * m
         if swaps is not None:
             self.host_kv.finish(swaps)  # long done: the forward waited for them
         t3 = time.perf_counter_ns()
@@ -389,24 +399,39 @@ class ModelRunner:
                           prompt_logprobs=prompt_logprobs, embeddings=embeddings,
                           verified_drafts=list(zip(r.handle[rows[allowed]].tolist(), drafts[allowed].tolist())))
 
-    def _verify(self, hidden: torch.Tensor, rows: np.ndarray, first: np.ndarray,
-                drafts: np.ndarray) -> list[tuple[int, list[int]]]:
-        """Greedy verification: hidden[first[i]:first[i] + 1 + drafts[i]] are
-        rows[i]'s last known token and its drafts. The model's argmax after
-        each is what greedy decoding would produce there; the drafts it
-        agrees with are accepted, and its token after the last of them is
-        one more. Returns (row, the 1 to 1 + drafts tokens it yields)."""
+    def _verify(self, hidden: torch.Tensor, rows: np.ndarray, first: np.ndarray, drafts: np.ndarray) -> list[Verified]:
+        """hidden[first[i]:first[i] + 1 + drafts[i]] are rows[i]'s last known
+        token and its drafts. At each of those positions the row's token is
+        sampled as plain decoding would sample it there: the argmax for a
+        greedy row; for a sampled one the same draw, its uniform keyed by the
+        seed and the output position (sampler.py). Where a draft equals that
+        token the forward saw what decoding would have produced, so the next
+        position's token stands too; the first that differs ends the row,
+        and the token sampled there is its last. Each token is thus drawn
+        from the model's distribution given the tokens before it, exactly as
+        without drafts, and a seeded request yields the same tokens with
+        speculation on or off. Returns (row, the 1 to 1 + drafts tokens it
+        yields, their logprobs if it asked)."""
         r = self.rows
-        index = np.concatenate([np.arange(a, a + 1 + k) for a, k in zip(first.tolist(), drafts.tolist())])
-        best = self.model.compute_logits(hidden[to_device(index, self.device)]).argmax(dim=-1).cpu().numpy()
-        out, at = [], 0
+        span = 1 + drafts
+        index = np.concatenate([np.arange(a, a + s) for a, s in zip(first.tolist(), span.tolist())])
+        at = np.repeat(rows, span)  # each position's row
+        offset = index - np.repeat(first, span)  # each position's place after the last known token
+        logits = self.model.compute_logits(hidden[to_device(index, self.device)])  # [positions, vocab]
+        batch = SamplingBatch.from_arrays(
+            r.temperature[at], r.top_p[at], r.top_k[at], r.seed[at], r.seeded[at], r.num_output[at] + offset,
+            r.num_logprobs[at], self.device, self.vocab_size, min_p=r.min_p[at])
+        out = sample(logits, batch)
+        sampled = np.array(out.token_ids, dtype=np.int64)
+        results, i = [], 0
         for row, k in zip(rows.tolist(), drafts.tolist()):
             n = int(r.num_tokens[row])
-            agree = best[at:at + k] == r.token_ids[row, n:n + k]
-            accepted = k if agree.all() else int(agree.argmin())
-            out.append((row, best[at:at + accepted + 1].tolist()))
-            at += 1 + k
-        return out
+            agree = sampled[i:i + k] == r.token_ids[row, n:n + k]
+            m = 1 + (k if agree.all() else int(agree.argmin()))
+            lps = out.logprobs[i:i + m] if out.logprobs is not None and r.num_logprobs[row] > 0 else None
+            results.append((row, sampled[i:i + m].tolist(), lps))
+            i += 1 + k
+        return results
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: np.ndarray, cu: np.ndarray, start: np.ndarray,
                          end: np.ndarray) -> list[PromptLogprobs]:

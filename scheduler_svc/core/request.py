@@ -126,14 +126,14 @@ class Request:
 
     @property
     def can_speculate(self) -> bool:
-        """Whether drafts verified greedily give exactly its tokens: greedy,
-        and nothing that changes the logits per position or cuts the output
-        mid-step (constraints, penalties, bias, min_tokens, stop strings) or
-        reports per token (logprobs)."""
+        """Whether its drafts can be verified exactly: each verified position
+        samples as plain decoding would there (greedy or seeded draws alike),
+        which holds unless something changes the logits per position or
+        cuts the output mid-step: constraints, penalties, bias, min_tokens
+        or stop strings."""
         s = self.sampling
-        return (s.temperature == 0 and self.constraint is None and not self.embed and not s.logprobs
-                and not s.stop and not s.min_tokens and not s.logit_bias and s.presence_penalty == 0
-                and s.frequency_penalty == 0 and s.repetition_penalty == 1)
+        return (self.constraint is None and not self.embed and not s.stop and not s.min_tokens and not s.logit_bias
+                and s.presence_penalty == 0 and s.frequency_penalty == 0 and s.repetition_penalty == 1)
 
     @property
     def num_tokens(self) -> int:

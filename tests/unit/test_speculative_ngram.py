@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
 
 from executor_svc.config import ExecutorSettings
 from executor_svc.loading import speculative_ngram
 from executor_svc.step.ngram import propose
 from executor_svc.step.runner import NewRequestData, PlanError, StepPlan
+from executor_svc.step.sampler import SamplingSettings
 from llmsched.errors import StartupError
 from tests.oracle import hf_greedy
 from tests.unit.test_runner_vs_hf import GREEDY, make_runner
@@ -111,3 +113,87 @@ def test_a_speculative_setting_not_implemented_is_refused_by_name(env, message):
     assert speculative_ngram(ExecutorSettings(), 1, True) is None
     with pytest.raises(StartupError, match="TENSOR_PARALLEL_SIZE"):
         speculative_ngram(ExecutorSettings(speculative_method="ngram"), 2, True)
+
+
+SAMPLED = SamplingSettings(temperature=1.0, top_p=0.9, top_k=0, seed=1234, logprobs=2)
+
+
+def decode(runner, prompt: list[int], sampling: SamplingSettings, num_tokens: int, drafts: int) -> tuple[list, list]:
+    """One request, its tokens and logprobs, decoded by steps of 1 + drafts
+    (0: plain decoding)."""
+    out = runner.execute(StepPlan(0, [NewRequestData(0, prompt, list(range(64)), 0, len(prompt), sampling, 0)]))
+    tokens, logprobs, steps = list(out.sampled_token_ids), list(out.logprobs or []), 1
+    while len(tokens) < num_tokens:
+        kw = dict(draft_handles=[0], draft_counts=[drafts]) if drafts else {}
+        out = runner.execute(StepPlan(steps, cached_handles=[0], cached_num_scheduled_tokens=[1 + drafts], **kw))
+        tokens += out.sampled_token_ids
+        logprobs += out.logprobs or []
+        steps += 1
+    runner.execute(StepPlan(steps, finished_handles=[0]))
+    return tokens[:num_tokens], logprobs[:num_tokens]
+
+
+def test_a_seeded_sampled_request_yields_the_same_tokens_and_logprobs_with_drafts_as_without(stories_path):
+    """Each verified position draws with the uniform plain decoding would
+    use there (seed, output position), so drafts change how many tokens a
+    step yields, never which."""
+    runner = make_runner(str(stories_path))
+    runner.ngram = (1, 3)
+    prompt = [1, 403, 407, 261, 378, 403, 407, 261]  # a repeat: the proposer drafts from the start
+    plain, plain_lps = decode(runner, prompt, SAMPLED, 48, drafts=0)
+    spec, spec_lps = decode(runner, prompt, SAMPLED, 48, drafts=3)
+    assert spec == plain
+    for (lp, ids, top), (lp2, ids2, top2) in zip(spec_lps, plain_lps):
+        assert ids == ids2 and lp == pytest.approx(lp2, abs=1e-4) and top == pytest.approx(top2, abs=1e-4)
+    other, _ = decode(runner, prompt, SamplingSettings(1.0, 0.9, 0, seed=99, logprobs=0), 48, drafts=3)
+    assert other != plain, "another seed draws other tokens (else the test could not fail)"
+
+
+def test_the_first_token_of_a_verify_step_is_drawn_from_the_model_s_distribution(stories_path):
+    """20,000 seeded requests with one prompt, temperature 1: the token each
+    samples first, in a step verifying a draft, is distributed as the
+    model's softmax (total variation under 0.02). Plain decoding's draws
+    are the sampler's, tested in test_sampler.py."""
+    rows, rounds = 5000, 4
+    runner = make_runner(str(stories_path), num_blocks=2 + rows)
+    runner.ngram = (1, 4)
+    # "Lily liked to play. Lily": its last token occurs earlier, so a draft
+    # follows, and what comes next is far from certain (top token at 0.2).
+    prompt = [1] + Tokenizer.from_file(str(stories_path / "tokenizer.json")).encode("Lily liked to play. Lily").ids
+    assert len(prompt) == 9
+    # Positions 0-6 are computed once into blocks 0 and 1, which every
+    # request then shares (position 7, which each writes there, holds the
+    # same KV for all); each has a block of its own for 8 and 9.
+    runner.execute(StepPlan(0, [NewRequestData(0, prompt, [0, 1], 0, 7, GREEDY, 0)]))
+    runner.execute(StepPlan(1, finished_handles=[0]))
+    counts = np.zeros(runner.vocab_size)
+    step = 2
+    for rnd in range(rounds):
+        # Position 7, sampling nothing; then one step from the prompt's last
+        # token with a draft after it.
+        news = [NewRequestData(h, prompt, [0, 1, 2 + h], 7, 1,
+                               SamplingSettings(1.0, 1.0, 0, seed=rnd * rows + h, logprobs=0), 0)
+                for h in range(rows)]
+        runner.execute(StepPlan(step, news))
+        out = runner.execute(StepPlan(step + 1, cached_handles=list(range(rows)), cached_num_scheduled_tokens=[2] * rows,
+                                      draft_handles=list(range(rows)), draft_counts=[1] * rows))
+        assert set(out.verified_drafts) == {(h, 1) for h in range(rows)}, "every request verified its draft"
+        first = {}
+        for h, t in zip(out.sampled_handles, out.sampled_token_ids):
+            first.setdefault(h, t)
+        np.add.at(counts, list(first.values()), 1)
+        runner.execute(StepPlan(step + 2, finished_handles=list(range(rows))))
+        step += 3
+    assert counts.sum() == rows * rounds
+    ref = make_runner(str(stories_path))
+    out = ref.execute(StepPlan(0, [NewRequestData(0, prompt, list(range(4)), 0, len(prompt),
+                                                  SamplingSettings(0.0, 1.0, 0, None, logprobs=20), 0)]))
+    _, ids, top = out.logprobs[0]
+    probs = np.zeros(runner.vocab_size)
+    probs[ids] = np.exp(top)
+    tail = np.ones(runner.vocab_size, bool)
+    tail[ids] = False
+    observed = counts / counts.sum()
+    # The tokens past the model's top 20 are compared as one bucket.
+    tv = 0.5 * (np.abs(observed[ids] - probs[ids]).sum() + abs(observed[tail].sum() - (1 - probs[ids].sum())))
+    assert tv < 0.02, f"total variation {tv:.4f} from the model's softmax"

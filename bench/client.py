@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from bench import workloads as wl
 from bench.progress import Progress
 from bench.workloads import BenchRequest
 from llmsched.v1 import scheduler_pb2 as spb
@@ -199,6 +200,26 @@ async def run_sessions(address: str, requests: Sequence[BenchRequest], *, tag: s
 
         await gather_with_progress(progress, show_progress, (session(turns) for turns in sessions.values()))
     return RunResult.of(results, started_unix)
+
+
+def copy_prompts_from(address: str, openings: list[str], source_tokens: int, max_prompt_len: int | None = None
+                      ) -> list[list[int]]:
+    """The copy workload's prompts (workloads.copy_prompts), with the
+    scheduler at address tokenizing the openings (its Tokenize RPC) and
+    generating each continuation (greedy, ignore_eos), one request at a
+    time. Blocking: it runs before anything is timed."""
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = spb_grpc.SchedulerStub(channel)
+
+        def tokenize(text: str, add_special_tokens: bool) -> list[int]:
+            req = spb.TokenizeRequest(prompt=text, add_special_tokens=add_special_tokens)
+            return list(stub.Tokenize(req, timeout=30).token_ids)
+
+        def generate(prompt: list[int], max_tokens: int) -> list[int]:
+            req = to_proto(BenchRequest(0, max_tokens, prompt_token_ids=prompt), request_id="")
+            return [t for resp in stub.Generate(req, timeout=600) for t in resp.token_ids]
+
+        return wl.copy_prompts(openings, source_tokens, tokenize, generate, max_prompt_len)
 
 
 async def server_info(address: str, timeout_s: float = 10.0) -> spb.ServerInfo:

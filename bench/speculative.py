@@ -12,8 +12,9 @@ round runs both, in alternating order, on:
   repeat, so each prompt is built from text the model itself produces: a
   story opening, the model's own greedy continuation of it
   (--story-tokens), then the opening again; the model goes on copying its
-  story for a while. Requests are sent one after another; the figure is
-  milliseconds per output token.
+  story for a while. These are the first four prompts of `python -m bench
+  --workload copy` (bench/workloads.py). Requests are sent one after
+  another; the figure is milliseconds per output token.
 - `mixed`, --streams at once: random token prompts and lengths (the mixed
   workload's laws, scaled to fit the model's context), greedy, all sent at
   once; the figure is output tokens per second.
@@ -37,14 +38,16 @@ from pathlib import Path
 
 import grpc
 
-from bench.workloads import MIXED_OUTPUT, MIXED_PROMPT, mixed
+from bench.client import copy_prompts_from
+from bench.workloads import COPY_OPENINGS, MIXED_OUTPUT, MIXED_PROMPT, mixed
 from llmsched.launch import launch
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "assets" / "models" / "stories260K"
-OPENINGS = ["Once upon a time", "The little dog", "One day, a big bird", "Lily and Tom went to the park. They"]
+# P21's copy prompts: the first four openings of the copy workload.
+NUM_OPENINGS = 4
 
 
 class Stack:
@@ -70,16 +73,6 @@ class Stack:
     def close(self) -> None:
         self.channel.close()
         self.services.stop()
-
-
-def copy_prompts(stack: Stack, story_tokens: int) -> list[list[int]]:
-    """Each opening, the model's greedy story after it, the opening again
-    (without its BOS)."""
-    prompts = []
-    for text in OPENINGS:
-        opening = list(stack.stub.Tokenize(spb.TokenizeRequest(prompt=text), timeout=10).token_ids)
-        prompts.append(opening + stack.generate(opening, story_tokens) + opening[1:])
-    return prompts
 
 
 def run_copy(stack: Stack, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -114,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         stacks = dict(zip((False, True), pool.map(lambda spec: Stack(args.model, spec, args.tokens, args.num_threads),
                                                   (False, True))))
     try:
-        prompts = copy_prompts(stacks[False], args.story_tokens)
+        prompts = copy_prompts_from(stacks[False].services.scheduler_address, list(COPY_OPENINGS[:NUM_OPENINGS]),
+                                    args.story_tokens)
         # Mixed lengths scaled to stories260K's 512 positions.
         work = mixed(args.streams, 512, seed=0, prompt=MIXED_PROMPT.scaled(0.25), output=MIXED_OUTPUT.scaled(0.5))
         rng = random.Random(0)

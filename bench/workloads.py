@@ -1,6 +1,6 @@
 """Seeded, reproducible workloads (docs/performance.md): mixed,
-shared-prefix, overload, multi-turn sessions, and JSONL datasets (traces:
-bench/traces.py).
+shared-prefix, overload, multi-turn sessions, copy, and JSONL datasets
+(traces: bench/traces.py).
 
 Every request is drawn in turn from one seeded RNG (lengths, then token
 ids), so the first k requests of a 32-request run are the first k of the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -199,6 +199,62 @@ def multi_turn(vocab_size: int, seed: int = 0, spec: MultiTurnSpec = MultiTurnSp
               "seed": seed,
               "vocab_size": vocab_size, "last_prompt_len": spec.history_len(spec.num_turns - 1) + spec.question_len}
     return Workload("multi-turn", requests, params)
+
+
+# Copy: prompts whose answers repeat their input, as a code-edit agent's
+# answer repeats most of the file it edits. A tiny model such as
+# stories260K does not follow an instruction to repeat, so each prompt is
+# built from text the served model itself produces: a story opening, the
+# model's own greedy continuation of it, then the opening again. Having
+# just read its own story after that opening, the model tells it again for
+# a while. The first four openings are P21's (bench.speculative), so its
+# prompts stay those its figures were measured on.
+COPY_OPENINGS = (
+    "Once upon a time", "The little dog", "One day, a big bird", "Lily and Tom went to the park. They",
+    "Tim had a red ball.", "The sun was hot and", "Sue wanted to play with her cat.",
+    "There was a big tree in the garden.", "Ben found a shiny rock.", "Mom said it was time for bed.",
+    "A little fish lived in the sea.", "The girl saw a bird in the sky.", "Max and his dad went to the store.",
+    "It was a rainy day and", "The old man had a small boat.", "Amy liked to draw pictures.",
+)
+COPY_NUM_REQUESTS = 8
+COPY_SOURCE_TOKENS = 120
+COPY_OUTPUT_TOKENS = 100
+
+
+def copy_openings(num_requests: int) -> list[str]:
+    """The opening of each request: the list in order, cycled past its end
+    (a repeated opening makes a repeated prompt, which the prefix cache
+    then holds whole)."""
+    return [COPY_OPENINGS[i % len(COPY_OPENINGS)] for i in range(num_requests)]
+
+
+def copy_prompts(openings: list[str], source_tokens: int, tokenize: Callable[[str, bool], list[int]],
+                 generate: Callable[[list[int], int], list[int]], max_prompt_len: int | None = None
+                 ) -> list[list[int]]:
+    """Each opening's tokens (special tokens, i.e. BOS, included), the
+    model's greedy continuation of them (`generate`, source_tokens long),
+    then the opening's tokens again without special tokens. tokenize(text,
+    add_special_tokens) and generate(prompt, max_tokens) are the served
+    model's; each distinct opening is generated once. Raises ValueError
+    when a prompt would pass max_prompt_len, before generating anything."""
+    tokens = {text: (tokenize(text, True), tokenize(text, False)) for text in dict.fromkeys(openings)}
+    for text, (opening, again) in tokens.items():
+        length = len(opening) + source_tokens + len(again)
+        if max_prompt_len is not None and length > max_prompt_len:
+            raise ValueError(f"the prompt for {text!r} would be {length} tokens, past {max_prompt_len}")
+    built = {text: opening + generate(opening, source_tokens) + again for text, (opening, again) in tokens.items()}
+    return [list(built[text]) for text in openings]
+
+
+def copy_workload(prompts: list[list[int]], source_tokens: int, output_tokens: int) -> Workload:
+    """The copy requests, from copy_prompts' prompts; the report says how
+    they were built."""
+    requests = [BenchRequest(i, output_tokens, prompt_token_ids=p) for i, p in enumerate(prompts)]
+    params = {"num_requests": len(prompts), "distinct_prompts": len({tuple(p) for p in prompts}),
+              "source_tokens": source_tokens, "output_tokens": output_tokens,
+              "prompts": f"each a story opening, the served model's own greedy continuation of it ({source_tokens} "
+                         "tokens), then the opening again"}
+    return Workload("copy", requests, params)
 
 
 def with_poisson_arrivals(work: Workload, rate: float, seed: int) -> Workload:

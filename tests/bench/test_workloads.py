@@ -181,3 +181,46 @@ def test_multi_turn_think_times_are_exponential_with_the_mean_asked_and_leave_th
     assert [r.think_s for r in paced.requests] == [
         r.think_s for r in wl.multi_turn(512, seed=1, spec=wl.MultiTurnSpec(num_sessions=500, think_time_s=2.0)).requests]
     assert paced.params["think_time_s"] == 2.0
+
+
+class FakeModel:
+    """Tokenize and generate as the copy prompts need them: BOS is 1, a
+    text's tokens are its words' lengths + 10, and the continuation of a
+    prompt counts up from its last token; it records what it generated."""
+
+    def __init__(self):
+        self.generated: list[list[int]] = []
+
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        return [1] * add_special_tokens + [len(word) + 10 for word in text.split()]
+
+    def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
+        self.generated.append(prompt)
+        return [prompt[-1] + 1 + i for i in range(max_tokens)]
+
+
+def test_copy_prompt_is_opening_story_opening_again_without_bos():
+    model = FakeModel()
+    [prompt] = wl.copy_prompts(["ab cde"], 3, model.tokenize, model.generate)
+    assert prompt == [1, 12, 13] + [14, 15, 16] + [12, 13]
+
+
+def test_copy_openings_cycle_and_each_distinct_one_is_generated_once():
+    n = len(wl.COPY_OPENINGS) + 2
+    openings = wl.copy_openings(n)
+    assert openings[:len(wl.COPY_OPENINGS)] == list(wl.COPY_OPENINGS) and openings[-2:] == openings[:2]
+    model = FakeModel()
+    prompts = wl.copy_prompts(openings, 4, model.tokenize, model.generate)
+    assert len(model.generated) == len(wl.COPY_OPENINGS)
+    assert prompts[-2:] == prompts[:2] and prompts[0] is not prompts[-2]  # equal, not shared: fit may trim one
+    work = wl.copy_workload(prompts, 4, 7)
+    assert [r.max_tokens for r in work.requests] == [7] * n
+    assert work.params["distinct_prompts"] == len(wl.COPY_OPENINGS) and "opening again" in work.params["prompts"]
+
+
+def test_copy_prompts_past_the_room_are_refused_before_anything_is_generated():
+    model = FakeModel()
+    with pytest.raises(ValueError, match="would be 8 tokens, past 7"):
+        wl.copy_prompts(["ab cde"], 3, model.tokenize, model.generate, max_prompt_len=7)
+    assert model.generated == []
+    assert wl.copy_prompts(["ab cde"], 3, model.tokenize, model.generate, max_prompt_len=8)

@@ -2,7 +2,7 @@
 after the timed run: KV utilisation (tokens held / slots allocated, over
 steps) and the executor's idle fraction between steps; and what the KV
 tiers did (prefix hits per tier, preemptions per mode, blocks swapped,
-tokens recomputed)."""
+tokens recomputed); and how many speculated tokens were accepted."""
 
 from __future__ import annotations
 
@@ -58,3 +58,16 @@ def derived_figures(sched_before, sched_after, exec_before, exec_after) -> dict[
         "swapped_blocks_in": execu('llmsched_executor_swapped_blocks_total{direction="in"}'),
         "swap_s": execu("llmsched_executor_swap_seconds_sum"),
     }
+
+
+def speculative_acceptance(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """A speculating scheduler's figures between two scrapes: speculative
+    steps (one per request per step that verified drafts), drafts proposed
+    and accepted, and the mean acceptance length, tokens per speculative
+    step: the accepted drafts plus the one token the verifying forward
+    yields anyway. None when no step speculated."""
+    steps = _delta(before, after, "llmsched_spec_decode_accepted_length_count")
+    accepted = _delta(before, after, "llmsched_spec_decode_accepted_tokens_total")
+    return {"steps": steps, "accepted": accepted,
+            "drafted": _delta(before, after, "llmsched_spec_decode_draft_tokens_total"),
+            "mean_acceptance_length": 1 + accepted / steps if steps else None}

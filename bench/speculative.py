@@ -32,15 +32,16 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 
 from bench.client import copy_prompts_from
+from bench.server_metrics import scrape, speculative_acceptance
+from bench.stack_pair import NAMES, launch_pair, round_order, start_pair, stop_pair
 from bench.workloads import COPY_OPENINGS, MIXED_OUTPUT, MIXED_PROMPT, mixed
-from llmsched.launch import launch
+from llmsched.launch import Services
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 
@@ -51,28 +52,17 @@ NUM_OPENINGS = 4
 
 
 class Stack:
-    def __init__(self, model: str, speculative: bool, tokens: int, threads: int):
-        env = {"EXECUTOR_MODEL": model, "EXECUTOR_NUM_THREADS": str(threads)}
-        if speculative:
-            env |= {"EXECUTOR_SPECULATIVE_METHOD": "ngram", "EXECUTOR_SPECULATIVE_TOKENS": str(tokens)}
-        self.services = launch(executor_env=env, scheduler_env={"SCHEDULER_MAX_QUEUE_DELAY_MS": "0",
-                                                                "SCHEDULER_SPECULATIVE_MAX_BATCH": "16"}).start()
-        self.channel = grpc.insecure_channel(self.services.scheduler_address)
+    """A started stack and a blocking client of its scheduler."""
+
+    def __init__(self, services: Services):
+        self.services = services
+        self.channel = grpc.insecure_channel(services.scheduler_address)
         self.stub = spb_grpc.SchedulerStub(self.channel)
 
     def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
         req = spb.GenerateRequest(prompt_token_ids=prompt, sampling=spb.SamplingParams(
             max_tokens=max_tokens, temperature=0, ignore_eos=True))
         return [t for resp in self.stub.Generate(req, timeout=600) for t in resp.token_ids]
-
-    def metric(self, name: str) -> float:
-        url = f"http://127.0.0.1:{self.services.scheduler_metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " "))
-
-    def close(self) -> None:
-        self.channel.close()
-        self.services.stop()
 
 
 def run_copy(stack: Stack, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
@@ -103,11 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "bench_results" / "p21_speculative.json")
     args = p.parse_args(argv)
 
-    with ThreadPoolExecutor(2) as pool:  # both start at once
-        stacks = dict(zip((False, True), pool.map(lambda spec: Stack(args.model, spec, args.tokens, args.num_threads),
-                                                  (False, True))))
+    pair = launch_pair({"EXECUTOR_MODEL": args.model, "EXECUTOR_NUM_THREADS": str(args.num_threads)},
+                       {"SCHEDULER_MAX_QUEUE_DELAY_MS": "0", "SCHEDULER_SPECULATIVE_MAX_BATCH": "16"}, args.tokens)
+    start_pair(pair)
+    stacks = {spec: Stack(services) for spec, services in pair.items()}
     try:
-        prompts = copy_prompts_from(stacks[False].services.scheduler_address, list(COPY_OPENINGS[:NUM_OPENINGS]),
+        prompts = copy_prompts_from(pair[False].scheduler_address, list(COPY_OPENINGS[:NUM_OPENINGS]),
                                     args.story_tokens)
         # Mixed lengths scaled to stories260K's 512 positions.
         work = mixed(args.streams, 512, seed=0, prompt=MIXED_PROMPT.scaled(0.25), output=MIXED_OUTPUT.scaled(0.5))
@@ -117,27 +108,27 @@ def main(argv: list[str] | None = None) -> int:
         results = {"copy": {False: [], True: []}, "mixed": {False: [], True: []}}
         outputs = {}
         for r in range(args.rounds):
-            for spec in ((False, True) if r % 2 == 0 else (True, False)):
+            for spec in round_order(r):
                 ms, copied = run_copy(stacks[spec], prompts, args.copy_tokens)
                 tps, mixed_out = run_mixed(stacks[spec], requests)
                 results["copy"][spec].append(ms)
                 results["mixed"][spec].append(tps)
                 outputs.setdefault(spec, (copied, mixed_out))
-                print(f"round {r} {'ngram' if spec else 'off'}: copy {ms:.2f} ms/token, mixed x{args.streams} "
+                print(f"round {r} {NAMES[spec]}: copy {ms:.2f} ms/token, mixed x{args.streams} "
                       f"{tps:.0f} tok/s", file=sys.stderr, flush=True)
-        spec_stack = stacks[True]
-        steps = spec_stack.metric("llmsched_spec_decode_accepted_length_count")
-        accepted = spec_stack.metric("llmsched_spec_decode_accepted_tokens_total")
-        drafted = spec_stack.metric("llmsched_spec_decode_draft_tokens_total")
+        # Since the stack started: every speculative step it has taken is in a timed round.
+        acceptance = speculative_acceptance({}, scrape(pair[True].scheduler_metrics_port))
     finally:
-        for s in stacks.values():
-            s.close()
+        for stack in stacks.values():
+            stack.channel.close()
+        stop_pair(pair)
 
     med = {kind: {spec: statistics.median(v) for spec, v in by.items()} for kind, by in results.items()}
     copy_speedup = med["copy"][False] / med["copy"][True]
     mixed_ratio = med["mixed"][True] / med["mixed"][False]
     equal = outputs[False] == outputs[True]
-    mean_acceptance = 1 + accepted / steps if steps else 0.0
+    mean_acceptance = acceptance["mean_acceptance_length"] or 0.0
+    accepted, drafted = acceptance["accepted"], acceptance["drafted"]
     print(f"P21 {Path(args.model).name}, ngram K={args.tokens}, {args.rounds} round(s): copy single stream "
           f"{med['copy'][False]:.2f} -> {med['copy'][True]:.2f} ms/token ({copy_speedup:.2f}x faster), "
           f"mean acceptance length {mean_acceptance:.2f} ({accepted:.0f} of {drafted:.0f} drafts accepted); "

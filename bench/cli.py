@@ -10,6 +10,7 @@ import asyncio
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -17,7 +18,7 @@ import grpc
 from bench import traces as tr
 from bench import workloads as wl
 from bench.baselines import BASELINES, cb_limits_from_env, compare_outputs, describe
-from bench.client import drained_server_info, run_requests, run_sessions, server_info
+from bench.client import RunResult, copy_prompts_from, drained_server_info, run_requests, run_sessions, server_info
 from bench.common import (build_workload, context_for, decoded_prompts, environment, info_dict, parse_args,
                           parse_endpoint, parse_env_pairs, read_trace, resolve_rate, vocab_size_for)
 from bench.openai_client import run_openai_requests, served_model
@@ -28,8 +29,31 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+@dataclass(slots=True)
+class Setup:
+    """What a run starts from: the options, the environments, the work."""
+
+    args: argparse.Namespace
+    executor_env: dict[str, str]
+    scheduler_env: dict[str, str]
+    num_threads: int
+    mode: str
+    rate: float | None
+    vocab_size: int
+    # None for --workload copy until a server answers: its prompts are the
+    # served model's own text (_copy_prompts).
+    work: wl.Workload | None
+    out: Path
+    stem: Path
+    kind: str
+    url: str | None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    return _run_one(_setup(parse_args(argv)))
+
+
+def _setup(args: argparse.Namespace) -> Setup:
     executor_env, scheduler_env = parse_env_pairs(args.executor_env), parse_env_pairs(args.scheduler_env)
     if "EXECUTOR_MODEL" in executor_env:
         raise SystemExit("set the model with --model, not EXECUTOR_MODEL: the baselines and prompts need it too")
@@ -43,29 +67,32 @@ def main(argv: list[str] | None = None) -> int:
         work = tr.trace_workload(trace, vocab_size)
         if not args.trace_offline:
             mode, rate = "online", tr.mean_rate(trace)
+    elif args.workload == "copy":
+        work = None
     else:
         work = build_workload(args, vocab_size, rate)
-    requests = work.requests
-    if not requests:
+    if work is not None and not work.requests:
         raise SystemExit("the workload has no requests (overload: raise --duration or --request-rate)")
     out = args.out or Path("bench_results") / f"{time.strftime('%Y%m%d-%H%M%S')}.json"
-    stem = out.with_suffix("")
     out.parent.mkdir(parents=True, exist_ok=True)
     kind, url = parse_endpoint(args)
     if kind == "openai" and args.baseline:
         raise SystemExit("--baseline needs --endpoint grpc: an OpenAI stream carries no token ids to compare")
-    # Greedy checks compare token ids, which only the gRPC stream carries.
-    k = min(args.check_requests, len(requests)) if kind == "grpc" else 0
-    prompt_texts = decoded_prompts(requests, args.model) if kind == "openai" and args.text_prompts else None
+    return Setup(args, executor_env, scheduler_env, num_threads, mode, rate, vocab_size, work, out,
+                 out.with_suffix(""), kind, url)
 
+
+def _run_one(s: Setup) -> int:
+    """The run on one server: launched, or at --address / --endpoint."""
+    args, kind, url = s.args, s.kind, s.url
     services, log_file = None, None
     if args.launch:
         from llmsched.launch import launch
 
-        log_path = stem.with_name(stem.name + ".services.log")
+        log_path = s.stem.with_name(s.stem.name + ".services.log")
         log_file = log_path.open("w")
-        services = launch(executor_env={"EXECUTOR_MODEL": args.model, **executor_env}, scheduler_env=scheduler_env,
-                          with_gateway=kind == "openai")
+        services = launch(executor_env={"EXECUTOR_MODEL": args.model, **s.executor_env},
+                          scheduler_env=s.scheduler_env, with_gateway=kind == "openai")
         services.stdout = log_file  # their logs would bury the summary table
         _say(f"launching executor + scheduler{' + gateway' if kind == 'openai' else ''} ({args.model}); "
              f"logs in {log_path}")
@@ -80,66 +107,33 @@ def main(argv: list[str] | None = None) -> int:
         address = services.scheduler_address if services else (args.address if kind == "grpc" else None)
         if kind == "openai" and services is not None:
             url = services.gateway_url
-        if address is not None:
-            try:
-                info_before = asyncio.run(server_info(address))
-            except grpc.RpcError as exc:
-                raise SystemExit(f"error: no llmsched scheduler answers at {address}: {exc.code().name} "
-                                 f"{exc.details()!r} (start one with `make serve`, or pass --launch)") from None
-            served, max_model_len = info_before.model, info_before.max_model_len
-        else:
-            info_before = None
-            served, max_model_len = asyncio.run(served_model(url))
-        expected = Path(args.model).name
-        if served != expected:
-            _say(f"warning: the server serves {served!r}, not {expected!r}: prompts and baselines assume --model")
-        if work.name == "multi-turn":
-            longest = work.params["last_prompt_len"] + work.params["answer_len"]
-            if longest > max_model_len:
-                raise SystemExit(f"error: a session's last turn ends at {longest} tokens, past max_model_len="
-                                 f"{max_model_len}: fewer --num-turns, or lower --prompt-len-scale / "
-                                 "--output-len-scale")
-            clipped = 0
-        else:
-            # A trace is clamped to the context as it is read (bench/traces.py),
-            # to the model's figure; the server's then shortens what still
-            # does not fit.
-            clipped = wl.fit_to_context(requests, max_model_len)
-        if clipped:
-            _say(f"note: {clipped} requests shortened to fit max_model_len={max_model_len}")
+        info_before, served, max_model_len = _served(address, url, args.model)
+        work = s.work if s.work is not None else _copy_workload(_copy_prompts(address, args, max_model_len), s)
+        requests = work.requests
+        _fit(work, max_model_len)
+        # Greedy checks compare token ids, which only the gRPC stream carries.
+        k = min(args.check_requests, len(requests)) if kind == "grpc" else 0
+        prompt_texts = decoded_prompts(requests, args.model) if kind == "openai" and args.text_prompts else None
         if k:
-            _warm_up(address, wl.warmup_requests(requests[:k], vocab_size, args.seed), args)
+            _warm_up(address, wl.warmup_requests(requests[:k], s.vocab_size, args.seed), args)
         elif kind == "openai":
-            warm = wl.warmup_requests(requests[:min(4, len(requests))], vocab_size, args.seed)
+            warm = wl.warmup_requests(requests[:min(4, len(requests))], s.vocab_size, args.seed)
             asyncio.run(run_openai_requests(url, served, warm, tag="warmup", show_progress=False,
                                             prompt_texts=decoded_prompts(warm, args.model) if prompt_texts else None))
         if args.baseline:
             from bench.baselines import load_hf_model, prompt_token_ids
 
-            hf = load_hf_model(args.model, num_threads)
+            hf = load_hf_model(args.model, s.num_threads)
             prompts = prompt_token_ids(requests, hf.tokenizer_json)
             # Each baseline's greedy outputs on the first k requests, before
             # anything is timed: a baseline that fails here fails in seconds.
             checks = {name: BASELINES[name](hf, prompts[:k], [r.max_tokens for r in requests[:k]],
-                                            **_baseline_kwargs(args, scheduler_env)).outputs
+                                            **_baseline_kwargs(args, s.scheduler_env)).outputs
                       for name in (args.baseline if k else [])}
 
         metrics_before = _scrape_services(services)
-        _say(f"timed run: {len(requests)} requests, {mode}"
-             + (f" at {rate:.3g} req/s" if rate else "")
-             + (f", max concurrency {args.max_concurrency}" if args.max_concurrency else ""))
-        if work.name == "multi-turn":
-            run = asyncio.run(run_sessions(address, requests, tag=f"bench-{os.getpid()}",
-                                           timeout_s=args.request_timeout, show_progress=not args.no_progress,
-                                           desc=work.name))
-        elif kind == "grpc":
-            run = asyncio.run(run_requests(address, requests, tag=f"bench-{os.getpid()}",
-                                           max_concurrency=args.max_concurrency, timeout_s=args.request_timeout,
-                                           show_progress=not args.no_progress, desc=work.name))
-        else:
-            run = asyncio.run(run_openai_requests(url, served, requests, prompt_texts=prompt_texts,
-                                                  max_concurrency=args.max_concurrency, timeout_s=args.request_timeout,
-                                                  show_progress=not args.no_progress, desc=work.name))
+        _say(f"timed run: {len(requests)} requests, {_mode_text(s)}")
+        run = _timed_run(s, work, address, url, served, prompt_texts, tag=f"bench-{os.getpid()}", desc=work.name)
         info_after, drained = asyncio.run(drained_server_info(address)) if address else (None, None)
         server_figures = _server_figures(metrics_before, _scrape_services(services))
     finally:
@@ -150,13 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     correctness = _check(run, checks, k)
     summary = summarize(run)
     report = {
-        "mode": mode,
+        "mode": s.mode,
         "workload": {"name": work.name, **work.params},
-        "config": {**{key: (str(v) if isinstance(v, Path) else v) for key, v in vars(args).items()},
-                   "request_rate": rate, "address": address, "endpoint": kind, "url": url,
-                   "executor_env": executor_env,
-                   "scheduler_env": scheduler_env},
-        "environment": environment(num_threads),
+        "config": _config(s, address, url),
+        "environment": environment(s.num_threads),
         "started_unix": run.started_unix,
         "summary": summary,
         "server": {
@@ -171,16 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not summary["completed"]:
         # Throughput of nothing is no result: say why and fail the command.
-        write_json(report, out)
-        first = next((r.error for r in run.results if r.error), "no error recorded")
-        _say(f"error: none of the {len(run.results)} requests completed; the first failed with: "
-             f"{' '.join(first.split())[:300]} (report: {out})")
+        write_json(report, s.out)
+        _say_none_completed(run, s.out)
         return 1
     # Baselines run after the services stopped, so neither side competes
     # with the other for the CPU.
     for name in args.baseline:
-        _say(f"baseline {name}: {len(requests)} requests, {num_threads} torch threads")
-        b = BASELINES[name](hf, prompts, [r.max_tokens for r in requests], **_baseline_kwargs(args, scheduler_env))
+        _say(f"baseline {name}: {len(requests)} requests, {s.num_threads} torch threads")
+        b = BASELINES[name](hf, prompts, [r.max_tokens for r in requests], **_baseline_kwargs(args, s.scheduler_env))
         done = [r for r in run.results if r.ok]
         differ = compare_outputs([r.index for r in done], [r.output_ids for r in done],
                                  [b.outputs[r.index] for r in done])
@@ -188,16 +177,105 @@ def main(argv: list[str] | None = None) -> int:
                      "mismatches": [describe(m) for m in differ[:20]]}
         report["baselines"].append(baseline_record(b, summary, agreement))
 
-    write_json(report, out)
+    write_json(report, s.out)
     print(format_table(report))
-    _say(f"report: {out}")
+    _say(f"report: {s.out}")
     if not args.no_plots:
         from bench.plots import write_plots
 
-        paths, why = write_plots(report, stem)
+        paths, why = write_plots(report, s.stem)
         _say(why or "plots: " + ", ".join(str(p) for p in paths))
     mismatched = any(c["mismatches"] for c in correctness["per_baseline"].values())
     return 1 if args.strict_check and mismatched else 0
+
+
+def _served(address: str | None, url: str | None, model: str):
+    """(ServerInfo or None, the served model's name, its max_model_len),
+    from the scheduler at address, else from the OpenAI endpoint at url."""
+    if address is not None:
+        try:
+            info = asyncio.run(server_info(address))
+        except grpc.RpcError as exc:
+            raise SystemExit(f"error: no llmsched scheduler answers at {address}: {exc.code().name} "
+                             f"{exc.details()!r} (start one with `make serve`, or pass --launch)") from None
+        served, max_model_len = info.model, info.max_model_len
+    else:
+        info = None
+        served, max_model_len = asyncio.run(served_model(url))
+    if served != Path(model).name:
+        _say(f"warning: the server serves {served!r}, not {Path(model).name!r}: prompts and baselines assume --model")
+    return info, served, max_model_len
+
+
+def _fit(work: wl.Workload, max_model_len: int) -> None:
+    """Refuses a multi-turn workload whose last turn cannot fit the context;
+    shortens other requests that cannot, and says how many."""
+    if work.name == "multi-turn":
+        longest = work.params["last_prompt_len"] + work.params["answer_len"]
+        if longest > max_model_len:
+            raise SystemExit(f"error: a session's last turn ends at {longest} tokens, past max_model_len="
+                             f"{max_model_len}: fewer --num-turns, or lower --prompt-len-scale / "
+                             "--output-len-scale")
+        return
+    # A trace is clamped to the context as it is read (bench/traces.py), to
+    # the model's figure; the server's then shortens what still does not
+    # fit. Copy prompts were built to fit (_copy_prompts).
+    if clipped := wl.fit_to_context(work.requests, max_model_len):
+        _say(f"note: {clipped} requests shortened to fit max_model_len={max_model_len}")
+
+
+def _copy_prompts(address: str, args: argparse.Namespace, max_model_len: int) -> list[list[int]]:
+    """The copy workload's prompts, generated by the scheduler at address
+    before anything is timed; refused when one would not leave room for
+    --copy-output-tokens."""
+    openings = wl.copy_openings(args.num_requests or wl.COPY_NUM_REQUESTS)
+    _say(f"copy prompts: {len(set(openings))} openings, each followed by the served model's greedy continuation "
+         f"({args.copy_source_tokens} tokens, generated at {address}) and the opening again")
+    room = max_model_len - args.copy_output_tokens
+    try:
+        return copy_prompts_from(address, openings, args.copy_source_tokens, max_prompt_len=room)
+    except ValueError as exc:
+        raise SystemExit(f"error: --workload copy: {exc} (max_model_len={max_model_len} less --copy-output-tokens "
+                         f"{args.copy_output_tokens}): lower --copy-source-tokens or --copy-output-tokens") from None
+
+
+def _copy_workload(prompts: list[list[int]], s: Setup) -> wl.Workload:
+    work = wl.copy_workload(prompts, s.args.copy_source_tokens, s.args.copy_output_tokens)
+    if s.rate is not None:
+        wl.with_poisson_arrivals(work, s.rate, s.args.seed)
+    return work
+
+
+def _timed_run(s: Setup, work: wl.Workload, address: str | None, url: str | None, served: str,
+               prompt_texts: list[str] | None, tag: str, desc: str) -> RunResult:
+    args = s.args
+    if work.name == "multi-turn":
+        return asyncio.run(run_sessions(address, work.requests, tag=tag, timeout_s=args.request_timeout,
+                                        show_progress=not args.no_progress, desc=desc))
+    if s.kind == "grpc":
+        return asyncio.run(run_requests(address, work.requests, tag=tag, max_concurrency=args.max_concurrency,
+                                        timeout_s=args.request_timeout, show_progress=not args.no_progress,
+                                        desc=desc))
+    return asyncio.run(run_openai_requests(url, served, work.requests, prompt_texts=prompt_texts,
+                                           max_concurrency=args.max_concurrency, timeout_s=args.request_timeout,
+                                           show_progress=not args.no_progress, desc=desc))
+
+
+def _mode_text(s: Setup) -> str:
+    return (s.mode + (f" at {s.rate:.3g} req/s" if s.rate else "")
+            + (f", max concurrency {s.args.max_concurrency}" if s.args.max_concurrency else ""))
+
+
+def _config(s: Setup, address: str | None, url: str | None) -> dict:
+    return {**{key: (str(v) if isinstance(v, Path) else v) for key, v in vars(s.args).items()},
+            "request_rate": s.rate, "address": address, "endpoint": s.kind, "url": url,
+            "executor_env": s.executor_env, "scheduler_env": s.scheduler_env}
+
+
+def _say_none_completed(run: RunResult, out: Path) -> None:
+    first = next((r.error for r in run.results if r.error), "no error recorded")
+    _say(f"error: none of the {len(run.results)} requests completed; the first failed with: "
+         f"{' '.join(first.split())[:300]} (report: {out})")
 
 
 def _scrape_services(services):

@@ -43,11 +43,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--vocab-size", type=int, default=None, help="override the vocab the random prompts draw from")
 
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["mixed", "shared-prefix", "overload", "multi-turn", "trace"], default="mixed",
+    g.add_argument("--workload", choices=["mixed", "shared-prefix", "overload", "multi-turn", "trace", "copy"],
+                   default="mixed",
                    help="multi-turn: sessions whose every turn re-sends the history and a new question; trace: "
-                        "replay --trace (assets/README.md) at its own arrival times")
+                        "replay --trace (assets/README.md) at its own arrival times; copy: answers that repeat "
+                        "their prompt, each prompt a story opening, the served model's own greedy continuation of "
+                        "it and the opening again, sent one at a time (--max-concurrency 1) unless "
+                        "--max-concurrency says otherwise")
     g.add_argument("--dataset", type=Path, default=None, help="JSONL of {prompt | prompt_token_ids, max_tokens}")
-    g.add_argument("--num-requests", type=int, default=None, help="mixed: 256, shared-prefix: 128, dataset: all")
+    g.add_argument("--num-requests", type=int, default=None,
+                   help=f"mixed: 256, shared-prefix: 128, copy: {wl.COPY_NUM_REQUESTS} (past "
+                        f"{len(wl.COPY_OPENINGS)}, its openings, and so its prompts, repeat), dataset: all")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--prompt-len-scale", type=float, default=1.0, help="scale every prompt length (median and clip)")
     g.add_argument("--output-len-scale", type=float, default=1.0, help="scale every output length (median and clip)")
@@ -64,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--think-time", type=float, default=0.0,
                    help="multi-turn: mean seconds (exponential) a session waits after an answer before its next turn; "
                    "0 sends it at once")
+    g.add_argument("--copy-source-tokens", type=int, default=None,
+                   help=f"copy: tokens of the model's own continuation in each prompt, generated through the server "
+                        f"(greedy, ignore_eos) before anything is timed ({wl.COPY_SOURCE_TOKENS})")
+    g.add_argument("--copy-output-tokens", type=int, default=None,
+                   help=f"copy: output tokens per request ({wl.COPY_OUTPUT_TOKENS})")
 
     add_trace_arguments(p)
 
@@ -74,7 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a previous offline report: request rate = --rate-factor x its request throughput")
     g.add_argument("--rate-factor", type=float, default=None, help="with --capacity-from; overload 2.0, else 0.7")
     g.add_argument("--duration", type=float, default=60.0, help="overload: seconds of arrivals")
-    g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight (unset: no limit, but 1 for --workload copy)")
     g.add_argument("--request-timeout", type=float, default=None, help="per-request gRPC deadline, seconds")
 
     g = p.add_argument_group("baselines")
@@ -111,7 +123,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--workload multi-turn needs --endpoint grpc: each turn sends the previous answers' token ids")
     if args.think_time < 0 or (args.think_time and args.workload != "multi-turn"):
         p.error(f"--think-time must be >= 0 and is for --workload multi-turn only, got {args.think_time}")
+    _check_copy(p, args)
     return args
+
+
+def _check_copy(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("copy_source_tokens", "copy_output_tokens"):
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if value is not None and args.workload != "copy":
+            p.error(f"{flag} is for --workload copy only")
+        if value is not None and value < 1:
+            p.error(f"{flag} must be at least 1")
+    if args.workload != "copy":
+        return
+    if args.dataset is not None:
+        p.error("--dataset replaces the workload; drop it or --workload copy")
+    if args.endpoint != ["grpc"]:
+        p.error("--workload copy needs --endpoint grpc: its prompts are the served model's token ids")
+    if args.baseline:
+        p.error("--baseline is not implemented for --workload copy: its requests go one at a time and the "
+                "baselines batch them")
+    args.copy_source_tokens = args.copy_source_tokens or wl.COPY_SOURCE_TOKENS
+    args.copy_output_tokens = args.copy_output_tokens or wl.COPY_OUTPUT_TOKENS
+    # One stream: a code-edit agent waits for its answer before its next edit.
+    args.max_concurrency = args.max_concurrency or 1
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:

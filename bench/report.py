@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
@@ -123,6 +124,7 @@ def format_table(report: dict) -> str:
 
     title("llmsched serving benchmark")
     row("Workload", f"{wl['name']} ({report['mode']})")
+    lines.extend(_prompts_note(wl))
     row("Model", Path(cfg["model"]).name)  # a checkpoint path would overflow the column
     row("Requests: completed / total", f"{s['completed']} / {s['num_requests']}")
     row("Rejected (RESOURCE_EXHAUSTED)", s["rejected"])
@@ -197,6 +199,12 @@ def without_nan(obj: object) -> object:
 def write_json(report: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(without_nan(report), indent=1, allow_nan=False) + "\n")
+
+
+def _prompts_note(workload: dict) -> list[str]:
+    """How a workload's prompts were built, when its params say (copy),
+    wrapped under the table's width."""
+    return textwrap.wrap("Prompts: " + workload["prompts"], 64) if "prompts" in workload else []
 
 
 def _num(v: float | None, digits: int = 1) -> str:

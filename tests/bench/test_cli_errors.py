@@ -69,3 +69,23 @@ def test_think_time_is_checked_before_anything_starts():
     with pytest.raises(SystemExit):
         parse_args(["--workload", "mixed", "--think-time", "2"])  # no sessions to pause
     assert parse_args(["--workload", "multi-turn", "--think-time", "2"]).think_time == 2.0
+
+
+def test_copy_options_are_checked_before_anything_starts(capsys):
+    from bench.cli import parse_args
+
+    refused = {
+        ("--copy-source-tokens", "40"): "--copy-source-tokens is for --workload copy only",
+        ("--workload", "copy", "--copy-output-tokens", "0"): "--copy-output-tokens must be at least 1",
+        ("--workload", "copy", "--endpoint", "openai", "http://127.0.0.1:1"): "--workload copy needs --endpoint grpc",
+        ("--workload", "copy", "--baseline", "hf-static"): "not implemented for --workload copy",
+        ("--workload", "copy", "--dataset", "x.jsonl"): "--dataset replaces the workload",
+    }
+    for argv, message in refused.items():
+        with pytest.raises(SystemExit):
+            parse_args(list(argv))
+        assert message in capsys.readouterr().err, argv
+    args = parse_args(["--workload", "copy"])
+    # One stream unless told otherwise, and the documented lengths.
+    assert (args.max_concurrency, args.copy_source_tokens, args.copy_output_tokens) == (1, 120, 100)
+    assert parse_args(["--workload", "copy", "--max-concurrency", "4"]).max_concurrency == 4

@@ -22,7 +22,8 @@ from bench.client import RunResult, copy_prompts_from, drained_server_info, run_
 from bench.common import (build_workload, context_for, decoded_prompts, environment, info_dict, parse_args,
                           parse_endpoint, parse_env_pairs, read_trace, resolve_rate, vocab_size_for)
 from bench.openai_client import run_openai_requests, served_model
-from bench.report import baseline_record, format_table, request_record, summarize, write_json
+from bench.report import (baseline_record, format_speculative, format_table, pair_figures, request_record,
+                          speculative_record, speculative_summary_line, summarize, write_json)
 
 
 def _say(msg: str) -> None:
@@ -31,7 +32,7 @@ def _say(msg: str) -> None:
 
 @dataclass(slots=True)
 class Setup:
-    """What a run starts from: the options, the environments, the work."""
+    """What a run starts from, on one stack or on a --speculative pair."""
 
     args: argparse.Namespace
     executor_env: dict[str, str]
@@ -50,13 +51,17 @@ class Setup:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _run_one(_setup(parse_args(argv)))
+    setup = _setup(parse_args(argv))
+    return _run_pair(setup) if setup.args.speculative else _run_one(setup)
 
 
 def _setup(args: argparse.Namespace) -> Setup:
     executor_env, scheduler_env = parse_env_pairs(args.executor_env), parse_env_pairs(args.scheduler_env)
     if "EXECUTOR_MODEL" in executor_env:
         raise SystemExit("set the model with --model, not EXECUTOR_MODEL: the baselines and prompts need it too")
+    if args.speculative and (own := sorted(k for k in executor_env if k.startswith("EXECUTOR_SPECULATIVE_"))):
+        raise SystemExit(f"--speculative sets the speculating stack's {', '.join(own)}: do not pass them with "
+                         "--executor-env, which applies to both stacks")
     # The executor's thread count is what the baselines must match.
     num_threads = int(executor_env.setdefault("EXECUTOR_NUM_THREADS", str(args.num_threads)))
     rate = resolve_rate(args)
@@ -189,6 +194,89 @@ def _run_one(s: Setup) -> int:
     return 1 if args.strict_check and mismatched else 0
 
 
+def _run_pair(s: Setup) -> int:
+    """--speculative K: the same work on a stack that speculates and one
+    that does not, both launched, in --rounds rounds of alternating order."""
+    from bench.server_metrics import scrape, speculative_acceptance
+    from bench.stack_pair import NAMES, launch_pair, round_order, start_pair, stop_pair
+
+    args = s.args
+    pair = launch_pair({"EXECUTOR_MODEL": args.model, **s.executor_env}, s.scheduler_env, args.speculative)
+    log_paths = {spec: s.stem.with_name(f"{s.stem.name}.{NAMES[spec]}.services.log") for spec in pair}
+    log_files = {spec: path.open("w") for spec, path in log_paths.items()}
+    for spec, services in pair.items():
+        services.stdout = log_files[spec]
+    _say(f"launching two stacks of executor + scheduler ({args.model}), one speculating "
+         f"(ngram, K={args.speculative}); logs in {log_paths[False]} and {log_paths[True]}")
+    runs: list[tuple[int, str, RunResult]] = []
+    try:
+        try:
+            start_pair(pair)
+        except (RuntimeError, TimeoutError) as exc:
+            raise SystemExit(f"error: the launched services did not start: {exc} "
+                             f"(logs: {log_paths[False]}, {log_paths[True]})") from None
+        address = {spec: services.scheduler_address for spec, services in pair.items()}
+        _, served, max_model_len = _served(address[False], None, args.model)
+        work, sources_equal = s.work, None
+        if work is None:
+            # Built on both stacks, so that each holds the stories in its
+            # prefix cache before the first round, not only the one that
+            # generated them; greedy, both stacks must tell the same ones.
+            built = {spec: _copy_prompts(address[spec], args, max_model_len) for spec in pair}
+            work, sources_equal = _copy_workload(built[False], s), built[False] == built[True]
+        requests = work.requests
+        _fit(work, max_model_len)
+        if k := min(args.check_requests, len(requests)):
+            for spec in pair:
+                _warm_up(address[spec], wl.warmup_requests(requests[:k], s.vocab_size, args.seed), args)
+        # From here on, every speculative step is a timed one.
+        spec_before = scrape(pair[True].scheduler_metrics_port)
+        _say(f"timed runs: {args.rounds} round(s) of {len(requests)} requests on each stack, {_mode_text(s)}")
+        for r in range(args.rounds):
+            for spec in round_order(r):
+                run = _timed_run(s, work, address[spec], None, served, None, tag=f"bench-{os.getpid()}-r{r}",
+                                 desc=f"{NAMES[spec]} round {r}")
+                runs.append((r, NAMES[spec], run))
+                figures = pair_figures(summarize(run))
+                _say(f"round {r} {NAMES[spec]}: {figures['output_throughput']:.1f} output tok/s, "
+                     f"{figures['ms_per_output_token']:.2f} ms/token")
+        acceptance = speculative_acceptance(spec_before, scrape(pair[True].scheduler_metrics_port))
+        after = {NAMES[spec]: asyncio.run(drained_server_info(address[spec])) for spec in pair}
+    finally:
+        stop_pair(pair)
+        for f in log_files.values():
+            f.close()
+
+    record = speculative_record(runs, acceptance, sources_equal)
+    report = {
+        "mode": s.mode,
+        "workload": {"name": work.name, **work.params},
+        "config": _config(s, None, None),
+        "environment": environment(s.num_threads),
+        "speculative": {
+            "method": "ngram", "tokens": args.speculative, "rounds": args.rounds, **record,
+            "server": {name: {"after": info_dict(info), "drained": drained,
+                              "kv_blocks_held_after": info.num_kv_blocks - info.num_free_kv_blocks}
+                       for name, (info, drained) in after.items()},
+        },
+    }
+    write_json(report, s.out)
+    if empty := next(((r, name, run) for r, name, run in runs if not any(x.ok for x in run.results)), None):
+        _say_none_completed(empty[2], s.out, where=f" in round {empty[0]} on the {empty[1]} stack")
+        return 1
+    print(format_speculative(report))
+    print(speculative_summary_line(report))
+    _say(f"report: {s.out}")
+    greedy = record["greedy"]
+    if not greedy["equal"]:
+        _say(f"\n!!! GREEDY MISMATCH: the stacks' outputs differ on {greedy['compared'] - greedy['identical']} of "
+             f"{greedy['compared']} requests compared"
+             + ("" if sources_equal is None else f"; the copy stories they generated equal: {sources_equal}") + ":")
+        for m in greedy["mismatches"]:
+            _say(f"!!!   {m}")
+    return 1 if args.strict_check and not greedy["equal"] else 0
+
+
 def _served(address: str | None, url: str | None, model: str):
     """(ServerInfo or None, the served model's name, its max_model_len),
     from the scheduler at address, else from the OpenAI endpoint at url."""
@@ -272,9 +360,9 @@ def _config(s: Setup, address: str | None, url: str | None) -> dict:
             "executor_env": s.executor_env, "scheduler_env": s.scheduler_env}
 
 
-def _say_none_completed(run: RunResult, out: Path) -> None:
+def _say_none_completed(run: RunResult, out: Path, where: str = "") -> None:
     first = next((r.error for r in run.results if r.error), "no error recorded")
-    _say(f"error: none of the {len(run.results)} requests completed; the first failed with: "
+    _say(f"error: none of the {len(run.results)} requests completed{where}; the first failed with: "
          f"{' '.join(first.split())[:300]} (report: {out})")
 
 

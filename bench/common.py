@@ -98,6 +98,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with each baseline's (0 = neither)")
     g.add_argument("--strict-check", action="store_true", help="exit 1 when greedy outputs differ")
 
+    g = p.add_argument_group("speculative decoding (--launch)")
+    g.add_argument("--speculative", type=int, default=None, metavar="K",
+                   help="start two stacks, one with EXECUTOR_SPECULATIVE_METHOD=ngram and "
+                        "EXECUTOR_SPECULATIVE_TOKENS=K and one without, run the same work on both in --rounds "
+                        "rounds, alternating which goes first, and report each, their ratio, the mean acceptance "
+                        "length and whether their greedy outputs are identical")
+    g.add_argument("--rounds", type=int, default=None, help="--speculative: rounds (3)")
+
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, default=None, help="JSON report (default bench_results/<timestamp>.json)")
     g.add_argument("--no-plots", action="store_true")
@@ -124,6 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.think_time < 0 or (args.think_time and args.workload != "multi-turn"):
         p.error(f"--think-time must be >= 0 and is for --workload multi-turn only, got {args.think_time}")
     _check_copy(p, args)
+    _check_speculative(p, args)
     return args
 
 
@@ -148,6 +157,24 @@ def _check_copy(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.copy_output_tokens = args.copy_output_tokens or wl.COPY_OUTPUT_TOKENS
     # One stream: a code-edit agent waits for its answer before its next edit.
     args.max_concurrency = args.max_concurrency or 1
+
+
+def _check_speculative(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.speculative is None:
+        if args.rounds is not None:
+            p.error("--rounds is for --speculative only")
+        return
+    if args.speculative < 1:
+        p.error(f"--speculative K: K must be at least 1, got {args.speculative}")
+    if not args.launch:
+        p.error("--speculative needs --launch: it starts the two stacks it compares")
+    if args.endpoint != ["grpc"]:
+        p.error("--speculative needs --endpoint grpc: it compares the two stacks' greedy token ids")
+    if args.baseline:
+        p.error("--speculative compares two stacks with each other, not with --baseline")
+    if args.rounds is not None and args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    args.rounds = args.rounds or 3
 
 
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:

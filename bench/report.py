@@ -1,15 +1,17 @@
 """Turns a run into figures: the summary dict that goes into the JSON
-report, the printed table, and the JSON file itself."""
+report, the printed table, and the JSON file itself; and the same for a
+--speculative pair of stacks."""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.baselines import BaselineResult
+from bench.baselines import BaselineResult, compare_outputs, describe
 from bench.client import RequestResult, RunResult
 from bench.stats import Distribution, inter_token_latencies, throughput_timeline, tpot, ttft
 
@@ -112,6 +114,54 @@ def baseline_record(b: BaselineResult, ours: dict, agreement: dict | None) -> di
     }
 
 
+# A --speculative run's figures per round and per stack, in table order.
+PAIR_FIGURES = ("output_throughput", "ms_per_output_token", "ttft_ms_p50", "itl_ms_p50", "tpot_ms_p50")
+
+
+def pair_figures(summary: dict) -> dict:
+    """One run's headline figures for --speculative. ms per output token is
+    the run's wall time over its output tokens, prefills included: what a
+    single stream waits per token."""
+    tput = summary["output_throughput"]
+    return {"output_throughput": tput, "ms_per_output_token": MS / tput if tput > 0 else math.nan,
+            "ttft_ms_p50": summary["ttft_ms"]["p50"], "itl_ms_p50": summary["itl_ms"]["p50"],
+            "tpot_ms_p50": summary["tpot_ms"]["p50"]}
+
+
+def speculative_record(runs: list[tuple[int, str, RunResult]], acceptance: dict, sources_equal: bool | None) -> dict:
+    """--speculative: each run (round, stack "off" or "ngram") with its
+    figures, summary and requests; each stack's medians over the rounds;
+    ngram / off output throughput; the speculating scheduler's acceptance
+    figures; and the greedy outputs of each round compared between the
+    stacks (sources_equal: whether both generated the same copy prompts,
+    None for other workloads)."""
+    records = []
+    for r, name, run in runs:
+        summary = summarize(run)
+        records.append({"round": r, "stack": name, **pair_figures(summary), "summary": summary,
+                        "requests": [request_record(x) for x in run.results]})
+    median = {name: {f: statistics.median(rec[f] for rec in records if rec["stack"] == name) for f in PAIR_FIGURES}
+              for name in ("off", "ngram")}
+    off, on = median["off"]["output_throughput"], median["ngram"]["output_throughput"]
+    return {"runs": records, "median": median, "ratio_output_throughput": on / off if off > 0 else math.nan,
+            "acceptance": acceptance, "greedy": _pair_agreement(runs, sources_equal)}
+
+
+def _pair_agreement(runs: list[tuple[int, str, RunResult]], sources_equal: bool | None) -> dict:
+    """Each round's ngram outputs against the same round's off outputs, on
+    the requests both completed."""
+    by_run = {(r, name): {x.index: x.output_ids for x in run.results if x.ok} for r, name, run in runs}
+    compared, mismatches = 0, []
+    for r in sorted({r for r, _, _ in runs}):
+        off, on = by_run[(r, "off")], by_run[(r, "ngram")]
+        both = sorted(off.keys() & on.keys())
+        compared += len(both)
+        differ = compare_outputs(both, [off[i] for i in both], [on[i] for i in both])
+        mismatches += [f"round {r}: {describe(m)}" for m in differ]
+    return {"compared": compared, "identical": compared - len(mismatches), "mismatches": mismatches[:20],
+            "copy_sources_equal": sources_equal, "equal": not mismatches and sources_equal is not False}
+
+
 def format_table(report: dict) -> str:
     s, wl, cfg = report["summary"], report["workload"], report["config"]
     lines = []
@@ -182,6 +232,53 @@ def format_table(report: dict) -> str:
             lines.append(f"!!! GREEDY MISMATCH vs {name} on {len(c['mismatches'])} of {c['checked']} checked requests")
     lines.append("=" * 64)
     return "\n".join(lines)
+
+
+def format_speculative(report: dict) -> str:
+    """The --speculative table: each round of each stack, each stack's
+    medians, their ratio, the mean acceptance length and the greedy
+    comparison."""
+    sp, wl, cfg = report["speculative"], report["workload"], report["config"]
+    acc, greedy = sp["acceptance"], sp["greedy"]
+    lines = []
+
+    def row(label: str, value: object) -> None:
+        lines.append(f"{label:<44}{value:>20}")
+
+    def figures_row(label: str, f: dict) -> None:
+        lines.append(f"{label:<14}" + "".join(f"{_num(f[k], 2 if k == 'ms_per_output_token' else 1):>10}"
+                                              for k in PAIR_FIGURES))
+
+    lines.append(f"{' llmsched serving benchmark, speculative (ngram, K=' + str(sp['tokens']) + ') ':=^64}")
+    concurrency = f", max concurrency {cfg['max_concurrency']}" if cfg["max_concurrency"] else ""
+    lines.append(f"{'Workload':<20}{wl['name'] + ' (' + report['mode'] + concurrency + ')':>44}")
+    lines.extend(_prompts_note(wl))
+    row("Model", Path(cfg["model"]).name)
+    lines.append(f"{'':<14}{'out tok/s':>10}{'ms/token':>10}{'TTFT p50':>10}{'ITL p50':>10}{'TPOT p50':>10}")
+    for run in sp["runs"]:
+        figures_row(f"r{run['round']} {run['stack']}", run)
+    for name in ("off", "ngram"):
+        figures_row(f"median {name}", sp["median"][name])
+    row("ngram / off, output tok/s", _num(sp["ratio_output_throughput"], 2) + "x")
+    row("Mean acceptance length", _num(acc["mean_acceptance_length"], 2))
+    row("Drafts accepted / proposed", f"{acc['accepted']:.0f} / {acc['drafted']:.0f}")
+    row("Greedy outputs identical on both stacks", f"{greedy['identical']} / {greedy['compared']}")
+    if greedy["copy_sources_equal"] is False:
+        lines.append("!!! the stacks generated different copy prompts")
+    lines.append("=" * 64)
+    return "\n".join(lines)
+
+
+def speculative_summary_line(report: dict) -> str:
+    """One line to paste: the medians of both stacks, the ratio, the mean
+    acceptance length and whether the greedy outputs are identical."""
+    sp, wl = report["speculative"], report["workload"]
+    off, on = sp["median"]["off"], sp["median"]["ngram"]
+    return (f"speculative ngram K={sp['tokens']} vs off, {wl['name']} x{len(sp['runs'][0]['requests'])}, "
+            f"{sp['rounds']} round(s), medians: {_num(off['output_throughput'])} -> {_num(on['output_throughput'])} "
+            f"output tok/s ({_num(sp['ratio_output_throughput'], 2)}x), {_num(off['ms_per_output_token'], 2)} -> "
+            f"{_num(on['ms_per_output_token'], 2)} ms/token; mean acceptance length "
+            f"{_num(sp['acceptance']['mean_acceptance_length'], 2)}; greedy outputs identical: {sp['greedy']['equal']}")
 
 
 def without_nan(obj: object) -> object:

@@ -71,10 +71,16 @@ def test_think_time_is_checked_before_anything_starts():
     assert parse_args(["--workload", "multi-turn", "--think-time", "2"]).think_time == 2.0
 
 
-def test_copy_options_are_checked_before_anything_starts(capsys):
+def test_copy_and_speculative_options_are_checked_before_anything_starts(capsys):
     from bench.cli import parse_args
 
     refused = {
+        ("--speculative", "4"): "--speculative needs --launch",
+        ("--launch", "--speculative", "0"): "K must be at least 1",
+        ("--launch", "--speculative", "4", "--endpoint", "openai"): "--speculative needs --endpoint grpc",
+        ("--launch", "--speculative", "4", "--baseline", "hf-static"): "not with --baseline",
+        ("--launch", "--speculative", "4", "--rounds", "0"): "--rounds must be at least 1",
+        ("--rounds", "2"): "--rounds is for --speculative only",
         ("--copy-source-tokens", "40"): "--copy-source-tokens is for --workload copy only",
         ("--workload", "copy", "--copy-output-tokens", "0"): "--copy-output-tokens must be at least 1",
         ("--workload", "copy", "--endpoint", "openai", "http://127.0.0.1:1"): "--workload copy needs --endpoint grpc",
@@ -87,5 +93,6 @@ def test_copy_options_are_checked_before_anything_starts(capsys):
         assert message in capsys.readouterr().err, argv
     args = parse_args(["--workload", "copy"])
     # One stream unless told otherwise, and the documented lengths.
-    assert (args.max_concurrency, args.copy_source_tokens, args.copy_output_tokens) == (1, 120, 100)
+    assert (args.max_concurrency, args.copy_source_tokens, args.copy_output_tokens, args.rounds) == (1, 120, 100, None)
     assert parse_args(["--workload", "copy", "--max-concurrency", "4"]).max_concurrency == 4
+    assert parse_args(["--launch", "--speculative", "2"]).rounds == 3

@@ -11,7 +11,8 @@ import pytest
 from bench import cli
 from bench.baselines import BaselineResult, compare_outputs
 from bench.client import RequestResult, RunResult
-from bench.report import baseline_record, format_table, summarize, without_nan, write_json
+from bench.report import (baseline_record, format_speculative, format_table, speculative_record,
+                          speculative_summary_line, summarize, without_nan, write_json)
 
 
 def _result(i, status="ok", send=0.0, chunks=((1.0, 1), (1.5, 1), (2.0, 2)), prompt=10, cached=0):
@@ -104,3 +105,28 @@ def test_shared_prefix_scaling_and_explicit_lengths():
                            "--shared-output-len", "5"])
     work = cli.build_workload(args, 8192, rate=None)
     assert {(r.prompt_len, r.max_tokens) for r in work.requests} == {(128 + 8, 5)}
+
+
+def test_speculative_record_compares_each_round_between_the_stacks():
+    def run(*results):
+        return RunResult(list(results), duration_s=2.0, started_unix=0.0)
+
+    differs = _result(1)
+    differs.output_ids[2] = 9
+    runs = [(0, "off", run(_result(0), _result(1))), (0, "ngram", run(_result(0), differs)),
+            (1, "ngram", run(_result(0), _result(1))), (1, "off", run(_result(0), _result(1, status="failed")))]
+    acceptance = {"steps": 4.0, "accepted": 2.0, "drafted": 8.0, "mean_acceptance_length": 1.5}
+    rec = speculative_record(runs, acceptance, sources_equal=None)
+    greedy = rec["greedy"]
+    # Round 1's failed request is not compared; round 0's second differs.
+    assert (greedy["compared"], greedy["identical"], greedy["equal"]) == (3, 2, False)
+    assert greedy["mismatches"] == ['round 0: {"request": 1, "first_diff_token": 2, "ours_len": 4, "theirs_len": 4}']
+    assert [(r["round"], r["stack"]) for r in rec["runs"]] == [(0, "off"), (0, "ngram"), (1, "ngram"), (1, "off")]
+    assert rec["median"]["off"]["output_throughput"] == pytest.approx(3.0)  # 8 and 4 tokens in 2 s
+    assert rec["ratio_output_throughput"] == pytest.approx(4.0 / 3.0)
+    assert rec["median"]["ngram"]["ms_per_output_token"] == pytest.approx(250.0)
+    report = {"speculative": {"tokens": 4, "rounds": 2, **rec}, "workload": {"name": "mixed"}, "mode": "offline",
+              "config": {"model": "m", "max_concurrency": None}}
+    assert "Mean acceptance length" in format_speculative(report) and "1.50" in format_speculative(report)
+    assert "greedy outputs identical: False" in speculative_summary_line(report)
+    assert speculative_record(runs[2:], acceptance, sources_equal=False)["greedy"]["equal"] is False

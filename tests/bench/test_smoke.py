@@ -147,3 +147,32 @@ def test_speculative_bench_runs_both_stacks_on_equal_greedy_tokens(tmp_path):
     assert report["greedy_equal"], "speculation changed a greedy output"
     assert report["drafts"] > 0 and report["mean_acceptance_length"] >= 1
     assert report["copy_speedup"] > 0 and report["mixed_ratio"] > 0
+
+
+@pytest.mark.slow
+def test_speculative_copy_run_reports_both_stacks_acceptance_and_equal_greedy_outputs(tmp_path, stories_path):
+    out = tmp_path / "spec.json"
+    cmd = [sys.executable, "-m", "bench", "--launch", "--model", str(stories_path), "--workload", "copy",
+           "--num-requests", "2", "--copy-source-tokens", "40", "--copy-output-tokens", "20", "--speculative", "4",
+           "--rounds", "1", "--check-requests", "1", "--out", str(out), "--no-plots", "--no-progress"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "greedy outputs identical: True" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["workload"]["name"] == "copy" and "opening again" in report["workload"]["prompts"]
+    sp = report["speculative"]
+    assert [(r["round"], r["stack"]) for r in sp["runs"]] == [(0, "off"), (0, "ngram")]
+    for run in sp["runs"]:
+        assert run["summary"]["completed"] == 2 and run["output_throughput"] > 0, run["stack"]
+        for r in run["requests"]:
+            # The opening, its 40-token story and the opening again; 20 tokens out.
+            assert r["prompt_len"] > 40 and r["output_tokens"] == 20
+    for name in ("off", "ngram"):
+        assert sp["median"][name]["ms_per_output_token"] > 0 and sp["median"][name]["ttft_ms_p50"] > 0, name
+        assert sp["server"][name]["kv_blocks_held_after"] == 0, name
+    assert sp["ratio_output_throughput"] > 0
+    # The model copies its own story: some drafts are accepted.
+    assert sp["acceptance"]["drafted"] > 0 and sp["acceptance"]["mean_acceptance_length"] > 1
+    assert sp["greedy"] == {"compared": 2, "identical": 2, "mismatches": [], "copy_sources_equal": True,
+                            "equal": True}
+    assert (tmp_path / "spec.off.services.log").exists() and (tmp_path / "spec.ngram.services.log").exists()

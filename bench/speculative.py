@@ -12,7 +12,7 @@ round runs both, in alternating order, on:
   repeat, so each prompt is built from text the model itself produces: a
   story opening, the model's own greedy continuation of it
   (--story-tokens), then the opening again; the model goes on copying its
-  story for a while. These are the first four prompts of `python -m bench
+  story for a while. These are the first eight prompts of `python -m bench
   --workload copy` (bench/workloads.py). Requests are sent one after
   another; the figure is milliseconds per output token.
 - `mixed`, --streams at once: random token prompts and lengths (the mixed
@@ -47,8 +47,10 @@ from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "assets" / "models" / "stories260K"
-# P21's copy prompts: the first four openings of the copy workload.
-NUM_OPENINGS = 4
+# P21's copy prompts: the first eight openings of the copy workload (eight
+# rather than four keep a round's copy part long enough to time on a noisy
+# machine: about 2 s).
+NUM_OPENINGS = 8
 
 
 class Stack:
@@ -98,8 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     start_pair(pair)
     stacks = {spec: Stack(services) for spec, services in pair.items()}
     try:
-        prompts = copy_prompts_from(pair[False].scheduler_address, list(COPY_OPENINGS[:NUM_OPENINGS]),
-                                    args.story_tokens)
+        # Built on both stacks, so both hold the prompts' stories in their
+        # prefix caches before the first round, and both must tell the same.
+        built = [copy_prompts_from(pair[spec].scheduler_address, list(COPY_OPENINGS[:NUM_OPENINGS]),
+                                   args.story_tokens) for spec in (False, True)]
+        if built[0] != built[1]:
+            raise SystemExit("the two stacks generated different stories for the copy prompts")
+        prompts = built[0]
         # Mixed lengths scaled to stories260K's 512 positions.
         work = mixed(args.streams, 512, seed=0, prompt=MIXED_PROMPT.scaled(0.25), output=MIXED_OUTPUT.scaled(0.5))
         rng = random.Random(0)

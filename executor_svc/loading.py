@@ -143,7 +143,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
                                                                        list(cfg.eos_token_ids))
     runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp,
                        constraints=constraints, host_kv=host_kv, pooling=ckpt.pooling.pooling,
-                       ngram=speculative_ngram(settings, size, generates))
+                       ngram=speculative_ngram(settings, generates))
     try:
         runner = ModelRunner(model, pool, backend, device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
                              **runner_args)
@@ -161,7 +161,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
                        loaded_bytes, generates)
 
 
-def speculative_ngram(settings: ExecutorSettings, tp_size: int, generates: bool) -> tuple[int, int] | None:
+def speculative_ngram(settings: ExecutorSettings, generates: bool) -> tuple[int, int] | None:
     """The n-gram window (min, max) when the executor speculates, else None;
     a method or combination not implemented is refused by name."""
     method = settings.speculative_method
@@ -169,9 +169,6 @@ def speculative_ngram(settings: ExecutorSettings, tp_size: int, generates: bool)
         return None
     if method != "ngram":
         raise StartupError(f"EXECUTOR_SPECULATIVE_METHOD={method} is not implemented yet (implemented: off, ngram)")
-    if tp_size > 1:
-        raise StartupError("EXECUTOR_SPECULATIVE_METHOD=ngram is not implemented with "
-                           "EXECUTOR_TENSOR_PARALLEL_SIZE > 1")
     if not generates:
         raise StartupError("EXECUTOR_SPECULATIVE_METHOD=ngram: the checkpoint has no lm_head and cannot generate")
     if settings.speculative_ngram_min > settings.speculative_ngram_max:

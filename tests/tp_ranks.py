@@ -18,20 +18,22 @@ from llmsched.launch import free_port
 BLOCK = 4
 
 
-def settings_for(model: str, size: int) -> ExecutorSettings:
+def settings_for(model: str, size: int, drafts: int = 0) -> ExecutorSettings:
+    speculative = {"speculative_method": "ngram", "speculative_tokens": drafts} if drafts else {}
     return ExecutorSettings(model=model, tensor_parallel_size=size, tensor_parallel_timeout_s=60, device="cpu",
                             dtype="float32", attention_backend="torch", block_size=BLOCK, num_kv_blocks=512,
-                            num_threads=1)
+                            num_threads=1, **speculative)
 
 
-def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_new: int, chunk: int, results) -> None:
+def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_new: int, chunk: int, results,
+                     drafts: int = 0) -> None:
     from executor_svc.loading import load
     from tests.unit.test_runner_vs_hf import generate
 
     if size > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-    loaded = load(settings_for(model, size))
+    loaded = load(settings_for(model, size, drafts))
     logits: list[np.ndarray] = []
     compute = loaded.runner.model.compute_logits
 
@@ -42,17 +44,19 @@ def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_n
         return out
 
     loaded.runner.model.compute_logits = recording
-    tokens = generate(loaded.runner, prompts, max_new, chunk)
+    stats: dict[str, int] = {}
+    tokens = generate(loaded.runner, prompts, max_new, chunk, drafts=drafts, stats=stats)
     if rank == 0:
-        results.put((tokens, logits))
+        results.put((tokens, logits, stats["steps"]))
         results.close()
         results.join_thread()  # flushed before leave()'s os._exit below
     if loaded.tp is not None:
         loaded.tp.leave()  # as the service's ranks stop: without destroy_process_group
 
 
-def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_s: float = 240.0):
-    """(tokens per prompt, logits per step) from rank 0 of a group of `size`."""
+def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_s: float = 240.0, drafts: int = 0):
+    """(tokens per prompt, logits per step, steps) from rank 0 of a group of
+    `size`; with drafts, every rank speculates (n-gram) up to that many."""
     ctx = multiprocessing.get_context("forkserver")
     # Each rank is forked from a server that has already imported torch and
     # the executor (about 2 s of CPU a rank, 30-odd ranks in the suite);
@@ -60,7 +64,7 @@ def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_
     ctx.set_forkserver_preload(["executor_svc.loading", "tests.unit.test_runner_vs_hf"])
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=generate_on_rank, args=(model, size, r, port, prompts, max_new, chunk, results))
+    procs = [ctx.Process(target=generate_on_rank, args=(model, size, r, port, prompts, max_new, chunk, results, drafts))
              for r in range(size)]
     for p in procs:
         p.start()

@@ -29,7 +29,7 @@ from executor_svc.step.ngram import propose
 from executor_svc.model.model import CausalLM
 from executor_svc.model.pooling import Pooling
 from executor_svc.step.request_rows import PlanError, RequestRows
-from executor_svc.step.sampler import SamplingBatch, SamplingSettings, sample
+from executor_svc.step.sampler import SampleOutput, SamplingBatch, SamplingSettings, sample
 
 log = logging.getLogger(__name__)
 
@@ -417,11 +417,23 @@ class ModelRunner:
         index = np.concatenate([np.arange(a, a + s) for a, s in zip(first.tolist(), span.tolist())])
         at = np.repeat(rows, span)  # each position's row
         offset = index - np.repeat(first, span)  # each position's place after the last known token
-        logits = self.model.compute_logits(hidden[to_device(index, self.device)])  # [positions, vocab]
-        batch = SamplingBatch.from_arrays(
-            r.temperature[at], r.top_p[at], r.top_k[at], r.seed[at], r.seeded[at], r.num_output[at] + offset,
-            r.num_logprobs[at], self.device, self.vocab_size, min_p=r.min_p[at])
-        out = sample(logits, batch)
+        # [positions, vocab]; under tensor parallelism only rank 0 gets them,
+        # draws, and shares what it drew: every rank then accepts the same
+        # drafts (theirs are the same: each proposed from the same tokens).
+        logits = self.model.compute_logits(hidden[to_device(index, self.device)])
+        if self.tp is not None and self.tp.rank != 0:
+            out = SampleOutput(self.tp.share_tokens(None, len(index)), None)
+        else:
+            try:
+                out = sample(logits, SamplingBatch.from_arrays(
+                    r.temperature[at], r.top_p[at], r.top_k[at], r.seed[at], r.seeded[at], r.num_output[at] + offset,
+                    r.num_logprobs[at], self.device, self.vocab_size, min_p=r.min_p[at]))
+            except Exception:
+                if self.tp is not None:
+                    self.tp.share_tokens(None, len(index))  # the other ranks fail this step too
+                raise
+            if self.tp is not None:
+                self.tp.share_tokens(out.token_ids, len(index))
         sampled = np.array(out.token_ids, dtype=np.int64)
         results, i = [], 0
         for row, k in zip(rows.tolist(), drafts.tolist()):

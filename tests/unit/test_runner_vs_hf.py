@@ -23,12 +23,15 @@ def make_runner(model: str, num_blocks=128, torch_compile=False):
     return ModelRunner(m, pool, make_backend("torch"), torch.device("cpu"), torch_compile=torch_compile)
 
 
-def generate(runner, prompts, max_new, chunk, settings=None):
+def generate(runner, prompts, max_new, chunk, settings=None, drafts=0, stats=None):
     """Drives the runner the way the scheduler would: chunked prefill, then
-    decode, all requests in one batch, blocks handed out sequentially."""
+    decode, all requests in one batch, blocks handed out sequentially. With
+    drafts, each decode step lets a request verify up to that many
+    speculative drafts (the runner must speculate); stats, a dict, gets the
+    number of steps."""
     next_block, outputs, state = 0, {}, {}
     for h, p in enumerate(prompts):
-        nb = -(-(len(p) + max_new) // BLOCK)
+        nb = -(-(len(p) + max_new + drafts) // BLOCK)
         state[h] = dict(blocks=list(range(next_block, next_block + nb)), computed=0, total=len(p))
         next_block += nb
         outputs[h] = []
@@ -44,14 +47,23 @@ def generate(runner, prompts, max_new, chunk, settings=None):
                 sampling = settings[h] if settings else GREEDY
                 inp.new_requests.append(NewRequestData(h, p, st["blocks"], 0, n, sampling, 0))
             else:
+                k = min(drafts, max_new - len(outputs[h]) - 1) if st["total"] - st["computed"] == 1 else 0
+                n += k
                 inp.cached_handles.append(h)
                 inp.cached_num_scheduled_tokens.append(n)
+                if k:
+                    inp.draft_handles.append(h)
+                    inp.draft_counts.append(k)
             st["computed"] += n
         out = runner.execute(inp)
         for h, t in zip(out.sampled_handles, out.sampled_token_ids):
             outputs[h].append(t)
             state[h]["total"] += 1
+        for st in state.values():  # positions past the last accepted draft count as not computed
+            st["computed"] = min(st["computed"], st["total"] - 1)
         step += 1
+    if stats is not None:
+        stats["steps"] = step
     return [outputs[h] for h in range(len(prompts))]
 
 

@@ -50,8 +50,8 @@ def single_device(model: str):
 
 
 def assert_same_as_one_device(model: str, size: int):
-    tokens, logits = tp_ranks.run_group(model, size, PROMPTS, MAX_NEW, CHUNK)
-    want_tokens, want_logits = single_device(model)
+    tokens, logits, _ = tp_ranks.run_group(model, size, PROMPTS, MAX_NEW, CHUNK)
+    want_tokens, want_logits, _ = single_device(model)
     assert tokens == want_tokens, f"TP={size} greedy tokens differ from TP=1"
     assert len(logits) == len(want_logits)
     for step, (got, want) in enumerate(zip(logits, want_logits)):
@@ -113,6 +113,18 @@ def test_w4a16_checkpoint_at_tp2_equals_one_device_and_hf(fmt, checkpoints, tmp_
     tokens = assert_same_as_one_device(path, 2)
     for prompt, got in zip(PROMPTS, tokens):
         assert got == family_hf_greedy(oracle, prompt, MAX_NEW).tokens, f"{fmt} TP=2 differs from HF"
+
+
+def test_ngram_speculation_at_tp2_equals_hf(stories_path):
+    """Both ranks propose the same drafts from the same tokens; rank 0
+    draws at every verified position and shares the draws, so both accept
+    alike: greedy tokens equal HF's, in fewer steps than tokens."""
+    max_new = 24
+    tokens, _, steps = tp_ranks.run_group(str(stories_path), 2, PROMPTS, max_new, CHUNK, drafts=3)
+    for prompt, got in zip(PROMPTS, tokens):
+        assert got[:max_new] == hf_greedy(str(stories_path), prompt, max_new, ignore_eos=True), prompt
+    prefill_steps = -(-max(len(p) for p in PROMPTS) // CHUNK)
+    assert steps < prefill_steps + max_new, f"{steps} steps: no draft was ever accepted"
 
 
 def test_padded_vocabulary_is_never_sampled(checkpoints):

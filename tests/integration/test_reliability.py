@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmsched.v1 import scheduler_pb2 as spb
-from tests.integration.conftest import start_services
+from tests.integration.conftest import scheduler_metric, start_services
 from tests.oracle import hf_greedy
 
 
@@ -89,8 +89,13 @@ class Streams:
 def fresh(stories_path):
     # A short step timeout: should a restarted executor leave a step unanswered,
     # the scheduler reconnects instead of waiting for the default 120 s.
-    services, client = start_services(str(stories_path), scheduler_env={"SCHEDULER_EXECUTOR_RECONNECT_TIMEOUT_S": "60",
-                                                                        "SCHEDULER_STEP_TIMEOUT_S": "10"})
+    # The executor speculates (n-gram, every running request may draft), so
+    # the kills land on steps in flight that verify drafts; test_pipelining
+    # and the host-tier, structured and TP tests kill plain decoding.
+    services, client = start_services(
+        str(stories_path), executor_env={"EXECUTOR_SPECULATIVE_METHOD": "ngram"},
+        scheduler_env={"SCHEDULER_EXECUTOR_RECONNECT_TIMEOUT_S": "60", "SCHEDULER_STEP_TIMEOUT_S": "10",
+                       "SCHEDULER_SPECULATIVE_MAX_BATCH": "64"})
     yield services, client
     client.channel.close()
     services.stop()
@@ -149,6 +154,7 @@ def test_streams_survive_two_executor_kills_with_oracle_tokens(fresh):
     for req, tokens in zip(greedy, streams.tokens[:28]):
         assert tokens == hf_greedy(client.model, list(req.prompt_token_ids), 300)
     assert streams.tokens[28:] == expected_seeded, "seeded sampling must not change across recomputes"
+    assert scheduler_metric(services, "llmsched_spec_decode_accepted_tokens_total") > 0, "no draft was accepted"
     assert client.info().executor_instance_id != first_id
     client.assert_no_leaked_blocks()
     assert health(client) == health_pb2.HealthCheckResponse.SERVING

@@ -113,14 +113,22 @@ class EngineTelemetry(CoreListener):
                                  Counter(r.tenant for r in sched.running), sched.policy.counters)
         if self.tracing.enabled:
             entries = out.entries.values()
-            decode = sum(1 for e in entries if e.num_tokens == 1 and e.start >= e.request.num_prompt_tokens)
+            decode = sum(1 for e in entries if e.num_tokens - e.num_drafts == 1 and e.start >= e.request.num_prompt_tokens)
+            planned_drafts = sum(e.num_drafts for e in entries)
+            yielded = Counter(handle for handle, _, _ in outcome.sampled)
+            verified = {h: n for h, n in outcome.verified_drafts.items() if n}
             step_span.set_attributes({
                 "llmsched.step_id": out.step_id,
                 "llmsched.num_requests": len(entries),
                 "llmsched.num_new_requests": len(out.new_requests),
                 "llmsched.num_constrained_requests": sum(1 for e in entries if e.request.constraint is not None),
                 "llmsched.num_decode_tokens": decode,
-                "llmsched.num_prefill_tokens": out.total_num_scheduled_tokens - decode,
+                "llmsched.num_prefill_tokens": out.total_num_scheduled_tokens - decode - planned_drafts,
+                # Speculation: drafts the plan allowed, those the executor
+                # verified, and how many of those were accepted.
+                "llmsched.spec.drafts_planned": planned_drafts,
+                "llmsched.spec.drafts_verified": sum(verified.values()),
+                "llmsched.spec.drafts_accepted": sum(yielded[h] - 1 for h in verified),
                 "llmsched.num_preempted": out.num_preempted,
                 "llmsched.blocks_allocated": step.blocks_allocated,
                 "llmsched.blocks_freed": step.blocks_freed,

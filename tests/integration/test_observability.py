@@ -55,8 +55,9 @@ def traced(stories_path):
         "OTEL_BSP_SCHEDULE_DELAY": "100",
     }
     # 12 blocks of 16 tokens: four 60-token requests force a preemption.
-    services, client = start_services(str(stories_path), executor_env={**otel, "EXECUTOR_NUM_KV_BLOCKS": "12"},
-                                      scheduler_env=otel)
+    # The executor speculates, so step spans carry draft counts.
+    services, client = start_services(str(stories_path), executor_env={
+        **otel, "EXECUTOR_NUM_KV_BLOCKS": "12", "EXECUTOR_SPECULATIVE_METHOD": "ngram"}, scheduler_env=otel)
     yield receiver, services, client
     client.channel.close()
     services.stop()
@@ -95,6 +96,10 @@ def test_one_trace_joins_request_scheduler_steps_and_executor_steps(traced):
     step = next(iter(sched_steps.values()))
     assert {"llmsched.num_requests", "llmsched.num_prefill_tokens", "llmsched.num_decode_tokens",
             "llmsched.blocks_allocated", "llmsched.blocks_freed"} <= set(attrs(step))
+    spec = [(a["llmsched.spec.drafts_planned"], a["llmsched.spec.drafts_verified"], a["llmsched.spec.drafts_accepted"])
+            for a in map(attrs, sched_steps.values()) if "llmsched.step_id" in a]  # applied steps
+    assert spec and all(planned >= verified >= accepted >= 0 for planned, verified, accepted in spec), spec
+    assert sum(accepted for _, _, accepted in spec) > 0, "no step span records an accepted draft"
 
     generates = [s for _, s in receiver.named("Generate")]
     events = {e.name for g in generates for e in g.events}

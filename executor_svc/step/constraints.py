@@ -14,6 +14,13 @@ before sampling; no row waits for another process.
 A request re-sent in full (after a preemption or an executor restart)
 carries its output so far, which is replayed into a fresh matcher, so a
 matcher always agrees with the tokens its request holds.
+
+A speculating row (runner.py) first has its drafts cut to those its grammar
+takes (num_valid_drafts); its step then gets a mask for every position it
+verifies, each the grammar's after the drafts before it, computed by
+advancing the matcher over the drafts and rolling it back; and once the
+step knows which tokens the row yields, its matcher consumes exactly those
+(advance_verified), as it would have one step at a time.
 """
 
 from __future__ import annotations
@@ -61,10 +68,14 @@ class _Matcher:
 class MaskJob:
     """The masks of one step, being computed."""
 
-    handles: list[int]  # the sampling rows' handles, in logits order
-    index: np.ndarray  # [k] positions in logits of the constrained rows
+    handles: list[int]  # [k] the request of each mask
+    index: np.ndarray  # [k] the position in logits each mask applies to
     matchers: list[_Matcher]  # [k]
     bitmask: np.ndarray  # [k, vocab words] int32, filled by the mask thread
+    # A verifying step's (first mask, drafts) per constrained row: its
+    # masks are rows first .. first + len(drafts). None in a plain step,
+    # where mask j is matchers[j]'s next.
+    drafts: list[tuple[int, list[int]]] | None = None
     future: Future | None = None
     errors: list[tuple[int, str]] = field(default_factory=list)  # (handle, why), from replays
 
@@ -105,17 +116,47 @@ class ConstraintMatchers:
 
     # ----- one step --------------------------------------------------------
 
-    def begin(self, handles: list[int]) -> MaskJob | None:
+    def begin(self, handles: list[int], drafts: list[list[int]] | None = None) -> MaskJob | None:
         """Starts computing the masks of the constrained ones among a step's
-        sampling rows (handles, in logits order); None when there are none."""
-        index = [i for i, h in enumerate(handles) if h in self._by_handle]
-        if not index:
+        sampling rows (handles, in logits order); None when there are none.
+        With drafts (a verifying step's, drafts[i] row i's), row i has
+        1 + len(drafts[i]) positions in the logits, in order, and each
+        position's mask is the grammar's after the drafts before it."""
+        spans = [1] * len(handles) if drafts is None else [1 + len(d) for d in drafts]
+        firsts = np.cumsum([0] + spans[:-1])
+        rows = [i for i, h in enumerate(handles) if h in self._by_handle]
+        if not rows:
             return None
-        matchers = [self._by_handle[handles[i]] for i in index]
+        index = np.concatenate([np.arange(firsts[i], firsts[i] + spans[i]) for i in rows])
+        job_handles = [handles[i] for i in rows for _ in range(spans[i])]
+        matchers = [self._by_handle[h] for h in job_handles]
         bitmask = llg_numpy.allocate_token_bitmask(len(index), self.vocab_size)
-        job = MaskJob(handles, np.array(index, dtype=np.int64), matchers, bitmask)
+        job = MaskJob(job_handles, index, matchers, bitmask)
+        if drafts is not None:
+            # A mask the library leaves unwritten (it stops at a draft its
+            # matcher refuses) then allows nothing, and apply() reports it,
+            # instead of allowing everything.
+            bitmask[:] = 0
+            masks_before = np.cumsum([0] + [spans[i] for i in rows[:-1]])
+            job.drafts = [(int(first), list(drafts[i])) for first, i in zip(masks_before, rows)]
         job.future = self._thread.submit(self._compute, job)
         return job
+
+    def num_valid_drafts(self, handle: int, drafts: np.ndarray) -> int:
+        """How many of a speculating row's drafts to verify: all of them
+        for an unconstrained row; for a constrained one the longest prefix
+        its grammar takes from where it is, short of any EOS (a draft EOS
+        would end the request, and llguidance cannot roll one back), and
+        none while its matcher is not built yet or has failed (the row
+        then decodes one token, as plain decoding would)."""
+        m = self._by_handle.get(handle)
+        if m is None:
+            return len(drafts)
+        if m.matcher is None or m.matcher.is_error():
+            return 0
+        eos = np.flatnonzero(np.isin(drafts, self.eos_ids))
+        n = int(eos[0]) if len(eos) else len(drafts)
+        return m.matcher.validate_tokens(drafts[:n].tolist()) if n else 0
 
     def apply(self, job: MaskJob, logits: torch.Tensor, in_place: bool) -> tuple[torch.Tensor, list[tuple[int, str]]]:
         """logits [n, vocab] with every token a constrained row may not
@@ -126,11 +167,15 @@ class ConstraintMatchers:
         job.future.result()
         MASK_WAIT_SECONDS.inc(time.perf_counter() - waited)
         errors = list(job.errors)
+
+        def report(j: int, why: str) -> None:  # once per request, of its masks
+            if not any(h == job.handles[j] for h, _ in errors):
+                errors.append((job.handles[j], why))
+
         words = job.bitmask.view(np.uint32)  # [k, vocab words]
         failed = [j for j, m in enumerate(job.matchers) if m.matcher.is_error()]
         for j in failed:
-            if not any(h == job.handles[job.index[j]] for h, _ in errors):
-                errors.append((job.handles[job.index[j]], job.matchers[j].matcher.get_error() or "matcher failed"))
+            report(j, job.matchers[j].matcher.get_error() or "matcher failed")
         words[failed] = self._eos_row  # sample EOS: the scheduler ends the request and drops the token
         # Under ignore_eos, EOS only when it is all that is left.
         holds = np.array([m.ignore_eos for m in job.matchers])
@@ -142,7 +187,7 @@ class ConstraintMatchers:
         # tokenizer larger than the model) cannot be sampled.
         allowed = np.unpackbits(job.bitmask.view(np.uint8), axis=1, count=logits.shape[1], bitorder="little")
         for j in np.flatnonzero(~allowed.any(axis=1)):
-            errors.append((job.handles[job.index[j]], "the constraint allows no token the model has"))
+            report(j, "the constraint allows no token the model has")
             allowed[j, self.eos_ids] = 1
         rows = torch.from_numpy(job.index).to(logits.device)
         disallowed = torch.from_numpy(allowed == 0).to(logits.device)  # [k, vocab]
@@ -159,6 +204,17 @@ class ConstraintMatchers:
         return [(h, f"token {t} refused: {m.get_error() or 'matcher in error state'}")
                 for (h, m, t), good in zip(fed, ok) if not good]
 
+    def advance_verified(self, handles: list[int], accepted: list[list[int]]) -> list[tuple[int, str]]:
+        """Feeds each constrained verifying row the tokens it yields (the
+        drafts accepted and the token after them), in order; returns the
+        rows whose matcher refused one."""
+        errors = []
+        for h, tokens in zip(handles, accepted):
+            m = self._by_handle.get(h)
+            if m is not None and not m.matcher.consume_tokens(tokens):
+                errors.append((h, f"tokens {tokens} refused: {m.matcher.get_error() or 'matcher in error state'}"))
+        return errors
+
     # ----- on the mask thread ----------------------------------------------
 
     def _compute(self, job: MaskJob) -> None:
@@ -169,12 +225,21 @@ class ConstraintMatchers:
             if m.matcher is None:  # new, or re-sent: build it, replay its output
                 m.matcher = self._template(m.grammar).deep_copy()
                 if m.replay and not m.matcher.consume_tokens(m.replay):
-                    job.errors.append((job.handles[job.index[j]],
+                    job.errors.append((job.handles[j],
                                        f"replaying {len(m.replay)} output tokens failed: {m.matcher.get_error()}"))
                 m.replay = []
-        batch = [(m.matcher, j) for j, m in enumerate(job.matchers) if not m.matcher.is_error()]
-        if batch:
-            llg_numpy.fill_next_token_bitmask_par(self._executor, batch, job.bitmask)
+        if job.drafts is None:
+            batch = [(m.matcher, j) for j, m in enumerate(job.matchers) if not m.matcher.is_error()]
+            if batch:
+                llg_numpy.fill_next_token_bitmask_par(self._executor, batch, job.bitmask)
+        else:
+            # Each row's matcher consumes its drafts one by one, writing the
+            # mask after each, and is rolled back (num_valid_drafts let only
+            # drafts it takes through).
+            batch = [(job.matchers[first].matcher, first, drafts) for first, drafts in job.drafts
+                     if not job.matchers[first].matcher.is_error()]
+            if batch:
+                llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, batch, job.bitmask)
         MASK_ROWS.inc(len(job.matchers))
         MASK_SECONDS.observe(time.perf_counter() - started)
 

@@ -283,6 +283,9 @@ class ModelRunner:
             # as not computed, as rejected drafts' do.
             row, n = int(rows[i]), int(r.num_tokens[rows[i]])
             found = propose(r.token_ids[row, :n], int(drafts[i]), *self.ngram)
+            if self.constraints is not None:
+                # A draft its grammar refuses could never be drawn there.
+                found = found[:self.constraints.num_valid_drafts(int(r.handle[row]), found)]
             r.token_ids[row, n:n + len(found)] = found  # where the next tokens will go
             drafts[i] = len(found)
             q[i] = 1 + len(found)
@@ -313,9 +316,16 @@ class ModelRunner:
         sample_tokens = cu[1:][samples] - 1  # index of each sampling row's last token
         # Constrained rows' masks are computed on a worker thread while the
         # forward runs (constraints.py).
-        masks = None
+        masks = verify_masks = None
         if self.constraints is not None and len(sample_rows):
             masks = self.constraints.begin(r.handle[sample_rows].tolist())
+        if self.constraints is not None and speculates.any():
+            # And a mask for every position a constrained row verifies.
+            verifying = rows[speculates]
+            n_known = r.num_tokens[verifying]
+            verify_masks = self.constraints.begin(
+                r.handle[verifying].tolist(),
+                [r.token_ids[row, n:n + k].tolist() for row, n, k in zip(verifying, n_known, drafts[speculates])])
 
         max_blocks = int(-(-end.max() // block_size))
         first = int(rows[0])
@@ -339,6 +349,7 @@ class ModelRunner:
         prompt_logprobs: list[PromptLogprobs] = []
         embeddings: list[tuple[int, list[float]]] = []
         verified: list[Verified] = []
+        verify_errors: list[tuple[int, str]] = []
         decode_only = num_tokens == len(sample_rows) == len(rows) and not reads_prompt.any()
         if self.graphs is not None and decode_only and len(rows) <= self.graphs.max_batch:
             logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
@@ -351,7 +362,8 @@ class ModelRunner:
                 embeddings = self._pool(hidden, rows[embeds], cu[:-1][embeds], cu[1:][embeds], start[embeds],
                                         end[embeds])
             if speculates.any():
-                verified = self._verify(hidden, rows[speculates], cu[:-1][speculates], drafts[speculates])
+                verified, verify_errors = self._verify(hidden, rows[speculates], cu[:-1][speculates],
+                                                       drafts[speculates], verify_masks)
             if len(sample_rows):
                 if len(sample_rows) < num_tokens:
                     hidden = hidden[to_device(sample_tokens, dev)]
@@ -395,11 +407,12 @@ class ModelRunner:
         if swaps is not None:
             self.host_kv.finish(swaps)  # long done: the forward waited for them
         t3 = time.perf_counter_ns()
-        return StepResult(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2, errors, swaps,
-                          prompt_logprobs=prompt_logprobs, embeddings=embeddings,
+        return StepResult(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2,
+                          errors + verify_errors, swaps, prompt_logprobs=prompt_logprobs, embeddings=embeddings,
                           verified_drafts=list(zip(r.handle[rows[allowed]].tolist(), drafts[allowed].tolist())))
 
-    def _verify(self, hidden: torch.Tensor, rows: np.ndarray, first: np.ndarray, drafts: np.ndarray) -> list[Verified]:
+    def _verify(self, hidden: torch.Tensor, rows: np.ndarray, first: np.ndarray, drafts: np.ndarray,
+                masks: MaskJob | None) -> tuple[list[Verified], list[tuple[int, str]]]:
         """hidden[first[i]:first[i] + 1 + drafts[i]] are rows[i]'s last known
         token and its drafts. At each of those positions the row's token is
         sampled as plain decoding would sample it there: the argmax for a
@@ -410,8 +423,12 @@ class ModelRunner:
         and the token sampled there is its last. Each token is thus drawn
         from the model's distribution given the tokens before it, exactly as
         without drafts, and a seeded request yields the same tokens with
-        speculation on or off. Returns (row, the 1 to 1 + drafts tokens it
-        yields, their logprobs if it asked)."""
+        speculation on or off. A constrained row draws each position from
+        logits under that position's mask (masks: the grammar's after the
+        drafts before it), as plain decoding would after those tokens, and
+        its matcher then consumes the tokens it yields. Returns (row, the 1
+        to 1 + drafts tokens it yields, their logprobs if it asked), and the
+        rows whose constraint failed."""
         r = self.rows
         span = 1 + drafts
         index = np.concatenate([np.arange(a, a + s) for a, s in zip(first.tolist(), span.tolist())])
@@ -421,13 +438,21 @@ class ModelRunner:
         # draws, and shares what it drew: every rank then accepts the same
         # drafts (theirs are the same: each proposed from the same tokens).
         logits = self.model.compute_logits(hidden[to_device(index, self.device)])
+        errors: list[tuple[int, str]] = []
         if self.tp is not None and self.tp.rank != 0:
             out = SampleOutput(self.tp.share_tokens(None, len(index)), None)
         else:
             try:
-                out = sample(logits, SamplingBatch.from_arrays(
+                batch = SamplingBatch.from_arrays(
                     r.temperature[at], r.top_p[at], r.top_k[at], r.seed[at], r.seeded[at], r.num_output[at] + offset,
-                    r.num_logprobs[at], self.device, self.vocab_size, min_p=r.min_p[at]))
+                    r.num_logprobs[at], self.device, self.vocab_size, min_p=r.min_p[at])
+                if masks is None:
+                    out = sample(logits, batch)
+                else:
+                    # Sampled from the masked logits; logprobs stay the model's own.
+                    wants_logprobs = bool(r.num_logprobs[rows].any())
+                    masked, errors = self.constraints.apply(masks, logits, in_place=not wants_logprobs)
+                    out = sample(masked, batch, logprob_logits=logits if wants_logprobs else None)
             except Exception:
                 if self.tp is not None:
                     self.tp.share_tokens(None, len(index))  # the other ranks fail this step too
@@ -443,7 +468,10 @@ class ModelRunner:
             lps = out.logprobs[i:i + m] if out.logprobs is not None and r.num_logprobs[row] > 0 else None
             results.append((row, sampled[i:i + m].tolist(), lps))
             i += 1 + k
-        return results
+        if masks is not None:
+            errors += self.constraints.advance_verified([int(r.handle[row]) for row, _, _ in results],
+                                                        [accepted for _, accepted, _ in results])
+        return results, errors
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: np.ndarray, cu: np.ndarray, start: np.ndarray,
                          end: np.ndarray) -> list[PromptLogprobs]:

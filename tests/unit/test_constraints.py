@@ -1,15 +1,18 @@
 """The executor's half of constrained decoding (executor_svc/step/constraints.py):
 masks from llguidance matchers, applied to the logits before sampling,
 greedy and sampled; EOS held back under ignore_eos; a re-sent request's
-output replayed into a fresh matcher; failures reported per request; and,
-through the model runner on stories260K, unconstrained rows in the same
-batch still equal HF greedy."""
+output replayed into a fresh matcher; failures reported per request; a
+speculating row's drafts cut to what its grammar takes and a mask for each
+position it verifies; and, through the model runner on stories260K,
+unconstrained rows in the same batch still equal HF greedy."""
 
 from __future__ import annotations
 
 import json
 import re
 
+import llguidance.numpy as llg_numpy
+import numpy as np
 import pytest
 import torch
 from llguidance import LLMatcher
@@ -205,3 +208,58 @@ def test_a_constrained_request_resent_after_a_preemption_continues_as_if_never_i
     resent, _ = run(runner, {0: (prompt, grammar, GREEDY)}, max_new=30, preempt_at=3)
     assert resent[0] == straight[0] and straight[0][-1] == EOS
     assert isinstance(json.loads(text_of(runner, straight[0])), list)
+
+
+# ----- speculating rows (issue 36) ---------------------------------------------
+
+def test_a_row_verifies_the_drafts_its_grammar_takes_short_of_eos(tokenizer_json):
+    m = ConstraintMatchers(tokenizer_json, VOCAB, [EOS])
+    digits = m.tokenizer.tokenize_str("12")
+    refused = m.tokenizer.tokenize_str("a")
+    m.add(0, LLMatcher.grammar_from_regex("[0-9]+"), ignore_eos=False, output_tokens=[])
+    assert m.num_valid_drafts(0, np.array(digits)) == 0, "no matcher built yet: no drafts"
+    step_masks(m, [0], torch.zeros(1, VOCAB))  # builds it
+    assert m.num_valid_drafts(0, np.array(digits + refused + digits)) == len(digits)
+    assert m.num_valid_drafts(0, np.array(digits + [EOS] + digits)) == len(digits), (
+        "a draft EOS would end the request: the drafts stop before it")
+    assert m.num_valid_drafts(5, np.array(refused)) == 1, "an unconstrained row verifies every draft"
+    assert m.advance([0], refused), "refused: the matcher fails"
+    assert m.num_valid_drafts(0, np.array(digits)) == 0, "a failed matcher verifies none"
+
+
+def next_mask(m: ConstraintMatchers, matcher: LLMatcher) -> set[int]:
+    """The tokens a matcher's own next mask allows (the model's ids only)."""
+    bitmask = llg_numpy.allocate_token_bitmask(1, m.vocab_size)
+    llg_numpy.fill_next_token_bitmask(matcher, bitmask)
+    bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:VOCAB]
+    return set(np.flatnonzero(bits).tolist())
+
+
+def test_each_verified_position_gets_the_mask_after_the_drafts_before_it(tokenizer_json):
+    """Rows in logits order: a free row with 2 drafts, a regex row with 3,
+    a free row with none and a regex row with 1. Each constrained position
+    is masked as a matcher fed the drafts before it masks its next token;
+    free positions are untouched; the matchers are where they were."""
+    m = ConstraintMatchers(tokenizer_json, VOCAB, [EOS])
+    grammar = LLMatcher.grammar_from_regex("[A-Z][a-z]+ is [0-9]{2}")
+    for h in (1, 3):
+        m.add(h, grammar, ignore_eos=False, output_tokens=[])
+    step_masks(m, [1, 3], torch.zeros(2, VOCAB))  # builds the matchers
+    drafts = {0: [5, 6], 1: m.tokenizer.tokenize_str("Lily is")[:3], 2: [], 3: m.tokenizer.tokenize_str("T")}
+    assert len(drafts[1]) == 3 and len(drafts[3]) == 1
+    logits = torch.randn(3 + 4 + 1 + 2, VOCAB)
+    job = m.begin([0, 1, 2, 3], [drafts[h] for h in range(4)])
+    masked, errors = m.apply(job, logits, in_place=False)
+    assert not errors
+    for at in (0, 1, 2, 7):  # the free rows' positions
+        assert torch.equal(masked[at], logits[at])
+    start = next_mask(m, LLMatcher(m.tokenizer, grammar))
+    for h, first in ((1, 3), (3, 8)):
+        ref = LLMatcher(m.tokenizer, grammar)
+        for j in range(len(drafts[h]) + 1):
+            assert allowed(masked, first + j) == next_mask(m, ref), f"handle {h}, position {j}"
+            if j < len(drafts[h]):
+                assert ref.consume_token(drafts[h][j])
+        assert next_mask(m, ref) != start
+    after = step_masks(m, [1, 3], torch.zeros(2, VOCAB))[0]
+    assert allowed(after, 0) == allowed(after, 1) == start, "the drafts were rolled back"

@@ -1,17 +1,25 @@
-"""The n-gram proposer and the executor's greedy verification of drafts,
-in process (issue 36, first part); through both services:
-tests/integration/test_speculative.py."""
+"""The n-gram proposer and the executor's verification of drafts, greedy,
+sampled and constrained (a constrained row's drafts cut to what its
+grammar takes, every verified position masked), in process (issue 36);
+through both services: tests/integration/test_speculative.py."""
 
 from __future__ import annotations
 
+import json
+import re
+
+import llguidance.numpy as llg_numpy
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from llguidance import LLMatcher
 from tokenizers import Tokenizer
 
 from executor_svc.config import ExecutorSettings
 from executor_svc.loading import speculative_ngram
+from executor_svc.step.constraints import ConstraintMatchers
 from executor_svc.step.ngram import propose
 from executor_svc.step.runner import NewRequestData, PlanError, StepPlan
 from executor_svc.step.sampler import SamplingSettings
@@ -197,3 +205,107 @@ def test_the_first_token_of_a_verify_step_is_drawn_from_the_model_s_distribution
     # The tokens past the model's top 20 are compared as one bucket.
     tv = 0.5 * (np.abs(observed[ids] - probs[ids]).sum() + abs(observed[tail].sum() - (1 - probs[ids].sum())))
     assert tv < 0.02, f"total variation {tv:.4f} from the model's softmax"
+
+
+# ----- constrained rows ---------------------------------------------------------
+
+EOS = 2
+PET = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 1, "maximum": 99},
+                                        "pet": {"enum": ["cat", "dog"]}},
+       "required": ["age", "pet"], "additionalProperties": False}
+AGES = r"([A-Z][a-z]+ is [0-9]{2}\. ){2}[A-Z][a-z]+ is [0-9]{2}\."
+# A grammar, a check of a whole output's text, and a prompt holding text the
+# grammar takes, for the proposer to draft from.
+CONSTRAINED = {
+    "json": (LLMatcher.grammar_from_json_schema(json.dumps(PET), defaults={"whitespace_flexible": False}),
+             lambda text: json.loads(text).keys() == {"age", "pet"}, 'Lily said {"age":7,"pet":"dog"} and Tom said '),
+    "regex": (LLMatcher.grammar_from_regex(AGES), lambda text: re.fullmatch(AGES, text) is not None,
+              "Lily is 12. Tom is 34. Then "),
+}
+
+
+@pytest.fixture(scope="module")
+def constrained_runner(stories_path):
+    runner = make_runner(str(stories_path))
+    runner.ngram = (1, 3)
+    runner.constraints = ConstraintMatchers((stories_path / "tokenizer.json").read_text(), 512, [EOS])
+    return runner
+
+
+def allowed_next(runner, matcher: LLMatcher | None = None) -> set[int]:
+    """The tokens request 0's next mask allows in the runner, or those a
+    reference matcher's own mask allows."""
+    c = runner.constraints
+    if matcher is None:
+        masked, errors = c.apply(c.begin([0]), torch.zeros(1, runner.vocab_size), in_place=True)
+        assert not errors
+        return set(torch.isfinite(masked[0]).nonzero().squeeze(1).tolist())
+    bitmask = llg_numpy.allocate_token_bitmask(1, c.vocab_size)
+    llg_numpy.fill_next_token_bitmask(matcher, bitmask)
+    return set(np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:runner.vocab_size]).tolist())
+
+
+def decode_constrained(runner, prompt: list[int], grammar: str, sampling: SamplingSettings,
+                       drafts: int) -> tuple[list, list, int]:
+    """One constrained request decoded by steps of 1 + drafts (0: plain
+    decoding) until it samples EOS, where the scheduler would end it.
+    After every step its matcher masks as a matcher fed its output one
+    token at a time does. Returns its tokens, their logprobs, and how
+    many drafts it accepted."""
+    ref = LLMatcher(runner.constraints.tokenizer, grammar)
+    out = runner.execute(StepPlan(0, [NewRequestData(0, prompt, list(range(64)), 0, len(prompt), sampling, 0,
+                                                     grammar)]))
+    tokens, logprobs, accepted, steps = [], [], 0, 1
+    while True:
+        assert not out.request_errors, out.request_errors
+        tokens += out.sampled_token_ids
+        logprobs += out.logprobs or []
+        accepted += len(out.sampled_token_ids) - 1
+        if tokens[-1] == EOS or len(tokens) >= 80:
+            break
+        assert ref.consume_tokens(out.sampled_token_ids)
+        assert allowed_next(runner) == allowed_next(runner, ref), f"matcher state after {len(tokens)} tokens"
+        kw = dict(draft_handles=[0], draft_counts=[drafts]) if drafts else {}
+        out = runner.execute(StepPlan(steps, cached_handles=[0], cached_num_scheduled_tokens=[1 + drafts], **kw))
+        steps += 1
+    runner.execute(StepPlan(steps, finished_handles=[0]))
+    return tokens, logprobs, accepted
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("kind", CONSTRAINED)
+def test_a_constrained_request_yields_the_same_tokens_with_drafts_as_without(constrained_runner, kind, sampling):
+    """Each verified position is drawn under the grammar's mask after the
+    drafts before it, so drafts change how many tokens a step yields, never
+    which; the output is whole and valid."""
+    runner = constrained_runner
+    grammar, valid, text = CONSTRAINED[kind]
+    prompt = [1] + runner.constraints.tokenizer.tokenize_str(text)
+    plain, plain_lps, _ = decode_constrained(runner, prompt, grammar, sampling, drafts=0)
+    spec, spec_lps, accepted = decode_constrained(runner, prompt, grammar, sampling, drafts=4)
+    assert spec == plain
+    assert spec[-1] == EOS and valid(runner.constraints.tokenizer.decode_str(spec[:-1]))
+    assert accepted > 0, "no draft was accepted: the masks of drafted positions went untested"
+    for (lp, ids, top), (lp2, ids2, top2) in zip(spec_lps, plain_lps, strict=True):
+        assert ids == ids2 and lp == pytest.approx(lp2, abs=1e-4) and top == pytest.approx(top2, abs=1e-4)
+
+
+def test_drafts_the_grammar_refuses_are_cut_before_the_forward(constrained_runner):
+    """The prompt drafts " went home" after "Lily"; the grammar takes
+    " went" and not " home": the row verifies only the drafts before it."""
+    runner = constrained_runner
+    tokenizer = runner.constraints.tokenizer
+    prompt = [1] + tokenizer.tokenize_str("Lily went home. Lily")
+    grammar = LLMatcher.grammar_from_regex(r" went away\.")
+    runner.execute(StepPlan(0, [NewRequestData(0, prompt, list(range(64)), 0, len(prompt), GREEDY, 0, grammar)]))
+    n = int(runner.rows.num_tokens[0])
+    first = runner.rows.token_ids[0, n - 1]
+    proposal = propose(runner.rows.token_ids[0, :n], 4, *runner.ngram)
+    ref = LLMatcher(tokenizer, grammar)
+    assert ref.consume_token(int(first))
+    takes = ref.validate_tokens(proposal.tolist())
+    assert 0 < takes < len(proposal), f"the proposal {proposal} should hold a token the grammar refuses"
+    out = runner.execute(StepPlan(1, cached_handles=[0], cached_num_scheduled_tokens=[5], draft_handles=[0],
+                                  draft_counts=[4]))
+    assert out.verified_drafts == [(0, takes)] and not out.request_errors
+    runner.execute(StepPlan(2, finished_handles=[0]))

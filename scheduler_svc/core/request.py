@@ -129,10 +129,11 @@ class Request:
         """Whether its drafts can be verified exactly: each verified position
         samples as plain decoding would there (greedy or seeded draws alike),
         which holds unless something changes the logits per position or
-        cuts the output mid-step: constraints, penalties, bias, min_tokens
-        or stop strings."""
+        cuts the output mid-step: penalties, bias, min_tokens or stop
+        strings. A constraint does not: the executor masks each verified
+        position with its grammar's mask after the drafts before it."""
         s = self.sampling
-        return (self.constraint is None and not self.embed and not s.stop and not s.min_tokens and not s.logit_bias
+        return (not self.embed and not s.stop and not s.min_tokens and not s.logit_bias
                 and s.presence_penalty == 0 and s.frequency_penalty == 0 and s.repetition_penalty == 1)
 
     @property

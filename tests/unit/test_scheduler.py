@@ -113,6 +113,20 @@ def test_a_constrained_request_ends_at_eos_even_with_ignore_eos():
     assert req.output_token_ids == [5, 5, EOS] and req.status == RequestStatus.FINISHED_STOPPED
 
 
+def test_a_constrained_request_speculates_and_one_with_a_stop_string_does_not():
+    # The executor masks each verified position with the grammar's mask
+    # after the drafts before it; a stop string could end a request mid-step.
+    sched = make_scheduler(speculative_tokens=4, speculative_max_batch=8)
+    constrained = make_request(max_tokens=20)
+    constrained.constraint = CompiledConstraint("regex", "{}")
+    stopped = make_request(max_tokens=20, stop=("@@",))
+    for req in (constrained, stopped):
+        sched.add_request(req)
+    run_step(sched)  # the prompts
+    out = sched.schedule()
+    assert out.draft_handles == [constrained.handle] and out.draft_counts == [4]
+
+
 def test_forgets_left_when_the_scheduler_goes_idle_are_flushed_in_a_plan_of_their_own():
     sched = make_scheduler()
     req = make_request(max_tokens=2)

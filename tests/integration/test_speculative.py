@@ -3,14 +3,22 @@ greedy output equals HF's token for token, with requests speculating
 beside ones that cannot, prompts prefilled in chunks, preemption by
 recompute in a small pool, and cancellations; a seeded sampled request
 yields the same tokens and logprobs whether it speculates or not; the
-drafts are really accepted (the metrics say so)."""
+drafts are really accepted (the metrics say so). Constrained requests
+(JSON schema, regex, and the grammar the gateway sends for tool_choice
+required) speculate too: each yields what it yields without drafts, every
+output validates, and greedy neighbours still equal HF."""
 
 from __future__ import annotations
 
+import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from gateway_svc import tools
+from gateway_svc.protocol import ChatCompletionRequest
+from gateway_svc.tool_parsers import hermes
 from llmsched.v1 import scheduler_pb2 as spb
 from tests.integration.conftest import scheduler_metric, start_services
 from tests.oracle import STORY_PROMPTS, hf_greedy
@@ -19,6 +27,47 @@ pytestmark = pytest.mark.slow
 # A stop string no story contains: the request's output is unchanged, but
 # it cannot speculate (a stop string may end it mid-step).
 NEVER = "@@never@@"
+
+PET = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 1, "maximum": 99},
+                                        "pet": {"enum": ["cat", "dog"]}},
+       "required": ["age", "pet"], "additionalProperties": False}
+AGES = r"([A-Z][a-z]+ is [0-9]{2}\. ){2}[A-Z][a-z]+ is [0-9]{2}\."
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def forced_call() -> spb.StructuredOutput:
+    """What the gateway sends the scheduler for tool_choice required."""
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Add 2 and 3."}],
+                                                 "tools": [ADD], "tool_choice": "required",
+                                                 "parallel_tool_calls": False})
+    return tools.plan(body, "hermes").constraint.structured
+
+
+def is_pet(text: str) -> bool:
+    value = json.loads(text)
+    return value.keys() == {"age", "pet"} and 1 <= value["age"] <= 99 and value["pet"] in ("cat", "dog")
+
+
+def is_add_call(text: str) -> bool:
+    scan = hermes.scan(text, final=True)
+    if scan.content or len(scan.calls) != 1 or scan.calls[0].name != "add":
+        return False
+    arguments = json.loads(scan.calls[0].arguments)
+    return arguments.keys() == {"a", "b"} and all(0 <= v <= 9 for v in arguments.values())
+
+
+# Each kind: its constraint, a check of a whole output, and a prompt that
+# holds text the constraint takes, for the proposer to draft from.
+CONSTRAINED = {
+    "json_schema": (spb.StructuredOutput(json_schema=json.dumps(PET)), is_pet,
+                    'Lily said {"age":7,"pet":"dog"} and Tom said '),
+    "regex": (spb.StructuredOutput(regex=AGES), lambda text: re.fullmatch(AGES, text) is not None,
+              "Lily is 12. Tom is 34. Then "),
+    "tool_call": (forced_call(), is_add_call,
+                  'Sum: <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 8}}\n</tool_call> Now: '),
+}
 
 
 @pytest.fixture(scope="module")
@@ -112,4 +161,66 @@ def test_a_seeded_sampled_request_yields_the_same_tokens_and_logprobs_speculatin
             assert top == top2 and lp == pytest.approx(lp2, abs=1e-3)
     assert scheduler_metric(services, "llmsched_spec_decode_accepted_length_count") > steps_before, (
         "the sampled requests never verified a draft")
+    client.assert_no_leaked_blocks()
+
+
+def test_constrained_requests_speculate_and_yield_what_they_would_without(speculating):
+    """Each kind, greedy and seeded, sent speculating and with a stop
+    string that never matches (so it decodes one token per step), all at
+    once: each pair is equal token for token, every output is whole and
+    valid, and the constrained requests accepted drafts."""
+    services, client = speculating
+    samplings = [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.95, "seed": 7}]
+    cases = [(kind, sampling, stop) for kind in CONSTRAINED for sampling in samplings for stop in ([], [NEVER])]
+
+    def run(case):
+        kind, sampling, stop = case
+        structured, _, prompt = CONSTRAINED[kind]
+        tokens, text, last, _ = client.generate(prompt=prompt, structured=structured, timeout=120,
+                                                sampling={"max_tokens": 100, "stop": stop, **sampling})
+        return tokens, text, last.finish_reason
+
+    accepted_before = scheduler_metric(services, "llmsched_spec_decode_accepted_tokens_total")
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(run, cases))
+    accepted = scheduler_metric(services, "llmsched_spec_decode_accepted_tokens_total") - accepted_before
+    for i in range(0, len(cases), 2):
+        (kind, sampling, _), (speculated, text, finish), (plain, _, _) = cases[i], results[i], results[i + 1]
+        assert speculated == plain, f"{kind} {sampling}: tokens differ"
+        assert finish == spb.FINISH_REASON_STOP and CONSTRAINED[kind][1](text), f"{kind} {sampling}: {text!r}"
+    assert accepted > 0, "no constrained request accepted a draft"
+    client.assert_no_leaked_blocks()
+
+
+def test_greedy_requests_beside_constrained_neighbours_still_equal_hf(speculating):
+    """Half the requests constrained (JSON schema and regex, greedy and
+    seeded), half free and greedy, all speculating in the small pool at
+    once: the free ones equal HF, every constrained one is whole and
+    valid."""
+    services, client = speculating
+    ids = {p: list(client.stub.Tokenize(spb.TokenizeRequest(prompt=p), timeout=10).token_ids) for p in STORY_PROMPTS}
+    kinds = ["json_schema", "regex"]
+    samplings = [{"temperature": 0}, {"temperature": 1.0, "seed": 11}]
+    neighbours = [(kinds[i % 2], samplings[i // 2 % 2]) for i in range(len(STORY_PROMPTS))]
+
+    def free(prompt):
+        return client.generate(prompt=prompt, sampling={"max_tokens": 60, "temperature": 0}, timeout=120)[0]
+
+    def constrained(case):
+        kind, sampling = case
+        structured, _, prompt = CONSTRAINED[kind]
+        _, text, last, _ = client.generate(prompt=prompt, structured=structured, timeout=120,
+                                           sampling={"max_tokens": 100, **sampling})
+        return text, last.finish_reason
+
+    drafted_before = scheduler_metric(services, "llmsched_spec_decode_draft_tokens_total")
+    with ThreadPoolExecutor(2 * len(STORY_PROMPTS)) as pool:
+        free_results = pool.map(free, STORY_PROMPTS)
+        constrained_results = list(pool.map(constrained, neighbours))
+        free_results = list(free_results)
+    for prompt, got in zip(STORY_PROMPTS, free_results):
+        assert got == hf_greedy(client.model, ids[prompt], 60), repr(prompt)
+    for (kind, sampling), (text, finish) in zip(neighbours, constrained_results):
+        assert finish == spb.FINISH_REASON_STOP and CONSTRAINED[kind][1](text), f"{kind} {sampling}: {text!r}"
+    assert scheduler_metric(services, "llmsched_spec_decode_draft_tokens_total") > drafted_before
     client.assert_no_leaked_blocks()

@@ -23,6 +23,9 @@ from executor_svc.step.constraints import ConstraintMatchers
 from executor_svc.step.ngram import propose
 from executor_svc.step.runner import NewRequestData, PlanError, StepPlan
 from executor_svc.step.sampler import SamplingSettings
+from gateway_svc import tools
+from gateway_svc.protocol import ChatCompletionRequest
+from gateway_svc.tool_parsers import hermes
 from llmsched.errors import StartupError
 from tests.oracle import hf_greedy
 from tests.unit.test_runner_vs_hf import GREEDY, make_runner
@@ -214,6 +217,25 @@ PET = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 1,
                                         "pet": {"enum": ["cat", "dog"]}},
        "required": ["age", "pet"], "additionalProperties": False}
 AGES = r"([A-Z][a-z]+ is [0-9]{2}\. ){2}[A-Z][a-z]+ is [0-9]{2}\."
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def forced_call_grammar() -> str:
+    """The grammar the gateway sends for tool_choice required (hermes calls)."""
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Add 2 and 3."}],
+                                                 "tools": [ADD], "tool_choice": "required",
+                                                 "parallel_tool_calls": False})
+    return LLMatcher.grammar_from_lark(tools.plan(body, "hermes").constraint.structured.grammar)
+
+
+def one_add_call(text: str) -> bool:
+    scan = hermes.scan(text, final=True)
+    return (scan.content == "" and len(scan.calls) == 1 and scan.calls[0].name == "add"
+            and json.loads(scan.calls[0].arguments).keys() == {"a", "b"})
+
+
 # A grammar, a check of a whole output's text, and a prompt holding text the
 # grammar takes, for the proposer to draft from.
 CONSTRAINED = {
@@ -221,6 +243,8 @@ CONSTRAINED = {
              lambda text: json.loads(text).keys() == {"age", "pet"}, 'Lily said {"age":7,"pet":"dog"} and Tom said '),
     "regex": (LLMatcher.grammar_from_regex(AGES), lambda text: re.fullmatch(AGES, text) is not None,
               "Lily is 12. Tom is 34. Then "),
+    "tool_call": (forced_call_grammar(), one_add_call,
+                  'Sum: <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 8}}\n</tool_call> Now: '),
 }
 
 

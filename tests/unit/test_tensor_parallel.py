@@ -132,5 +132,5 @@ def test_padded_vocabulary_is_never_sampled(checkpoints):
     rank 0 cuts them off, so logits have 510 columns and tokens match."""
     path = checkpoints(ODD_VOCAB)
     assert_same_as_one_device(path, 4)
-    _, logits = single_device(path)
+    _, logits, _ = single_device(path)
     assert logits[0].shape[1] == 510

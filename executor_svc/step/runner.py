@@ -222,6 +222,8 @@ class ModelRunner:
             for h, k in zip(step.draft_handles, step.draft_counts):
                 if h not in at:
                     raise PlanError(f"handle {h}: drafts for a request the plan does not schedule as running")
+                if rows.penalty_slot[scheduled[at[h]]] >= 0:
+                    raise PlanError(f"handle {h}: drafts for a request with penalties (they would not count them)")
                 drafts[at[h]] = k
         return np.array(scheduled, dtype=np.int64), np.array(counts, dtype=np.int64), drafts
 
@@ -443,9 +445,12 @@ class ModelRunner:
             out = SampleOutput(self.tp.share_tokens(None, len(index)), None)
         else:
             try:
+                # logit_bias and min_tokens as at each position (penalties,
+                # which would count the drafts before it, never speculate).
                 batch = SamplingBatch.from_arrays(
                     r.temperature[at], r.top_p[at], r.top_k[at], r.seed[at], r.seeded[at], r.num_output[at] + offset,
-                    r.num_logprobs[at], self.device, self.vocab_size, min_p=r.min_p[at])
+                    r.num_logprobs[at], self.device, self.vocab_size, min_p=r.min_p[at],
+                    processors=self._processors(at, r.num_output[at] + offset))
                 if masks is None:
                     out = sample(logits, batch)
                 else:
@@ -558,12 +563,15 @@ class ModelRunner:
         COMPILED_STEPS.inc()
         return logits
 
-    def _processors(self, rows: np.ndarray) -> LogitsProcessors | None:
+    def _processors(self, rows: np.ndarray, output_pos: np.ndarray | None = None) -> LogitsProcessors | None:
         """logit_bias, min_tokens and penalties of the sampled rows; a few
-        vectorized checks when no row sets any (the common step)."""
+        vectorized checks when no row sets any (the common step). A row may
+        appear more than once (a speculating row's verified positions), with
+        output_pos the index of the token each draws (default: the row's
+        next)."""
         r = self.rows
         biased = r.has_bias[rows]
-        holding = r.min_tokens[rows] > r.num_output[rows]
+        holding = r.min_tokens[rows] > (r.num_output[rows] if output_pos is None else output_pos)
         slots = r.penalty_slot[rows]
         penalised = slots >= 0
         if not (biased.any() or holding.any() or penalised.any()):

@@ -127,13 +127,14 @@ class Request:
     @property
     def can_speculate(self) -> bool:
         """Whether its drafts can be verified exactly: each verified position
-        samples as plain decoding would there (greedy or seeded draws alike),
-        which holds unless something changes the logits per position or
-        cuts the output mid-step: penalties, bias, min_tokens or stop
-        strings. A constraint does not: the executor masks each verified
-        position with its grammar's mask after the drafts before it."""
+        samples as plain decoding would there (greedy or seeded draws alike;
+        the executor applies logit_bias, min_tokens and the constraint's
+        mask as at that position, the mask being its grammar's after the
+        drafts before it). Not when the logits depend on the drafts before a
+        position (penalties count the tokens generated) or the output may be
+        cut mid-step (stop strings)."""
         s = self.sampling
-        return (not self.embed and not s.stop and not s.min_tokens and not s.logit_bias
+        return (not self.embed and not s.stop
                 and s.presence_penalty == 0 and s.frequency_penalty == 0 and s.repetition_penalty == 1)
 
     @property

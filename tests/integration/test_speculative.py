@@ -143,13 +143,16 @@ def test_a_seeded_sampled_request_yields_the_same_tokens_and_logprobs_speculatin
     services, client = speculating
 
     def run(case):
-        prompt, seed, stop = case
+        prompt, seed, stop, extra = case
         call = client.stub.Generate(spb.GenerateRequest(prompt=prompt, sampling=spb.SamplingParams(
-            max_tokens=80, temperature=0.8, top_p=0.95, seed=seed, logprobs=2, ignore_eos=True, stop=stop)),
-            timeout=120)
+            max_tokens=80, temperature=0.8, top_p=0.95, seed=seed, logprobs=2, ignore_eos=True, stop=stop,
+            **extra)), timeout=120)
         return [(lp.token_id, lp.logprob, list(lp.top_token_ids)) for resp in call for lp in resp.logprobs]
 
-    cases = [(p, 100 + i, stop) for i, p in enumerate(STORY_PROMPTS[:4]) for stop in ([], [NEVER])]
+    # Half of them with a logit_bias and min_tokens, applied at each
+    # verified position as at that output index.
+    extras = [{}, {"logit_bias": {403: 3.0}, "min_tokens": 60}]
+    cases = [(p, 100 + i, stop, extras[i % 2]) for i, p in enumerate(STORY_PROMPTS[:4]) for stop in ([], [NEVER])]
     steps_before = scheduler_metric(services, "llmsched_spec_decode_accepted_length_count")
     with ThreadPoolExecutor(len(cases)) as pool:
         results = list(pool.map(run, cases))

@@ -113,18 +113,24 @@ def test_a_constrained_request_ends_at_eos_even_with_ignore_eos():
     assert req.output_token_ids == [5, 5, EOS] and req.status == RequestStatus.FINISHED_STOPPED
 
 
-def test_a_constrained_request_speculates_and_one_with_a_stop_string_does_not():
+def test_constrained_biased_and_min_tokens_requests_speculate_but_not_stop_strings_or_penalties():
     # The executor masks each verified position with the grammar's mask
-    # after the drafts before it; a stop string could end a request mid-step.
-    sched = make_scheduler(speculative_tokens=4, speculative_max_batch=8)
+    # after the drafts before it, and applies logit_bias and min_tokens as
+    # at that position; a stop string could end a request mid-step, and
+    # penalties would have to count the drafts before each position.
+    sched = make_scheduler(speculative_tokens=4, speculative_max_batch=16)
     constrained = make_request(max_tokens=20)
     constrained.constraint = CompiledConstraint("regex", "{}")
+    biased = make_request(max_tokens=20, logit_bias=((7, 2.0),))
+    held = make_request(max_tokens=20, min_tokens=10)
     stopped = make_request(max_tokens=20, stop=("@@",))
-    for req in (constrained, stopped):
+    penalised = make_request(max_tokens=20, frequency_penalty=0.5)
+    for req in (constrained, biased, held, stopped, penalised):
         sched.add_request(req)
     run_step(sched)  # the prompts
     out = sched.schedule()
-    assert out.draft_handles == [constrained.handle] and out.draft_counts == [4]
+    assert sorted(out.draft_handles) == sorted(r.handle for r in (constrained, biased, held))
+    assert out.draft_counts == [4, 4, 4]
 
 
 def test_forgets_left_when_the_scheduler_goes_idle_are_flushed_in_a_plan_of_their_own():

@@ -333,3 +333,34 @@ def test_drafts_the_grammar_refuses_are_cut_before_the_forward(constrained_runne
                                   draft_counts=[4]))
     assert out.verified_drafts == [(0, takes)] and not out.request_errors
     runner.execute(StepPlan(2, finished_handles=[0]))
+
+
+def test_logit_bias_and_min_tokens_apply_at_every_verified_position(stories_path):
+    """A seeded request with a logit_bias and min_tokens holding back a
+    token its output would otherwise contain: with 3 drafts per step it
+    yields what plain decoding does, so both apply at each verified
+    position as at that output index."""
+    runner = make_runner(str(stories_path))
+    runner.ngram = (1, 3)
+    prompt = [1, 403, 407, 261, 378, 403, 407, 261]
+    free, _ = decode(runner, prompt, SamplingSettings(0.8, 1.0, 0, seed=7, logprobs=0), 48, drafts=0)
+    held = max(set(free), key=free.count)  # its most frequent token
+    settings = SamplingSettings(0.8, 1.0, 0, seed=7, logprobs=0, logit_bias=((free[5], 2.5),), min_tokens=40,
+                                min_tokens_held_ids=(held,))
+    plain, _ = decode(runner, prompt, settings, 48, drafts=0)
+    assert held not in plain[:40] and plain != free, "the settings change the output (else the test could not fail)"
+    spec, _ = decode(runner, prompt, settings, 48, drafts=3)
+    assert spec == plain
+
+
+def test_drafts_for_a_request_with_penalties_fail_the_plan(stories_path):
+    """Penalties count the tokens generated, drafts before a position
+    included, which the verification does not: the scheduler never sends
+    such drafts, and the executor refuses them."""
+    runner = make_runner(str(stories_path))
+    runner.ngram = (1, 3)
+    penalised = SamplingSettings(0.0, 1.0, 0, None, logprobs=0, frequency_penalty=0.5)
+    runner.execute(StepPlan(0, [NewRequestData(0, [1, 2, 3], list(range(4)), 0, 3, penalised, 0)]))
+    with pytest.raises(PlanError, match="penalties"):
+        runner.execute(StepPlan(1, cached_handles=[0], cached_num_scheduled_tokens=[3], draft_handles=[0],
+                                draft_counts=[2]))

@@ -23,7 +23,11 @@
    DeepSeek-V3 (MLA, 16 experts top-4) served from its FP8 128 x 128 block
    copy and from the same weights dequantized to bf16, --num-requests
    greedy requests each: output tok/s, ms/token, the FP8 / bf16 ratios,
-   weight bytes and on how many requests the greedy tokens agree.
+   weight bytes and on how many requests the greedy tokens agree;
+9. speculative decoding end to end (python -m bench --workload copy
+   --speculative 4, bench-small, Triton): the copy workload's single
+   stream with n-gram drafts and without, one round each: the ratio, the
+   mean acceptance length and whether the greedy outputs are equal.
 
 Each part has its own time limit, so one that hangs cannot eat the others'
 time; summary.json records what each part did. Exits 2 at once, saying so,
@@ -47,9 +51,13 @@ REPO = Path(__file__).resolve().parents[1]
 # host, two launches, 2 rounds each; estimated, not measured) took 10 s
 # each from pytest_gpu, P8, both bench-small end-to-end runs (one launch
 # and 64 requests each), P13 (skipped on one GPU) and the --quick kernels.
-LIMITS = {"pytest_gpu": 130, "kernels_p8": 75, "e2e_graphs_auto": 60, "e2e_graphs_off": 60,
-          "tensor_parallel_p13": 50, "moe_mla_kernels": 40, "calibrate_sim": 35, "quant_gemm": 30,
-          "fp8_deepseek_e2e": 60}
+# The speculative run's 45 s (two launches, 8 copy prompts built on each,
+# one round of 8 x 100 tokens on each; estimated, not measured) took 15 s
+# from pytest_gpu, 10 s from each bench-small end-to-end run, and 5 s each
+# from the calibration and the FP8 DeepSeek run.
+LIMITS = {"pytest_gpu": 115, "kernels_p8": 75, "e2e_graphs_auto": 50, "e2e_graphs_off": 50,
+          "tensor_parallel_p13": 50, "moe_mla_kernels": 40, "calibrate_sim": 30, "quant_gemm": 30,
+          "fp8_deepseek_e2e": 55, "speculative_e2e": 45}
 CALIBRATED_PROFILE = "profile_bench-small.json"
 # P13 needs this many devices (one per rank).
 P13_DEVICES = 2
@@ -95,6 +103,10 @@ def parts(out: Path, num_requests: int) -> dict[str, list[str]]:
         "fp8_deepseek_e2e": [sys.executable, "-m", "bench.fp8_deepseek", "--attention-backend", "triton",
                              "--prompts", str(num_requests), "--rounds", "2", "--out",
                              str(out / "fp8_deepseek_e2e.json")],
+        "speculative_e2e": [sys.executable, "-m", "bench", "--launch", "--model", "bench-small", "--workload", "copy",
+                            "--speculative", "4", "--rounds", "1", "--executor-env",
+                            "EXECUTOR_ATTENTION_BACKEND=triton", "--no-plots", "--no-progress", "--out",
+                            str(out / "speculative_e2e.json")],
     }
 
 
@@ -179,6 +191,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu-check: fp8_deepseek_e2e: FP8/bf16 output tok/s {r['ratios']['output_tok_per_s']:.2f}x, "
                   f"weight bytes {r['ratios']['weight_bytes']:.2f}x, greedy tokens identical on "
                   f"{a['identical']} of {a['compared']}")
+    speculative = args.out_dir / "speculative_e2e.json"
+    if speculative.exists():
+        sp = json.loads(speculative.read_text())["speculative"]
+        summary["parts"]["speculative_e2e"].update(
+            ratio_output_throughput=sp["ratio_output_throughput"],
+            ms_per_token={name: sp["median"][name]["ms_per_output_token"] for name in ("off", "ngram")},
+            mean_acceptance_length=sp["acceptance"]["mean_acceptance_length"], greedy_equal=sp["greedy"]["equal"])
+        print(f"gpu-check: speculative_e2e: ngram/off output tok/s {sp['ratio_output_throughput']:.2f}x, mean "
+              f"acceptance length {sp['acceptance']['mean_acceptance_length']:.2f}, greedy equal {sp['greedy']['equal']}")
     profile = args.out_dir / CALIBRATED_PROFILE
     if summary["parts"]["calibrate_sim"].get("returncode") == 0 and profile.exists():
         fit = json.loads(profile.read_text())["fit"]

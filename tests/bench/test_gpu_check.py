@@ -157,3 +157,24 @@ def test_summary_carries_the_fp8_deepseek_run_s_figures(monkeypatch, tmp_path):
     assert part["returncode"] == 0 and part["greedy_identical"] == 60 and part["greedy_compared"] == 64
     assert part["fp8"]["quantization"] == "fp8 blocks [128, 128]" and part["dequantized"]["weight_bytes"] == 152
     assert part["fp8_over_bf16"]["weight_bytes"] == 93 / 152 and "errors" not in part["fp8"]
+
+
+def test_a_gpu_runs_the_copy_workload_speculating_and_summary_carries_the_ratio(monkeypatch, tmp_path):
+    ran = _fake_parts(monkeypatch, device_count=1)
+    real_run = gpu_check.subprocess.run
+
+    def run(cmd, **kwargs):
+        if "--speculative" in cmd:
+            Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"speculative": {
+                "ratio_output_throughput": 1.8, "median": {"off": {"ms_per_output_token": 9.0},
+                                                           "ngram": {"ms_per_output_token": 5.0}},
+                "acceptance": {"mean_acceptance_length": 2.5}, "greedy": {"equal": True}}}))
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    assert gpu_check.main(["--out-dir", str(tmp_path)]) == 0
+    [cmd] = [cmd for cmd in ran if "--speculative" in cmd]
+    assert cmd[cmd.index("--workload") + 1] == "copy" and "EXECUTOR_ATTENTION_BACKEND=triton" in cmd
+    part = json.loads((tmp_path / "summary.json").read_text())["parts"]["speculative_e2e"]
+    assert part["ratio_output_throughput"] == 1.8 and part["mean_acceptance_length"] == 2.5 and part["greedy_equal"]
+    assert part["ms_per_token"] == {"off": 9.0, "ngram": 5.0}

@@ -79,8 +79,8 @@ class TokenCounts:
         heapq.heappush(self._free, slot)
 
     def record(self, slots: np.ndarray, token_ids: np.ndarray) -> None:
-        """One sampled token per slot: its count goes up by one (slots are
-        distinct within a step)."""
+        """Each (slot, token): that token's count goes up by one (a slot
+        repeats for a speculating request's several tokens)."""
         if not len(slots):
             return
         flat = to_device((slots * self.vocab_size + token_ids).astype(np.int64), self.device)  # [m]
@@ -106,6 +106,9 @@ class LogitsProcessors:
     frequency: torch.Tensor | None = None
     repetition: torch.Tensor | None = None
     counts: TokenCounts | None = None
+    # [m, vocab] counts added to the penalised rows' output counts: at a
+    # speculative step's verified position, the drafts before it.
+    extra_counts: torch.Tensor | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -114,9 +117,11 @@ class LogitsProcessors:
     @classmethod
     def build(cls, bias: list[tuple[int, np.ndarray, np.ndarray]], held: list[tuple[int, np.ndarray]],
               penalised: np.ndarray, slots: np.ndarray, presence: np.ndarray, frequency: np.ndarray,
-              repetition: np.ndarray, counts: TokenCounts | None, device: torch.device) -> LogitsProcessors:
+              repetition: np.ndarray, counts: TokenCounts | None, device: torch.device,
+              extra_counts: torch.Tensor | None = None) -> LogitsProcessors:
         """bias: (row, ids, values) per biased row; held: (row, ids) per row
-        under min_tokens; penalised rows with their slots and penalties."""
+        under min_tokens; penalised rows with their slots and penalties, and
+        what to add to their output counts (extra_counts, or None)."""
         p = cls()
         if bias:
             p.bias_rows = to_device(np.concatenate([np.full(len(ids), row, np.int64) for row, ids, _ in bias]), device)
@@ -129,6 +134,7 @@ class LogitsProcessors:
             p.penalty_rows, p.slots = to_device(penalised, device), to_device(slots, device)
             p.presence, p.frequency = to_device(presence, device), to_device(frequency, device)
             p.repetition, p.counts = to_device(repetition, device), counts
+            p.extra_counts = extra_counts
         return p
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -139,9 +145,12 @@ class LogitsProcessors:
             logits[self.held_rows, self.held_ids] = float("-inf")
         if self.penalty_rows is not None:
             rows = logits[self.penalty_rows]  # [m, vocab]
+            output_counts = self.counts.output_counts[self.slots]
+            if self.extra_counts is not None:
+                output_counts = output_counts + self.extra_counts
             logits[self.penalty_rows] = apply_penalties(
-                rows, self.counts.output_counts[self.slots], self.counts.prompt_seen[self.slots],
-                self.presence, self.frequency, self.repetition)
+                rows, output_counts, self.counts.prompt_seen[self.slots], self.presence, self.frequency,
+                self.repetition)
         return logits
 
 

@@ -222,8 +222,6 @@ class ModelRunner:
             for h, k in zip(step.draft_handles, step.draft_counts):
                 if h not in at:
                     raise PlanError(f"handle {h}: drafts for a request the plan does not schedule as running")
-                if rows.penalty_slot[scheduled[at[h]]] >= 0:
-                    raise PlanError(f"handle {h}: drafts for a request with penalties (they would not count them)")
                 drafts[at[h]] = k
         return np.array(scheduled, dtype=np.int64), np.array(counts, dtype=np.int64), drafts
 
@@ -400,6 +398,8 @@ class ModelRunner:
             r.num_output[row] += m
             # KV past the last accepted draft is the rejected drafts': not computed.
             r.num_computed[row] = n - 1 + m
+            if r.penalty_slot[row] >= 0:
+                r.counts.record(np.full(m, r.penalty_slot[row]), np.asarray(accepted, dtype=np.int64))
             if accepted_logprobs is not None and logprobs is None:
                 logprobs = [NO_LOGPROBS] * len(tokens)  # parallel to the tokens; those rows asked for none
             handles += [int(r.handle[row])] * m
@@ -445,12 +445,13 @@ class ModelRunner:
             out = SampleOutput(self.tp.share_tokens(None, len(index)), None)
         else:
             try:
-                # logit_bias and min_tokens as at each position (penalties,
-                # which would count the drafts before it, never speculate).
+                # logit_bias, min_tokens and penalties as at each position:
+                # its output index, and the drafts before it counted as
+                # generated (the position stands only if they are accepted).
                 batch = SamplingBatch.from_arrays(
                     r.temperature[at], r.top_p[at], r.top_k[at], r.seed[at], r.seeded[at], r.num_output[at] + offset,
                     r.num_logprobs[at], self.device, self.vocab_size, min_p=r.min_p[at],
-                    processors=self._processors(at, r.num_output[at] + offset))
+                    processors=self._processors(at, r.num_output[at] + offset, offset))
                 if masks is None:
                     out = sample(logits, batch)
                 else:
@@ -563,12 +564,14 @@ class ModelRunner:
         COMPILED_STEPS.inc()
         return logits
 
-    def _processors(self, rows: np.ndarray, output_pos: np.ndarray | None = None) -> LogitsProcessors | None:
+    def _processors(self, rows: np.ndarray, output_pos: np.ndarray | None = None,
+                    drafts_before: np.ndarray | None = None) -> LogitsProcessors | None:
         """logit_bias, min_tokens and penalties of the sampled rows; a few
         vectorized checks when no row sets any (the common step). A row may
         appear more than once (a speculating row's verified positions), with
         output_pos the index of the token each draws (default: the row's
-        next)."""
+        next) and drafts_before how many of its drafts come before it, which
+        its penalties count as generated."""
         r = self.rows
         biased = r.has_bias[rows]
         holding = r.min_tokens[rows] > (r.num_output[rows] if output_pos is None else output_pos)
@@ -580,8 +583,20 @@ class ModelRunner:
         held = [(i, r.held_ids[int(rows[i])]) for i in np.flatnonzero(holding)]
         which = np.flatnonzero(penalised)
         prow = rows[which]
+        extra = None
+        if drafts_before is not None and drafts_before[which].any():
+            # Each penalised position's drafts before it: one count each.
+            before = drafts_before[which]
+            at = np.repeat(np.arange(len(which)), before)
+            first = np.repeat(r.num_tokens[prow], before)
+            step = np.arange(before.sum()) - np.repeat(np.cumsum(before) - before, before)
+            ids = r.token_ids[np.repeat(prow, before), first + step].astype(np.int64)
+            extra = torch.zeros(len(which), self.vocab_size, dtype=torch.float32, device=self.device)
+            extra.view(-1).index_add_(0, to_device(at * self.vocab_size + ids, self.device),
+                                      torch.ones(len(ids), device=self.device))
         return LogitsProcessors.build(bias, held, which, slots[which], r.presence_penalty[prow],
-                                      r.frequency_penalty[prow], r.repetition_penalty[prow], r.counts, self.device)
+                                      r.frequency_penalty[prow], r.repetition_penalty[prow], r.counts, self.device,
+                                      extra)
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, handles: list[int],
                 masks: MaskJob | None) -> tuple[list[int], list | None, list[tuple[int, str]]]:

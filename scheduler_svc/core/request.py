@@ -128,14 +128,12 @@ class Request:
     def can_speculate(self) -> bool:
         """Whether its drafts can be verified exactly: each verified position
         samples as plain decoding would there (greedy or seeded draws alike;
-        the executor applies logit_bias, min_tokens and the constraint's
-        mask as at that position, the mask being its grammar's after the
-        drafts before it). Not when the logits depend on the drafts before a
-        position (penalties count the tokens generated) or the output may be
-        cut mid-step (stop strings)."""
-        s = self.sampling
-        return (not self.embed and not s.stop
-                and s.presence_penalty == 0 and s.frequency_penalty == 0 and s.repetition_penalty == 1)
+        the executor applies logit_bias, min_tokens, penalties and the
+        constraint's mask as at that position, counting the drafts before it
+        as generated). Not when the output may be cut mid-step: a stop
+        string may end in any token, and the tokens after it would be
+        reported."""
+        return not self.embed and not self.sampling.stop
 
     @property
     def num_tokens(self) -> int:

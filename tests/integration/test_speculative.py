@@ -149,9 +149,11 @@ def test_a_seeded_sampled_request_yields_the_same_tokens_and_logprobs_speculatin
             **extra)), timeout=120)
         return [(lp.token_id, lp.logprob, list(lp.top_token_ids)) for resp in call for lp in resp.logprobs]
 
-    # Half of them with a logit_bias and min_tokens, applied at each
-    # verified position as at that output index.
-    extras = [{}, {"logit_bias": {403: 3.0}, "min_tokens": 60}]
+    # Half of them with a logit_bias, min_tokens and penalties, applied at
+    # each verified position as at that output index (the penalties
+    # counting the drafts before it).
+    extras = [{}, {"logit_bias": {403: 3.0}, "min_tokens": 60, "frequency_penalty": 0.3, "presence_penalty": 0.2,
+                   "repetition_penalty": 1.1}]
     cases = [(p, 100 + i, stop, extras[i % 2]) for i, p in enumerate(STORY_PROMPTS[:4]) for stop in ([], [NEVER])]
     steps_before = scheduler_metric(services, "llmsched_spec_decode_accepted_length_count")
     with ThreadPoolExecutor(len(cases)) as pool:

@@ -113,11 +113,11 @@ def test_a_constrained_request_ends_at_eos_even_with_ignore_eos():
     assert req.output_token_ids == [5, 5, EOS] and req.status == RequestStatus.FINISHED_STOPPED
 
 
-def test_constrained_biased_and_min_tokens_requests_speculate_but_not_stop_strings_or_penalties():
+def test_constrained_biased_min_tokens_and_penalised_requests_speculate_but_not_stop_strings():
     # The executor masks each verified position with the grammar's mask
-    # after the drafts before it, and applies logit_bias and min_tokens as
-    # at that position; a stop string could end a request mid-step, and
-    # penalties would have to count the drafts before each position.
+    # after the drafts before it, and applies logit_bias, min_tokens and
+    # penalties as at that position; a stop string could end a request
+    # mid-step.
     sched = make_scheduler(speculative_tokens=4, speculative_max_batch=16)
     constrained = make_request(max_tokens=20)
     constrained.constraint = CompiledConstraint("regex", "{}")
@@ -129,8 +129,8 @@ def test_constrained_biased_and_min_tokens_requests_speculate_but_not_stop_strin
         sched.add_request(req)
     run_step(sched)  # the prompts
     out = sched.schedule()
-    assert sorted(out.draft_handles) == sorted(r.handle for r in (constrained, biased, held))
-    assert out.draft_counts == [4, 4, 4]
+    assert sorted(out.draft_handles) == sorted(r.handle for r in (constrained, biased, held, penalised))
+    assert out.draft_counts == [4, 4, 4, 4]
 
 
 def test_forgets_left_when_the_scheduler_goes_idle_are_flushed_in_a_plan_of_their_own():

@@ -12,6 +12,7 @@ import llguidance.numpy as llg_numpy
 import numpy as np
 import pytest
 import torch
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llguidance import LLMatcher
@@ -353,14 +354,54 @@ def test_logit_bias_and_min_tokens_apply_at_every_verified_position(stories_path
     assert spec == plain
 
 
-def test_drafts_for_a_request_with_penalties_fail_the_plan(stories_path):
-    """Penalties count the tokens generated, drafts before a position
-    included, which the verification does not: the scheduler never sends
-    such drafts, and the executor refuses them."""
+def test_penalties_count_the_drafts_before_each_verified_position(stories_path):
+    """Penalties count the tokens generated: at a verified position, the
+    drafts before it count as generated (the position stands only if they
+    are accepted), and a step's accepted tokens join the request's counts."""
     runner = make_runner(str(stories_path))
     runner.ngram = (1, 3)
-    penalised = SamplingSettings(0.0, 1.0, 0, None, logprobs=0, frequency_penalty=0.5)
-    runner.execute(StepPlan(0, [NewRequestData(0, [1, 2, 3], list(range(4)), 0, 3, penalised, 0)]))
-    with pytest.raises(PlanError, match="penalties"):
-        runner.execute(StepPlan(1, cached_handles=[0], cached_num_scheduled_tokens=[3], draft_handles=[0],
-                                draft_counts=[2]))
+    penalised = SamplingSettings(0.0, 1.0, 0, None, logprobs=0, frequency_penalty=1.0)
+    out = runner.execute(StepPlan(0, [NewRequestData(0, [1, 403, 407], list(range(8)), 0, 3, penalised, 0)]))
+    [first] = out.sampled_token_ids
+    r, row = runner.rows, runner.rows.row_of(0)
+    n = int(r.num_tokens[row])
+    r.token_ids[row, n:n + 3] = [7, 7, 9]  # drafts after the known tokens
+    at, offset = np.full(4, row), np.arange(4)
+    logits = torch.zeros(4, runner.vocab_size)
+    runner._processors(at, r.num_output[at] + offset, offset).apply(logits)
+    counts = np.zeros((4, runner.vocab_size), dtype=np.float32)
+    for j in range(4):
+        np.add.at(counts[j], [first] + [7, 7, 9][:j], 1)
+    assert torch.equal(logits, torch.from_numpy(-counts)), "position j counts the j drafts before it"
+    # A verify step hands each position its drafts before it, and the
+    # tokens it yields, and only those, join the counts. (Its last known
+    # token, whose KV the step computes, made 403 so the proposer drafts
+    # what followed 403 in the prompt; the counts keep the sampled one.)
+    r.token_ids[row, n - 1] = 403
+    calls = []
+    real = runner._processors
+    runner._processors = lambda *args: calls.append(args) or real(*args)
+    out = runner.execute(StepPlan(1, cached_handles=[0], cached_num_scheduled_tokens=[3], draft_handles=[0],
+                                  draft_counts=[2]))
+    [(rows, output_pos, drafts_before)] = [c for c in calls if len(c) == 3]
+    verified = 1 + dict(out.verified_drafts)[0]
+    assert drafts_before.tolist() == list(range(verified)) and output_pos.tolist() == list(range(1, 1 + verified))
+    generated = np.zeros(runner.vocab_size)
+    np.add.at(generated, [first] + out.sampled_token_ids, 1)
+    assert np.array_equal(r.counts.output_counts[r.penalty_slot[row]].numpy(), generated)
+
+
+@pytest.mark.parametrize("penalties", [dict(frequency_penalty=0.1, presence_penalty=0.1), dict(repetition_penalty=1.05)],
+                         ids=["frequency-presence", "repetition"])
+def test_a_penalised_request_yields_plain_decoding_s_tokens_with_drafts(stories_path, penalties):
+    """Seeded and penalised, with 3 drafts per step: the output is plain
+    decoding's. (On stories260K penalties leave few drafts accepted, so this
+    is the exactness check; test_penalties_count_the_drafts_before_each_
+    verified_position is the one that sees the drafts counted.)"""
+    runner = make_runner(str(stories_path))
+    runner.ngram = (1, 3)
+    prompt = [1, 403, 407, 261, 378, 403, 407, 261]
+    settings = SamplingSettings(0.8, 1.0, 0, seed=11, logprobs=0, **penalties)
+    plain, _ = decode(runner, prompt, settings, 48, drafts=0)
+    spec, _ = decode(runner, prompt, settings, 48, drafts=3)
+    assert spec == plain

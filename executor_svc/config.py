@@ -100,10 +100,10 @@ class ExecutorSettings(BaseSettings):
     speculative_method: Literal["off", "ngram", "draft", "mtp", "eagle3"] = Field(
         default="off", description="Speculative decoding: `ngram` proposes each request's next tokens from the "
         "last place its own prompt and output repeat their last few tokens, and verifies them in one forward, "
-        "exactly: requests without stop strings speculate, greedy or sampled, with `logit_bias`, `min_tokens`, "
-        "penalties or a constraint or not (drafts cut to what the grammar accepts, each verified position "
-        "masked by it), each verified position drawing as plain decoding would there; the others decode as "
-        "usual. `draft`, `mtp` and `eagle3` are not implemented yet and are refused.")
+        "exactly: every generating request speculates, greedy or sampled, with or without `logit_bias`, "
+        "`min_tokens`, penalties, stop strings or a constraint (drafts cut to what the grammar accepts, each "
+        "verified position masked by it), each verified position drawing as plain decoding would there. "
+        "`draft`, `mtp` and `eagle3` are not implemented yet and are refused.")
     speculative_tokens: int = Field(
         default=4, ge=1, le=16, description="Most drafts per request per step (the scheduler chooses fewer, or "
         "none, as the batch grows: `SCHEDULER_SPECULATIVE_MAX_BATCH`).")

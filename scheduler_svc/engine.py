@@ -288,8 +288,7 @@ class Engine(CoreListener):
 
     def tokens(self, tokens: list[SampledToken], num_dropped: int) -> None:
         self.link.progress()
-        self.streams.emit(tokens, stop=lambda request_id: self.scheduler.finish_request(
-            request_id, RequestStatus.FINISHED_STOPPED))
+        self.streams.emit(tokens, stop=self.scheduler.stop_by_string)
 
     def prompt_outputs(self, outputs: list[PromptOutput]) -> None:
         self.link.progress()

@@ -35,6 +35,9 @@ class RequestDelta:
     # Every prompt token's, the first with a NaN logprob, once (GenerateResponse.prompt_logprobs).
     prompt_logprobs: list[tuple[int, float, list[int], list[float]]] = field(default_factory=list)
     embedding: list[float] | None = None  # an embedding request's pooled vector, on its last delta
+    # Tokens of the step cut after the one that completed a stop string
+    # (not sent; the scheduler drops them from the request's output).
+    num_cut: int = 0
 
     def merge(self, later: "RequestDelta") -> None:
         self.token_ids += later.token_ids
@@ -75,7 +78,11 @@ class RequestOutputState:
 
     def on_tokens(self, tokens: list[SampledToken]) -> RequestDelta:
         """Text for new tokens. Sets stopped_by_string when a stop string
-        appears; the scheduler then finishes the request."""
+        appears; the scheduler then finishes the request. A speculative
+        step's several tokens are searched one at a time: those after the
+        one completing a stop string are cut from the delta (num_cut says
+        how many), as decoding one token per step would never have made
+        them."""
         delta = RequestDelta(token_ids=[t.token_id for t in tokens])
         self._take_prompt_logprobs(delta)
         for t in tokens:
@@ -90,9 +97,17 @@ class RequestOutputState:
             head, tail = delta.token_ids[:unsearched], delta.token_ids[unsearched:]
             if head:
                 delta.text = self.detok.add_tokens(head)
-            if tail:
-                text, self.stopped_by_string = self.stops.feed(self.detok.add_tokens(tail))
+            # With stop strings, a token at a time, to know which one
+            # completes a stop string; without, the whole tail at once.
+            pieces = [tail[i:i + 1] for i in range(len(tail))] if self.stops.stop else [tail] if tail else []
+            for i, piece in enumerate(pieces):
+                text, self.stopped_by_string = self.stops.feed(self.detok.add_tokens(piece))
                 delta.text += text
+                if self.stopped_by_string:
+                    keep = len(head) + i + 1
+                    delta.num_cut = len(delta.token_ids) - keep
+                    del delta.token_ids[keep:], delta.logprobs[keep:]
+                    break
         self.num_tokens += len(delta.token_ids)
         return delta
 

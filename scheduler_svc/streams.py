@@ -48,9 +48,11 @@ class Streams:
         self._streams[request_id] = stream
         self.idle.clear()
 
-    def emit(self, tokens: list[SampledToken], stop: Callable[[str], None]) -> None:
+    def emit(self, tokens: list[SampledToken], stop: Callable[[Request, int], None]) -> None:
         """A result's tokens, as text deltas to their streams. A request whose
-        stop string appeared is finished through stop(request_id)."""
+        stop string appeared is finished through stop(request, num_cut),
+        num_cut being the tokens of this result after the one that
+        completed it."""
         by_request: dict[str, list[SampledToken]] = {}
         for t in tokens:
             by_request.setdefault(t.request.request_id, []).append(t)
@@ -61,8 +63,8 @@ class Streams:
             req = toks[0].request
             stream.telemetry.on_tokens(len(toks))
             delta = stream.state.on_tokens(toks)
-            if stream.state.stopped_by_string and not req.status.is_finished:
-                stop(request_id)
+            if stream.state.stopped_by_string and (not req.status.is_finished or delta.num_cut):
+                stop(req, delta.num_cut)
             # A stop string that completes on the last allowed token still
             # reports STOP: RequestOutputState.finish decides the reason.
             if req.status.is_finished:

@@ -130,10 +130,10 @@ class Request:
         samples as plain decoding would there (greedy or seeded draws alike;
         the executor applies logit_bias, min_tokens, penalties and the
         constraint's mask as at that position, counting the drafts before it
-        as generated). Not when the output may be cut mid-step: a stop
-        string may end in any token, and the tokens after it would be
-        reported."""
-        return not self.embed and not self.sampling.stop
+        as generated), and a stop string that completes mid-step cuts the
+        step's later tokens (Scheduler.stop_by_string). Every generating
+        request can; an embedding request samples nothing."""
+        return not self.embed
 
     @property
     def num_tokens(self) -> int:

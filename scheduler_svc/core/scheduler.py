@@ -525,6 +525,17 @@ class Scheduler:
             self._releasing.append((self._step_id - 1, [req.handle]))
         return req
 
+    def stop_by_string(self, req: Request, num_cut: int) -> None:
+        """The output processor found a stop string: the request ends with
+        the token that completed it. The num_cut tokens a speculative step
+        yielded after that one leave its output (and its usage), as
+        decoding one token per step would never have made them; it may
+        have finished already in that step (EOS, max_tokens after the stop
+        string), which stands."""
+        if num_cut:
+            del req.output_token_ids[len(req.output_token_ids) - num_cut:]
+        self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+
     def reset_executor_state(self, host_lost: bool = True) -> None:
         """The executor lost every request (restart or failed step): free all
         blocks and requeue the running requests, in order, for recompute.

@@ -24,8 +24,8 @@ from tests.integration.conftest import scheduler_metric, start_services
 from tests.oracle import STORY_PROMPTS, hf_greedy
 
 pytestmark = pytest.mark.slow
-# A stop string no story contains: the request's output is unchanged, but
-# it cannot speculate (a stop string may end it mid-step).
+# A stop string no story contains: the request's output is unchanged, and
+# it is searched for after every token a speculative step yields.
 NEVER = "@@never@@"
 
 PET = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 1, "maximum": 99},
@@ -83,11 +83,22 @@ def speculating(stories_path):
     services.stop()
 
 
+@pytest.fixture(scope="module")
+def plain(stories_path):
+    """The same model and settings, not speculating: what the speculating
+    stack's outputs must equal where HF is no oracle (sampled requests)."""
+    services, client = start_services(str(stories_path), executor_env={"EXECUTOR_NUM_KV_BLOCKS": "40"},
+                                      scheduler_env={"SCHEDULER_MAX_PREFILL_CHUNK": "16"})
+    yield client
+    client.channel.close()
+    services.stop()
+
+
 def test_greedy_output_with_ngram_speculation_equals_hf_under_chunking_preemption_and_cancels(speculating):
     services, client = speculating
     ids = {p: list(client.stub.Tokenize(spb.TokenizeRequest(prompt=p), timeout=10).token_ids) for p in STORY_PROMPTS}
-    # Greedy requests speculate, logprobs or not; those with a stop string
-    # (that never matches) decode one token per step beside them.
+    # Greedy requests speculate, with logprobs or a stop string (that never
+    # matches) or neither.
     extra = [{}, {}, {"logprobs": 1}, {"stop": [NEVER]}]
     cases = [(p, {"max_tokens": 60, "temperature": 0, **extra[i % 4]})
              for i, p in enumerate(STORY_PROMPTS + STORY_PROMPTS[:7])]
@@ -135,18 +146,18 @@ def test_an_answer_that_copies_its_prompt_yields_several_tokens_per_step(specula
     assert steps > 0 and (steps + accepted) / steps > 1.5, f"{accepted} drafts accepted over {steps} steps"
 
 
-def test_a_seeded_sampled_request_yields_the_same_tokens_and_logprobs_speculating_or_not(speculating):
+def test_a_seeded_sampled_request_yields_the_same_tokens_and_logprobs_speculating_or_not(speculating, plain):
     """Each verified position draws with the uniform plain decoding would
     use there, so drafts change how many tokens a step yields, never which.
-    The same seeded request is sent speculating, and with a stop string
-    that never matches (so it decodes one token per step), four at once."""
+    The same seeded request is sent to the speculating stack and to the
+    plain one, four at once."""
     services, client = speculating
 
     def run(case):
-        prompt, seed, stop, extra = case
-        call = client.stub.Generate(spb.GenerateRequest(prompt=prompt, sampling=spb.SamplingParams(
-            max_tokens=80, temperature=0.8, top_p=0.95, seed=seed, logprobs=2, ignore_eos=True, stop=stop,
-            **extra)), timeout=120)
+        prompt, seed, on, extra = case
+        call = on.stub.Generate(spb.GenerateRequest(prompt=prompt, sampling=spb.SamplingParams(
+            max_tokens=80, temperature=0.8, top_p=0.95, seed=seed, logprobs=2, ignore_eos=True, **extra)),
+            timeout=120)
         return [(lp.token_id, lp.logprob, list(lp.top_token_ids)) for resp in call for lp in resp.logprobs]
 
     # Half of them with a logit_bias, min_tokens and penalties, applied at
@@ -154,7 +165,7 @@ def test_a_seeded_sampled_request_yields_the_same_tokens_and_logprobs_speculatin
     # counting the drafts before it).
     extras = [{}, {"logit_bias": {403: 3.0}, "min_tokens": 60, "frequency_penalty": 0.3, "presence_penalty": 0.2,
                    "repetition_penalty": 1.1}]
-    cases = [(p, 100 + i, stop, extras[i % 2]) for i, p in enumerate(STORY_PROMPTS[:4]) for stop in ([], [NEVER])]
+    cases = [(p, 100 + i, on, extras[i % 2]) for i, p in enumerate(STORY_PROMPTS[:4]) for on in (client, plain)]
     steps_before = scheduler_metric(services, "llmsched_spec_decode_accepted_length_count")
     with ThreadPoolExecutor(len(cases)) as pool:
         results = list(pool.map(run, cases))
@@ -169,20 +180,20 @@ def test_a_seeded_sampled_request_yields_the_same_tokens_and_logprobs_speculatin
     client.assert_no_leaked_blocks()
 
 
-def test_constrained_requests_speculate_and_yield_what_they_would_without(speculating):
-    """Each kind, greedy and seeded, sent speculating and with a stop
-    string that never matches (so it decodes one token per step), all at
-    once: each pair is equal token for token, every output is whole and
-    valid, and the constrained requests accepted drafts."""
+def test_constrained_requests_speculate_and_yield_what_they_would_without(speculating, plain):
+    """Each kind, greedy and seeded, sent to the speculating stack and to
+    the plain one, all at once: each pair is equal token for token, every
+    output is whole and valid, and the constrained requests accepted
+    drafts."""
     services, client = speculating
     samplings = [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.95, "seed": 7}]
-    cases = [(kind, sampling, stop) for kind in CONSTRAINED for sampling in samplings for stop in ([], [NEVER])]
+    cases = [(kind, sampling, on) for kind in CONSTRAINED for sampling in samplings for on in (client, plain)]
 
     def run(case):
-        kind, sampling, stop = case
+        kind, sampling, on = case
         structured, _, prompt = CONSTRAINED[kind]
-        tokens, text, last, _ = client.generate(prompt=prompt, structured=structured, timeout=120,
-                                                sampling={"max_tokens": 100, "stop": stop, **sampling})
+        tokens, text, last, _ = on.generate(prompt=prompt, structured=structured, timeout=120,
+                                            sampling={"max_tokens": 100, **sampling})
         return tokens, text, last.finish_reason
 
     accepted_before = scheduler_metric(services, "llmsched_spec_decode_accepted_tokens_total")
@@ -228,4 +239,35 @@ def test_greedy_requests_beside_constrained_neighbours_still_equal_hf(speculatin
     for (kind, sampling), (text, finish) in zip(neighbours, constrained_results):
         assert finish == spb.FINISH_REASON_STOP and CONSTRAINED[kind][1](text), f"{kind} {sampling}: {text!r}"
     assert scheduler_metric(services, "llmsched_spec_decode_draft_tokens_total") > drafted_before
+    client.assert_no_leaked_blocks()
+
+
+def test_a_stop_string_completing_mid_step_ends_the_output_as_plain_decoding_does(speculating, plain):
+    """Stop strings that the copy-shaped answers reach while drafts are
+    being accepted: text, token ids, finish reason and usage equal the
+    plain stack's, so the tokens a step yielded after the one completing
+    the stop string are neither sent nor counted."""
+    services, client = speculating
+    opening = [1, 403, 407, 261, 378]
+    story = hf_greedy(client.model, opening, 120, ignore_eos=True)
+    prompt = opening + story + opening[1:]
+    full = client.generate(prompt_token_ids=prompt, sampling={"max_tokens": 100, "temperature": 0,
+                                                              "ignore_eos": True})[1]
+    words = full.split()
+    # Stop strings of several lengths, completing at several places.
+    stops = [words[3], " ".join(words[6:8]), words[12][:-1] or words[12], words[20]]
+    assert len(set(stops)) == len(stops)
+
+    def run(case):
+        stop, on = case
+        tokens, text, last, _ = on.generate(prompt_token_ids=prompt, timeout=120, sampling={
+            "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stop": [stop]})
+        return tokens, text, last.finish_reason, last.stop_string, last.usage.completion_tokens
+
+    accepted_before = scheduler_metric(services, "llmsched_spec_decode_accepted_tokens_total")
+    for stop in stops:
+        speculated, expected = run((stop, client)), run((stop, plain))
+        assert speculated == expected, f"stop {stop!r}"
+        assert speculated[2] == spb.FINISH_REASON_STOP and speculated[4] == len(speculated[0])
+    assert scheduler_metric(services, "llmsched_spec_decode_accepted_tokens_total") > accepted_before
     client.assert_no_leaked_blocks()

@@ -72,3 +72,31 @@ def test_stop_matcher_names_the_earliest_stop_string_hit():
     assert m.matched is None
     assert m.feed("the cat sat. END") == ("the c", True)
     assert m.matched == "at"
+
+
+@pytest.mark.parametrize("per_step", [1, 3, 5], ids=["one-per-step", "three-per-step", "five-per-step"])
+def test_a_step_of_several_tokens_stops_at_the_one_completing_a_stop_string(stories_tok, per_step):
+    """A speculative step's tokens are searched one at a time: the delta
+    keeps the token that completes the stop string and cuts the ones after
+    it, and the text and tokens are those of one token per step."""
+    from scheduler_svc.core.plan import SampledToken
+    from scheduler_svc.output_processor import RequestOutputState
+    from tests.factories import make_request
+
+    prompt = stories_tok.encode("Once").ids
+    out = stories_tok.encode(" upon a time, there was a girl named Lily. She liked to play.",
+                             add_special_tokens=False).ids
+    req = make_request(prompt=prompt, max_tokens=100, stop=("Lily",))
+    state = RequestOutputState(req, stories_tok)
+    tokens, text, cut = [], "", 0
+    for i in range(0, len(out), per_step):
+        delta = state.on_tokens([SampledToken(req, t) for t in out[i:i + per_step]])
+        tokens += delta.token_ids
+        text += delta.text
+        if state.stopped_by_string:
+            cut = delta.num_cut
+            break
+    # The stop string completes on the token whose text ends "Lily".
+    completing = next(j for j in range(len(out)) if "Lily" in stories_tok.decode(prompt + out[:j + 1]))
+    assert tokens == out[:completing + 1] and text == " upon a time, there was a girl named "
+    assert cut == min(len(out), (completing // per_step + 1) * per_step) - (completing + 1)

@@ -113,24 +113,35 @@ def test_a_constrained_request_ends_at_eos_even_with_ignore_eos():
     assert req.output_token_ids == [5, 5, EOS] and req.status == RequestStatus.FINISHED_STOPPED
 
 
-def test_constrained_biased_min_tokens_and_penalised_requests_speculate_but_not_stop_strings():
+def test_every_generating_request_speculates_whatever_its_sampling_settings():
     # The executor masks each verified position with the grammar's mask
-    # after the drafts before it, and applies logit_bias, min_tokens and
-    # penalties as at that position; a stop string could end a request
-    # mid-step.
+    # after the drafts before it and applies logit_bias, min_tokens and
+    # penalties as at that position; a stop string completing mid-step cuts
+    # the step's later tokens (test_a_stop_string_completing_mid_step_...).
     sched = make_scheduler(speculative_tokens=4, speculative_max_batch=16)
     constrained = make_request(max_tokens=20)
     constrained.constraint = CompiledConstraint("regex", "{}")
-    biased = make_request(max_tokens=20, logit_bias=((7, 2.0),))
-    held = make_request(max_tokens=20, min_tokens=10)
-    stopped = make_request(max_tokens=20, stop=("@@",))
-    penalised = make_request(max_tokens=20, frequency_penalty=0.5)
-    for req in (constrained, biased, held, stopped, penalised):
+    others = [make_request(max_tokens=20, logit_bias=((7, 2.0),)), make_request(max_tokens=20, min_tokens=10),
+              make_request(max_tokens=20, stop=("@@",)), make_request(max_tokens=20, frequency_penalty=0.5),
+              make_request(max_tokens=20, temperature=0.8, seed=3, logprobs=2)]
+    for req in [constrained] + others:
         sched.add_request(req)
     run_step(sched)  # the prompts
     out = sched.schedule()
-    assert sorted(out.draft_handles) == sorted(r.handle for r in (constrained, biased, held, penalised))
-    assert out.draft_counts == [4, 4, 4, 4]
+    assert sorted(out.draft_handles) == sorted(r.handle for r in [constrained] + others)
+    assert out.draft_counts == [4] * 6
+
+
+def test_a_stop_string_completing_mid_step_cuts_the_step_s_later_tokens_from_the_output():
+    """A speculative step yields 4 tokens; the second completes a stop
+    string: the request ends with it, and the 2 after it leave its output."""
+    sched = make_scheduler()
+    req = make_request(max_tokens=20, stop=("@@",))
+    sched.add_request(req)
+    req.output_token_ids += [5, 6, 7, 8]  # as update_from_output appends a step's tokens
+    sched.stop_by_string(req, 2)
+    assert req.output_token_ids == [5, 6] and req.status == RequestStatus.FINISHED_STOPPED
+    assert sched.num_free_blocks == sched.config.num_kv_blocks
 
 
 def test_forgets_left_when_the_scheduler_goes_idle_are_flushed_in_a_plan_of_their_own():

@@ -444,27 +444,13 @@ class ModelRunner:
         if self.tp is not None and self.tp.rank != 0:
             out = SampleOutput(self.tp.share_tokens(None, len(index)), None)
         else:
-            try:
-                # logit_bias, min_tokens and penalties as at each position:
-                # its output index, and the drafts before it counted as
-                # generated (the position stands only if they are accepted).
-                batch = SamplingBatch.from_arrays(
-                    r.temperature[at], r.top_p[at], r.top_k[at], r.seed[at], r.seeded[at], r.num_output[at] + offset,
-                    r.num_logprobs[at], self.device, self.vocab_size, min_p=r.min_p[at],
-                    processors=self._processors(at, r.num_output[at] + offset, offset))
-                if masks is None:
-                    out = sample(logits, batch)
-                else:
-                    # Sampled from the masked logits; logprobs stay the model's own.
-                    wants_logprobs = bool(r.num_logprobs[rows].any())
-                    masked, errors = self.constraints.apply(masks, logits, in_place=not wants_logprobs)
-                    out = sample(masked, batch, logprob_logits=logits if wants_logprobs else None)
-            except Exception:
-                if self.tp is not None:
-                    self.tp.share_tokens(None, len(index))  # the other ranks fail this step too
-                raise
-            if self.tp is not None:
-                self.tp.share_tokens(out.token_ids, len(index))
+            # logit_bias, min_tokens and penalties as at each position: its
+            # output index, and the drafts before it counted as generated
+            # (the position stands only if they are accepted).
+            out, errors = self._draw(logits, lambda: SamplingBatch.from_arrays(
+                r.temperature[at], r.top_p[at], r.top_k[at], r.seed[at], r.seeded[at], r.num_output[at] + offset,
+                r.num_logprobs[at], self.device, self.vocab_size, min_p=r.min_p[at],
+                processors=self._processors(at, r.num_output[at] + offset, offset)), rows, masks)
         sampled = np.array(out.token_ids, dtype=np.int64)
         results, i = [], 0
         for row, k in zip(rows.tolist(), drafts.tolist()):
@@ -601,13 +587,25 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, handles: list[int],
                 masks: MaskJob | None) -> tuple[list[int], list | None, list[tuple[int, str]]]:
         r = self.rows
+        out, errors = self._draw(logits, lambda: SamplingBatch.from_arrays(
+            r.temperature[rows], r.top_p[rows], r.top_k[rows], r.seed[rows], r.seeded[rows], r.num_output[rows],
+            r.num_logprobs[rows], self.device, self.vocab_size, min_p=r.min_p[rows],
+            processors=self._processors(rows)), rows, masks, handles)
+        return out.token_ids, out.logprobs, errors
+
+    def _draw(self, logits: torch.Tensor, make_batch, rows: np.ndarray, masks: MaskJob | None,
+              advance: list[int] | None = None) -> tuple[SampleOutput, list[tuple[int, str]]]:
+        """Rank 0's draw from logits (one row per sampled position; rows, each
+        position's request row): the batch make_batch builds, the
+        constraints' masks applied, and under tensor parallelism the draws
+        shared with the other ranks (or, if anything fails, their failure).
+        advance: the handles whose matchers consume the draws (plain
+        decoding's rows; a speculative step advances its own after
+        acceptance). Returns the draws and the rows whose constraint failed."""
+        r = self.rows
         errors: list[tuple[int, str]] = []
         try:
-            batch = SamplingBatch.from_arrays(
-                r.temperature[rows], r.top_p[rows], r.top_k[rows], r.seed[rows], r.seeded[rows], r.num_output[rows],
-                r.num_logprobs[rows], self.device, self.vocab_size, min_p=r.min_p[rows],
-                processors=self._processors(rows),
-            )
+            batch = make_batch()
             if masks is None:
                 out = sample(logits, batch)
             else:
@@ -615,11 +613,12 @@ class ModelRunner:
                 wants_logprobs = bool(r.num_logprobs[rows].any())
                 masked, errors = self.constraints.apply(masks, logits, in_place=not wants_logprobs)
                 out = sample(masked, batch, logprob_logits=logits if wants_logprobs else None)
-                errors = errors + self.constraints.advance(handles, out.token_ids)
+                if advance is not None:
+                    errors = errors + self.constraints.advance(advance, out.token_ids)
         except Exception:
             if self.tp is not None:
-                self.tp.share_tokens(None, len(rows))  # the other ranks fail this step too
+                self.tp.share_tokens(None, len(logits))  # the other ranks fail this step too
             raise
         if self.tp is not None:
-            self.tp.share_tokens(out.token_ids, len(rows))
-        return out.token_ids, out.logprobs, errors
+            self.tp.share_tokens(out.token_ids, len(logits))
+        return out, errors

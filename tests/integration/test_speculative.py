@@ -20,6 +20,7 @@ from gateway_svc import tools
 from gateway_svc.protocol import ChatCompletionRequest
 from gateway_svc.tool_parsers import hermes
 from llmsched.v1 import scheduler_pb2 as spb
+from tests.constrained_cases import ADD, AGES, PET
 from tests.integration.conftest import scheduler_metric, start_services
 from tests.oracle import STORY_PROMPTS, hf_greedy
 
@@ -28,13 +29,6 @@ pytestmark = pytest.mark.slow
 # it is searched for after every token a speculative step yields.
 NEVER = "@@never@@"
 
-PET = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 1, "maximum": 99},
-                                        "pet": {"enum": ["cat", "dog"]}},
-       "required": ["age", "pet"], "additionalProperties": False}
-AGES = r"([A-Z][a-z]+ is [0-9]{2}\. ){2}[A-Z][a-z]+ is [0-9]{2}\."
-DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
-ADD = {"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "required": ["a", "b"], "additionalProperties": False}}}
 
 
 def forced_call() -> spb.StructuredOutput:

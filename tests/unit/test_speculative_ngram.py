@@ -12,7 +12,6 @@ import llguidance.numpy as llg_numpy
 import numpy as np
 import pytest
 import torch
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from llguidance import LLMatcher
@@ -28,6 +27,7 @@ from gateway_svc import tools
 from gateway_svc.protocol import ChatCompletionRequest
 from gateway_svc.tool_parsers import hermes
 from llmsched.errors import StartupError
+from tests.constrained_cases import ADD, AGES, PET
 from tests.oracle import hf_greedy
 from tests.unit.test_runner_vs_hf import GREEDY, make_runner
 
@@ -214,13 +214,6 @@ def test_the_first_token_of_a_verify_step_is_drawn_from_the_model_s_distribution
 # ----- constrained rows ---------------------------------------------------------
 
 EOS = 2
-PET = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 1, "maximum": 99},
-                                        "pet": {"enum": ["cat", "dog"]}},
-       "required": ["age", "pet"], "additionalProperties": False}
-AGES = r"([A-Z][a-z]+ is [0-9]{2}\. ){2}[A-Z][a-z]+ is [0-9]{2}\."
-DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
-ADD = {"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "required": ["a", "b"], "additionalProperties": False}}}
 
 
 def forced_call_grammar() -> str:

@@ -103,10 +103,17 @@ class ExecutorSettings(BaseSettings):
         "exactly: every generating request speculates, greedy or sampled, with or without `logit_bias`, "
         "`min_tokens`, penalties, stop strings or a constraint (drafts cut to what the grammar accepts, each "
         "verified position masked by it), each verified position drawing as plain decoding would there. "
-        "`draft`, `mtp` and `eagle3` are not implemented yet and are refused.")
+        "`draft` proposes with a smaller model (`EXECUTOR_SPECULATIVE_DRAFT_MODEL`) that shares the target's "
+        "tokenizer, with its own KV pool of as many blocks; `mtp` and `eagle3` are not implemented yet and are "
+        "refused.")
     speculative_tokens: int = Field(
         default=4, ge=1, le=16, description="Most drafts per request per step (the scheduler chooses fewer, or "
         "none, as the batch grows: `SCHEDULER_SPECULATIVE_MAX_BATCH`).")
+    speculative_draft_model: str = Field(
+        default="", description="`draft`: the draft model, a checkpoint directory or built-in name as for "
+        "`EXECUTOR_MODEL`, whose tokenizer maps every token to the target's ids (refused otherwise). It runs whole on "
+        "the device (rank 0's under tensor parallelism), and its KV takes a share of `EXECUTOR_KV_CACHE_MEMORY_MB` "
+        "in proportion to its bytes per token.")
     speculative_ngram_min: int = Field(
         default=2, ge=1, le=16, description="`ngram`: the shortest run of a request's last tokens matched against "
         "its earlier tokens.")

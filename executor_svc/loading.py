@@ -19,7 +19,10 @@ from executor_svc.step.kv_cache import KVCachePool, pool_num_blocks, resolve_kv_
 from executor_svc.model.families import build_model, read_config
 from executor_svc.model.model_config import ModelConfig
 from executor_svc.model.moe import use_triton_moe
-from executor_svc.step.runner import ModelRunner
+from executor_svc.model.model import CausalLM
+from executor_svc.step.draft_model import DraftModel, vocabulary_mismatch
+from executor_svc.step.ngram import NgramProposer
+from executor_svc.step.runner import FromRank0, ModelRunner
 from executor_svc.model.sharding import Shard
 from executor_svc.tensor_parallel import TPGroup, join, rank_device
 from llmsched.errors import StartupError
@@ -117,8 +120,12 @@ def load(settings: ExecutorSettings) -> LoadedModel:
                      for layer in model.model.layers)
         log.info("KV cache in %s (EXECUTOR_KV_CACHE_DTYPE=%s): %d of %d layers with checkpoint k/v scales, the "
                  "others 1.0", kv_dtype, settings.kv_cache_dtype, scaled, len(model.model.layers))
+    check_speculative(settings, generates)
+    # Rank 0 alone proposes drafts, and so alone holds a draft model.
+    draft = (load_draft_model(settings, ckpt, device, dtype, max_model_len)
+             if settings.speculative_method == "draft" and not (tp and tp.rank != 0) else None)
     num_blocks = pool_num_blocks(cfg, settings.block_size, kv_dtype, device, settings.num_kv_blocks,
-                                 settings.kv_cache_memory_mb, shard)
+                                 settings.kv_cache_memory_mb, shard, draft.cfg if draft is not None else None)
     if tp:
         # One pool for the scheduler: the size every rank can hold.
         num_blocks = tp.min_over_ranks(num_blocks)
@@ -141,9 +148,18 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     # Rank 0 alone samples, so it alone keeps constraint matchers.
     constraints = None if tp and tp.rank != 0 else ConstraintMatchers(ckpt.tokenizer_json, cfg.vocab_size,
                                                                        list(cfg.eos_token_ids))
+    if draft is not None:
+        draft_pool = KVCachePool(draft.cfg, num_blocks, settings.block_size, device, kv_dtype)
+        log.info("draft model's KV pool: %s", draft_pool.describe())
+        proposer = DraftModel(draft, draft_pool, backend, device, cfg.vocab_size)
+    elif settings.speculative_method == "off":
+        proposer = None
+    elif tp and tp.rank != 0:
+        proposer = FromRank0()
+    else:
+        proposer = NgramProposer(settings.speculative_ngram_min, settings.speculative_ngram_max)
     runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp,
-                       constraints=constraints, host_kv=host_kv, pooling=ckpt.pooling.pooling,
-                       ngram=speculative_ngram(settings, generates))
+                       constraints=constraints, host_kv=host_kv, pooling=ckpt.pooling.pooling, proposer=proposer)
     try:
         runner = ModelRunner(model, pool, backend, device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
                              **runner_args)
@@ -161,20 +177,48 @@ def load(settings: ExecutorSettings) -> LoadedModel:
                        loaded_bytes, generates)
 
 
-def speculative_ngram(settings: ExecutorSettings, generates: bool) -> tuple[int, int] | None:
-    """The n-gram window (min, max) when the executor speculates, else None;
-    a method or combination not implemented is refused by name."""
+def check_speculative(settings: ExecutorSettings, generates: bool) -> None:
+    """Refuses, by name, a speculative method or combination not implemented."""
     method = settings.speculative_method
+    if settings.speculative_draft_model and method != "draft":
+        raise StartupError(f"EXECUTOR_SPECULATIVE_DRAFT_MODEL is set, but EXECUTOR_SPECULATIVE_METHOD={method} does "
+                           "not use it (set EXECUTOR_SPECULATIVE_METHOD=draft)")
     if method == "off":
-        return None
-    if method != "ngram":
-        raise StartupError(f"EXECUTOR_SPECULATIVE_METHOD={method} is not implemented yet (implemented: off, ngram)")
+        return
+    if method not in ("ngram", "draft"):
+        raise StartupError(f"EXECUTOR_SPECULATIVE_METHOD={method} is not implemented yet (implemented: off, ngram, "
+                           "draft)")
     if not generates:
-        raise StartupError("EXECUTOR_SPECULATIVE_METHOD=ngram: the checkpoint has no lm_head and cannot generate")
-    if settings.speculative_ngram_min > settings.speculative_ngram_max:
+        raise StartupError(f"EXECUTOR_SPECULATIVE_METHOD={method}: the checkpoint has no lm_head and cannot generate")
+    if method == "draft" and not settings.speculative_draft_model:
+        raise StartupError("EXECUTOR_SPECULATIVE_METHOD=draft needs EXECUTOR_SPECULATIVE_DRAFT_MODEL (a checkpoint "
+                           "directory or built-in model with the target's tokenizer)")
+    if method == "ngram" and settings.speculative_ngram_min > settings.speculative_ngram_max:
         raise StartupError(f"EXECUTOR_SPECULATIVE_NGRAM_MIN={settings.speculative_ngram_min} exceeds "
                            f"EXECUTOR_SPECULATIVE_NGRAM_MAX={settings.speculative_ngram_max}")
-    return settings.speculative_ngram_min, settings.speculative_ngram_max
+
+
+def load_draft_model(settings: ExecutorSettings, target: Checkpoint, device: torch.device, dtype: torch.dtype,
+                     max_model_len: int) -> CausalLM:
+    """EXECUTOR_SPECULATIVE_DRAFT_MODEL, whole on this device (rank 0's
+    under tensor parallelism: it alone proposes), refused by name when its
+    tokenizer is not the target's or its layout is not one we serve."""
+    name = settings.speculative_draft_model
+    setting = f"EXECUTOR_SPECULATIVE_DRAFT_MODEL={name!r}"
+    ckpt = load_checkpoint(name, "EXECUTOR_SPECULATIVE_DRAFT_MODEL")
+    if (why := vocabulary_mismatch(target.tokenizer_json, ckpt.tokenizer_json)) is not None:
+        raise StartupError(f"{setting}: {why}")
+    try:
+        cfg = read_config(ckpt.hf_config, ckpt.generation_config)
+        model = build_model(cfg, ckpt.lazy_tensors(), max_model_len, device, dtype, Shard(), None)
+    except StartupError as exc:
+        raise StartupError(f"{setting}: {exc}") from None
+    except ValueError as exc:
+        raise StartupError(f"{setting}: {exc}") from None
+    if model.lm_head is None:
+        raise StartupError(f"{setting}: the checkpoint has no lm_head and cannot draft")
+    log.info("draft model %s: %s, %.1f MiB of weights", ckpt.name, cfg.architecture, weight_bytes(model) / 2**20)
+    return model
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

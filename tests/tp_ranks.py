@@ -18,22 +18,23 @@ from llmsched.launch import free_port
 BLOCK = 4
 
 
-def settings_for(model: str, size: int, drafts: int = 0) -> ExecutorSettings:
-    speculative = {"speculative_method": "ngram", "speculative_tokens": drafts} if drafts else {}
+def settings_for(model: str, size: int, drafts: int = 0, draft_model: str = "") -> ExecutorSettings:
+    speculative = {"speculative_method": "draft" if draft_model else "ngram", "speculative_tokens": drafts,
+                   "speculative_draft_model": draft_model} if drafts else {}
     return ExecutorSettings(model=model, tensor_parallel_size=size, tensor_parallel_timeout_s=60, device="cpu",
                             dtype="float32", attention_backend="torch", block_size=BLOCK, num_kv_blocks=512,
                             num_threads=1, **speculative)
 
 
 def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_new: int, chunk: int, results,
-                     drafts: int = 0) -> None:
+                     drafts: int = 0, draft_model: str = "") -> None:
     from executor_svc.loading import load
     from tests.unit.test_runner_vs_hf import generate
 
     if size > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-    loaded = load(settings_for(model, size, drafts))
+    loaded = load(settings_for(model, size, drafts, draft_model))
     logits: list[np.ndarray] = []
     compute = loaded.runner.model.compute_logits
 
@@ -54,9 +55,11 @@ def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_n
         loaded.tp.leave()  # as the service's ranks stop: without destroy_process_group
 
 
-def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_s: float = 240.0, drafts: int = 0):
+def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_s: float = 240.0, drafts: int = 0,
+              draft_model: str = ""):
     """(tokens per prompt, logits per step, steps) from rank 0 of a group of
-    `size`; with drafts, every rank speculates (n-gram) up to that many."""
+    `size`; with drafts, every rank speculates up to that many (n-gram, or
+    with draft_model, rank 0's draft model)."""
     ctx = multiprocessing.get_context("forkserver")
     # Each rank is forked from a server that has already imported torch and
     # the executor (about 2 s of CPU a rank, 30-odd ranks in the suite);
@@ -64,7 +67,8 @@ def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_
     ctx.set_forkserver_preload(["executor_svc.loading", "tests.unit.test_runner_vs_hf"])
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=generate_on_rank, args=(model, size, r, port, prompts, max_new, chunk, results, drafts))
+    procs = [ctx.Process(target=generate_on_rank, args=(model, size, r, port, prompts, max_new, chunk, results, drafts,
+                                                             draft_model))
              for r in range(size)]
     for p in procs:
         p.start()

@@ -95,28 +95,28 @@ class Checkpoint:
         return dict(self.tensors())
 
 
-def _shards(path: Path) -> tuple[Path, ...]:
+def _shards(path: Path, setting: str) -> tuple[Path, ...]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(_read_config(index)["weight_map"].values()))
         return tuple(path / f for f in files)
     shards = tuple(sorted(path.glob("*.safetensors")))
     if not shards:
-        raise StartupError(f"EXECUTOR_MODEL={str(path)!r}: no *.safetensors in {path}")
+        raise StartupError(f"{setting}={str(path)!r}: no *.safetensors in {path}")
     return shards
 
 
-def load_checkpoint(model: str) -> Checkpoint:
+def load_checkpoint(model: str, setting: str = "EXECUTOR_MODEL") -> Checkpoint:
     """`model` is a built-in name or a directory with config.json,
     *.safetensors (one file or shards), tokenizer.json and optionally
-    generation_config.json."""
+    generation_config.json; `setting` names it in errors."""
     if model in BUILTIN_MODELS:
         builtin = load_builtin(model)
         return Checkpoint(builtin.name, builtin.hf_config, builtin.tokenizer_json, in_memory=builtin.state_dict)
     path = Path(model)
     if not path.is_dir():
         known = ", ".join(sorted(BUILTIN_MODELS))
-        raise StartupError(f"EXECUTOR_MODEL={model!r} is neither a directory nor a built-in model ({known})")
+        raise StartupError(f"{setting}={model!r} is neither a directory nor a built-in model ({known})")
     # The small files first: a broken checkpoint then fails in a moment,
     # not after gigabytes of weights have loaded.
     hf_config = _read_config(path / "config.json")
@@ -127,7 +127,7 @@ def load_checkpoint(model: str) -> Checkpoint:
         hf_config=hf_config,
         tokenizer_json=tokenizer_json,
         generation_config=_read_config(gen) if gen.exists() else None,
-        shards=_shards(path),
+        shards=_shards(path, setting),
         pooling=read_pooling(path),
     )
 

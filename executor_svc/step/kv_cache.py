@@ -88,12 +88,17 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 def pool_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                    num_kv_blocks: int, kv_cache_memory_mb: int, shard: Shard = Shard()) -> int:
+                    num_kv_blocks: int, kv_cache_memory_mb: int, shard: Shard = Shard(),
+                    draft_cfg: ModelConfig | None = None) -> int:
     """The pool size the settings ask for (num_kv_blocks, else the memory
     budget, per rank), refused by setting name when the device cannot hold
-    it: on CPU an oversized pool would otherwise be OOM-killed while zeroing."""
+    it: on CPU an oversized pool would otherwise be OOM-killed while zeroing.
+    With a draft model (draft_model.py) each block also has its draft KV,
+    in a pool of as many blocks, and the budget covers both."""
     per_block = bytes_per_block(cfg, block_size, dtype, shard)
-    num_blocks = num_kv_blocks or num_blocks_for_budget(cfg, block_size, dtype, kv_cache_memory_mb, shard)
+    if draft_cfg is not None:
+        per_block += bytes_per_block(draft_cfg, block_size, dtype)
+    num_blocks = num_kv_blocks or max(1, kv_cache_memory_mb * MIB // per_block)
     free = free_memory_bytes(device)
     if free is not None and num_blocks * per_block > free:
         setting = (f"EXECUTOR_NUM_KV_BLOCKS={num_kv_blocks}" if num_kv_blocks

@@ -10,7 +10,23 @@ verification, never correctness.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class NgramProposer:
+    """The n-gram window: runs of min_n to max_n last tokens."""
+
+    min_n: int
+    max_n: int
+
+    def propose(self, r, rows: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+        """Up to counts[i] drafts for each of rows[i] (rows of r, the
+        RequestRows), from its own known tokens."""
+        return [propose(r.token_ids[row, :r.num_tokens[row]], int(k), self.min_n, self.max_n)
+                for row, k in zip(rows.tolist(), counts.tolist())]
 
 
 def propose(tokens: np.ndarray, num_drafts: int, min_n: int, max_n: int) -> np.ndarray:

@@ -71,6 +71,9 @@ class RequestRows:
         self.block_table_host = grow(get("block_table_host"), (rows, self.max_blocks), np.int32)  # [rows, max_blocks]
         self.num_tokens = grow(get("num_tokens"), (rows,), np.int64)  # token ids known
         self.num_computed = grow(get("num_computed"), (rows,), np.int64)  # tokens with KV in the cache
+        # Tokens with KV in a draft model's pool (draft_model.py): it lags
+        # num_computed and is never ahead of it after a step.
+        self.num_draft_computed = grow(get("num_draft_computed"), (rows,), np.int64)
         self.num_blocks = grow(get("num_blocks"), (rows,), np.int64)
         self.num_output = grow(get("num_output"), (rows,), np.int64)  # generated tokens: the seeded position
         self.handle = grow(get("handle"), (rows,), np.int64)
@@ -144,6 +147,7 @@ class RequestRows:
         self.token_ids[row, :n] = token_ids
         self.block_table_host[row, :nb] = block_ids
         self.num_tokens[row], self.num_computed[row], self.num_blocks[row] = n, num_computed, nb
+        self.num_draft_computed[row] = 0  # whatever its blocks hold, the draft model recomputes
         self.num_output[row], self.handle[row] = num_output, handle
         self.temperature[row], self.top_p[row], self.top_k[row] = sampling.temperature, sampling.top_p, sampling.top_k
         self.seeded[row] = sampling.seed is not None

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.step.batch import step_inputs
 from executor_svc.step.compiled_decode import STEPS as COMPILED_STEPS
 from executor_svc.step.compiled_decode import CompiledDecode
 from executor_svc.step.constraints import ConstraintMatchers, MaskJob
@@ -25,7 +26,6 @@ from executor_svc.step.host_kv import HostKVPool, SwapResult
 from executor_svc.step.host_memory import retain_freed_memory, to_device
 from executor_svc.step.kv_cache import KVCachePool
 from executor_svc.step.logits_processors import LogitsProcessors
-from executor_svc.step.ngram import propose
 from executor_svc.model.model import CausalLM
 from executor_svc.model.pooling import Pooling
 from executor_svc.step.request_rows import PlanError, RequestRows
@@ -107,6 +107,14 @@ NO_LOGPROBS = (0.0, [], [])
 Verified = tuple[int, list[int], list | None]
 
 
+class FromRank0:
+    """The proposer of a tensor-parallel rank other than 0: rank 0 proposes
+    and shares its drafts (ModelRunner._propose)."""
+
+    def propose(self, r, rows, counts):
+        raise RuntimeError("only rank 0 proposes drafts")
+
+
 @dataclass(slots=True)
 class StepResult:
     step_id: int
@@ -144,15 +152,15 @@ class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
                  fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False,
                  torch_compile: bool = False, tp=None, constraints: ConstraintMatchers | None = None,
-                 host_kv: HostKVPool | None = None, pooling: Pooling | None = None,
-                 ngram: tuple[int, int] | None = None):
+                 host_kv: HostKVPool | None = None, pooling: Pooling | None = None, proposer=None):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
         # How embedding requests pool (pooling.py); None: the checkpoint has
         # no pooling config, and the scheduler sends none.
         self.pooling = pooling
-        # Speculative decoding's n-gram window (min, max), or None when the
-        # executor does not speculate (a plan with drafts then fails).
-        self.ngram = ngram
+        # Speculative decoding's proposer (NgramProposer, DraftModel; under
+        # tensor parallelism, FromRank0 on the other ranks), or None when
+        # the executor does not speculate (a plan with drafts then fails).
+        self.proposer = proposer
         # The host KV tier (host_kv.py); None when EXECUTOR_HOST_KV_CACHE_MEMORY_MB is 0.
         self.host_kv = host_kv
         # Constraint matchers of constrained requests (constraints.py); None
@@ -216,7 +224,7 @@ class ModelRunner:
         counts.extend(step.cached_num_scheduled_tokens)
         drafts = np.zeros(len(scheduled), dtype=np.int64)
         if step.draft_handles:
-            if self.ngram is None:
+            if self.proposer is None:
                 raise PlanError("plan has drafts, but this executor does not speculate")
             at = {h: num_new + i for i, h in enumerate(step.cached_handles)}
             for h, k in zip(step.draft_handles, step.draft_counts):
@@ -224,6 +232,40 @@ class ModelRunner:
                     raise PlanError(f"handle {h}: drafts for a request the plan does not schedule as running")
                 drafts[at[h]] = k
         return np.array(scheduled, dtype=np.int64), np.array(counts, dtype=np.int64), drafts
+
+    def _propose(self, rows: np.ndarray, drafts: np.ndarray, allowed: np.ndarray) -> None:
+        """Each rows[i] (i in allowed) may verify up to drafts[i] drafts; sets
+        drafts[i] to how many the proposer found, cut to what a constrained
+        row's grammar takes (a draft it refuses could never be drawn there),
+        and writes them where the row's next tokens go. Under tensor
+        parallelism rank 0 proposes and shares: every rank must verify the
+        same drafts, and only rank 0 holds the grammars (and a draft model)."""
+        r, at, limits = self.rows, rows[allowed], drafts[allowed]
+        # Shared as each row's count, then its limit's worth of slots.
+        size = len(at) + int(limits.sum())
+        if self.tp is not None and self.tp.rank != 0:
+            flat = np.array(self.tp.share_tokens(None, size), dtype=np.int64)
+            offsets = len(at) + np.cumsum(limits) - limits
+            found = [flat[o:o + k] for o, k in zip(offsets.tolist(), flat[:len(at)].tolist())]
+        else:
+            try:
+                found = self.proposer.propose(r, at, limits)
+                if self.constraints is not None:
+                    found = [f[:self.constraints.num_valid_drafts(int(r.handle[row]), f)] for row, f in zip(at, found)]
+            except Exception:
+                if self.tp is not None:
+                    self.tp.share_tokens(None, size)  # the other ranks fail this step too
+                raise
+            if self.tp is not None:
+                flat = np.zeros(size, dtype=np.int64)
+                flat[:len(at)] = [len(f) for f in found]
+                for o, f in zip((len(at) + np.cumsum(limits) - limits).tolist(), found):
+                    flat[o:o + len(f)] = f
+                self.tp.share_tokens(flat.tolist(), size)
+        for i, row, f in zip(allowed.tolist(), at.tolist(), found):
+            n = int(r.num_tokens[row])
+            r.token_ids[row, n:n + len(f)] = f
+            drafts[i] = len(f)
 
     def _check(self, rows: np.ndarray, q: np.ndarray, start: np.ndarray, end: np.ndarray, drafts: np.ndarray) -> None:
         r = self.rows
@@ -272,40 +314,24 @@ class ModelRunner:
         # steady decode, the block table is a view of the persistent one.
         order = np.argsort(rows, kind="stable")
         rows, q, drafts = rows[order], q[order], drafts[order]
-        r, dev, block_size = self.rows, self.device, self.pool.block_size
+        r, dev = self.rows, self.device
         start = r.num_computed[rows]
         end = start + q
         self._check(rows, q, start, end, drafts)
         allowed = np.flatnonzero(drafts)
-        for i in allowed:
+        if len(allowed):
             # The plan allows drafts[i]; the row verifies what the proposer
             # finds (none: it just decodes). Its positions past them count
             # as not computed, as rejected drafts' do.
-            row, n = int(rows[i]), int(r.num_tokens[rows[i]])
-            found = propose(r.token_ids[row, :n], int(drafts[i]), *self.ngram)
-            if self.constraints is not None:
-                # A draft its grammar refuses could never be drawn there.
-                found = found[:self.constraints.num_valid_drafts(int(r.handle[row]), found)]
-            r.token_ids[row, n:n + len(found)] = found  # where the next tokens will go
-            drafts[i] = len(found)
-            q[i] = 1 + len(found)
+            self._propose(rows, drafts, allowed)
+            q[allowed] = 1 + drafts[allowed]
         end = start + q
         speculates = drafts > 0
 
-        cu = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(q, out=cu[1:])
-        num_tokens = int(cu[-1])
-        if num_tokens == len(rows):  # decode only
-            positions, tok_rows = start, rows  # [num_tokens]
-        else:
-            positions = np.arange(num_tokens) - np.repeat(cu[:-1] - start, q)  # [num_tokens]
-            tok_rows = np.repeat(rows, q)
-        input_ids = r.token_ids.reshape(-1)[tok_rows * r.width + positions]  # [num_tokens] int32
-        if self.fail_on_token >= 0 and (input_ids == self.fail_on_token).any():
+        batch = step_inputs(r, rows, start, q, dev)
+        cu, num_tokens, meta, max_blocks = batch.cu, batch.num_tokens, batch.meta, batch.max_blocks
+        if self.fail_on_token >= 0 and (batch.input_ids == self.fail_on_token).any():
             raise RuntimeError(f"injected fault: batch holds token {self.fail_on_token}")
-        # slot = block_table[row, pos // block_size] * block_size + pos % block_size
-        slots = r.block_table_host.reshape(-1)[tok_rows * r.max_blocks + positions // block_size]
-        slot_mapping = slots.astype(np.int64) * block_size + positions % block_size  # [num_tokens]
         embeds = r.embed[rows]
         # Rows whose outputs read prompt positions: prompt logprobs, pooling.
         reads_prompt = embeds | (r.prompt_logprobs[rows] >= 0)
@@ -326,23 +352,7 @@ class ModelRunner:
             verify_masks = self.constraints.begin(
                 r.handle[verifying].tolist(),
                 [r.token_ids[row, n:n + k].tolist() for row, n, k in zip(verifying, n_known, drafts[speculates])])
-
-        max_blocks = int(-(-end.max() // block_size))
-        first = int(rows[0])
-        if int(rows[-1]) - first + 1 == len(rows):
-            block_tables = r.block_table[first : first + len(rows), :max_blocks]  # [n, max_blocks] view
-        else:
-            block_tables = r.block_table[to_device(rows, dev), :max_blocks]  # [n, max_blocks]
-        meta = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping, dev),
-            cu_query_lens=to_device(cu.astype(np.int32), dev),
-            seq_lens=to_device(end.astype(np.int32), dev),
-            block_tables=block_tables,
-            query_lens_host=q.tolist(),
-            seq_lens_host=end.tolist(),
-        )
-        ids_t = to_device(input_ids.astype(np.int64), dev)
-        positions_t = to_device(positions, dev)
+        ids_t, positions_t = batch.ids, batch.positions
         t1 = time.perf_counter_ns()
 
         logits = None  # rank 0's only, under tensor parallelism
@@ -406,6 +416,9 @@ class ModelRunner:
             tokens += accepted
             if logprobs is not None:
                 logprobs += accepted_logprobs if accepted_logprobs is not None else [NO_LOGPROBS] * m
+        if len(allowed):
+            # A draft model's KV past a row's last accepted draft holds rejected ones.
+            r.num_draft_computed[rows] = np.minimum(r.num_draft_computed[rows], r.num_computed[rows])
         if swaps is not None:
             self.host_kv.finish(swaps)  # long done: the forward waited for them
         t3 = time.perf_counter_ns()

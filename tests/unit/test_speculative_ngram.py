@@ -18,9 +18,9 @@ from llguidance import LLMatcher
 from tokenizers import Tokenizer
 
 from executor_svc.config import ExecutorSettings
-from executor_svc.loading import speculative_ngram
+from executor_svc.loading import check_speculative
 from executor_svc.step.constraints import ConstraintMatchers
-from executor_svc.step.ngram import propose
+from executor_svc.step.ngram import NgramProposer, propose
 from executor_svc.step.runner import NewRequestData, PlanError, StepPlan
 from executor_svc.step.sampler import SamplingSettings
 from gateway_svc import tools
@@ -51,7 +51,7 @@ def test_greedy_verification_yields_the_tokens_plain_decoding_would(stories_path
     """A request decoded by steps of 1 + 3 drafts produces HF's greedy
     tokens, however many drafts each step accepts."""
     runner = make_runner(str(stories_path))
-    runner.ngram = (2, 4)
+    runner.proposer = NgramProposer(2, 4)
     prompt = [1, 403, 407, 261, 378]
     out = runner.execute(StepPlan(0, [NewRequestData(0, prompt, list(range(32)), 0, len(prompt), GREEDY, 0)]))
     tokens, steps = list(out.sampled_token_ids), 1
@@ -89,7 +89,7 @@ def test_a_row_verifies_only_what_the_proposer_found(stories_path):
     just those, and the drafted positions it did not use count as not
     computed."""
     runner = make_runner(str(stories_path))
-    runner.ngram = (1, 1)
+    runner.proposer = NgramProposer(1, 1)
     prompt = [1, 403, 407, 261, 378]  # no token repeats: no match
     runner.execute(StepPlan(0, [NewRequestData(0, prompt, list(range(32)), 0, len(prompt), GREEDY, 0)]))
     plan = dict(cached_handles=[0], cached_num_scheduled_tokens=[4], draft_handles=[0], draft_counts=[3])
@@ -118,13 +118,16 @@ def test_drafts_for_an_executor_that_does_not_speculate_fail_the_plan(stories_pa
     ({"speculative_method": "mtp"}, "EXECUTOR_SPECULATIVE_METHOD=mtp is not implemented yet"),
     ({"speculative_method": "ngram", "speculative_ngram_min": 5, "speculative_ngram_max": 3},
      "EXECUTOR_SPECULATIVE_NGRAM_MIN=5 exceeds"),
-], ids=["method-not-implemented", "window-upside-down"])
+    ({"speculative_method": "draft"}, "EXECUTOR_SPECULATIVE_METHOD=draft needs EXECUTOR_SPECULATIVE_DRAFT_MODEL"),
+    ({"speculative_method": "ngram", "speculative_draft_model": "x"},
+     "EXECUTOR_SPECULATIVE_DRAFT_MODEL is set, but EXECUTOR_SPECULATIVE_METHOD=ngram does not use it"),
+], ids=["method-not-implemented", "window-upside-down", "draft-without-model", "draft-model-without-draft"])
 def test_a_speculative_setting_not_implemented_is_refused_by_name(env, message):
     with pytest.raises(StartupError, match=message):
-        speculative_ngram(ExecutorSettings(**env), True)
-    assert speculative_ngram(ExecutorSettings(), True) is None
+        check_speculative(ExecutorSettings(**env), True)
+    check_speculative(ExecutorSettings(), True)
     with pytest.raises(StartupError, match="no lm_head"):
-        speculative_ngram(ExecutorSettings(speculative_method="ngram"), False)
+        check_speculative(ExecutorSettings(speculative_method="ngram"), False)
 
 
 SAMPLED = SamplingSettings(temperature=1.0, top_p=0.9, top_k=0, seed=1234, logprobs=2)
@@ -150,7 +153,7 @@ def test_a_seeded_sampled_request_yields_the_same_tokens_and_logprobs_with_draft
     use there (seed, output position), so drafts change how many tokens a
     step yields, never which."""
     runner = make_runner(str(stories_path))
-    runner.ngram = (1, 3)
+    runner.proposer = NgramProposer(1, 3)
     prompt = [1, 403, 407, 261, 378, 403, 407, 261]  # a repeat: the proposer drafts from the start
     plain, plain_lps = decode(runner, prompt, SAMPLED, 48, drafts=0)
     spec, spec_lps = decode(runner, prompt, SAMPLED, 48, drafts=3)
@@ -168,7 +171,7 @@ def test_the_first_token_of_a_verify_step_is_drawn_from_the_model_s_distribution
     are the sampler's, tested in test_sampler.py."""
     rows, rounds = 5000, 4
     runner = make_runner(str(stories_path), num_blocks=2 + rows)
-    runner.ngram = (1, 4)
+    runner.proposer = NgramProposer(1, 4)
     # "Lily liked to play. Lily": its last token occurs earlier, so a draft
     # follows, and what comes next is far from certain (top token at 0.2).
     prompt = [1] + Tokenizer.from_file(str(stories_path / "tokenizer.json")).encode("Lily liked to play. Lily").ids
@@ -245,7 +248,7 @@ CONSTRAINED = {
 @pytest.fixture(scope="module")
 def constrained_runner(stories_path):
     runner = make_runner(str(stories_path))
-    runner.ngram = (1, 3)
+    runner.proposer = NgramProposer(1, 3)
     runner.constraints = ConstraintMatchers((stories_path / "tokenizer.json").read_text(), 512, [EOS])
     return runner
 
@@ -318,7 +321,7 @@ def test_drafts_the_grammar_refuses_are_cut_before_the_forward(constrained_runne
     runner.execute(StepPlan(0, [NewRequestData(0, prompt, list(range(64)), 0, len(prompt), GREEDY, 0, grammar)]))
     n = int(runner.rows.num_tokens[0])
     first = runner.rows.token_ids[0, n - 1]
-    proposal = propose(runner.rows.token_ids[0, :n], 4, *runner.ngram)
+    proposal = propose(runner.rows.token_ids[0, :n], 4, runner.proposer.min_n, runner.proposer.max_n)
     ref = LLMatcher(tokenizer, grammar)
     assert ref.consume_token(int(first))
     takes = ref.validate_tokens(proposal.tolist())
@@ -335,7 +338,7 @@ def test_logit_bias_and_min_tokens_apply_at_every_verified_position(stories_path
     yields what plain decoding does, so both apply at each verified
     position as at that output index."""
     runner = make_runner(str(stories_path))
-    runner.ngram = (1, 3)
+    runner.proposer = NgramProposer(1, 3)
     prompt = [1, 403, 407, 261, 378, 403, 407, 261]
     free, _ = decode(runner, prompt, SamplingSettings(0.8, 1.0, 0, seed=7, logprobs=0), 48, drafts=0)
     held = max(set(free), key=free.count)  # its most frequent token
@@ -352,7 +355,7 @@ def test_penalties_count_the_drafts_before_each_verified_position(stories_path):
     drafts before it count as generated (the position stands only if they
     are accepted), and a step's accepted tokens join the request's counts."""
     runner = make_runner(str(stories_path))
-    runner.ngram = (1, 3)
+    runner.proposer = NgramProposer(1, 3)
     penalised = SamplingSettings(0.0, 1.0, 0, None, logprobs=0, frequency_penalty=1.0)
     out = runner.execute(StepPlan(0, [NewRequestData(0, [1, 403, 407], list(range(8)), 0, 3, penalised, 0)]))
     [first] = out.sampled_token_ids
@@ -392,7 +395,7 @@ def test_a_penalised_request_yields_plain_decoding_s_tokens_with_drafts(stories_
     is the exactness check; test_penalties_count_the_drafts_before_each_
     verified_position is the one that sees the drafts counted.)"""
     runner = make_runner(str(stories_path))
-    runner.ngram = (1, 3)
+    runner.proposer = NgramProposer(1, 3)
     prompt = [1, 403, 407, 261, 378, 403, 407, 261]
     settings = SamplingSettings(0.8, 1.0, 0, seed=11, logprobs=0, **penalties)
     plain, _ = decode(runner, prompt, settings, 48, drafts=0)

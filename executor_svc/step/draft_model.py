@@ -1,0 +1,104 @@
+"""Speculative drafts from a second, smaller model with the target's
+tokenizer (EXECUTOR_SPECULATIVE_METHOD=draft, EXECUTOR_SPECULATIVE_DRAFT_MODEL).
+
+Its KV lives in a pool of its own with the target pool's block count and
+block size, addressed through the same block tables: the scheduler's
+blocks cover both models, and it never learns that a draft model exists.
+A row's draft KV holds positions [0, num_draft_computed) and lags the
+target's. A proposal first catches the draft model up over the row's
+tokens since then (the whole prompt the first time; after that the last
+accepted draft and the token the target added after it), which gives the
+first draft, then decodes the rest one position at a time, every
+speculating row batched at each. A re-sent request starts again from 0
+(RequestRows.add), and after a step no row's draft KV runs past its target
+KV (ModelRunner.execute): the positions past its last accepted draft held
+rejected ones.
+
+Blocks shared through the prefix cache get the same draft KV from every
+row that catches up over them (the same tokens at the same positions).
+Nothing the draft model computes can change an output: the target verifies
+every draft, drawing each position as plain decoding would
+(ModelRunner._verify), so stale or wrong draft KV costs acceptance only.
+
+A draft is the draft model's own choice at its position: its argmax for a
+greedy request; for a seeded sampled one, a draw with the uniforms the
+target's draw at that position will use (sampler.py), so that where the two
+models' distributions agree the draws coincide and sampled requests accept
+about as often as greedy ones. Unseeded requests draw from torch's global
+generator, which the draft model cannot anticipate: they draft the argmax.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from executor_svc.attention import AttentionBackend
+from executor_svc.model.model import CausalLM
+from executor_svc.step.batch import step_inputs
+from executor_svc.step.host_memory import to_device
+from executor_svc.step.kv_cache import KVCachePool
+from executor_svc.step.request_rows import RequestRows
+from executor_svc.step.sampler import SamplingBatch, sample
+
+
+class DraftModel:
+    def __init__(self, model: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
+                 target_vocab_size: int):
+        self.model, self.pool, self.backend, self.device = model, pool, backend, device
+        self.kv_caches = pool.layer_caches()
+        # A padded draft vocabulary may hold ids the target has no logit for.
+        self.target_vocab_size = target_vocab_size
+
+    @torch.inference_mode()
+    def propose(self, r: RequestRows, rows: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
+        """counts[i] drafts for each rows[i] (ascending rows of r), written
+        to r.token_ids after its known tokens as they are drawn (each is the
+        next one's input)."""
+        known = r.num_tokens[rows]
+        drawn = np.zeros((len(rows), int(counts.max())), dtype=np.int64)
+        sel = np.arange(len(rows))  # the rows still drafting, as indices into rows
+        start = np.minimum(r.num_draft_computed[rows], known - 1)  # at least the last known token
+        q = known - start
+        for j in range(drawn.shape[1]):
+            at = rows[sel]
+            batch = step_inputs(r, at, start, q, self.device)
+            hidden = self.model(batch.ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+            if batch.num_tokens > len(at):
+                hidden = hidden[to_device(batch.cu[1:] - 1, self.device)]
+            tokens = self._choose(self.model.compute_logits(hidden), r, at, j)
+            drawn[sel, j] = tokens
+            r.token_ids[at, known[sel] + j] = tokens
+            r.num_draft_computed[at] = start + q
+            sel = sel[counts[sel] > j + 1]
+            start, q = known[sel] + j, np.ones(len(sel), dtype=np.int64)
+        out = []
+        for i, k in enumerate(counts.tolist()):
+            d = drawn[i, :k]
+            beyond = np.flatnonzero(d >= self.target_vocab_size)
+            out.append(d[:beyond[0]] if len(beyond) else d)
+        return out
+
+    def _choose(self, logits: torch.Tensor, r: RequestRows, rows: np.ndarray, offset: int) -> np.ndarray:
+        """Each row's draft at output index num_output + offset."""
+        temperature = np.where(r.seeded[rows], r.temperature[rows], 0).astype(np.float32)
+        if not temperature.any():
+            return logits.argmax(dim=-1).cpu().numpy()
+        batch = SamplingBatch.from_arrays(temperature, r.top_p[rows], r.top_k[rows], r.seed[rows], r.seeded[rows],
+                                          r.num_output[rows] + offset, np.zeros(len(rows), dtype=np.int64),
+                                          self.device, logits.shape[-1], min_p=r.min_p[rows])
+        return np.array(sample(logits, batch).token_ids, dtype=np.int64)
+
+
+def vocabulary_mismatch(target_tokenizer_json: str, draft_tokenizer_json: str) -> str | None:
+    """Why a draft model's tokenizer cannot draft for the target's (an id
+    meaning another string in each), or None: the two map every token
+    string, added tokens included, to the same id."""
+    target = Tokenizer.from_str(target_tokenizer_json).get_vocab(with_added_tokens=True)
+    draft = Tokenizer.from_str(draft_tokenizer_json).get_vocab(with_added_tokens=True)
+    if target == draft:
+        return None
+    differ = sum(draft.get(token) != i for token, i in target.items()) + len(draft.keys() - target.keys())
+    return (f"its tokenizer differs from the target's ({differ} of {len(target)} target tokens missing or at "
+            "another id); a draft model must share the target's tokenizer")

@@ -4,6 +4,7 @@ and its model runner."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -16,12 +17,15 @@ from executor_svc.config import ExecutorSettings
 from executor_svc.step.constraints import ConstraintMatchers
 from executor_svc.step.host_kv import HostKVPool, host_pool_num_blocks
 from executor_svc.step.kv_cache import KVCachePool, pool_num_blocks, resolve_kv_cache_dtype
-from executor_svc.model.families import build_model, read_config
+from executor_svc.model.families import build_model, family_of, read_config
+from executor_svc.model.model import build_model as build_model_as
+from executor_svc.model.mtp import mtp_config, mtp_model_class, mtp_tensors
 from executor_svc.model.model_config import ModelConfig
 from executor_svc.model.moe import use_triton_moe
 from executor_svc.model.model import CausalLM
 from executor_svc.step.draft_model import DraftModel, vocabulary_mismatch
 from executor_svc.step.ngram import NgramProposer
+from executor_svc.step.mtp import MTPProposer
 from executor_svc.step.runner import FromRank0, ModelRunner
 from executor_svc.model.sharding import Shard
 from executor_svc.tensor_parallel import TPGroup, join, rank_device
@@ -120,12 +124,15 @@ def load(settings: ExecutorSettings) -> LoadedModel:
                      for layer in model.model.layers)
         log.info("KV cache in %s (EXECUTOR_KV_CACHE_DTYPE=%s): %d of %d layers with checkpoint k/v scales, the "
                  "others 1.0", kv_dtype, settings.kv_cache_dtype, scaled, len(model.model.layers))
-    check_speculative(settings, generates)
+    check_speculative(settings, generates, cfg, ckpt.hf_config, size)
     # Rank 0 alone proposes drafts, and so alone holds a draft model.
     draft = (load_draft_model(settings, ckpt, device, dtype, max_model_len)
              if settings.speculative_method == "draft" and not (tp and tp.rank != 0) else None)
+    mtp = load_mtp(ckpt, cfg, device, dtype, max_model_len) if settings.speculative_method == "mtp" else None
+    # The proposer's KV, if it keeps any, shares the pool's block count and budget.
+    proposer_cfg = draft.cfg if draft is not None else (dataclasses.replace(cfg, num_layers=1) if mtp else None)
     num_blocks = pool_num_blocks(cfg, settings.block_size, kv_dtype, device, settings.num_kv_blocks,
-                                 settings.kv_cache_memory_mb, shard, draft.cfg if draft is not None else None)
+                                 settings.kv_cache_memory_mb, shard, proposer_cfg)
     if tp:
         # One pool for the scheduler: the size every rank can hold.
         num_blocks = tp.min_over_ranks(num_blocks)
@@ -152,6 +159,10 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         draft_pool = KVCachePool(draft.cfg, num_blocks, settings.block_size, device, kv_dtype)
         log.info("draft model's KV pool: %s", draft_pool.describe())
         proposer = DraftModel(draft, draft_pool, backend, device, cfg.vocab_size)
+    elif mtp is not None:
+        mtp_pool = KVCachePool(proposer_cfg, num_blocks, settings.block_size, device, kv_dtype)
+        log.info("multi-token-prediction layer's KV pool: %s", mtp_pool.describe())
+        proposer = MTPProposer(mtp, model, mtp_pool, backend, device)
     elif settings.speculative_method == "off":
         proposer = None
     elif tp and tp.rank != 0:
@@ -177,7 +188,8 @@ def load(settings: ExecutorSettings) -> LoadedModel:
                        loaded_bytes, generates)
 
 
-def check_speculative(settings: ExecutorSettings, generates: bool) -> None:
+def check_speculative(settings: ExecutorSettings, generates: bool, cfg: ModelConfig | None = None,
+                      hf_config: dict | None = None, tp_size: int = 1) -> None:
     """Refuses, by name, a speculative method or combination not implemented."""
     method = settings.speculative_method
     if settings.speculative_draft_model and method != "draft":
@@ -185,9 +197,18 @@ def check_speculative(settings: ExecutorSettings, generates: bool) -> None:
                            "not use it (set EXECUTOR_SPECULATIVE_METHOD=draft)")
     if method == "off":
         return
-    if method not in ("ngram", "draft"):
+    if method not in ("ngram", "draft", "mtp"):
         raise StartupError(f"EXECUTOR_SPECULATIVE_METHOD={method} is not implemented yet (implemented: off, ngram, "
-                           "draft)")
+                           "draft, mtp)")
+    if method == "mtp" and cfg is not None:
+        layers = (hf_config or {}).get("num_nextn_predict_layers") or 0
+        if cfg.family != "deepseek_v3" or layers < 1:
+            raise StartupError(f"EXECUTOR_SPECULATIVE_METHOD=mtp: the checkpoint ({cfg.architecture}, "
+                               f"num_nextn_predict_layers={layers}) ships no multi-token-prediction layer we load "
+                               "(implemented: DeepSeek-V3 and Kimi K2's num_nextn_predict_layers >= 1)")
+        if tp_size > 1:
+            raise StartupError("EXECUTOR_SPECULATIVE_METHOD=mtp is not implemented with "
+                               "EXECUTOR_TENSOR_PARALLEL_SIZE > 1 yet (ngram and draft are)")
     if not generates:
         raise StartupError(f"EXECUTOR_SPECULATIVE_METHOD={method}: the checkpoint has no lm_head and cannot generate")
     if method == "draft" and not settings.speculative_draft_model:
@@ -196,6 +217,24 @@ def check_speculative(settings: ExecutorSettings, generates: bool) -> None:
     if method == "ngram" and settings.speculative_ngram_min > settings.speculative_ngram_max:
         raise StartupError(f"EXECUTOR_SPECULATIVE_NGRAM_MIN={settings.speculative_ngram_min} exceeds "
                            f"EXECUTOR_SPECULATIVE_NGRAM_MAX={settings.speculative_ngram_max}")
+
+
+def load_mtp(ckpt: Checkpoint, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int):
+    """The checkpoint's first multi-token-prediction layer (model/mtp.py),
+    its index num_hidden_layers; further ones (num_nextn_predict_layers > 1)
+    are not loaded: drafts after the first come from the first again, as
+    vLLM and SGLang run DeepSeek-V3's."""
+    fam = family_of(cfg)
+    mtp_cfg = mtp_config(cfg)
+    try:
+        model = build_model_as(mtp_cfg, mtp_tensors(ckpt.lazy_tensors(), cfg.num_layers), max_model_len, device,
+                               dtype, model_cls=mtp_model_class(fam.model_cls), rename=fam.rename)
+    except ValueError as exc:
+        raise StartupError(f"EXECUTOR_SPECULATIVE_METHOD=mtp: multi-token-prediction layer {cfg.num_layers}: {exc}"
+                           ) from None
+    log.info("multi-token-prediction layer %d: %.1f MiB of weights (the embedding and lm_head are the target's)",
+             cfg.num_layers, weight_bytes(model) / 2**20)
+    return model
 
 
 def load_draft_model(settings: ExecutorSettings, target: Checkpoint, device: torch.device, dtype: torch.dtype,

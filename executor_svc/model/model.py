@@ -340,7 +340,9 @@ def set_kv_scales(model: CausalLM, scales: dict[str, LazyTensor]) -> list[str]:
     compressed-tensors' FP8 `kv_cache_scheme` by tensor writes these names
     (quantization.py accepts it). Per-head scales are not implemented and
     are refused."""
-    attention = {f"model.layers.{i}.self_attn": layer.self_attn for i, layer in enumerate(model.model.layers)}
+    layers = model.model.layers  # a ModuleDict by checkpoint index in a multi-token-prediction module (mtp.py)
+    named = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
+    attention = {f"model.layers.{i}.self_attn": layer.self_attn for i, layer in named}
     unknown = []
     for name, tensor in scales.items():
         path, _, key = name.rpartition(".")

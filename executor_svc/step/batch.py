@@ -31,8 +31,10 @@ class StepInputs:
 
 
 def step_inputs(r: RequestRows, rows: np.ndarray, start: np.ndarray, q: np.ndarray,
-                device: torch.device) -> StepInputs:
-    """rows[i] computes q[i] tokens from position start[i]; rows ascending."""
+                device: torch.device, shift: int = 0) -> StepInputs:
+    """rows[i] computes q[i] tokens from position start[i]; rows ascending.
+    With shift, each position's input is the token that many places after
+    it (a multi-token-prediction layer reads the next one)."""
     block_size = r.block_size
     end = start + q
     cu = np.zeros(len(rows) + 1, dtype=np.int64)
@@ -43,7 +45,7 @@ def step_inputs(r: RequestRows, rows: np.ndarray, start: np.ndarray, q: np.ndarr
     else:
         positions = np.arange(num_tokens) - np.repeat(cu[:-1] - start, q)  # [num_tokens]
         tok_rows = np.repeat(rows, q)
-    input_ids = r.token_ids.reshape(-1)[tok_rows * r.width + positions]  # [num_tokens] int32
+    input_ids = r.token_ids.reshape(-1)[tok_rows * r.width + positions + shift]  # [num_tokens] int32
     # slot = block_table[row, pos // block_size] * block_size + pos % block_size
     slots = r.block_table_host.reshape(-1)[tok_rows * r.max_blocks + positions // block_size]
     slot_mapping = slots.astype(np.int64) * block_size + positions % block_size  # [num_tokens]

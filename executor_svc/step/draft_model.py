@@ -67,7 +67,7 @@ class DraftModel:
             hidden = self.model(batch.ids, batch.positions, self.kv_caches, batch.meta, self.backend)
             if batch.num_tokens > len(at):
                 hidden = hidden[to_device(batch.cu[1:] - 1, self.device)]
-            tokens = self._choose(self.model.compute_logits(hidden), r, at, j)
+            tokens = choose_drafts(self.model.compute_logits(hidden), r, at, j, self.device)
             drawn[sel, j] = tokens
             r.token_ids[at, known[sel] + j] = tokens
             r.num_draft_computed[at] = start + q
@@ -80,15 +80,18 @@ class DraftModel:
             out.append(d[:beyond[0]] if len(beyond) else d)
         return out
 
-    def _choose(self, logits: torch.Tensor, r: RequestRows, rows: np.ndarray, offset: int) -> np.ndarray:
-        """Each row's draft at output index num_output + offset."""
-        temperature = np.where(r.seeded[rows], r.temperature[rows], 0).astype(np.float32)
-        if not temperature.any():
-            return logits.argmax(dim=-1).cpu().numpy()
-        batch = SamplingBatch.from_arrays(temperature, r.top_p[rows], r.top_k[rows], r.seed[rows], r.seeded[rows],
-                                          r.num_output[rows] + offset, np.zeros(len(rows), dtype=np.int64),
-                                          self.device, logits.shape[-1], min_p=r.min_p[rows])
-        return np.array(sample(logits, batch).token_ids, dtype=np.int64)
+def choose_drafts(logits: torch.Tensor, r: RequestRows, rows: np.ndarray, offset: int,
+                  device: torch.device) -> np.ndarray:
+    """Each row's draft at output index num_output + offset, from a
+    proposer's logits: the argmax, or for a seeded sampled row the draw the
+    target's own draw there would make from the same logits."""
+    temperature = np.where(r.seeded[rows], r.temperature[rows], 0).astype(np.float32)
+    if not temperature.any():
+        return logits.argmax(dim=-1).cpu().numpy()
+    batch = SamplingBatch.from_arrays(temperature, r.top_p[rows], r.top_k[rows], r.seed[rows], r.seeded[rows],
+                                      r.num_output[rows] + offset, np.zeros(len(rows), dtype=np.int64), device,
+                                      logits.shape[-1], min_p=r.min_p[rows])
+    return np.array(sample(logits, batch).token_ids, dtype=np.int64)
 
 
 def vocabulary_mismatch(target_tokenizer_json: str, draft_tokenizer_json: str) -> str | None:

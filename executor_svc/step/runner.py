@@ -161,6 +161,8 @@ class ModelRunner:
         # tensor parallelism, FromRank0 on the other ranks), or None when
         # the executor does not speculate (a plan with drafts then fails).
         self.proposer = proposer
+        # A proposer that reads every step's hidden states (mtp.py).
+        self.observes = getattr(proposer, "observes", False)
         # The host KV tier (host_kv.py); None when EXECUTOR_HOST_KV_CACHE_MEMORY_MB is 0.
         self.host_kv = host_kv
         # Constraint matchers of constrained requests (constraints.py); None
@@ -211,6 +213,8 @@ class ModelRunner:
                 else:
                     outputs = new.token_ids[len(new.token_ids) - new.num_output_tokens:] if new.num_output_tokens else []
                     constraints.add(new.handle, new.grammar, new.ignore_eos, outputs)
+            if self.observes:
+                self.proposer.forget(row)
             scheduled.append(row)
             counts.append(new.num_scheduled_tokens)
             written.append(flat)
@@ -360,7 +364,9 @@ class ModelRunner:
         embeddings: list[tuple[int, list[float]]] = []
         verified: list[Verified] = []
         verify_errors: list[tuple[int, str]] = []
-        decode_only = num_tokens == len(sample_rows) == len(rows) and not reads_prompt.any()
+        decode_only = (num_tokens == len(sample_rows) == len(rows) and not reads_prompt.any()
+                       and not self.observes)
+        hidden = None
         if self.graphs is not None and decode_only and len(rows) <= self.graphs.max_batch:
             logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
         elif self.compiled is not None and decode_only and self.compiled.fits(len(rows), max_blocks):
@@ -375,9 +381,8 @@ class ModelRunner:
                 verified, verify_errors = self._verify(hidden, rows[speculates], cu[:-1][speculates],
                                                        drafts[speculates], verify_masks)
             if len(sample_rows):
-                if len(sample_rows) < num_tokens:
-                    hidden = hidden[to_device(sample_tokens, dev)]
-                logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
+                last = hidden if len(sample_rows) == num_tokens else hidden[to_device(sample_tokens, dev)]
+                logits = self.model.compute_logits(last)  # [num_sampled, vocab]
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)  # so forward_ns is the forward's time, not its launch
         t2 = time.perf_counter_ns()
@@ -419,6 +424,8 @@ class ModelRunner:
         if len(allowed):
             # A draft model's KV past a row's last accepted draft holds rejected ones.
             r.num_draft_computed[rows] = np.minimum(r.num_draft_computed[rows], r.num_computed[rows])
+        if self.observes and hidden is not None:
+            self.proposer.observe(r, hidden, rows, cu, start)
         if swaps is not None:
             self.host_kv.finish(swaps)  # long done: the forward waited for them
         t3 = time.perf_counter_ns()

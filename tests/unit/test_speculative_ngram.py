@@ -115,7 +115,7 @@ def test_drafts_for_an_executor_that_does_not_speculate_fail_the_plan(stories_pa
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"speculative_method": "mtp"}, "EXECUTOR_SPECULATIVE_METHOD=mtp is not implemented yet"),
+    ({"speculative_method": "eagle3"}, "EXECUTOR_SPECULATIVE_METHOD=eagle3 is not implemented yet"),
     ({"speculative_method": "ngram", "speculative_ngram_min": 5, "speculative_ngram_max": 3},
      "EXECUTOR_SPECULATIVE_NGRAM_MIN=5 exceeds"),
     ({"speculative_method": "draft"}, "EXECUTOR_SPECULATIVE_METHOD=draft needs EXECUTOR_SPECULATIVE_DRAFT_MODEL"),

@@ -9,8 +9,9 @@
   scores + e_score_correction_bias within the topk_group best of n_group
   groups, renormalised, times routed_scaling_factor, plus shared experts.
 
-Multi-token-prediction layers (num_nextn_predict_layers) are not loaded:
-transformers' forward does not run them.
+Multi-token-prediction layers (num_nextn_predict_layers) are not part of
+the decoder: transformers' forward does not run them. Speculative decoding
+loads the first on its own (executor_svc/model/mtp.py).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ FAMILY = Family("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3", "kimi
                 defaults={"rms_norm_eps": 1e-6, "max_position_embeddings": 4096},
                 ignored=MOE_IGNORED | {
                     "num_nextn_predict_layers": "multi-token-prediction layers: not run by transformers' forward "
-                                                "(their weights are skipped)",
+                                                "(their weights are skipped, unless EXECUTOR_SPECULATIVE_METHOD=mtp "
+                                                "loads the first)",
                     "num_mtp_layers": "multi-token-prediction layers: not run by transformers' forward",
                     "aux_loss_alpha": ROUTER_TRAINING,
                     "seq_aux": ROUTER_TRAINING,

@@ -105,7 +105,7 @@ class ExecutorSettings(BaseSettings):
         "verified position masked by it), each verified position drawing as plain decoding would there. "
         "`draft` proposes with a smaller model (`EXECUTOR_SPECULATIVE_DRAFT_MODEL`) that shares the target's "
         "tokenizer, with its own KV pool of as many blocks; `mtp` with the checkpoint's own multi-token-prediction "
-        "layer (DeepSeek-V3 and Kimi K2's `num_nextn_predict_layers`; one device). `eagle3` is not implemented yet "
+        "layer (DeepSeek-V3 and Kimi K2's `num_nextn_predict_layers`). `eagle3` is not implemented yet "
         "and is refused.")
     speculative_tokens: int = Field(
         default=4, ge=1, le=16, description="Most drafts per request per step (the scheduler chooses fewer, or "

@@ -124,13 +124,15 @@ def load(settings: ExecutorSettings) -> LoadedModel:
                      for layer in model.model.layers)
         log.info("KV cache in %s (EXECUTOR_KV_CACHE_DTYPE=%s): %d of %d layers with checkpoint k/v scales, the "
                  "others 1.0", kv_dtype, settings.kv_cache_dtype, scaled, len(model.model.layers))
-    check_speculative(settings, generates, cfg, ckpt.hf_config, size)
+    check_speculative(settings, generates, cfg, ckpt.hf_config)
     # Rank 0 alone proposes drafts, and so alone holds a draft model.
     draft = (load_draft_model(settings, ckpt, device, dtype, max_model_len)
              if settings.speculative_method == "draft" and not (tp and tp.rank != 0) else None)
-    mtp = load_mtp(ckpt, cfg, device, dtype, max_model_len) if settings.speculative_method == "mtp" else None
+    mtp = (load_mtp(ckpt, cfg, device, dtype, max_model_len, shard, tp)
+           if settings.speculative_method == "mtp" else None)
     # The proposer's KV, if it keeps any, shares the pool's block count and budget.
-    proposer_cfg = draft.cfg if draft is not None else (dataclasses.replace(cfg, num_layers=1) if mtp else None)
+    proposer_cfg = (draft.cfg if draft is not None
+                    else dataclasses.replace(cfg, num_layers=1) if mtp is not None else None)
     num_blocks = pool_num_blocks(cfg, settings.block_size, kv_dtype, device, settings.num_kv_blocks,
                                  settings.kv_cache_memory_mb, shard, proposer_cfg)
     if tp:
@@ -160,9 +162,9 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         log.info("draft model's KV pool: %s", draft_pool.describe())
         proposer = DraftModel(draft, draft_pool, backend, device, cfg.vocab_size)
     elif mtp is not None:
-        mtp_pool = KVCachePool(proposer_cfg, num_blocks, settings.block_size, device, kv_dtype)
+        mtp_pool = KVCachePool(proposer_cfg, num_blocks, settings.block_size, device, kv_dtype, shard)
         log.info("multi-token-prediction layer's KV pool: %s", mtp_pool.describe())
-        proposer = MTPProposer(mtp, model, mtp_pool, backend, device)
+        proposer = MTPProposer(mtp, model, mtp_pool, backend, device, tp)
     elif settings.speculative_method == "off":
         proposer = None
     elif tp and tp.rank != 0:
@@ -189,7 +191,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
 
 
 def check_speculative(settings: ExecutorSettings, generates: bool, cfg: ModelConfig | None = None,
-                      hf_config: dict | None = None, tp_size: int = 1) -> None:
+                      hf_config: dict | None = None) -> None:
     """Refuses, by name, a speculative method or combination not implemented."""
     method = settings.speculative_method
     if settings.speculative_draft_model and method != "draft":
@@ -206,9 +208,7 @@ def check_speculative(settings: ExecutorSettings, generates: bool, cfg: ModelCon
             raise StartupError(f"EXECUTOR_SPECULATIVE_METHOD=mtp: the checkpoint ({cfg.architecture}, "
                                f"num_nextn_predict_layers={layers}) ships no multi-token-prediction layer we load "
                                "(implemented: DeepSeek-V3 and Kimi K2's num_nextn_predict_layers >= 1)")
-        if tp_size > 1:
-            raise StartupError("EXECUTOR_SPECULATIVE_METHOD=mtp is not implemented with "
-                               "EXECUTOR_TENSOR_PARALLEL_SIZE > 1 yet (ngram and draft are)")
+
     if not generates:
         raise StartupError(f"EXECUTOR_SPECULATIVE_METHOD={method}: the checkpoint has no lm_head and cannot generate")
     if method == "draft" and not settings.speculative_draft_model:
@@ -219,7 +219,8 @@ def check_speculative(settings: ExecutorSettings, generates: bool, cfg: ModelCon
                            f"EXECUTOR_SPECULATIVE_NGRAM_MAX={settings.speculative_ngram_max}")
 
 
-def load_mtp(ckpt: Checkpoint, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int):
+def load_mtp(ckpt: Checkpoint, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
+             shard: Shard, tp: TPGroup | None):
     """The checkpoint's first multi-token-prediction layer (model/mtp.py),
     its index num_hidden_layers; further ones (num_nextn_predict_layers > 1)
     are not loaded: drafts after the first come from the first again, as
@@ -228,7 +229,7 @@ def load_mtp(ckpt: Checkpoint, cfg: ModelConfig, device: torch.device, dtype: to
     mtp_cfg = mtp_config(cfg)
     try:
         model = build_model_as(mtp_cfg, mtp_tensors(ckpt.lazy_tensors(), cfg.num_layers), max_model_len, device,
-                               dtype, model_cls=mtp_model_class(fam.model_cls), rename=fam.rename)
+                               dtype, shard, tp, model_cls=mtp_model_class(fam.model_cls), rename=fam.rename)
     except ValueError as exc:
         raise StartupError(f"EXECUTOR_SPECULATIVE_METHOD=mtp: multi-token-prediction layer {cfg.num_layers}: {exc}"
                            ) from None

@@ -18,8 +18,9 @@ from llmsched.launch import free_port
 BLOCK = 4
 
 
-def settings_for(model: str, size: int, drafts: int = 0, draft_model: str = "") -> ExecutorSettings:
-    speculative = {"speculative_method": "draft" if draft_model else "ngram", "speculative_tokens": drafts,
+def settings_for(model: str, size: int, drafts: int = 0, method: str = "ngram", draft_model: str = ""
+                 ) -> ExecutorSettings:
+    speculative = {"speculative_method": method, "speculative_tokens": drafts,
                    "speculative_draft_model": draft_model} if drafts else {}
     return ExecutorSettings(model=model, tensor_parallel_size=size, tensor_parallel_timeout_s=60, device="cpu",
                             dtype="float32", attention_backend="torch", block_size=BLOCK, num_kv_blocks=512,
@@ -27,14 +28,14 @@ def settings_for(model: str, size: int, drafts: int = 0, draft_model: str = "") 
 
 
 def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_new: int, chunk: int, results,
-                     drafts: int = 0, draft_model: str = "") -> None:
+                     drafts: int = 0, method: str = "ngram", draft_model: str = "") -> None:
     from executor_svc.loading import load
     from tests.unit.test_runner_vs_hf import generate
 
     if size > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-    loaded = load(settings_for(model, size, drafts, draft_model))
+    loaded = load(settings_for(model, size, drafts, method, draft_model))
     logits: list[np.ndarray] = []
     compute = loaded.runner.model.compute_logits
 
@@ -56,10 +57,10 @@ def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_n
 
 
 def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_s: float = 240.0, drafts: int = 0,
-              draft_model: str = ""):
+              method: str = "ngram", draft_model: str = ""):
     """(tokens per prompt, logits per step, steps) from rank 0 of a group of
-    `size`; with drafts, every rank speculates up to that many (n-gram, or
-    with draft_model, rank 0's draft model)."""
+    `size`; with drafts, every rank speculates up to that many, by
+    EXECUTOR_SPECULATIVE_METHOD=method (draft: with draft_model)."""
     ctx = multiprocessing.get_context("forkserver")
     # Each rank is forked from a server that has already imported torch and
     # the executor (about 2 s of CPU a rank, 30-odd ranks in the suite);
@@ -68,7 +69,7 @@ def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=generate_on_rank, args=(model, size, r, port, prompts, max_new, chunk, results, drafts,
-                                                             draft_model))
+                                                             method, draft_model))
              for r in range(size)]
     for p in procs:
         p.start()

@@ -51,8 +51,13 @@ class MTPProposer:
     # run eagerly (CUDA graphs and the compiled decode step return logits only).
     observes = True
 
-    def __init__(self, mtp, target: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device):
+    def __init__(self, mtp, target: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
+                 tp=None):
         self.mtp, self.target, self.pool, self.backend, self.device = mtp, target, pool, backend, device
+        # Under tensor parallelism every rank runs the layer (it is sharded
+        # as the target's are) on the same inputs; rank 0 alone has logits,
+        # draws, and shares each draw so the next input is everyone's.
+        self.tp = tp
         self.cache = pool.layer_caches()[0]
         self.first: dict[int, FirstDraft] = {}  # by row
 
@@ -81,7 +86,7 @@ class MTPProposer:
         if not len(ready):
             return
         last = out[to_device(batch.cu[1:][ready] - 1, self.device)]
-        drafts = choose_drafts(self.mtp.compute_logits(self.target, last), r, at[ready], 0, self.device)
+        drafts = self._choose(self.mtp.compute_logits(self.target, last), r, at[ready], 0)
         for i, row in enumerate(at[ready].tolist()):
             self.first[row] = FirstDraft(int(r.num_tokens[row]), int(drafts[i]), last[i])
 
@@ -109,9 +114,22 @@ class MTPProposer:
             sub_t = to_device(sub, self.device)
             h = self.mtp.predict(self.target, batch.ids, batch.positions, previous[sub_t], self.cache, batch.meta,
                                  self.backend)
-            drawn[sub, j] = choose_drafts(self.mtp.compute_logits(self.target, h), r, at[sub], j, self.device)
+            drawn[sub, j] = self._choose(self.mtp.compute_logits(self.target, h), r, at[sub], j)
             r.token_ids[at[sub], n[sub] + j] = drawn[sub, j]
             previous[sub_t] = h
         for j, (i, kk) in enumerate(zip(sel.tolist(), k.tolist())):
             out[i] = drawn[j, :kk]
         return out
+
+    def _choose(self, logits: torch.Tensor | None, r: RequestRows, rows: np.ndarray, offset: int) -> np.ndarray:
+        if self.tp is None:
+            return choose_drafts(logits, r, rows, offset, self.device)
+        if self.tp.rank != 0:
+            return np.array(self.tp.share_tokens(None, len(rows)), dtype=np.int64)
+        try:
+            drafts = choose_drafts(logits, r, rows, offset, self.device)
+        except Exception:
+            self.tp.share_tokens(None, len(rows))  # the other ranks fail this step too
+            raise
+        self.tp.share_tokens(drafts.tolist(), len(rows))
+        return drafts

@@ -243,11 +243,14 @@ class ModelRunner:
         row's grammar takes (a draft it refuses could never be drawn there),
         and writes them where the row's next tokens go. Under tensor
         parallelism rank 0 proposes and shares: every rank must verify the
-        same drafts, and only rank 0 holds the grammars (and a draft model)."""
+        same drafts, and only rank 0 holds the grammars (and a draft model;
+        an MTP layer is sharded, so every rank runs it, and rank 0 draws)."""
         r, at, limits = self.rows, rows[allowed], drafts[allowed]
         # Shared as each row's count, then its limit's worth of slots.
         size = len(at) + int(limits.sum())
         if self.tp is not None and self.tp.rank != 0:
+            if self.observes:
+                self.proposer.propose(r, at, limits)  # its layer is sharded: every rank runs it
             flat = np.array(self.tp.share_tokens(None, size), dtype=np.int64)
             offsets = len(at) + np.cumsum(limits) - limits
             found = [flat[o:o + k] for o, k in zip(offsets.tolist(), flat[:len(at)].tolist())]

@@ -207,7 +207,7 @@ def test_a_started_executor_sizes_the_draft_pool_with_the_target_pool(stories_pa
 def test_a_draft_model_at_tp2_equals_hf(stories_path):
     """Rank 0 alone holds the draft model; it proposes and shares the
     drafts, and both ranks verify them alike."""
-    tokens, _, steps = tp_ranks.run_group(str(stories_path), 2, PROMPTS, MAX_NEW, 64, drafts=K,
+    tokens, _, steps = tp_ranks.run_group(str(stories_path), 2, PROMPTS, MAX_NEW, 64, drafts=K, method="draft",
                                           draft_model=str(stories_path))
     for prompt, got in zip(PROMPTS, tokens):
         assert got[:MAX_NEW] == hf_greedy(str(stories_path), prompt, MAX_NEW, ignore_eos=True), prompt

@@ -25,7 +25,7 @@ from executor_svc.loading import load
 from executor_svc.step.mtp import MTPProposer
 from executor_svc.step.runner import NewRequestData, StepPlan
 from llmsched.errors import StartupError
-from tests import families
+from tests import families, tp_ranks
 from tests.families import CASES, make_checkpoint
 from tests.unit.test_runner_vs_hf import GREEDY, generate
 
@@ -157,3 +157,14 @@ def test_mtp_drafts_only_for_rows_whose_last_step_reached_their_last_token(mtp_c
     prompt = families.prompts(1, min_len=12, max_len=12)[0]
     runner.execute(StepPlan(0, [NewRequestData(0, prompt, list(range(8)), 0, 6, GREEDY, 0)]))
     assert runner.proposer.propose(runner.rows, np.array([0]), np.array([K]))[0].tolist() == []
+
+
+def test_mtp_at_tp2_equals_hf(mtp_checkpoint):
+    """The MTP layer is sharded like the target's layers: both ranks run
+    it, rank 0 draws every draft and shares it, both verify the same."""
+    prompts = families.prompts(2, min_len=6, max_len=14)
+    tokens, _, _ = tp_ranks.run_group(mtp_checkpoint, 2, prompts, 12, 5, drafts=K, method="mtp")
+    for prompt, got in zip(prompts, tokens):
+        want = families.hf_greedy(mtp_checkpoint, prompt, 12)
+        assert want.min_margin > MIN_MARGIN, f"HF's top-2 logits come within {want.min_margin:.2g}: a near tie"
+        assert got[:12] == want.tokens, f"prompt {prompt}: greedy output with MTP drafts at TP=2 differs from HF"

@@ -198,16 +198,19 @@ def _run_pair(s: Setup) -> int:
     """--speculative K: the same work on a stack that speculates and one
     that does not, both launched, in --rounds rounds of alternating order."""
     from bench.server_metrics import scrape, speculative_acceptance
-    from bench.stack_pair import NAMES, launch_pair, round_order, start_pair, stop_pair
+    from bench.stack_pair import launch_pair, names, round_order, start_pair, stop_pair
 
     args = s.args
-    pair = launch_pair({"EXECUTOR_MODEL": args.model, **s.executor_env}, s.scheduler_env, args.speculative)
-    log_paths = {spec: s.stem.with_name(f"{s.stem.name}.{NAMES[spec]}.services.log") for spec in pair}
+    method = args.speculative_method
+    stack_names = names(method)
+    pair = launch_pair({"EXECUTOR_MODEL": args.model, **s.executor_env}, s.scheduler_env, args.speculative, method,
+                       args.draft_model or "")
+    log_paths = {spec: s.stem.with_name(f"{s.stem.name}.{stack_names[spec]}.services.log") for spec in pair}
     log_files = {spec: path.open("w") for spec, path in log_paths.items()}
     for spec, services in pair.items():
         services.stdout = log_files[spec]
     _say(f"launching two stacks of executor + scheduler ({args.model}), one speculating "
-         f"(ngram, K={args.speculative}); logs in {log_paths[False]} and {log_paths[True]}")
+         f"({method}, K={args.speculative}); logs in {log_paths[False]} and {log_paths[True]}")
     runs: list[tuple[int, str, RunResult]] = []
     try:
         try:
@@ -235,26 +238,26 @@ def _run_pair(s: Setup) -> int:
         for r in range(args.rounds):
             for spec in round_order(r):
                 run = _timed_run(s, work, address[spec], None, served, None, tag=f"bench-{os.getpid()}-r{r}",
-                                 desc=f"{NAMES[spec]} round {r}")
-                runs.append((r, NAMES[spec], run))
+                                 desc=f"{stack_names[spec]} round {r}")
+                runs.append((r, stack_names[spec], run))
                 figures = pair_figures(summarize(run))
-                _say(f"round {r} {NAMES[spec]}: {figures['output_throughput']:.1f} output tok/s, "
+                _say(f"round {r} {stack_names[spec]}: {figures['output_throughput']:.1f} output tok/s, "
                      f"{figures['ms_per_output_token']:.2f} ms/token")
         acceptance = speculative_acceptance(spec_before, scrape(pair[True].scheduler_metrics_port))
-        after = {NAMES[spec]: asyncio.run(drained_server_info(address[spec])) for spec in pair}
+        after = {stack_names[spec]: asyncio.run(drained_server_info(address[spec])) for spec in pair}
     finally:
         stop_pair(pair)
         for f in log_files.values():
             f.close()
 
-    record = speculative_record(runs, acceptance, sources_equal)
+    record = speculative_record(runs, acceptance, sources_equal, method)
     report = {
         "mode": s.mode,
         "workload": {"name": work.name, **work.params},
         "config": _config(s, None, None),
         "environment": environment(s.num_threads),
         "speculative": {
-            "method": "ngram", "tokens": args.speculative, "rounds": args.rounds, **record,
+            "method": method, "tokens": args.speculative, "rounds": args.rounds, **record,
             "server": {name: {"after": info_dict(info), "drained": drained,
                               "kv_blocks_held_after": info.num_kv_blocks - info.num_free_kv_blocks}
                        for name, (info, drained) in after.items()},

@@ -100,10 +100,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     g = p.add_argument_group("speculative decoding (--launch)")
     g.add_argument("--speculative", type=int, default=None, metavar="K",
-                   help="start two stacks, one with EXECUTOR_SPECULATIVE_METHOD=ngram and "
+                   help="start two stacks, one with EXECUTOR_SPECULATIVE_METHOD=ngram (or --speculative-method) and "
                         "EXECUTOR_SPECULATIVE_TOKENS=K and one without, run the same work on both in --rounds "
                         "rounds, alternating which goes first, and report each, their ratio, the mean acceptance "
                         "length and whether their greedy outputs are identical")
+    g.add_argument("--speculative-method", choices=("ngram", "draft", "mtp"), default="ngram",
+                   help="--speculative: the speculating stack's EXECUTOR_SPECULATIVE_METHOD (default ngram)")
+    g.add_argument("--draft-model", default=None, metavar="CHECKPOINT",
+                   help="--speculative-method draft: the speculating stack's EXECUTOR_SPECULATIVE_DRAFT_MODEL")
     g.add_argument("--rounds", type=int, default=None, help="--speculative: rounds (3)")
 
     g = p.add_argument_group("output")
@@ -163,7 +167,11 @@ def _check_speculative(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.speculative is None:
         if args.rounds is not None:
             p.error("--rounds is for --speculative only")
+        if args.speculative_method != "ngram" or args.draft_model:
+            p.error("--speculative-method and --draft-model choose the speculating stack of --speculative K")
         return
+    if (args.speculative_method == "draft") != bool(args.draft_model):
+        p.error("--draft-model goes with --speculative-method draft, and that method needs it")
     if args.speculative < 1:
         p.error(f"--speculative K: K must be at least 1, got {args.speculative}")
     if not args.launch:

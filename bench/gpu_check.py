@@ -27,7 +27,13 @@
 9. speculative decoding end to end (python -m bench --workload copy
    --speculative 4, bench-small, Triton): the copy workload's single
    stream with n-gram drafts and without, one round each: the ratio, the
-   mean acceptance length and whether the greedy outputs are equal.
+   mean acceptance length and whether the greedy outputs are equal;
+10. the same with DeepSeek-V3's multi-token-prediction layer
+   (python -m bench.mtp_deepseek, Triton): a random DeepSeek-V3 at part 8's
+   shape saved with one MTP layer, K=2. Its MTP weights are random, so
+   this checks the path on the GPU (greedy outputs equal, the MTP latent
+   pool under the Triton MLA kernels) and what an MTP step costs, not a
+   trained layer's acceptance.
 
 Each part has its own time limit, so one that hangs cannot eat the others'
 time; summary.json records what each part did. Exits 2 at once, saying so,
@@ -54,10 +60,13 @@ REPO = Path(__file__).resolve().parents[1]
 # The speculative run's 45 s (two launches, 8 copy prompts built on each,
 # one round of 8 x 100 tokens on each; estimated, not measured) took 15 s
 # from pytest_gpu, 10 s from each bench-small end-to-end run, and 5 s each
-# from the calibration and the FP8 DeepSeek run.
-LIMITS = {"pytest_gpu": 115, "kernels_p8": 75, "e2e_graphs_auto": 50, "e2e_graphs_off": 50,
+# from the calibration and the FP8 DeepSeek run. The MTP run's 35 s (build
+# ~76M parameters on the host, two launches, shorter copy prompts; also
+# estimated, not measured) took 10 s from pytest_gpu and 5 s each from P8,
+# both bench-small end-to-end runs, the FP8 DeepSeek run and the n-gram run.
+LIMITS = {"pytest_gpu": 105, "kernels_p8": 70, "e2e_graphs_auto": 45, "e2e_graphs_off": 45,
           "tensor_parallel_p13": 50, "moe_mla_kernels": 40, "calibrate_sim": 30, "quant_gemm": 30,
-          "fp8_deepseek_e2e": 55, "speculative_e2e": 45}
+          "fp8_deepseek_e2e": 50, "speculative_e2e": 40, "speculative_mtp_e2e": 35}
 CALIBRATED_PROFILE = "profile_bench-small.json"
 # P13 needs this many devices (one per rank).
 P13_DEVICES = 2
@@ -107,6 +116,10 @@ def parts(out: Path, num_requests: int) -> dict[str, list[str]]:
                             "--speculative", "4", "--rounds", "1", "--executor-env",
                             "EXECUTOR_ATTENTION_BACKEND=triton", "--no-plots", "--no-progress", "--out",
                             str(out / "speculative_e2e.json")],
+        "speculative_mtp_e2e": [sys.executable, "-m", "bench.mtp_deepseek", "--", "--rounds", "1",
+                                "--copy-source-tokens", "60", "--copy-output-tokens", "40", "--executor-env",
+                                "EXECUTOR_ATTENTION_BACKEND=triton", "--no-plots", "--no-progress", "--out",
+                                str(out / "speculative_mtp_e2e.json")],
     }
 
 
@@ -191,14 +204,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu-check: fp8_deepseek_e2e: FP8/bf16 output tok/s {r['ratios']['output_tok_per_s']:.2f}x, "
                   f"weight bytes {r['ratios']['weight_bytes']:.2f}x, greedy tokens identical on "
                   f"{a['identical']} of {a['compared']}")
-    speculative = args.out_dir / "speculative_e2e.json"
-    if speculative.exists():
-        sp = json.loads(speculative.read_text())["speculative"]
-        summary["parts"]["speculative_e2e"].update(
+    for name in ("speculative_e2e", "speculative_mtp_e2e"):
+        if not (args.out_dir / f"{name}.json").exists():
+            continue
+        sp = json.loads((args.out_dir / f"{name}.json").read_text())["speculative"]
+        method = sp.get("method", "ngram")
+        summary["parts"][name].update(
             ratio_output_throughput=sp["ratio_output_throughput"],
-            ms_per_token={name: sp["median"][name]["ms_per_output_token"] for name in ("off", "ngram")},
+            ms_per_token={stack: sp["median"][stack]["ms_per_output_token"] for stack in ("off", method)},
             mean_acceptance_length=sp["acceptance"]["mean_acceptance_length"], greedy_equal=sp["greedy"]["equal"])
-        print(f"gpu-check: speculative_e2e: ngram/off output tok/s {sp['ratio_output_throughput']:.2f}x, mean "
+        print(f"gpu-check: {name}: {method}/off output tok/s {sp['ratio_output_throughput']:.2f}x, mean "
               f"acceptance length {sp['acceptance']['mean_acceptance_length']:.2f}, greedy equal {sp['greedy']['equal']}")
     profile = args.out_dir / CALIBRATED_PROFILE
     if summary["parts"]["calibrate_sim"].get("returncode") == 0 and profile.exists():

@@ -128,32 +128,33 @@ def pair_figures(summary: dict) -> dict:
             "tpot_ms_p50": summary["tpot_ms"]["p50"]}
 
 
-def speculative_record(runs: list[tuple[int, str, RunResult]], acceptance: dict, sources_equal: bool | None) -> dict:
-    """--speculative: each run (round, stack "off" or "ngram") with its
-    figures, summary and requests; each stack's medians over the rounds;
-    ngram / off output throughput; the speculating scheduler's acceptance
-    figures; and the greedy outputs of each round compared between the
-    stacks (sources_equal: whether both generated the same copy prompts,
-    None for other workloads)."""
+def speculative_record(runs: list[tuple[int, str, RunResult]], acceptance: dict, sources_equal: bool | None,
+                       method: str = "ngram") -> dict:
+    """--speculative: each run (round, stack "off" or the method's name)
+    with its figures, summary and requests; each stack's medians over the
+    rounds; speculating / off output throughput; the speculating
+    scheduler's acceptance figures; and the greedy outputs of each round
+    compared between the stacks (sources_equal: whether both generated the
+    same copy prompts, None for other workloads)."""
     records = []
     for r, name, run in runs:
         summary = summarize(run)
         records.append({"round": r, "stack": name, **pair_figures(summary), "summary": summary,
                         "requests": [request_record(x) for x in run.results]})
     median = {name: {f: statistics.median(rec[f] for rec in records if rec["stack"] == name) for f in PAIR_FIGURES}
-              for name in ("off", "ngram")}
-    off, on = median["off"]["output_throughput"], median["ngram"]["output_throughput"]
+              for name in ("off", method)}
+    off, on = median["off"]["output_throughput"], median[method]["output_throughput"]
     return {"runs": records, "median": median, "ratio_output_throughput": on / off if off > 0 else math.nan,
-            "acceptance": acceptance, "greedy": _pair_agreement(runs, sources_equal)}
+            "acceptance": acceptance, "greedy": _pair_agreement(runs, sources_equal, method)}
 
 
-def _pair_agreement(runs: list[tuple[int, str, RunResult]], sources_equal: bool | None) -> dict:
-    """Each round's ngram outputs against the same round's off outputs, on
-    the requests both completed."""
+def _pair_agreement(runs: list[tuple[int, str, RunResult]], sources_equal: bool | None, method: str) -> dict:
+    """Each round's speculating outputs against the same round's off
+    outputs, on the requests both completed."""
     by_run = {(r, name): {x.index: x.output_ids for x in run.results if x.ok} for r, name, run in runs}
     compared, mismatches = 0, []
     for r in sorted({r for r, _, _ in runs}):
-        off, on = by_run[(r, "off")], by_run[(r, "ngram")]
+        off, on = by_run[(r, "off")], by_run[(r, method)]
         both = sorted(off.keys() & on.keys())
         compared += len(both)
         differ = compare_outputs(both, [off[i] for i in both], [on[i] for i in both])
@@ -249,7 +250,8 @@ def format_speculative(report: dict) -> str:
         lines.append(f"{label:<14}" + "".join(f"{_num(f[k], 2 if k == 'ms_per_output_token' else 1):>10}"
                                               for k in PAIR_FIGURES))
 
-    lines.append(f"{' llmsched serving benchmark, speculative (ngram, K=' + str(sp['tokens']) + ') ':=^64}")
+    method = sp["method"]
+    lines.append(f"{' llmsched serving benchmark, speculative (' + method + ', K=' + str(sp['tokens']) + ') ':=^64}")
     concurrency = f", max concurrency {cfg['max_concurrency']}" if cfg["max_concurrency"] else ""
     lines.append(f"{'Workload':<20}{wl['name'] + ' (' + report['mode'] + concurrency + ')':>44}")
     lines.extend(_prompts_note(wl))
@@ -257,9 +259,9 @@ def format_speculative(report: dict) -> str:
     lines.append(f"{'':<14}{'out tok/s':>10}{'ms/token':>10}{'TTFT p50':>10}{'ITL p50':>10}{'TPOT p50':>10}")
     for run in sp["runs"]:
         figures_row(f"r{run['round']} {run['stack']}", run)
-    for name in ("off", "ngram"):
+    for name in ("off", method):
         figures_row(f"median {name}", sp["median"][name])
-    row("ngram / off, output tok/s", _num(sp["ratio_output_throughput"], 2) + "x")
+    row(f"{method} / off, output tok/s", _num(sp["ratio_output_throughput"], 2) + "x")
     row("Mean acceptance length", _num(acc["mean_acceptance_length"], 2))
     row("Drafts accepted / proposed", f"{acc['accepted']:.0f} / {acc['drafted']:.0f}")
     row("Greedy outputs identical on both stacks", f"{greedy['identical']} / {greedy['compared']}")
@@ -273,8 +275,8 @@ def speculative_summary_line(report: dict) -> str:
     """One line to paste: the medians of both stacks, the ratio, the mean
     acceptance length and whether the greedy outputs are identical."""
     sp, wl = report["speculative"], report["workload"]
-    off, on = sp["median"]["off"], sp["median"]["ngram"]
-    return (f"speculative ngram K={sp['tokens']} vs off, {wl['name']} x{len(sp['runs'][0]['requests'])}, "
+    off, on = sp["median"]["off"], sp["median"][sp["method"]]
+    return (f"speculative {sp['method']} K={sp['tokens']} vs off, {wl['name']} x{len(sp['runs'][0]['requests'])}, "
             f"{sp['rounds']} round(s), medians: {_num(off['output_throughput'])} -> {_num(on['output_throughput'])} "
             f"output tok/s ({_num(sp['ratio_output_throughput'], 2)}x), {_num(off['ms_per_output_token'], 2)} -> "
             f"{_num(on['ms_per_output_token'], 2)} ms/token; mean acceptance length "

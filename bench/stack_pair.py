@@ -1,7 +1,7 @@
-"""Two stacks (executor + scheduler) serving one checkpoint, one with n-gram
-speculative decoding and one without, started together and timed in
-alternating order: what `python -m bench --speculative K` and `python -m
-bench.speculative` share."""
+"""Two stacks (executor + scheduler) serving one checkpoint, one with
+speculative decoding (n-gram unless told otherwise) and one without,
+started together and timed in alternating order: what `python -m bench
+--speculative K` and `python -m bench.speculative` share."""
 
 from __future__ import annotations
 
@@ -10,21 +10,26 @@ from concurrent.futures import ThreadPoolExecutor
 
 from llmsched.launch import Services, launch
 
-# The stacks by whether they speculate, as reports and logs name them.
-NAMES = {False: "off", True: "ngram"}
+def names(method: str = "ngram") -> dict[bool, str]:
+    """The stacks by whether they speculate, as reports and logs name them."""
+    return {False: "off", True: method}
 
 
-def speculative_env(tokens: int) -> dict[str, str]:
-    return {"EXECUTOR_SPECULATIVE_METHOD": "ngram", "EXECUTOR_SPECULATIVE_TOKENS": str(tokens)}
+NAMES = names()
 
 
-def launch_pair(executor_env: Mapping[str, str], scheduler_env: Mapping[str, str], tokens: int
-                ) -> dict[bool, Services]:
+def speculative_env(tokens: int, method: str = "ngram", draft_model: str = "") -> dict[str, str]:
+    env = {"EXECUTOR_SPECULATIVE_METHOD": method, "EXECUTOR_SPECULATIVE_TOKENS": str(tokens)}
+    return env | ({"EXECUTOR_SPECULATIVE_DRAFT_MODEL": draft_model} if draft_model else {})
+
+
+def launch_pair(executor_env: Mapping[str, str], scheduler_env: Mapping[str, str], tokens: int,
+                method: str = "ngram", draft_model: str = "") -> dict[bool, Services]:
     """Both stacks, not started yet (the caller may send their logs to a
     file first), keyed by whether they speculate; everything but the
     speculation settings is the same on both."""
-    return {spec: launch(executor_env={**executor_env, **(speculative_env(tokens) if spec else {})},
-                         scheduler_env=scheduler_env)
+    spec_env = speculative_env(tokens, method, draft_model)
+    return {spec: launch(executor_env={**executor_env, **(spec_env if spec else {})}, scheduler_env=scheduler_env)
             for spec in (False, True)}
 
 

@@ -166,15 +166,24 @@ def test_a_gpu_runs_the_copy_workload_speculating_and_summary_carries_the_ratio(
     def run(cmd, **kwargs):
         if "--speculative" in cmd:
             Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"speculative": {
-                "ratio_output_throughput": 1.8, "median": {"off": {"ms_per_output_token": 9.0},
-                                                           "ngram": {"ms_per_output_token": 5.0}},
+                "method": "ngram", "ratio_output_throughput": 1.8,
+                "median": {"off": {"ms_per_output_token": 9.0}, "ngram": {"ms_per_output_token": 5.0}},
                 "acceptance": {"mean_acceptance_length": 2.5}, "greedy": {"equal": True}}}))
+        if "bench.mtp_deepseek" in cmd:
+            Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"speculative": {
+                "method": "mtp", "ratio_output_throughput": 0.7,
+                "median": {"off": {"ms_per_output_token": 9.0}, "mtp": {"ms_per_output_token": 12.0}},
+                "acceptance": {"mean_acceptance_length": 1.0}, "greedy": {"equal": True}}}))
         return real_run(cmd, **kwargs)
 
     monkeypatch.setattr(gpu_check.subprocess, "run", run)
     assert gpu_check.main(["--out-dir", str(tmp_path)]) == 0
     [cmd] = [cmd for cmd in ran if "--speculative" in cmd]
     assert cmd[cmd.index("--workload") + 1] == "copy" and "EXECUTOR_ATTENTION_BACKEND=triton" in cmd
-    part = json.loads((tmp_path / "summary.json").read_text())["parts"]["speculative_e2e"]
+    parts = json.loads((tmp_path / "summary.json").read_text())["parts"]
+    part = parts["speculative_e2e"]
     assert part["ratio_output_throughput"] == 1.8 and part["mean_acceptance_length"] == 2.5 and part["greedy_equal"]
     assert part["ms_per_token"] == {"off": 9.0, "ngram": 5.0}
+    [cmd] = [cmd for cmd in ran if "bench.mtp_deepseek" in cmd]
+    assert "EXECUTOR_ATTENTION_BACKEND=triton" in cmd
+    assert parts["speculative_mtp_e2e"]["ms_per_token"] == {"off": 9.0, "mtp": 12.0}

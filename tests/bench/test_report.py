@@ -125,7 +125,7 @@ def test_speculative_record_compares_each_round_between_the_stacks():
     assert rec["median"]["off"]["output_throughput"] == pytest.approx(3.0)  # 8 and 4 tokens in 2 s
     assert rec["ratio_output_throughput"] == pytest.approx(4.0 / 3.0)
     assert rec["median"]["ngram"]["ms_per_output_token"] == pytest.approx(250.0)
-    report = {"speculative": {"tokens": 4, "rounds": 2, **rec}, "workload": {"name": "mixed"}, "mode": "offline",
+    report = {"speculative": {"method": "ngram", "tokens": 4, "rounds": 2, **rec}, "workload": {"name": "mixed"}, "mode": "offline",
               "config": {"model": "m", "max_concurrency": None}}
     assert "Mean acceptance length" in format_speculative(report) and "1.50" in format_speculative(report)
     assert "greedy outputs identical: False" in speculative_summary_line(report)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from bench.mtp_deepseek import add_mtp_layer
 from executor_svc.config import ExecutorSettings
 from executor_svc.loading import load
 from executor_svc.step.mtp import MTPProposer
@@ -39,28 +39,11 @@ K = 3
 def mtp_checkpoint(tmp_path_factory) -> str:
     """The deepseek-v3 case saved with one more layer, which config.json
     then calls the MTP layer, with the MTP module's own tensors added (and
-    the copies of the embedding and head a real checkpoint carries)."""
+    the copies of the embedding and head a real checkpoint carries:
+    bench.mtp_deepseek.add_mtp_layer)."""
     directory = tmp_path_factory.mktemp("deepseek-mtp")
     deeper = dataclasses.replace(CASE, config=CASE.config | {"num_hidden_layers": LAYERS + 1})
-    make_checkpoint(deeper, directory)
-    config = json.loads((directory / "config.json").read_text())
-    config.update(num_hidden_layers=LAYERS, num_nextn_predict_layers=1)
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    (file,) = directory.glob("*.safetensors")
-    tensors = load_file(file)
-    hidden = config["hidden_size"]
-    g = torch.Generator().manual_seed(5)
-    prefix = f"model.layers.{LAYERS}."
-    tensors |= {
-        prefix + "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
-        prefix + "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
-        prefix + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5,
-        prefix + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
-        prefix + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
-        prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
-    }
-    save_file(tensors, file, metadata={"format": "pt"})
-    return str(directory)
+    return str(add_mtp_layer(make_checkpoint(deeper, directory)))
 
 
 @functools.lru_cache(maxsize=1)

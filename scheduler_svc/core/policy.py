@@ -190,6 +190,14 @@ class Policy:
         served[1] += samples
         self._on_served(req.tenant, prompt, int(samples))
 
+    def charge_accepted_drafts(self, req: Request, num_tokens: int) -> None:
+        """A speculative step, charged one output token when planned, gave
+        req num_tokens more (its accepted drafts): they count as generated,
+        so a tenant whose answers repeat themselves does not get its tokens
+        at a discount."""
+        self.served.setdefault(req.tenant, [0, 0])[1] += num_tokens
+        self._on_served(req.tenant, 0, num_tokens)
+
     def _on_served(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
         pass
 

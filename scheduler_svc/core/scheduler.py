@@ -425,6 +425,8 @@ class Scheduler:
                     self.num_draft_tokens += verified
                     self.num_accepted_tokens += len(tokens) - 1
                     self.accepted_lengths[len(tokens) - 1] += 1
+                if len(tokens) > 1:
+                    self.policy.charge_accepted_drafts(req, len(tokens) - 1)
             for token, logprobs in tokens:
                 req.output_token_ids.append(token)
                 results.append(SampledToken(req, token, logprobs))

@@ -195,6 +195,29 @@ def test_a_recomputed_prompt_and_a_cached_one_are_not_charged_again():
     assert sched.policy.served["B"] == [4, 2]
 
 
+def test_a_speculative_step_charges_every_token_it_yields():
+    """Planned, a speculative step is charged one output token; its result
+    yields 1 + accepted drafts, and the tenant pays for all of them."""
+    sched = fair(speculative_tokens=4, speculative_max_batch=16)
+    req = tenant_request("A", max_tokens=20)
+    sched.add_request(req)
+    run_step(sched)  # the prompt, and its first token
+    before = sched.policy.counters["A"]
+    out = sched.schedule()
+    assert out.draft_counts == [4]
+    sched.update_from_output(out, [(req.handle, t, None) for t in (5, 6, 7)])  # 2 drafts accepted
+    assert sched.policy.served["A"] == [8, 1 + 3]
+    # As much as three plain decode steps of the same request add.
+    plain = fair()
+    same = tenant_request("A", max_tokens=20)
+    plain.add_request(same)
+    run_step(plain)
+    plain_before = plain.policy.counters["A"]
+    for _ in range(3):
+        run_step(plain)
+    assert sched.policy.counters["A"] - before == pytest.approx(plain.policy.counters["A"] - plain_before)
+
+
 # ----- the bound ------------------------------------------------------------------
 
 TENANTS = ["A", "B", "C"]

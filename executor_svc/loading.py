@@ -19,13 +19,13 @@ from executor_svc.step.host_kv import HostKVPool, host_pool_num_blocks
 from executor_svc.step.kv_cache import KVCachePool, pool_num_blocks, resolve_kv_cache_dtype
 from executor_svc.model.families import build_model, family_of, read_config
 from executor_svc.model.model import build_model as build_model_as
-from executor_svc.model.mtp import mtp_config, mtp_model_class, mtp_tensors
+from executor_svc.model.mtp import MTPHead, mtp_config, mtp_model_class, mtp_tensors
 from executor_svc.model.model_config import ModelConfig
 from executor_svc.model.moe import use_triton_moe
 from executor_svc.model.model import CausalLM
 from executor_svc.step.draft_model import DraftModel, vocabulary_mismatch
 from executor_svc.step.ngram import NgramProposer
-from executor_svc.step.mtp import MTPProposer
+from executor_svc.step.head_drafts import HeadProposer
 from executor_svc.step.runner import FromRank0, ModelRunner
 from executor_svc.model.sharding import Shard
 from executor_svc.tensor_parallel import TPGroup, join, rank_device
@@ -164,7 +164,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     elif mtp is not None:
         mtp_pool = KVCachePool(proposer_cfg, num_blocks, settings.block_size, device, kv_dtype, shard)
         log.info("multi-token-prediction layer's KV pool: %s", mtp_pool.describe())
-        proposer = MTPProposer(mtp, model, mtp_pool, backend, device, tp)
+        proposer = HeadProposer(MTPHead(mtp, model), mtp_pool, backend, device, tp)
     elif settings.speculative_method == "off":
         proposer = None
     elif tp and tp.rank != 0:

@@ -1,6 +1,6 @@
 """DeepSeek-V3's multi-token-prediction (MTP) module, loaded from the
 checkpoint that ships it (`num_nextn_predict_layers`: the layers past
-`num_hidden_layers`), for speculative decoding (executor_svc/step/mtp.py).
+`num_hidden_layers`), for speculative decoding (executor_svc/step/head_drafts.py).
 
 One MTP layer at position i reads the target's final (normed) hidden state
 at i and the embedding of token i + 1, each RMS-normed (hnorm, enorm),
@@ -98,3 +98,20 @@ def mtp_tensors(tensors: Iterator[tuple[str, LazyTensor]], index: int) -> Iterat
         m = LAYER.match(name)
         if m and int(m.group(1)) == index and m.group(2) not in SHARED_WITH_TARGET:
             yield name, t
+
+
+class MTPHead:
+    """The MTP layer as a draft head (step/head_drafts.py), bound to the
+    target whose embedding and lm_head it uses."""
+
+    def __init__(self, mtp: CausalLM, target: CausalLM):
+        self.mtp, self.target = mtp, target
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden  # the target's final, normed hidden states
+
+    def predict(self, next_ids, positions, previous, cache, meta, backend) -> torch.Tensor:
+        return self.mtp.predict(self.target, next_ids, positions, previous, cache, meta, backend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.mtp.compute_logits(self.target, hidden)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from bench.mtp_deepseek import add_mtp_layer
 from executor_svc.config import ExecutorSettings
 from executor_svc.loading import load
-from executor_svc.step.mtp import MTPProposer
+from executor_svc.step.head_drafts import HeadProposer
 from executor_svc.step.runner import NewRequestData, StepPlan
 from llmsched.errors import StartupError
 from tests import families, tp_ranks
@@ -99,7 +99,7 @@ def mtp_runner(directory: str, **overrides):
 
 def test_greedy_output_with_mtp_drafts_equals_hf_and_first_drafts_equal_the_reference(mtp_checkpoint):
     runner = mtp_runner(mtp_checkpoint)
-    assert isinstance(runner.proposer, MTPProposer)
+    assert isinstance(runner.proposer, HeadProposer)
     proposer, propose = runner.proposer, runner.proposer.propose
     first_drafts: list[tuple[list[int], int]] = []  # (the row's tokens, its first draft)
 

@@ -1,24 +1,27 @@
-"""Speculative drafts from the checkpoint's own multi-token-prediction
-layer (EXECUTOR_SPECULATIVE_METHOD=mtp; the layer: executor_svc/model/mtp.py).
+"""Speculative drafts from a head that reads the target's hidden states:
+DeepSeek-V3's multi-token-prediction layer (EXECUTOR_SPECULATIVE_METHOD=mtp;
+executor_svc/model/mtp.py) or an EAGLE-3 head (eagle3; model/eagle3.py).
 
-The MTP layer reads the target's hidden states, so it runs beside the
-target rather than on its own. After every step (observe) it computes
-its layer over the positions each row's step left verified, position i
-with token i + 1 (known by then: the prompt's, or the token the step
-sampled or accepted), writing its own latent KV: a one-layer pool with
-the target pool's block count, addressed through the same block tables.
-For each row whose last known token it reached it keeps the first draft
-(read at the last position) and that position's output. A proposal
-(propose) starts from those and runs the layer once per further draft,
-one position ahead each time, on its own previous output in place of the
-target's hidden state, which the target computes only when it verifies;
-the next observe rewrites those positions' KV from the target's.
+Such a head reads the target's hidden states, so it runs beside the target
+rather than on its own. After every step (observe) it computes its layer
+over the positions each row's step left verified, position i with token
+i + 1 (known by then: the prompt's, or the token the step sampled or
+accepted) and the target's features at i (its final normed hidden state
+for MTP, three layers' states fused for EAGLE-3), writing its own KV: a
+one-layer pool with the target pool's block count, addressed through the
+same block tables. For each row whose last known token it reached it keeps
+the first draft (read at the last position) and that position's output. A
+proposal (propose) starts from those and runs the layer once per further
+draft, one position ahead each time, on its own previous output in place
+of the target's features, which the target computes only when it
+verifies; the next observe rewrites those positions' KV from the target's.
 
-A position the MTP layer never computed (a prefix-cache hit on blocks
-that an embedding request or a swap filled, say) leaves stale latent KV
-behind: that costs acceptance only, since the target verifies every
-draft (ModelRunner._verify). Drafts are chosen as a draft model's are
-(draft_model.choose_drafts).
+A position the head never computed (a prefix-cache hit on blocks that an
+embedding request or a swap filled, say) leaves stale KV behind: that
+costs acceptance only, since the target verifies every draft
+(ModelRunner._verify). Drafts are chosen as a draft model's are
+(draft_model.choose_drafts), from the head's logits in the target's
+vocabulary.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import numpy as np
 import torch
 
 from executor_svc.attention import AttentionBackend
-from executor_svc.model.model import CausalLM
 from executor_svc.step.batch import step_inputs
 from executor_svc.step.draft_model import choose_drafts
 from executor_svc.step.host_memory import to_device
@@ -43,20 +45,26 @@ class FirstDraft:
 
     num_tokens: int  # the row's known tokens then: stale once it has more
     draft: int
-    hidden: torch.Tensor  # [hidden]: the MTP layer's output at the row's second-to-last token
+    hidden: torch.Tensor  # [hidden]: the head's output at the row's second-to-last token
 
 
-class MTPProposer:
+class HeadProposer:
+    """head: features(hidden) -> what observe feeds it per position, from
+    the target forward's final hidden states (and what the target captured
+    on the way); predict(next_ids, positions, previous, cache, meta,
+    backend) -> its output per position; compute_logits(output) -> logits
+    over the target's vocabulary (None on tensor-parallel ranks other than 0)."""
+
     # The runner hands every step's hidden states to observe, so its steps
     # run eagerly (CUDA graphs and the compiled decode step return logits only).
     observes = True
 
-    def __init__(self, mtp, target: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
-                 tp=None):
-        self.mtp, self.target, self.pool, self.backend, self.device = mtp, target, pool, backend, device
-        # Under tensor parallelism every rank runs the layer (it is sharded
-        # as the target's are) on the same inputs; rank 0 alone has logits,
-        # draws, and shares each draw so the next input is everyone's.
+    def __init__(self, head, pool: KVCachePool, backend: AttentionBackend, device: torch.device, tp=None):
+        self.head, self.pool, self.backend, self.device = head, pool, backend, device
+        # Under tensor parallelism every rank runs the head (an MTP layer is
+        # sharded as the target's layers are; an EAGLE-3 head is whole on
+        # each) on the same inputs; rank 0 draws, and shares each draw so
+        # the next input is everyone's.
         self.tp = tp
         self.cache = pool.layer_caches()[0]
         self.first: dict[int, FirstDraft] = {}  # by row
@@ -78,15 +86,15 @@ class MTPProposer:
         at, q = rows[keep], q[keep]
         batch = step_inputs(r, at, start[keep], q, self.device, shift=1)
         index = np.repeat(cu[:-1][keep] - batch.cu[:-1], q) + np.arange(batch.num_tokens)
-        previous = hidden if len(index) == len(hidden) else hidden[to_device(index, self.device)]
-        out = self.mtp.predict(self.target, batch.ids, batch.positions, previous, self.cache, batch.meta,
-                               self.backend)
+        features = self.head.features(hidden)
+        previous = features if len(index) == len(features) else features[to_device(index, self.device)]
+        out = self.head.predict(batch.ids, batch.positions, previous, self.cache, batch.meta, self.backend)
         # Rows it brought to their last known token: their first draft.
         ready = np.flatnonzero(verified_end[keep] == r.num_tokens[at] - 1)
         if not len(ready):
             return
         last = out[to_device(batch.cu[1:][ready] - 1, self.device)]
-        drafts = self._choose(self.mtp.compute_logits(self.target, last), r, at[ready], 0)
+        drafts = self._choose(self.head.compute_logits(last), r, at[ready], 0)
         for i, row in enumerate(at[ready].tolist()):
             self.first[row] = FirstDraft(int(r.num_tokens[row]), int(drafts[i]), last[i])
 
@@ -112,9 +120,8 @@ class MTPProposer:
             # Position n - 2 + j reads token n - 1 + j, the draft before.
             batch = step_inputs(r, at[sub], n[sub] - 2 + j, np.ones(len(sub), dtype=np.int64), self.device, shift=1)
             sub_t = to_device(sub, self.device)
-            h = self.mtp.predict(self.target, batch.ids, batch.positions, previous[sub_t], self.cache, batch.meta,
-                                 self.backend)
-            drawn[sub, j] = self._choose(self.mtp.compute_logits(self.target, h), r, at[sub], j)
+            h = self.head.predict(batch.ids, batch.positions, previous[sub_t], self.cache, batch.meta, self.backend)
+            drawn[sub, j] = self._choose(self.head.compute_logits(h), r, at[sub], j)
             r.token_ids[at[sub], n[sub] + j] = drawn[sub, j]
             previous[sub_t] = h
         for j, (i, kk) in enumerate(zip(sel.tolist(), k.tolist())):

@@ -104,10 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "EXECUTOR_SPECULATIVE_TOKENS=K and one without, run the same work on both in --rounds "
                         "rounds, alternating which goes first, and report each, their ratio, the mean acceptance "
                         "length and whether their greedy outputs are identical")
-    g.add_argument("--speculative-method", choices=("ngram", "draft", "mtp"), default="ngram",
+    g.add_argument("--speculative-method", choices=("ngram", "draft", "mtp", "eagle3"), default="ngram",
                    help="--speculative: the speculating stack's EXECUTOR_SPECULATIVE_METHOD (default ngram)")
     g.add_argument("--draft-model", default=None, metavar="CHECKPOINT",
-                   help="--speculative-method draft: the speculating stack's EXECUTOR_SPECULATIVE_DRAFT_MODEL")
+                   help="--speculative-method draft or eagle3: the speculating stack's "
+                        "EXECUTOR_SPECULATIVE_DRAFT_MODEL (the draft model, or the EAGLE-3 head)")
     g.add_argument("--rounds", type=int, default=None, help="--speculative: rounds (3)")
 
     g = p.add_argument_group("output")
@@ -170,8 +171,8 @@ def _check_speculative(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
         if args.speculative_method != "ngram" or args.draft_model:
             p.error("--speculative-method and --draft-model choose the speculating stack of --speculative K")
         return
-    if (args.speculative_method == "draft") != bool(args.draft_model):
-        p.error("--draft-model goes with --speculative-method draft, and that method needs it")
+    if (args.speculative_method in ("draft", "eagle3")) != bool(args.draft_model):
+        p.error("--draft-model goes with --speculative-method draft or eagle3, and those methods need it")
     if args.speculative < 1:
         p.error(f"--speculative K: K must be at least 1, got {args.speculative}")
     if not args.launch:

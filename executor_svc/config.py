@@ -105,8 +105,8 @@ class ExecutorSettings(BaseSettings):
         "verified position masked by it), each verified position drawing as plain decoding would there. "
         "`draft` proposes with a smaller model (`EXECUTOR_SPECULATIVE_DRAFT_MODEL`) that shares the target's "
         "tokenizer, with its own KV pool of as many blocks; `mtp` with the checkpoint's own multi-token-prediction "
-        "layer (DeepSeek-V3 and Kimi K2's `num_nextn_predict_layers`). `eagle3` is not implemented yet "
-        "and is refused.")
+        "layer (DeepSeek-V3 and Kimi K2's `num_nextn_predict_layers`); `eagle3` with an EAGLE-3 head in the "
+        "speculators format (`EXECUTOR_SPECULATIVE_DRAFT_MODEL`), which reads three of the target's layers.")
     speculative_tokens: int = Field(
         default=4, ge=1, le=16, description="Most drafts per request per step (the scheduler chooses fewer, or "
         "none, as the batch grows: `SCHEDULER_SPECULATIVE_MAX_BATCH`).")
@@ -114,7 +114,9 @@ class ExecutorSettings(BaseSettings):
         default="", description="`draft`: the draft model, a checkpoint directory or built-in name as for "
         "`EXECUTOR_MODEL`, whose tokenizer maps every token to the target's ids (refused otherwise). It runs whole on "
         "the device (rank 0's under tensor parallelism), and its KV takes a share of `EXECUTOR_KV_CACHE_MEMORY_MB` "
-        "in proportion to its bytes per token.")
+        "in proportion to its bytes per token. `eagle3`: the EAGLE-3 head's directory (speculators format: "
+        "config.json with `speculators_model_type: eagle3` and its safetensors), whole on every rank, its KV "
+        "likewise from the budget.")
     speculative_ngram_min: int = Field(
         default=2, ge=1, le=16, description="`ngram`: the shortest run of a request's last tokens matched against "
         "its earlier tokens.")

@@ -8,11 +8,15 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from executor_svc.attention import make_backend
-from executor_svc.model.checkpoint import Checkpoint, load_checkpoint
+from executor_svc.model.checkpoint import (Checkpoint, checkpoint_shards, load_checkpoint, read_config_file,
+                                          tensor_names)
+from executor_svc.model.eagle3 import UNUSED as EAGLE3_UNUSED
+from executor_svc.model.eagle3 import Eagle3Head, eagle3_model_class, read_eagle3
 from executor_svc.config import ExecutorSettings
 from executor_svc.step.constraints import ConstraintMatchers
 from executor_svc.step.host_kv import HostKVPool, host_pool_num_blocks
@@ -130,9 +134,12 @@ def load(settings: ExecutorSettings) -> LoadedModel:
              if settings.speculative_method == "draft" and not (tp and tp.rank != 0) else None)
     mtp = (load_mtp(ckpt, cfg, device, dtype, max_model_len, shard, tp)
            if settings.speculative_method == "mtp" else None)
+    eagle3 = (load_eagle3(settings, model, cfg, device, dtype, max_model_len)
+              if settings.speculative_method == "eagle3" else None)
     # The proposer's KV, if it keeps any, shares the pool's block count and budget.
     proposer_cfg = (draft.cfg if draft is not None
-                    else dataclasses.replace(cfg, num_layers=1) if mtp is not None else None)
+                    else dataclasses.replace(cfg, num_layers=1) if mtp is not None
+                    else eagle3.module.cfg if eagle3 is not None else None)
     num_blocks = pool_num_blocks(cfg, settings.block_size, kv_dtype, device, settings.num_kv_blocks,
                                  settings.kv_cache_memory_mb, shard, proposer_cfg)
     if tp:
@@ -161,6 +168,11 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         draft_pool = KVCachePool(draft.cfg, num_blocks, settings.block_size, device, kv_dtype)
         log.info("draft model's KV pool: %s", draft_pool.describe())
         proposer = DraftModel(draft, draft_pool, backend, device, cfg.vocab_size)
+    elif eagle3 is not None:
+        # Whole on every rank: each runs it on the same replicated states.
+        eagle3_pool = KVCachePool(proposer_cfg, num_blocks, settings.block_size, device, kv_dtype)
+        log.info("EAGLE-3 head's KV pool: %s", eagle3_pool.describe())
+        proposer = HeadProposer(eagle3, eagle3_pool, backend, device, tp)
     elif mtp is not None:
         mtp_pool = KVCachePool(proposer_cfg, num_blocks, settings.block_size, device, kv_dtype, shard)
         log.info("multi-token-prediction layer's KV pool: %s", mtp_pool.describe())
@@ -194,14 +206,12 @@ def check_speculative(settings: ExecutorSettings, generates: bool, cfg: ModelCon
                       hf_config: dict | None = None) -> None:
     """Refuses, by name, a speculative method or combination not implemented."""
     method = settings.speculative_method
-    if settings.speculative_draft_model and method != "draft":
+    if settings.speculative_draft_model and method not in ("draft", "eagle3"):
         raise StartupError(f"EXECUTOR_SPECULATIVE_DRAFT_MODEL is set, but EXECUTOR_SPECULATIVE_METHOD={method} does "
-                           "not use it (set EXECUTOR_SPECULATIVE_METHOD=draft)")
+                           "not use it (it is for draft and eagle3)")
     if method == "off":
         return
-    if method not in ("ngram", "draft", "mtp"):
-        raise StartupError(f"EXECUTOR_SPECULATIVE_METHOD={method} is not implemented yet (implemented: off, ngram, "
-                           "draft, mtp)")
+
     if method == "mtp" and cfg is not None:
         layers = (hf_config or {}).get("num_nextn_predict_layers") or 0
         if cfg.family != "deepseek_v3" or layers < 1:
@@ -214,9 +224,59 @@ def check_speculative(settings: ExecutorSettings, generates: bool, cfg: ModelCon
     if method == "draft" and not settings.speculative_draft_model:
         raise StartupError("EXECUTOR_SPECULATIVE_METHOD=draft needs EXECUTOR_SPECULATIVE_DRAFT_MODEL (a checkpoint "
                            "directory or built-in model with the target's tokenizer)")
+    if method == "eagle3" and not settings.speculative_draft_model:
+        raise StartupError("EXECUTOR_SPECULATIVE_METHOD=eagle3 needs EXECUTOR_SPECULATIVE_DRAFT_MODEL (the EAGLE-3 "
+                           "head's directory, in the speculators format)")
     if method == "ngram" and settings.speculative_ngram_min > settings.speculative_ngram_max:
         raise StartupError(f"EXECUTOR_SPECULATIVE_NGRAM_MIN={settings.speculative_ngram_min} exceeds "
                            f"EXECUTOR_SPECULATIVE_NGRAM_MAX={settings.speculative_ngram_max}")
+
+
+def load_eagle3(settings: ExecutorSettings, target: CausalLM, cfg: ModelConfig, device: torch.device,
+                dtype: torch.dtype, max_model_len: int) -> Eagle3Head:
+    """The EAGLE-3 head at EXECUTOR_SPECULATIVE_DRAFT_MODEL (model/eagle3.py),
+    whole on this device, and the target set to keep the layer inputs it
+    reads."""
+    name = settings.speculative_draft_model
+    where = f"EXECUTOR_SPECULATIVE_DRAFT_MODEL={name!r}"
+    path = Path(name)
+    if not path.is_dir():
+        raise StartupError(f"{where}: not a directory (an EAGLE-3 head in the speculators format)")
+    spec = read_eagle3(read_config_file(path / "config.json"), cfg, name)
+    shards = checkpoint_shards(path, "EXECUTOR_SPECULATIVE_DRAFT_MODEL")
+    names = tensor_names(shards)
+    own_embedding = "embed_tokens.weight" in names
+    if not own_embedding and spec.layer.hidden_size != cfg.hidden_size:
+        raise StartupError(f"{where}: ships no embed_tokens, and the target's embedding is {cfg.hidden_size} wide, "
+                           f"the head {spec.layer.hidden_size}")
+    ckpt = Checkpoint(path.name, {}, "", shards=shards)
+    d2t: list[torch.Tensor] = []
+
+    def used():
+        for key, t in ckpt.lazy_tensors():
+            if key == "d2t":
+                d2t.append(t.read().to(torch.int64))
+            elif key not in EAGLE3_UNUSED:
+                yield key, t
+
+    model_cls = eagle3_model_class(spec, cfg.hidden_size, "fc.bias" in names, own_embedding)
+    try:
+        module = build_model_as(spec.layer, used(), max_model_len, device, dtype, model_cls=model_cls)
+    except ValueError as exc:
+        raise StartupError(f"{where}: {exc}") from None
+    if d2t:
+        draft_to_target = torch.arange(spec.draft_vocab_size) + d2t[0]
+    elif spec.draft_vocab_size == cfg.vocab_size:
+        draft_to_target = torch.arange(spec.draft_vocab_size)
+    else:
+        raise StartupError(f"{where}: no d2t, which maps its {spec.draft_vocab_size} draft ids to the target's")
+    if draft_to_target.shape != (spec.draft_vocab_size,) or not (
+            (draft_to_target >= 0) & (draft_to_target < cfg.vocab_size)).all():
+        raise StartupError(f"{where}: d2t maps draft ids outside the target's {cfg.vocab_size} tokens")
+    target.aux_layer_ids = spec.aux_layer_ids
+    log.info("EAGLE-3 head %s: %.1f MiB of weights, reading target layers %s, %d draft tokens", path.name,
+             weight_bytes(module) / 2**20, list(spec.aux_layer_ids), spec.draft_vocab_size)
+    return Eagle3Head(module, target, draft_to_target.to(device))
 
 
 def load_mtp(ckpt: Checkpoint, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,

@@ -95,10 +95,10 @@ class Checkpoint:
         return dict(self.tensors())
 
 
-def _shards(path: Path, setting: str) -> tuple[Path, ...]:
+def checkpoint_shards(path: Path, setting: str) -> tuple[Path, ...]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(_read_config(index)["weight_map"].values()))
+        files = sorted(set(read_config_file(index)["weight_map"].values()))
         return tuple(path / f for f in files)
     shards = tuple(sorted(path.glob("*.safetensors")))
     if not shards:
@@ -119,20 +119,32 @@ def load_checkpoint(model: str, setting: str = "EXECUTOR_MODEL") -> Checkpoint:
         raise StartupError(f"{setting}={model!r} is neither a directory nor a built-in model ({known})")
     # The small files first: a broken checkpoint then fails in a moment,
     # not after gigabytes of weights have loaded.
-    hf_config = _read_config(path / "config.json")
+    hf_config = read_config_file(path / "config.json")
     tokenizer_json = _read_tokenizer(path / "tokenizer.json")
     gen = path / "generation_config.json"
     return Checkpoint(
         name=path.name,
         hf_config=hf_config,
         tokenizer_json=tokenizer_json,
-        generation_config=_read_config(gen) if gen.exists() else None,
-        shards=_shards(path, setting),
+        generation_config=read_config_file(gen) if gen.exists() else None,
+        shards=checkpoint_shards(path, setting),
         pooling=read_pooling(path),
     )
 
 
-def _read_config(file: Path) -> dict:
+def tensor_names(shards: tuple[Path, ...]) -> set[str]:
+    """Every tensor name in the shards, without reading a tensor."""
+    names: set[str] = set()
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                names.update(f.keys())
+        except (SafetensorError, OSError) as exc:
+            raise StartupError(f"{shard}: unreadable safetensors file ({exc})") from None
+    return names
+
+
+def read_config_file(file: Path) -> dict:
     try:
         config = json.loads(file.read_text())
     except FileNotFoundError:

@@ -235,6 +235,9 @@ class CausalLM(nn.Module):
 
     attention_cls: type[nn.Module] = Attention
     layer_cls: type[DecoderLayer] = DecoderLayer
+    # Layers whose input forward keeps in aux_hidden (an EAGLE-3 head reads
+    # them; model/eagle3.py); len(layers) = the last layer's output.
+    aux_layer_ids: tuple[int, ...] = ()
 
     def __init__(self, cfg: ModelConfig, max_len: int, shard: Shard = Shard(), comm=None):
         super().__init__()
@@ -277,8 +280,21 @@ class CausalLM(nn.Module):
             x = x * self.embed_scale
         # per layer type: [num_tokens, 1, rotary_dim] each
         rope = {t: (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for t, (cos, sin) in self.rope.items()}
+        if self.aux_layer_ids:
+            return self._forward_keeping(x, rope, kv_caches, meta, backend)
         for layer, layer_type, cache in zip(self.model.layers, self.cfg.layer_types, kv_caches):
             x = layer(x, *rope[layer_type], cache, meta, backend)
+        return self.model.norm(x)
+
+    def _forward_keeping(self, x, rope, kv_caches, meta, backend) -> torch.Tensor:
+        """forward, keeping the residual stream where aux_layer_ids say."""
+        self.aux_hidden = []
+        for i, (layer, layer_type, cache) in enumerate(zip(self.model.layers, self.cfg.layer_types, kv_caches)):
+            if i in self.aux_layer_ids:
+                self.aux_hidden.append(x)
+            x = layer(x, *rope[layer_type], cache, meta, backend)
+        if len(self.model.layers) in self.aux_layer_ids:
+            self.aux_hidden.append(x)
         return self.model.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -115,13 +115,13 @@ def test_drafts_for_an_executor_that_does_not_speculate_fail_the_plan(stories_pa
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"speculative_method": "eagle3"}, "EXECUTOR_SPECULATIVE_METHOD=eagle3 is not implemented yet"),
+    ({"speculative_method": "eagle3"}, "EXECUTOR_SPECULATIVE_METHOD=eagle3 needs EXECUTOR_SPECULATIVE_DRAFT_MODEL"),
     ({"speculative_method": "ngram", "speculative_ngram_min": 5, "speculative_ngram_max": 3},
      "EXECUTOR_SPECULATIVE_NGRAM_MIN=5 exceeds"),
     ({"speculative_method": "draft"}, "EXECUTOR_SPECULATIVE_METHOD=draft needs EXECUTOR_SPECULATIVE_DRAFT_MODEL"),
     ({"speculative_method": "ngram", "speculative_draft_model": "x"},
      "EXECUTOR_SPECULATIVE_DRAFT_MODEL is set, but EXECUTOR_SPECULATIVE_METHOD=ngram does not use it"),
-], ids=["method-not-implemented", "window-upside-down", "draft-without-model", "draft-model-without-draft"])
+], ids=["eagle3-without-head", "window-upside-down", "draft-without-model", "draft-model-without-draft"])
 def test_a_speculative_setting_not_implemented_is_refused_by_name(env, message):
     with pytest.raises(StartupError, match=message):
         check_speculative(ExecutorSettings(**env), True)

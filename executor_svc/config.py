@@ -123,6 +123,18 @@ class ExecutorSettings(BaseSettings):
     speculative_ngram_max: int = Field(
         default=4, ge=1, le=16, description="`ngram`: the longest run of a request's last tokens matched; longer "
         "matches are tried first.")
+    # Off by default: it pads every GEMM's rows and attends every query in
+    # fixed pieces, which costs throughput (docs/performance.md, P22).
+    batch_invariant: Literal["off", "on"] = Field(
+        default="off", description="`on`: a request's logits and logprobs are bitwise the same whatever else "
+        "shares its steps, however its prompt was chunked and whether its prefix was cached. Every GEMM's rows are "
+        "padded to a multiple of 4 (the row count from which the CPU BLAS sums every row in one order), every "
+        "query token, prefill or decode, attends its keys in fixed 256-position pieces merged in order, decode "
+        "steps run eagerly, and unseeded sampling draws from a stream keyed by the request and the token's "
+        "position. Checked at start-up on the model's own shapes: start-up is refused if the host does not keep "
+        "it. The scheduler learns it in the handshake and then cuts prompt chunks at block boundaries, sized "
+        "independently of load. Refused with `EXECUTOR_TORCH_COMPILE=on` and with `EXECUTOR_SPECULATIVE_METHOD` "
+        "other than `off`. What it guarantees and costs: `docs/batch-invariance.md`.")
     max_logprobs: int = Field(
         default=20, ge=0, le=1024, description="Most top logprobs per token a request may ask for; capped at the "
         "vocabulary size.")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from executor_svc.attention import make_backend
+from executor_svc.model.batch_invariant import ROW_UNIT, make_batch_invariant
 from executor_svc.model.checkpoint import (Checkpoint, checkpoint_shards, load_checkpoint, read_config_file,
                                           tensor_names)
 from executor_svc.model.eagle3 import UNUSED as EAGLE3_UNUSED
@@ -106,6 +107,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     cfg = read_config(ckpt.hf_config, ckpt.generation_config)
     size = settings.tensor_parallel_size
     device = rank_device(settings.device, int(os.environ.get("LOCAL_RANK", "0")) if size > 1 else 0, size)
+    invariant = check_batch_invariant(settings)
     torch_compile = check_torch_compile(settings.torch_compile, device, size, cfg, settings.kv_cache_dtype)
     tp = join(settings, cfg, device)
     _set_threads(settings, device)
@@ -114,6 +116,9 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     max_model_len = settings.max_model_len or cfg.max_position_embeddings
     model = build_model(cfg, ckpt.lazy_tensors(), max_model_len, device, dtype, shard, tp,
                         headless_ok=ckpt.pooling.pooling is not None)
+    if invariant:
+        log.info("batch-invariant mode: %d GEMM layers pad their rows to a multiple of %d",
+                 make_batch_invariant(model), ROW_UNIT)
     generates = model.lm_head is not None
     if not generates:
         # Nothing is ever sampled, so no decode step is captured or compiled.
@@ -153,14 +158,15 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     if tp:
         num_host_blocks = tp.min_over_ranks(num_host_blocks)
     host_kv = HostKVPool(pool, num_host_blocks, device, settings.debug_fail_swap_every) if num_host_blocks else None
-    backend = make_backend(settings.attention_backend, device)
+    backend = make_backend(settings.attention_backend, device, batch_invariant=invariant)
     if backend.name == "triton" and use_triton_moe(model):
         log.info("mixture-of-experts layers run the triton fused-MoE kernel (kernels/fused_moe.py; plain, FP8 "
                  "blocks or MXFP4 experts)")
     elif backend.name == "triton" and cfg.moe is not None:
         log.info("quantized experts run the torch loop through each expert's own quantized linears: the triton "
                  "fused-MoE kernel reads plain, FP8-block and MXFP4 experts only")
-    cuda_graphs = generates and use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
+    # Batch-invariant mode: one eager path for every batch size.
+    cuda_graphs = generates and not invariant and use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
     # Rank 0 alone samples, so it alone keeps constraint matchers.
     constraints = None if tp and tp.rank != 0 else ConstraintMatchers(ckpt.tokenizer_json, cfg.vocab_size,
                                                                        list(cfg.eos_token_ids))
@@ -184,7 +190,8 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     else:
         proposer = NgramProposer(settings.speculative_ngram_min, settings.speculative_ngram_max)
     runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp,
-                       constraints=constraints, host_kv=host_kv, pooling=ckpt.pooling.pooling, proposer=proposer)
+                       constraints=constraints, host_kv=host_kv, pooling=ckpt.pooling.pooling, proposer=proposer,
+                       batch_invariant=invariant)
     try:
         runner = ModelRunner(model, pool, backend, device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
                              **runner_args)
@@ -200,6 +207,26 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         runner = ModelRunner(model, pool, backend, device, **runner_args)
     return LoadedModel(ckpt, cfg, device, dtype, max_model_len, pool, host_kv, runner, cuda_graphs, torch_compile, tp,
                        loaded_bytes, generates)
+
+
+def check_batch_invariant(settings: ExecutorSettings) -> bool:
+    """Whether EXECUTOR_BATCH_INVARIANT is on; a combination it cannot keep
+    invariant is refused by name."""
+    if settings.batch_invariant == "off":
+        return False
+    if settings.torch_compile != "off":
+        raise StartupError("EXECUTOR_BATCH_INVARIANT=on runs every step eagerly; it cannot be combined with "
+                           "EXECUTOR_TORCH_COMPILE=on (the compiled decode step is a second, batch-size-dependent "
+                           "path): set EXECUTOR_TORCH_COMPILE=off")
+    if settings.speculative_method != "off":
+        raise StartupError(f"EXECUTOR_BATCH_INVARIANT=on is not implemented with EXECUTOR_SPECULATIVE_METHOD="
+                           f"{settings.speculative_method} (a verified draft is computed in a multi-token step, "
+                           "plain decoding in a one-token step); supported: EXECUTOR_SPECULATIVE_METHOD=off")
+    if settings.tensor_parallel_size > 2:
+        raise StartupError(f"EXECUTOR_BATCH_INVARIANT=on supports EXECUTOR_TENSOR_PARALLEL_SIZE 1 or 2, not "
+                           f"{settings.tensor_parallel_size}: with more ranks the all-reduce's order of summation "
+                           "depends on the message size, hence on the batch (two terms sum the same either way)")
+    return True
 
 
 def check_speculative(settings: ExecutorSettings, generates: bool, cfg: ModelConfig | None = None,

@@ -311,9 +311,15 @@ def fused_moe(
     b13: torch.Tensor | None = None,  # [num_experts, 2 * inter]
     b2: torch.Tensor | None = None,  # [num_experts, hidden]
     block_m: int = 16,
+    ordered_combine: bool = False,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """Triton version of ``kernels.reference.fused_moe``; w13 and w2 are plain
-    tensors in x's dtype or QuantizedExperts (on the dequantized weights)."""
+    tensors in x's dtype or QuantizedExperts (on the dequantized weights).
+    ordered_combine (batch-invariant mode): each token's experts add one
+    after another in top-k slot order, rather than by a reduction whose
+    order the device may pick from the batch's size. The grouped GEMMs'
+    tiles depend on the weights' shapes only, so each pair's row is computed
+    the same whatever shares its tile."""
     num_tokens, top_k = ids.shape
     num_experts = w13.shape[0]
     assert x.dim() == 2 and w13.shape[2] == x.shape[1] and w2.shape[1] == x.shape[1], (
@@ -326,4 +332,10 @@ def fused_moe(
     h = activation(gate_up).contiguous()  # [num_pairs, inter]
     flat_weights = weights.reshape(-1).contiguous()  # [num_pairs]
     down = grouped_gemm(h, w2, b2, sorted_pairs, block_expert, num_padded, num_pairs, 1, flat_weights, block_m)
-    return down.view(num_tokens, top_k, -1).sum(dim=1)
+    down = down.view(num_tokens, top_k, -1)  # [num_tokens, top_k, hidden]
+    if not ordered_combine:
+        return down.sum(dim=1)
+    out = down[:, 0].clone()
+    for slot in range(1, top_k):
+        out += down[:, slot]
+    return out

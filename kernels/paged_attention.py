@@ -394,11 +394,20 @@ def _pick_config(
     device: torch.device,
     sliding_window: int | None = None,
     kv_fp8: bool = False,
+    fixed_split: bool = False,
 ) -> _Config:
-    """Tile shapes from host-known sizes only (no device sync, CUDA-graph friendly)."""
+    """Tile shapes from host-known sizes only (no device sync, CUDA-graph friendly).
+
+    fixed_split (batch-invariant mode): one shape whatever the batch, the
+    mixed batches' tiles and no split-KV, so a query's context is walked in
+    the same TILE_N tiles in the same order in every launch. Each query is
+    one row of its tile: the other rows (its request's neighbouring
+    queries) do not enter its dots, and the tiles past its own position are
+    fully masked, which leaves its running max, sum and accumulator
+    bitwise unchanged (a weight of exactly 0, a rescale of exactly 1)."""
     # Only shapes are known on the host. num_tokens == num_reqs is the decode signature;
     # any other batch is treated as containing prefill chunks (still correct either way).
-    is_decode = num_tokens == num_reqs
+    is_decode = num_tokens == num_reqs and not fixed_split
     block_m, tile_n, num_warps = _TILES[(dtype == torch.float32, is_decode, head_dim_pad > 128)]
     group_pad = triton.next_power_of_2(group)
     # A tile holds whole groups: at least one token's worth of heads.
@@ -413,7 +422,7 @@ def _pick_config(
             num_warps = 8
 
     num_splits = 1
-    if is_decode:
+    if is_decode and not fixed_split:
         programs = num_reqs * num_kv_heads
         sms = _num_sms(device)
         if programs < sms:
@@ -481,9 +490,12 @@ def paged_attention(
     sinks: torch.Tensor | None = None,  # [num_heads] fp32
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fixed_split: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton version of ``kernels.reference.paged_attention`` (same arguments); the
-    caches may be float8_e4m3fn or float8_e5m2, read as stored * k_scale / v_scale."""
+    caches may be float8_e4m3fn or float8_e5m2, read as stored * k_scale / v_scale.
+    fixed_split: one tile shape and no split-KV for every batch (batch-invariant
+    mode, see _pick_config)."""
     _check_inputs(query, k_cache, v_cache, cu_query_lens, seq_lens, block_tables)
     _check_features(sliding_window, softcap)
     if sinks is not None:
@@ -511,6 +523,7 @@ def paged_attention(
         query.device,
         sliding_window,
         kv_fp8=bool(fp8_kind(k_cache.dtype)),
+        fixed_split=fixed_split,
     )
     # Enough tiles for ceil(q_len / block_q) per request (see the module docstring).
     num_q_tiles = (num_tokens + num_reqs * (cfg.block_q - 1)) // cfg.block_q

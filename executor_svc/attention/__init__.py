@@ -19,7 +19,7 @@ import os
 import torch
 
 from executor_svc.attention.metadata import AttentionBackend, AttentionMetadata
-from executor_svc.attention.torch_backend import TorchAttentionBackend, dense_attention
+from executor_svc.attention.torch_backend import INVARIANT_SPLIT_TOKENS, TorchAttentionBackend, dense_attention
 from executor_svc.attention.triton_backend import TritonAttentionBackend
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttentionBackend", "TritonAttentionBackend",
@@ -51,8 +51,12 @@ def resolve_backend_name(name: str, device: torch.device | str | None = None) ->
     return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
-def make_backend(name: str, device: torch.device | str | None = None) -> AttentionBackend:
-    """The backend for EXECUTOR_ATTENTION_BACKEND=name on device.
+def make_backend(name: str, device: torch.device | str | None = None,
+                 batch_invariant: bool = False) -> AttentionBackend:
+    """The backend for EXECUTOR_ATTENTION_BACKEND=name on device; with
+    batch_invariant (EXECUTOR_BATCH_INVARIANT), one that splits every
+    query's keys the same way whatever the batch (torch: fixed pieces of
+    INVARIANT_SPLIT_TOKENS; triton: one fixed tile shape, no split-KV).
 
     auto picks triton on CUDA (torch if triton cannot be imported, with a
     warning) and torch elsewhere. An explicit triton off CUDA is refused
@@ -63,20 +67,22 @@ def make_backend(name: str, device: torch.device | str | None = None) -> Attenti
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     resolved = resolve_backend_name(name, device)
+    split = INVARIANT_SPLIT_TOKENS if batch_invariant else None
     if resolved == "torch":
-        backend: AttentionBackend = TorchAttentionBackend()
+        backend: AttentionBackend = TorchAttentionBackend(split)
     elif name == "auto":
         try:
-            backend = TritonAttentionBackend()
+            backend = TritonAttentionBackend(batch_invariant)
         except RuntimeError as exc:
             log.warning("attention backend auto: %s; falling back to torch", exc)
-            backend = TorchAttentionBackend()
+            backend = TorchAttentionBackend(split)
     else:
         if device.type != "cuda" and not _interpreting():
             raise ValueError(
                 f"EXECUTOR_ATTENTION_BACKEND=triton needs a CUDA device, but the executor runs on {device}; "
                 "use auto or torch there, or set TRITON_INTERPRET=1 (Triton's slow CPU interpreter, for tests)"
             )
-        backend = TritonAttentionBackend()
-    log.info("attention backend: %s (requested %s, device %s)", backend.name, name, device)
+        backend = TritonAttentionBackend(batch_invariant)
+    log.info("attention backend: %s (requested %s, device %s%s)", backend.name, name, device,
+             ", batch-invariant" if batch_invariant else "")
     return backend

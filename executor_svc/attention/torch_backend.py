@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +24,9 @@ DECODE_CHUNK_BYTES = 1 << 20
 # the other decodes, instead of an SDPA call of its own per layer, which
 # costs more than the attention itself at these sizes.
 SHORT_QUERY_MAX = 8
+# Batch-invariant mode: keys per piece of every query's context
+# (_plan_fixed_split). Each query pays for its context rounded up to it.
+INVARIANT_SPLIT_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -90,6 +94,12 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def __init__(self, fixed_split_tokens: int | None = None):
+        # Batch-invariant mode (EXECUTOR_BATCH_INVARIANT): every query's keys
+        # are cut into pieces of this many positions (_plan_fixed_split);
+        # None: the layout above, sized by the step.
+        self.fixed_split_tokens = fixed_split_tokens
+
     def write_kv(self, key, value, k_cache, v_cache, meta, k_scale=1.0, v_scale=1.0):
         # key, value: [num_tokens, num_kv_heads, head_dim]
         _scatter(k_cache, meta.slot_mapping, key, k_scale)
@@ -114,7 +124,11 @@ class TorchAttentionBackend:
         if plan is None:
             # What SDPA reads: the gathered K in the compute dtype, whatever the cache's.
             token_bytes = k_cache[0, 0].numel() * query.element_size()
-            plan = _plan_step(meta, block_size, token_bytes, sliding_window, query.dtype, query.device)
+            if self.fixed_split_tokens is None:
+                plan = _plan_step(meta, block_size, token_bytes, sliding_window, query.dtype, query.device)
+            else:
+                plan = _plan_fixed_split(meta, block_size, token_bytes, sliding_window, query.dtype, query.device,
+                                         max(1, self.fixed_split_tokens // block_size))
             meta.cache[key] = plan
         out = torch.empty_like(query)
         if plan.decodes:
@@ -351,3 +365,54 @@ def _plan_prefill(meta, r, start, q_len, seq_len, first_pos, block_size, window,
         hidden |= k_pos <= q_pos - window
     mask = torch.zeros(q_len, kv_len, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
     return _Prefill(start, start + q_len, block_ids, kv_len, mask)
+
+
+def _plan_fixed_split(
+    meta: AttentionMetadata, block_size: int, token_bytes: int, window: int | None, dtype: torch.dtype,
+    device: torch.device, piece_blocks: int,
+) -> _AttentionLayout:
+    """The batch-invariant layout: a query's arithmetic depends on its own
+    position and keys only, never on the other queries of the step, nor on
+    how its prompt was chunked.
+
+    Every query token, decode or prefill, is attended as a decode row. Its
+    visible keys are cut at multiples of piece_blocks blocks (absolute
+    positions, so the cuts do not move with the batch); every piece is
+    gathered padded to exactly piece_blocks blocks and masked, so SDPA sees
+    one shape; and every query's pieces are merged by their log-sum-exp in
+    position order, even when there is one. Chunks hold a fixed number of
+    rows (the last fewer): the CPU flash kernel computes each row on its
+    own, so a row's result does not depend on the others in its call.
+    """
+    q_lens = np.asarray(meta.query_lens_host, dtype=np.int64)
+    seq_lens = np.asarray(meta.seq_lens_host, dtype=np.int64)
+    num_tokens = int(q_lens.sum())
+    if not num_tokens:
+        return _AttentionLayout(torch.empty(0, dtype=torch.long, device=device), None, None, [], [], 0)
+    req = np.repeat(np.arange(len(q_lens)), q_lens)  # [num_tokens]: each query's request
+    cu = np.cumsum(q_lens) - q_lens
+    seen = seq_lens[req] - q_lens[req] + 1 + (np.arange(num_tokens) - cu[req])  # keys [0, seen) up to its own
+    lo = np.maximum(0, seen - window) if window is not None else np.zeros_like(seen)
+    last_block = (seen - 1) // block_size
+    first_piece, last_piece = lo // block_size // piece_blocks, last_block // piece_blocks
+    count = last_piece - first_piece + 1  # [num_tokens] pieces per query
+    token = np.repeat(np.arange(num_tokens), count)  # [num_rows]: each piece's query, in order
+    piece = np.repeat(first_piece, count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+    base = piece * piece_blocks  # first block of each piece
+    # Blocks past the query's last visible one repeat it (masked below).
+    cols = np.minimum(base[:, None] + np.arange(piece_blocks), last_block[token][:, None])  # [num_rows, piece_blocks]
+    reqs = torch.from_numpy(req[token]).to(meta.block_tables.device)
+    block_ids = meta.block_tables.index_select(0, reqs).long().gather(
+        1, torch.from_numpy(cols).to(meta.block_tables.device)).to(device)  # [num_rows, piece_blocks]
+    ctx = piece_blocks * block_size
+    keys = np.arange(ctx)[None, :] + (base * block_size)[:, None]  # [num_rows, ctx] absolute positions
+    hidden = (keys < lo[token][:, None]) | (keys >= seen[token][:, None])
+    mask = torch.zeros(len(token), 1, 1, ctx, dtype=dtype, device=device)
+    mask.masked_fill_(torch.from_numpy(hidden).to(device)[:, None, None, :], float("-inf"))
+    rows_per_chunk = max(1, DECODE_CHUNK_BYTES // token_bytes // ctx)
+    chunks = [_DecodeChunk(i, min(i + rows_per_chunk, len(token)),
+                           block_ids[i:i + rows_per_chunk].reshape(-1), piece_blocks, mask[i:i + rows_per_chunk])
+              for i in range(0, len(token), rows_per_chunk)]
+    token_t = torch.from_numpy(token).to(device)
+    return _AttentionLayout(token_t, token_t, torch.arange(num_tokens, device=device), chunks, [],
+                            min(rows_per_chunk, len(token)) * piece_blocks)

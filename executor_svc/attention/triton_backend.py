@@ -3,9 +3,10 @@ layer for the K/V write and one for the whole mixed batch."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from executor_svc.attention.torch_backend import TorchAttentionBackend
+from executor_svc.attention.torch_backend import INVARIANT_SPLIT_TOKENS, TorchAttentionBackend
 
 class TritonAttentionBackend:
     """The Triton kernels in kernels/: one launch writes a layer's K/V, one
@@ -20,7 +21,11 @@ class TritonAttentionBackend:
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
+        # EXECUTOR_BATCH_INVARIANT: every launch takes the same tile shape
+        # and no split-KV, whatever the batch (kernels/paged_attention.py
+        # fixed_split); MLA's prefills go to the torch backend's fixed pieces.
+        self.batch_invariant = batch_invariant
         try:
             from kernels.kv_write import write_kv_cache
             from kernels.mla_decode import mla_decode
@@ -32,7 +37,7 @@ class TritonAttentionBackend:
         self._write_kv_cache = write_kv_cache
         self._paged_attention = paged_attention
         self._mla_decode = mla_decode
-        self._torch = TorchAttentionBackend()
+        self._torch = TorchAttentionBackend(INVARIANT_SPLIT_TOKENS if batch_invariant else None)
 
     def write_kv(self, key, value, k_cache, v_cache, meta, k_scale=1.0, v_scale=1.0):
         # key, value: [num_tokens, num_kv_heads, head_dim]. The launcher wants
@@ -51,11 +56,27 @@ class TritonAttentionBackend:
         """Decode-only steps: the paged MLA decode kernel. Steps with
         prefills: the torch backend (prefill is compute-bound and runs once
         per token; a Triton MLA prefill kernel is not written yet)."""
+        if self.batch_invariant:
+            return self._mla_per_token(query, cache, meta, scale, value_dim, k_scale)
         if len(meta.query_lens_host) == query.shape[0]:
             return self._mla_decode(
                 _unit_last_stride(query), cache, _index_tensor(meta.seq_lens, torch.int32),
                 _index_tensor(meta.block_tables, torch.int32), scale, value_dim, k_scale=k_scale)
         return self._torch.attend_latent(query, cache, meta, scale, value_dim, k_scale=k_scale)
+
+    def _mla_per_token(self, query, cache, meta, scale, value_dim, k_scale):
+        """Batch-invariant MLA: every query token, prefill or decode, is one
+        decode of the paged kernel (one program per token, the same tiles
+        in the same order), seeing its request's keys up to its own
+        position. One path for every token, however the batch is made."""
+        q_lens = np.asarray(meta.query_lens_host, dtype=np.int64)
+        req = np.repeat(np.arange(len(q_lens)), q_lens)  # [num_tokens]
+        first = np.cumsum(q_lens) - q_lens
+        seen = np.asarray(meta.seq_lens_host, dtype=np.int64)[req] - q_lens[req] + 1 + np.arange(len(req)) - first[req]
+        dev = query.device
+        tables = _index_tensor(meta.block_tables, torch.int32).index_select(0, torch.from_numpy(req).to(dev))
+        return self._mla_decode(_unit_last_stride(query), cache, torch.from_numpy(seen.astype(np.int32)).to(dev),
+                                tables.contiguous(), scale, value_dim, k_scale=k_scale)
 
     def attend(self, query, k_cache, v_cache, meta, scale, sliding_window=None, softcap=None, sinks=None,
                k_scale=1.0, v_scale=1.0):
@@ -68,6 +89,7 @@ class TritonAttentionBackend:
             _index_tensor(meta.block_tables, torch.int32),
             scale, sliding_window=sliding_window, softcap=softcap,
             sinks=None if sinks is None else sinks.float().contiguous(), k_scale=k_scale, v_scale=v_scale,
+            fixed_split=self.batch_invariant,
         )
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.model.batch_invariant import pad_rows
 from executor_svc.model.layers import ColumnLinear, RowLinear
 from executor_svc.model.model import RMSNorm, apply_rope
 from executor_svc.model.model_config import ModelConfig
@@ -39,6 +40,8 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(nn.Module):
+    row_unit = 1  # the absorbed projections' rows are padded to a multiple of it (batch_invariant.py)
+
     def __init__(self, cfg: ModelConfig, layer: int, shard: Shard, comm):
         super().__init__()
         m = cfg.mla
@@ -89,10 +92,12 @@ class MLAttention(nn.Module):
 
         w = self.kv_b_proj.dense_weight(x.dtype).view(heads, self.nope + self.v_dim, self.kv_lora)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [heads, nope, kv_lora], [heads, v, kv_lora]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, kv_lora]
+        # Tokens are the GEMMs' rows: padded as every linear's are in batch-invariant mode.
+        unit = self.row_unit
+        q_latent = torch.bmm(pad_rows(q_nope, unit).transpose(0, 1), w_uk).transpose(0, 1)[:n]  # [n, heads, kv_lora]
         query = torch.cat([q_latent, self._rope(q_pe, cos, sin)], dim=-1)  # [n, heads, kv_lora + rope]
         o_latent = backend.attend_latent(query, latent_cache, meta, self.scale, self.kv_lora,
                                          k_scale=self.k_scale)  # [n, heads, kv_lora]
-        o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [n, heads, v]
+        o = torch.bmm(pad_rows(o_latent, unit).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)[:n]  # [n, heads, v]
         out = self.o_proj(o.reshape(n, heads * self.v_dim))  # this rank's heads' share
         return out if self.comm is None else self.comm.all_reduce(out)

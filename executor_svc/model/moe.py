@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
+from executor_svc.model.batch_invariant import pad_rows
 from executor_svc.model.layers import ColumnLinear, RowLinear, RowPart, check_fp8, check_shape, materialize
 from executor_svc.model.model import ACTIVATIONS, MLP, CausalLM
 from executor_svc.model.model_config import LinearScheme, ModelConfig, MoESpec, UnsupportedConfig
@@ -111,6 +112,9 @@ class FusedExperts(nn.Module):
     (`{e}.gate_proj.weight` ...); PROJECTIONS names them per family."""
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+    # Each expert's rows are padded to a multiple of it, and the Triton
+    # kernel's combine adds in top-k order, when above 1 (batch_invariant.py).
+    row_unit = 1
 
     def __init__(self, cfg: ModelConfig, spec: MoESpec, shard: Shard):
         super().__init__()
@@ -291,7 +295,8 @@ class FusedExperts(nn.Module):
             from kernels.fused_moe import fused_moe
 
             w13, w2 = self.kernel_weights()
-            return fused_moe(x, w13, w2, weights, ids, self.activation, self.b13, self.b2)
+            return fused_moe(x, w13, w2, weights, ids, self.activation, self.b13, self.b2,
+                             ordered_combine=self.row_unit > 1)
         return self._torch(x, weights, ids)
 
     def _torch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -315,11 +320,15 @@ class FusedExperts(nn.Module):
                 b13 = None if self.b13 is None else self.b13[e]
                 b2 = None if self.b2 is None else self.b2[e]
                 w13, w2 = self.expert_weights(e, xs.dtype)
-                h = self.activation(F.linear(xs[rows], w13, b13))  # [count, inter]
-                out[rows] = F.linear(h, w2, b2)
+                # An expert's row count is its tokens': padded, under batch
+                # invariance, so a token's result does not depend on how many share its expert.
+                h = self.activation(F.linear(pad_rows(xs[rows], self.row_unit), w13, b13))  # [count, inter]
+                out[rows] = F.linear(h, w2, b2)[:count]
                 start += count
         out = out * weights.reshape(-1)[order].to(out.dtype)[:, None]
-        # Each token's experts add in ascending expert order, as in HF.
+        # Each token's experts add in ascending expert order, as in HF: an
+        # order fixed by the token's own experts, whatever the batch (the
+        # combine batch-invariant mode needs).
         return torch.zeros_like(x).index_add_(0, tokens, out)
 
 

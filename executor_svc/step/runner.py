@@ -152,8 +152,17 @@ class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVCachePool, backend: AttentionBackend, device: torch.device,
                  fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False,
                  torch_compile: bool = False, tp=None, constraints: ConstraintMatchers | None = None,
-                 host_kv: HostKVPool | None = None, pooling: Pooling | None = None, proposer=None):
+                 host_kv: HostKVPool | None = None, pooling: Pooling | None = None, proposer=None,
+                 batch_invariant: bool = False):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
+        # EXECUTOR_BATCH_INVARIANT (model/batch_invariant.py): the model's
+        # GEMMs and the backend are already made invariant by the caller;
+        # here, one eager path for every step, and unseeded draws keyed by
+        # the request rather than by the global generator's order.
+        self.batch_invariant = batch_invariant
+        if batch_invariant and (cuda_graphs or torch_compile):
+            raise ValueError("batch-invariant mode runs every step eagerly: CUDA graphs and the compiled decode "
+                             "step are batch-size-dependent paths")
         # How embedding requests pool (pooling.py); None: the checkpoint has
         # no pooling config, and the scheduler sends none.
         self.pooling = pooling
@@ -207,6 +216,10 @@ class ModelRunner:
                 raise PlanError(f"handle {new.handle}: an embedding request, but the checkpoint has no pooling config")
             row, flat = rows.add(new.handle, new.token_ids, new.block_ids, new.num_computed_tokens, new.sampling,
                                  new.num_output_tokens, new.embed)
+            if self.batch_invariant and new.sampling.seed is None:
+                # Its own stream, keyed by this seed and the output position
+                # (sampler.seeded_uniform): no other row's draws move it.
+                rows.seed[row], rows.seeded[row] = np.random.default_rng().integers(-(1 << 63), 1 << 63), True
             if constraints is not None:
                 if new.grammar is None:
                     constraints.remove(new.handle)

@@ -1,0 +1,107 @@
+"""EXECUTOR_BATCH_INVARIANT=on: a token's numerics do not depend on the rows
+that share its matrix multiplies.
+
+A BLAS GEMM picks its kernel, and with it the order in which each output
+row's dot products are summed, from the shape of the whole call. On the
+development machine's CPU (MKL, AVX-512) an fp32 GEMM gives a row one
+result when it is alone, another in a batch of 2 or 3 and a third in a
+batch of 4 or more; with several threads, a thread's share of fewer than 4
+rows takes the small kernel again. With every GEMM's row count a multiple
+of ROW_UNIT (rows of zeros added, their outputs dropped), every row takes
+the wide kernel, which sums each row in the same order whatever its
+neighbours: measured on 1 to 8 threads, batch sizes 1 to 700, for the
+shapes of the built-in models (tests/unit/test_batch_invariant.py).
+
+Modules whose forward maps rows to rows through a GEMM (every linear layer,
+the lm_head, the MoE router) get a forward hook pair that pads the input's
+rows and trims the output's; the few GEMMs inside other modules (the MoE
+experts' per-expert matmuls, MLA's absorbed projections) pad through
+pad_rows themselves, keyed by the row_unit attribute set here.
+
+That this holds on the host, with the model's own shapes, is checked at
+start-up (self_test): a BLAS or a CPU that behaves otherwise refuses
+start-up rather than serving results that depend on the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Rows per GEMM are padded to a multiple of this. 4 is the smallest row
+# count of MKL's wide fp32 kernel on the development machine; a multiple of
+# it also keeps every thread's share of rows wide (shares are cut in units
+# of the kernel's rows).
+ROW_UNIT = 4
+
+
+def pad_rows(x: torch.Tensor, unit: int) -> torch.Tensor:
+    """x ([m, ...]) with zero rows appended up to a multiple of unit (x itself when it is one)."""
+    m = x.shape[0]
+    if unit == 1:
+        return x
+    padded = max(unit, -(-m // unit) * unit)
+    if padded == m:
+        return x
+    return torch.cat([x, x.new_zeros(padded - m, *x.shape[1:])])
+
+
+def _pad_input(module: nn.Module, args: tuple) -> tuple:
+    x = args[0]
+    module._rows = x.shape[0]  # the hook below trims the output back to these
+    return (pad_rows(x, module.row_unit), *args[1:])
+
+
+def _trim_output(module: nn.Module, args: tuple, out):
+    m = module._rows
+    if isinstance(out, tuple):
+        return tuple(t[:m] for t in out)
+    return out[:m]
+
+
+def _row_gemm_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules whose forward takes [rows, features] as its first argument and
+    returns rows (or a tuple of them) through a GEMM: linear layers of any
+    kind (layers._Linear, nn.Linear and its VocabHead) and MoE routers."""
+    from executor_svc.model.layers import _Linear
+    from executor_svc.model.moe import Router
+
+    return [m for m in model.modules() if isinstance(m, (_Linear, nn.Linear, Router))]
+
+
+def make_batch_invariant(model: nn.Module, unit: int = ROW_UNIT) -> int:
+    """Pads the rows of every GEMM of model to a multiple of unit; returns
+    how many modules were hooked. Idempotent."""
+    hooked = 0
+    for module in _row_gemm_modules(model):
+        if getattr(module, "row_unit", 1) == unit:
+            continue
+        module.row_unit = unit
+        module.register_forward_pre_hook(_pad_input)
+        module.register_forward_hook(_trim_output)
+        hooked += 1
+    # The GEMMs that are not a module's whole forward read row_unit themselves.
+    from executor_svc.model.mla import MLAttention
+    from executor_svc.model.moe import FusedExperts
+
+    for module in model.modules():
+        if isinstance(module, (FusedExperts, MLAttention)):
+            module.row_unit = unit
+    return hooked
+
+
+def linear_rows_invariant(weight: torch.Tensor, rows: int = 64, unit: int = ROW_UNIT) -> str | None:
+    """None if every row of x @ weight^T, computed with row padding to unit,
+    is bitwise the same in batches of 1 to `rows` rows at any position; else
+    what differed. weight: [out, in], the model's own shape and dtype."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+    alone = torch.cat([F.linear(pad_rows(x[i:i + 1], unit), weight)[:1] for i in range(rows)])
+    for m in range(2, rows + 1):
+        y = F.linear(pad_rows(x[:m], unit), weight)[:m]
+        differs = (y != alone[:m]).any(dim=-1)
+        if differs.any():
+            row = int(differs.nonzero()[0])
+            return f"row {row} of a {m}-row batch differs from the same row alone ({tuple(weight.shape)} weight)"
+    return None

@@ -103,6 +103,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             embedding_only=not self.generates,
             speculative_method="" if self.settings.speculative_method == "off" else self.settings.speculative_method,
             speculative_tokens=0 if self.settings.speculative_method == "off" else self.settings.speculative_tokens,
+            batch_invariant=self.settings.batch_invariant == "on",
         )
 
     async def heartbeats(self) -> None:

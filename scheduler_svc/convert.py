@@ -29,7 +29,7 @@ def model_facts(h: epb.HandshakeResponse) -> ModelFacts:
         num_kv_blocks=h.num_kv_blocks, num_host_kv_blocks=h.num_host_kv_blocks, max_model_len=h.max_model_len,
         weight_bytes=h.weight_bytes, quantization=h.quantization, pooling=h.pooling, hidden_size=h.hidden_size,
         embedding_only=h.embedding_only, speculative_method=h.speculative_method,
-        speculative_tokens=h.speculative_tokens,
+        speculative_tokens=h.speculative_tokens, batch_invariant=h.batch_invariant,
     )
 
 

@@ -141,7 +141,7 @@ class Engine(CoreListener):
         if self.scheduler is None:
             scheduler = self.core.attach(scheduler_config(self.settings, facts.num_kv_blocks, facts.block_size,
                                                           facts.max_model_len, facts.num_host_kv_blocks,
-                                                          facts.speculative_tokens))
+                                                          facts.speculative_tokens, facts.batch_invariant))
             self.telemetry.attach(scheduler)
             if previous is not None:
                 self.link.warn_swap_without_host()

@@ -40,10 +40,13 @@ class ModelFacts:
     # drafts per request per step.
     speculative_method: str = ""
     speculative_tokens: int = 0
+    # EXECUTOR_BATCH_INVARIANT: prompt chunks are then cut independently of
+    # load (SchedulerConfig.batch_invariant).
+    batch_invariant: bool = False
 
     @property
     def geometry(self) -> tuple:
         """What the live requests' state depends on. Not the host tier's
         size: it comes back empty after a restart anyway."""
         return (self.model, self.block_size, self.num_kv_blocks, self.max_model_len, self.vocab_size,
-                self.speculative_tokens)
+                self.speculative_tokens, self.batch_invariant)

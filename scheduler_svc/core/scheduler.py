@@ -170,6 +170,9 @@ class Scheduler:
                 i += 1  # it finishes when that result arrives
                 continue
             n = self._num_tokens_to_schedule(req, budget)
+            if n is None:
+                i += 1  # its fixed-size chunk waits for a step with room for it
+                continue
             drafts = self._num_drafts(req, n, budget)
             n += drafts
             new_blocks = self.kv.allocate_slots(req, n)
@@ -220,6 +223,9 @@ class Scheduler:
             return None
         req.num_computed_tokens = hit.num_tokens
         n = self._num_tokens_to_schedule(req, budget)
+        if n is None:
+            req.num_computed_tokens = 0
+            return None
         new_blocks = self.kv.allocate_slots(req, n, hit)
         if new_blocks is None:
             req.num_computed_tokens = 0
@@ -264,12 +270,25 @@ class Scheduler:
             or req.num_tokens_with_placeholders >= self.config.max_model_len
         )
 
-    def _num_tokens_to_schedule(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
-        if n > 1:
-            n = min(n, self.config.max_prefill_chunk)
-        if n <= 0:
+    def _num_tokens_to_schedule(self, req: Request, budget: int) -> int | None:
+        """Tokens to compute for req this step: what it lacks, at most one
+        chunk, within the budget. Batch-invariant mode: a chunk ends at the
+        next multiple of invariant_chunk (block-aligned, so a cached prefix,
+        which is whole blocks, ends where a chunk could), whatever the load:
+        None when the budget cannot hold it this step, never a shorter one.
+        A prompt is then cut at the same positions cached or not, under any
+        load."""
+        left = req.num_tokens_with_placeholders - req.num_computed_tokens
+        if left <= 0:
             raise RuntimeError(f"request {req.request_id} is scheduled with nothing left to compute")
+        cfg = self.config
+        if cfg.batch_invariant and left > 1:
+            c = cfg.invariant_chunk
+            n = min(left, (req.num_computed_tokens // c + 1) * c - req.num_computed_tokens)
+            return n if n <= budget else None
+        n = min(left, budget)
+        if n > 1:
+            n = min(n, cfg.max_prefill_chunk)
         return n
 
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:

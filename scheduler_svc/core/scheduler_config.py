@@ -41,3 +41,14 @@ class SchedulerConfig:
     # drafts (Scheduler._num_drafts).
     speculative_tokens: int = 0
     speculative_max_batch: int = 16
+    # The executor is batch-invariant (EXECUTOR_BATCH_INVARIANT): a prompt's
+    # chunks then end at multiples of invariant_chunk and are never cut
+    # short by the step's budget (Scheduler._num_tokens_to_schedule).
+    batch_invariant: bool = False
+
+    @property
+    def invariant_chunk(self) -> int:
+        """The chunk size of batch-invariant mode: max_prefill_chunk within
+        the step budget, rounded down to whole blocks (at least one)."""
+        most = min(self.max_prefill_chunk, self.max_num_batched_tokens)
+        return max(self.block_size, most // self.block_size * self.block_size)

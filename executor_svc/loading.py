@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +28,16 @@ from executor_svc.model.model import build_model as build_model_as
 from executor_svc.model.mtp import MTPHead, mtp_config, mtp_model_class, mtp_tensors
 from executor_svc.model.model_config import ModelConfig
 from executor_svc.model.moe import use_triton_moe
+<<<<<<< HEAD
 from executor_svc.model.model import CausalLM
 from executor_svc.step.draft_model import DraftModel, vocabulary_mismatch
 from executor_svc.step.ngram import NgramProposer
 from executor_svc.step.head_drafts import HeadProposer
 from executor_svc.step.runner import FromRank0, ModelRunner
+=======
+from executor_svc.step.invariance_check import self_test
+from executor_svc.step.runner import ModelRunner
+>>>>>>> 967b1fd (Batch-invariant mode's start-up self-test: a probe prompt alone vs in three chunks beside three other requests, bitwise, on the model's own shapes)
 from executor_svc.model.sharding import Shard
 from executor_svc.tensor_parallel import TPGroup, join, rank_device
 from llmsched.errors import StartupError
@@ -205,6 +211,8 @@ def load(settings: ExecutorSettings) -> LoadedModel:
                       "CUDA graph capture" if cuda_graphs else "compiling the decode step")
         cuda_graphs = torch_compile = False
         runner = ModelRunner(model, pool, backend, device, **runner_args)
+    if invariant and generates:
+        check_invariance(runner, tp)
     return LoadedModel(ckpt, cfg, device, dtype, max_model_len, pool, host_kv, runner, cuda_graphs, torch_compile, tp,
                        loaded_bytes, generates)
 
@@ -229,9 +237,28 @@ def check_batch_invariant(settings: ExecutorSettings) -> bool:
     return True
 
 
+<<<<<<< HEAD
 def check_speculative(settings: ExecutorSettings, generates: bool, cfg: ModelConfig | None = None,
                       hf_config: dict | None = None) -> None:
     """Refuses, by name, a speculative method or combination not implemented."""
+=======
+def check_invariance(runner: ModelRunner, tp: TPGroup | None) -> None:
+    """Batch-invariant mode's start-up self-test (invariance_check.py) on
+    every rank; rank 0 judges, and every rank refuses start-up with it."""
+    t = time.perf_counter()
+    why = self_test(runner)
+    if tp is not None and tp.min_over_ranks(int(why is None)) == 0 and why is None:
+        why = "rank 0's self-test found a difference"
+    if why is not None:
+        raise StartupError(f"EXECUTOR_BATCH_INVARIANT=on, but this host does not keep it with this model: {why}. "
+                           "Set EXECUTOR_BATCH_INVARIANT=off to serve anyway (results then depend on the batch)")
+    log.info("batch-invariant mode: the start-up self-test passed in %.1f s", time.perf_counter() - t)
+
+
+def speculative_ngram(settings: ExecutorSettings, generates: bool) -> tuple[int, int] | None:
+    """The n-gram window (min, max) when the executor speculates, else None;
+    a method or combination not implemented is refused by name."""
+>>>>>>> 967b1fd (Batch-invariant mode's start-up self-test: a probe prompt alone vs in three chunks beside three other requests, bitwise, on the model's own shapes)
     method = settings.speculative_method
     if settings.speculative_draft_model and method not in ("draft", "eagle3"):
         raise StartupError(f"EXECUTOR_SPECULATIVE_DRAFT_MODEL is set, but EXECUTOR_SPECULATIVE_METHOD={method} does "

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from executor_svc.attention.metadata import AttentionMetadata
 from executor_svc.attention.torch_backend import TorchAttentionBackend
 from executor_svc.config import ExecutorSettings
-from executor_svc.loading import check_batch_invariant
+from executor_svc.loading import check_batch_invariant, load
 from executor_svc.model.batch_invariant import ROW_UNIT, linear_rows_invariant
+from executor_svc.step.invariance_check import self_test
 from llmsched.errors import StartupError
 from tests.invariance import (
     CANARY, CANARY_SAMPLING, Preemption, Req, canary_prompt, make_runner, neighbours, run,
@@ -180,3 +181,23 @@ def test_combinations_the_mode_cannot_keep_invariant_are_refused_by_name(setting
         check_batch_invariant(ExecutorSettings(batch_invariant="on", **{setting: value}))
     assert "EXECUTOR_BATCH_INVARIANT=on" in str(err.value)
     assert check_batch_invariant(ExecutorSettings(**{setting: value})) is False
+
+
+def test_the_self_test_passes_in_the_mode_and_finds_the_difference_without_it(stories_path):
+    assert self_test(make_runner(stories_path, invariant=True, num_requests=8)) is None
+    why = self_test(make_runner(stories_path, invariant=False, num_requests=8))
+    if why is None:
+        pytest.skip("with the mode off the self-test's probe is bitwise equal anyway: this host is invariant")
+    assert "differ" in why
+
+
+def test_start_up_is_refused_by_name_when_the_host_does_not_keep_the_mode(stories_path, monkeypatch):
+    """A host whose GEMMs would still depend on the batch, simulated by
+    leaving the rows unpadded: load() refuses with one line naming the setting."""
+    settings = ExecutorSettings(model=str(stories_path), device="cpu", dtype="float32", block_size=16,
+                                num_kv_blocks=128, batch_invariant="on", num_threads=1)
+    assert load(settings).runner.batch_invariant
+    monkeypatch.setattr("executor_svc.loading.make_batch_invariant", lambda model: 0)
+    with pytest.raises(StartupError, match="EXECUTOR_BATCH_INVARIANT=on, but this host does not keep it") as err:
+        load(settings)
+    assert "\n" not in str(err.value) and "EXECUTOR_BATCH_INVARIANT=off" in str(err.value)

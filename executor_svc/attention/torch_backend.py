@@ -377,12 +377,16 @@ def _plan_fixed_split(
 
     Every query token, decode or prefill, is attended as a decode row. Its
     visible keys are cut at multiples of piece_blocks blocks (absolute
-    positions, so the cuts do not move with the batch); every piece is
-    gathered padded to exactly piece_blocks blocks and masked, so SDPA sees
-    one shape; and every query's pieces are merged by their log-sum-exp in
-    position order, even when there is one. Chunks hold a fixed number of
-    rows (the last fewer): the CPU flash kernel computes each row on its
-    own, so a row's result does not depend on the others in its call.
+    positions, so the cuts do not move with the batch). A piece is gathered
+    padded to a width that is a function of the piece alone: piece_blocks
+    for a whole piece, the next power of two blocks for the query's last,
+    partial one (padding masked), so SDPA sees one of a few shapes and the
+    padding wastes at most half of a last piece. Rows are grouped by width
+    into calls of a fixed number of rows (the last fewer): the CPU flash
+    kernel computes each row on its own, so a row's result does not depend
+    on the others in its call. Every query's pieces are merged by their
+    log-sum-exp, even when there is one, in an order fixed by its own
+    pieces' widths and positions.
     """
     q_lens = np.asarray(meta.query_lens_host, dtype=np.int64)
     seq_lens = np.asarray(meta.seq_lens_host, dtype=np.int64)
@@ -399,20 +403,28 @@ def _plan_fixed_split(
     token = np.repeat(np.arange(num_tokens), count)  # [num_rows]: each piece's query, in order
     piece = np.repeat(first_piece, count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
     base = piece * piece_blocks  # first block of each piece
-    # Blocks past the query's last visible one repeat it (masked below).
-    cols = np.minimum(base[:, None] + np.arange(piece_blocks), last_block[token][:, None])  # [num_rows, piece_blocks]
-    reqs = torch.from_numpy(req[token]).to(meta.block_tables.device)
-    block_ids = meta.block_tables.index_select(0, reqs).long().gather(
-        1, torch.from_numpy(cols).to(meta.block_tables.device)).to(device)  # [num_rows, piece_blocks]
-    ctx = piece_blocks * block_size
-    keys = np.arange(ctx)[None, :] + (base * block_size)[:, None]  # [num_rows, ctx] absolute positions
-    hidden = (keys < lo[token][:, None]) | (keys >= seen[token][:, None])
-    mask = torch.zeros(len(token), 1, 1, ctx, dtype=dtype, device=device)
-    mask.masked_fill_(torch.from_numpy(hidden).to(device)[:, None, None, :], float("-inf"))
-    rows_per_chunk = max(1, DECODE_CHUNK_BYTES // token_bytes // ctx)
-    chunks = [_DecodeChunk(i, min(i + rows_per_chunk, len(token)),
-                           block_ids[i:i + rows_per_chunk].reshape(-1), piece_blocks, mask[i:i + rows_per_chunk])
-              for i in range(0, len(token), rows_per_chunk)]
+    span = np.minimum(last_block[token] - base + 1, piece_blocks)  # blocks the piece holds up to its query's last
+    width = np.minimum(piece_blocks, 1 << np.ceil(np.log2(span)).astype(np.int64))  # [num_rows] blocks gathered
+    order = np.argsort(width, kind="stable")
+    token, base, width = token[order], base[order], width[order]
+    tables = meta.block_tables.index_select(0, torch.from_numpy(req[token]).to(meta.block_tables.device)).long()
+    chunks, block_ids, masks = [], [], []
+    start = 0
+    for w in np.unique(width).tolist():
+        end = start + int(np.searchsorted(width[start:], w, side="right"))
+        # Blocks past the query's last visible one repeat it (masked below).
+        cols = np.minimum(base[start:end, None] + np.arange(w), last_block[token[start:end]][:, None])  # [rows, w]
+        ids = tables[start:end].gather(1, torch.from_numpy(cols).to(tables.device)).to(device)  # [rows, w]
+        keys = np.arange(w * block_size)[None, :] + (base[start:end] * block_size)[:, None]  # [rows, w * bs] positions
+        t = token[start:end]
+        hidden = (keys < lo[t][:, None]) | (keys >= seen[t][:, None])
+        mask = torch.zeros(end - start, 1, 1, w * block_size, dtype=dtype, device=device)
+        mask.masked_fill_(torch.from_numpy(hidden).to(device)[:, None, None, :], float("-inf"))
+        rows_per_chunk = max(1, DECODE_CHUNK_BYTES // token_bytes // (w * block_size))
+        for a in range(0, end - start, rows_per_chunk):
+            b = min(a + rows_per_chunk, end - start)
+            chunks.append(_DecodeChunk(start + a, start + b, ids[a:b].reshape(-1), w, mask[a:b]))
+        start = end
     token_t = torch.from_numpy(token).to(device)
     return _AttentionLayout(token_t, token_t, torch.arange(num_tokens, device=device), chunks, [],
-                            min(rows_per_chunk, len(token)) * piece_blocks)
+                            max((c.end - c.start) * c.num_blocks for c in chunks))

@@ -42,10 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=64, help="requests sent at once")
     p.add_argument("--max-len", type=int, default=512, help="the model's positions, to scale the lengths to")
     p.add_argument("--num-threads", type=int, default=1, help="EXECUTOR_NUM_THREADS of each stack")
+    p.add_argument("--executor-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="an executor setting for both stacks (repeatable), e.g. EXECUTOR_ATTENTION_BACKEND=triton")
     p.add_argument("--out", type=Path, default=REPO / "bench_results" / "p22_batch_invariant.json")
     args = p.parse_args(argv)
 
-    common = {"EXECUTOR_MODEL": args.model, "EXECUTOR_NUM_THREADS": str(args.num_threads)}
+    common = {"EXECUTOR_MODEL": args.model, "EXECUTOR_NUM_THREADS": str(args.num_threads),
+              **dict(pair.split("=", 1) for pair in args.executor_env)}
     pair = {on: launch(executor_env={**common, "EXECUTOR_BATCH_INVARIANT": NAMES[on]},
                        scheduler_env={"SCHEDULER_MAX_QUEUE_DELAY_MS": "0"}) for on in (False, True)}
     start_pair(pair)

@@ -34,6 +34,12 @@
    this checks the path on the GPU (greedy outputs equal, the MTP latent
    pool under the Triton MLA kernels) and what an MTP step costs, not a
    trained layer's acceptance.
+11. what batch-invariant mode costs (python -m bench.batch_invariant,
+   bench-small, Triton, one round of 64 streams, EXECUTOR_BATCH_INVARIANT
+   on and off): the on/off throughput ratio, and whether the mode's stack
+   gave every request the same tokens. Where this GPU's GEMMs or kernels
+   do not keep the mode, its stack refuses to start (the start-up
+   self-test) and the part fails with that line in its log.
 
 Each part has its own time limit, so one that hangs cannot eat the others'
 time; summary.json records what each part did. Exits 2 at once, saying so,
@@ -61,12 +67,15 @@ REPO = Path(__file__).resolve().parents[1]
 # one round of 8 x 100 tokens on each; estimated, not measured) took 15 s
 # from pytest_gpu, 10 s from each bench-small end-to-end run, and 5 s each
 # from the calibration and the FP8 DeepSeek run. The MTP run's 35 s (build
-# ~76M parameters on the host, two launches, shorter copy prompts; also
-# estimated, not measured) took 10 s from pytest_gpu and 5 s each from P8,
-# both bench-small end-to-end runs, the FP8 DeepSeek run and the n-gram run.
-LIMITS = {"pytest_gpu": 105, "kernels_p8": 70, "e2e_graphs_auto": 45, "e2e_graphs_off": 45,
-          "tensor_parallel_p13": 50, "moe_mla_kernels": 40, "calibrate_sim": 30, "quant_gemm": 30,
-          "fp8_deepseek_e2e": 50, "speculative_e2e": 40, "speculative_mtp_e2e": 35}
+# ~76M parameters on the host, two launches, shorter copy prompts) and the
+# batch-invariant run's 40 s (two launches, one round of 64 streams on
+# each), both estimated, not measured, took 15 s from pytest_gpu, 15 s
+# from P8, 10 s from each bench-small end-to-end run, 5 s each from the
+# kernels, the calibration and the n-gram run, and 10 s from the FP8
+# DeepSeek run.
+LIMITS = {"pytest_gpu": 100, "kernels_p8": 60, "e2e_graphs_auto": 40, "e2e_graphs_off": 40,
+          "tensor_parallel_p13": 50, "moe_mla_kernels": 35, "calibrate_sim": 25, "quant_gemm": 30,
+          "fp8_deepseek_e2e": 45, "speculative_e2e": 40, "speculative_mtp_e2e": 35, "batch_invariant_e2e": 40}
 CALIBRATED_PROFILE = "profile_bench-small.json"
 # P13 needs this many devices (one per rank).
 P13_DEVICES = 2
@@ -120,6 +129,9 @@ def parts(out: Path, num_requests: int) -> dict[str, list[str]]:
                                 "--copy-source-tokens", "60", "--copy-output-tokens", "40", "--executor-env",
                                 "EXECUTOR_ATTENTION_BACKEND=triton", "--no-plots", "--no-progress", "--out",
                                 str(out / "speculative_mtp_e2e.json")],
+        "batch_invariant_e2e": [sys.executable, "-m", "bench.batch_invariant", "--model", "bench-small", "--rounds",
+                                "1", "--streams", str(num_requests), "--max-len", "2048", "--executor-env",
+                                "EXECUTOR_ATTENTION_BACKEND=triton", "--out", str(out / "batch_invariant_e2e.json")],
     }
 
 
@@ -215,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
             mean_acceptance_length=sp["acceptance"]["mean_acceptance_length"], greedy_equal=sp["greedy"]["equal"])
         print(f"gpu-check: {name}: {method}/off output tok/s {sp['ratio_output_throughput']:.2f}x, mean "
               f"acceptance length {sp['acceptance']['mean_acceptance_length']:.2f}, greedy equal {sp['greedy']['equal']}")
+    invariant = args.out_dir / "batch_invariant_e2e.json"
+    if invariant.exists():
+        r = json.loads(invariant.read_text())
+        summary["parts"]["batch_invariant_e2e"].update(
+            on_over_off=r["median_ratio"], tokens_per_s=r["tokens_per_s"], stable_requests=r["stable_requests"])
+        print(f"gpu-check: batch_invariant_e2e: on/off output tok/s {r['median_ratio']:.2f}x, requests with the "
+              f"same tokens every round: on {r['stable_requests']['on']}")
     profile = args.out_dir / CALIBRATED_PROFILE
     if summary["parts"]["calibrate_sim"].get("returncode") == 0 and profile.exists():
         fit = json.loads(profile.read_text())["fit"]

@@ -28,16 +28,12 @@ from executor_svc.model.model import build_model as build_model_as
 from executor_svc.model.mtp import MTPHead, mtp_config, mtp_model_class, mtp_tensors
 from executor_svc.model.model_config import ModelConfig
 from executor_svc.model.moe import use_triton_moe
-<<<<<<< HEAD
 from executor_svc.model.model import CausalLM
 from executor_svc.step.draft_model import DraftModel, vocabulary_mismatch
 from executor_svc.step.ngram import NgramProposer
 from executor_svc.step.head_drafts import HeadProposer
-from executor_svc.step.runner import FromRank0, ModelRunner
-=======
 from executor_svc.step.invariance_check import self_test
-from executor_svc.step.runner import ModelRunner
->>>>>>> 967b1fd (Batch-invariant mode's start-up self-test: a probe prompt alone vs in three chunks beside three other requests, bitwise, on the model's own shapes)
+from executor_svc.step.runner import FromRank0, ModelRunner
 from executor_svc.model.sharding import Shard
 from executor_svc.tensor_parallel import TPGroup, join, rank_device
 from llmsched.errors import StartupError
@@ -237,11 +233,6 @@ def check_batch_invariant(settings: ExecutorSettings) -> bool:
     return True
 
 
-<<<<<<< HEAD
-def check_speculative(settings: ExecutorSettings, generates: bool, cfg: ModelConfig | None = None,
-                      hf_config: dict | None = None) -> None:
-    """Refuses, by name, a speculative method or combination not implemented."""
-=======
 def check_invariance(runner: ModelRunner, tp: TPGroup | None) -> None:
     """Batch-invariant mode's start-up self-test (invariance_check.py) on
     every rank; rank 0 judges, and every rank refuses start-up with it."""
@@ -255,10 +246,9 @@ def check_invariance(runner: ModelRunner, tp: TPGroup | None) -> None:
     log.info("batch-invariant mode: the start-up self-test passed in %.1f s", time.perf_counter() - t)
 
 
-def speculative_ngram(settings: ExecutorSettings, generates: bool) -> tuple[int, int] | None:
-    """The n-gram window (min, max) when the executor speculates, else None;
-    a method or combination not implemented is refused by name."""
->>>>>>> 967b1fd (Batch-invariant mode's start-up self-test: a probe prompt alone vs in three chunks beside three other requests, bitwise, on the model's own shapes)
+def check_speculative(settings: ExecutorSettings, generates: bool, cfg: ModelConfig | None = None,
+                      hf_config: dict | None = None) -> None:
+    """Refuses, by name, a speculative method or combination not implemented."""
     method = settings.speculative_method
     if settings.speculative_draft_model and method not in ("draft", "eagle3"):
         raise StartupError(f"EXECUTOR_SPECULATIVE_DRAFT_MODEL is set, but EXECUTOR_SPECULATIVE_METHOD={method} does "

@@ -187,3 +187,22 @@ def test_a_gpu_runs_the_copy_workload_speculating_and_summary_carries_the_ratio(
     [cmd] = [cmd for cmd in ran if "bench.mtp_deepseek" in cmd]
     assert "EXECUTOR_ATTENTION_BACKEND=triton" in cmd
     assert parts["speculative_mtp_e2e"]["ms_per_token"] == {"off": 9.0, "mtp": 12.0}
+
+
+def test_a_gpu_measures_what_batch_invariant_mode_costs_and_summary_carries_the_ratio(monkeypatch, tmp_path):
+    ran = _fake_parts(monkeypatch, device_count=1)
+    real_run = gpu_check.subprocess.run
+
+    def run(cmd, **kwargs):
+        if "bench.batch_invariant" in cmd:
+            Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({
+                "median_ratio": 0.93, "tokens_per_s": {"off": [1000.0], "on": [930.0]},
+                "stable_requests": {"off": 63, "on": 64}}))
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    assert gpu_check.main(["--out-dir", str(tmp_path)]) == 0
+    [cmd] = [cmd for cmd in ran if "bench.batch_invariant" in cmd]
+    assert "EXECUTOR_ATTENTION_BACKEND=triton" in cmd and cmd[cmd.index("--model") + 1] == "bench-small"
+    part = json.loads((tmp_path / "summary.json").read_text())["parts"]["batch_invariant_e2e"]
+    assert part["on_over_off"] == 0.93 and part["stable_requests"]["on"] == 64

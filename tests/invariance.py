@@ -146,7 +146,8 @@ def run(runner: ModelRunner, reqs: list[Req], chunk: int, preempt: Preemption | 
             r = by_handle[h]
             r.output.append(t)
             if h == CANARY:
-                lp = res.logprobs[i]
+                # Under tensor parallelism only rank 0 gets logprobs.
+                lp = res.logprobs[i] if res.logprobs is not None else (None, (), ())
                 r.logprobs.append((t, lp[0], tuple(lp[1]), tuple(lp[2])))
             if r.done:
                 finished.append(h)

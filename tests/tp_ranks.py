@@ -61,6 +61,44 @@ def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_
     """(tokens per prompt, logits per step, steps) from rank 0 of a group of
     `size`; with drafts, every rank speculates up to that many, by
     EXECUTOR_SPECULATIVE_METHOD=method (draft: with draft_model)."""
+    return _run_ranks(size, timeout_s, lambda r, port, results: (
+        generate_on_rank, (model, size, r, port, prompts, max_new, chunk, results, drafts, method, draft_model)))
+
+
+def canary_on_rank(model: str, size: int, rank: int, port: int, results) -> None:
+    """Batch-invariant mode on this rank of a group: the canary alone, then
+    among 63 neighbours (tests/invariance.py); rank 0 reports both runs."""
+    from executor_svc.loading import load
+    from tests import invariance
+
+    if size > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    settings = ExecutorSettings(model=model, tensor_parallel_size=size, tensor_parallel_timeout_s=60, device="cpu",
+                                dtype="float32", attention_backend="torch", block_size=invariance.BLOCK,
+                                num_kv_blocks=64 * invariance.BLOCKS_PER_REQUEST, num_threads=1, batch_invariant="on")
+    loaded = load(settings)  # runs the start-up self-test on every rank
+    canary = lambda: invariance.Req(invariance.CANARY, invariance.canary_prompt(), 256, invariance.CANARY_SAMPLING)
+    alone = invariance.run(loaded.runner, [canary()], chunk=512)
+    among = invariance.run(loaded.runner, [canary()] + invariance.neighbours(63, seed=5, max_arrival=60,
+                                                                             max_prompt=150, max_tokens=40), chunk=64)
+    if rank == 0:
+        results.put((alone, among))
+        results.close()
+        results.join_thread()
+    if loaded.tp is not None:
+        loaded.tp.leave()
+
+
+def run_canary_group(model: str, size: int, timeout_s: float = 240.0):
+    """(the canary alone, the canary among neighbours), from rank 0 of a
+    batch-invariant group of `size`."""
+    return _run_ranks(size, timeout_s, lambda r, port, results: (canary_on_rank, (model, size, r, port, results)))
+
+
+def _run_ranks(size: int, timeout_s: float, target_and_args):
+    """Starts `size` ranks, each running target_and_args(rank, port, results);
+    returns what rank 0 put on results."""
     ctx = multiprocessing.get_context("forkserver")
     # Each rank is forked from a server that has already imported torch and
     # the executor (about 2 s of CPU a rank, 30-odd ranks in the suite);
@@ -68,9 +106,10 @@ def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_
     ctx.set_forkserver_preload(["executor_svc.loading", "tests.unit.test_runner_vs_hf"])
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=generate_on_rank, args=(model, size, r, port, prompts, max_new, chunk, results, drafts,
-                                                             method, draft_model))
-             for r in range(size)]
+    procs = []
+    for r in range(size):
+        target, args = target_and_args(r, port, results)
+        procs.append(ctx.Process(target=target, args=args))
     for p in procs:
         p.start()
     try:

@@ -201,3 +201,15 @@ def test_start_up_is_refused_by_name_when_the_host_does_not_keep_the_mode(storie
     with pytest.raises(StartupError, match="EXECUTOR_BATCH_INVARIANT=on, but this host does not keep it") as err:
         load(settings)
     assert "\n" not in str(err.value) and "EXECUTOR_BATCH_INVARIANT=off" in str(err.value)
+
+
+def test_at_tp2_the_canary_is_bitwise_equal_alone_and_among_63_neighbours(stories_path):
+    """Two gloo ranks on the CPU, each with half the heads and the MLP: the
+    all-reduces sum two terms, the same either way; each rank's GEMMs are
+    padded as on one device. load() runs the self-test on both ranks."""
+    from tests import tp_ranks
+
+    alone_tp, among_tp = tp_ranks.run_canary_group(str(stories_path), 2)
+    assert all(lp is not None for _, lp, _, _ in alone_tp), "rank 0 reported no logprobs"
+    diff = first_difference(alone_tp, among_tp)
+    assert diff is None, f"at TP=2 the canary among 63 neighbours differs from alone at {diff}"

@@ -27,6 +27,11 @@ SHORT_QUERY_MAX = 8
 # Batch-invariant mode: keys per piece of every query's context
 # (_plan_fixed_split). Each query pays for its context rounded up to it.
 INVARIANT_SPLIT_TOKENS = 256
+# ...and at least this many rows per SDPA call whatever the K size: a
+# prefill's queries are rows too, and a model with 1 KiB of K per token
+# would otherwise attend 4 rows a call (a row's result does not depend on
+# how many share its call, so this is a matter of speed only).
+INVARIANT_MIN_ROWS = 32
 
 
 @dataclass(slots=True)
@@ -420,7 +425,7 @@ def _plan_fixed_split(
         hidden = (keys < lo[t][:, None]) | (keys >= seen[t][:, None])
         mask = torch.zeros(end - start, 1, 1, w * block_size, dtype=dtype, device=device)
         mask.masked_fill_(torch.from_numpy(hidden).to(device)[:, None, None, :], float("-inf"))
-        rows_per_chunk = max(1, DECODE_CHUNK_BYTES // token_bytes // (w * block_size))
+        rows_per_chunk = max(INVARIANT_MIN_ROWS, DECODE_CHUNK_BYTES // token_bytes // (w * block_size))
         for a in range(0, end - start, rows_per_chunk):
             b = min(a + rows_per_chunk, end - start)
             chunks.append(_DecodeChunk(start + a, start + b, ids[a:b].reshape(-1), w, mask[a:b]))

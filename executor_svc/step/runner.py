@@ -218,7 +218,9 @@ class ModelRunner:
                                  new.num_output_tokens, new.embed)
             if self.batch_invariant and new.sampling.seed is None:
                 # Its own stream, keyed by this seed and the output position
-                # (sampler.seeded_uniform): no other row's draws move it.
+                # (sampler.seeded_uniform): no other row's draws move it. (The
+                # scheduler seeds unseeded requests in this mode, once for
+                # their life; this covers a plan that comes without one.)
                 rows.seed[row], rows.seeded[row] = np.random.default_rng().integers(-(1 << 63), 1 << 63), True
             if constraints is not None:
                 if new.grammar is None:

@@ -23,6 +23,7 @@ flight: a swapped-out victim keeps their tokens.
 from __future__ import annotations
 
 import bisect
+import secrets
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -122,6 +123,12 @@ class Scheduler:
         if reason:
             raise ValueError(reason)
         request.handle = self._alloc_handle()
+        if self.config.batch_invariant and request.sampling.seed is None:
+            # Its draws keyed by a seed of its own and the token's index
+            # (the executor's sampler), never by its row in a batch; kept
+            # for its whole life, so a recompute after a preemption draws
+            # what it would have drawn.
+            request.sampling = replace(request.sampling, seed=secrets.randbits(64))
         request.arrival_seq = self._next_arrival
         self._next_arrival += 1
         self.requests[request.request_id] = request

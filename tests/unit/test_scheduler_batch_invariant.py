@@ -70,3 +70,20 @@ def test_the_handshake_carries_the_mode_to_the_scheduler():
     assert not model_facts(epb.HandshakeResponse(model="m", block_size=16, num_kv_blocks=8)).batch_invariant
     assert facts.geometry != model_facts(epb.HandshakeResponse(model="m", block_size=16, num_kv_blocks=8)).geometry, (
         "an executor that comes back with the mode changed must not keep the old scheduler")
+
+
+def test_an_unseeded_request_gets_a_seed_of_its_own_for_its_whole_life():
+    sched = make_scheduler(batch_invariant=True)
+    a, b = make_request(temperature=1.0), make_request(temperature=1.0, seed=7)
+    sched.add_request(a)
+    sched.add_request(b)
+    assert a.sampling.seed is not None and 0 <= a.sampling.seed < 1 << 64
+    assert b.sampling.seed == 7, "a client's seed is kept"
+    seed = a.sampling.seed
+    run_step(sched)
+    sched._preempt(a)
+    assert a.sampling.seed == seed, "a preemption keeps the stream"
+    plain = make_scheduler()
+    c = make_request(temperature=1.0)
+    plain.add_request(c)
+    assert c.sampling.seed is None, "without the mode unseeded requests stay unseeded"

@@ -27,10 +27,15 @@ SHORT_QUERY_MAX = 8
 # Batch-invariant mode: keys per piece of every query's context
 # (_plan_fixed_split). Each query pays for its context rounded up to it.
 INVARIANT_SPLIT_TOKENS = 256
-# ...and at least this many rows per SDPA call whatever the K size: a
-# prefill's queries are rows too, and a model with 1 KiB of K per token
-# would otherwise attend 4 rows a call (a row's result does not depend on
-# how many share its call, so this is a matter of speed only).
+# A last, partial piece is gathered at the next power of two blocks, and at
+# least this many keys: fewer shapes, so fewer and larger SDPA calls.
+INVARIANT_MIN_WIDTH_TOKENS = 64
+# Rows per SDPA call: up to this much gathered K (and as much V), and at
+# least INVARIANT_MIN_ROWS. A row's result does not depend on how many rows
+# share its call, so both are a matter of speed only: a small model's step
+# is mostly per-call overhead (4 MiB: one call per width on stories260K at
+# 64 decodes), and a prefill's queries are rows too.
+INVARIANT_CALL_BYTES = 4 << 20
 INVARIANT_MIN_ROWS = 32
 
 
@@ -384,9 +389,10 @@ def _plan_fixed_split(
     visible keys are cut at multiples of piece_blocks blocks (absolute
     positions, so the cuts do not move with the batch). A piece is gathered
     padded to a width that is a function of the piece alone: piece_blocks
-    for a whole piece, the next power of two blocks for the query's last,
-    partial one (padding masked), so SDPA sees one of a few shapes and the
-    padding wastes at most half of a last piece. Rows are grouped by width
+    for a whole piece, the next power of two blocks (at least
+    INVARIANT_MIN_WIDTH_TOKENS) for the query's last, partial one (padding
+    masked), so SDPA sees one of a few shapes and the padding wastes at most
+    half of a last piece. Rows are grouped by width
     into calls of a fixed number of rows (the last fewer): the CPU flash
     kernel computes each row on its own, so a row's result does not depend
     on the others in its call. Every query's pieces are merged by their
@@ -409,7 +415,8 @@ def _plan_fixed_split(
     piece = np.repeat(first_piece, count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
     base = piece * piece_blocks  # first block of each piece
     span = np.minimum(last_block[token] - base + 1, piece_blocks)  # blocks the piece holds up to its query's last
-    width = np.minimum(piece_blocks, 1 << np.ceil(np.log2(span)).astype(np.int64))  # [num_rows] blocks gathered
+    min_width = max(1, INVARIANT_MIN_WIDTH_TOKENS // block_size)
+    width = np.minimum(piece_blocks, np.maximum(min_width, 1 << np.ceil(np.log2(span)).astype(np.int64)))  # [num_rows]
     order = np.argsort(width, kind="stable")
     token, base, width = token[order], base[order], width[order]
     tables = meta.block_tables.index_select(0, torch.from_numpy(req[token]).to(meta.block_tables.device)).long()
@@ -425,7 +432,7 @@ def _plan_fixed_split(
         hidden = (keys < lo[t][:, None]) | (keys >= seen[t][:, None])
         mask = torch.zeros(end - start, 1, 1, w * block_size, dtype=dtype, device=device)
         mask.masked_fill_(torch.from_numpy(hidden).to(device)[:, None, None, :], float("-inf"))
-        rows_per_chunk = max(INVARIANT_MIN_ROWS, DECODE_CHUNK_BYTES // token_bytes // (w * block_size))
+        rows_per_chunk = max(INVARIANT_MIN_ROWS, INVARIANT_CALL_BYTES // token_bytes // (w * block_size))
         for a in range(0, end - start, rows_per_chunk):
             b = min(a + rows_per_chunk, end - start)
             chunks.append(_DecodeChunk(start + a, start + b, ids[a:b].reshape(-1), w, mask[a:b]))

@@ -13,8 +13,8 @@ neighbours: measured on 1 to 8 threads, batch sizes 1 to 700, for the
 shapes of the built-in models (tests/unit/test_batch_invariant.py).
 
 Modules whose forward maps rows to rows through a GEMM (every linear layer,
-the lm_head, the MoE router) get a forward hook pair that pads the input's
-rows and trims the output's; the few GEMMs inside other modules (the MoE
+the lm_head, the MoE router) get a forward that pads the input's rows and
+trims the output's; the few GEMMs inside other modules (the MoE
 experts' per-expert matmuls, MLA's absorbed projections) pad through
 pad_rows themselves, keyed by the row_unit attribute set here.
 
@@ -47,17 +47,20 @@ def pad_rows(x: torch.Tensor, unit: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(padded - m, *x.shape[1:])])
 
 
-def _pad_input(module: nn.Module, args: tuple) -> tuple:
-    x = args[0]
-    module._rows = x.shape[0]  # the hook below trims the output back to these
-    return (pad_rows(x, module.row_unit), *args[1:])
+def _padded(forward, unit: int):
+    """forward with its first argument's rows padded to a multiple of unit
+    and its output (a tensor or a tuple of them) trimmed back. Set as the
+    module's own forward: a hook pair would cost every call torch's slow
+    path, about as much again as a small model's GEMM."""
 
+    def run(x: torch.Tensor, *args, **kwargs):
+        m = x.shape[0]
+        if m and m % unit == 0:
+            return forward(x, *args, **kwargs)
+        out = forward(pad_rows(x, unit), *args, **kwargs)
+        return tuple(t[:m] for t in out) if isinstance(out, tuple) else out[:m]
 
-def _trim_output(module: nn.Module, args: tuple, out):
-    m = module._rows
-    if isinstance(out, tuple):
-        return tuple(t[:m] for t in out)
-    return out[:m]
+    return run
 
 
 def _row_gemm_modules(model: nn.Module) -> list[nn.Module]:
@@ -72,15 +75,14 @@ def _row_gemm_modules(model: nn.Module) -> list[nn.Module]:
 
 def make_batch_invariant(model: nn.Module, unit: int = ROW_UNIT) -> int:
     """Pads the rows of every GEMM of model to a multiple of unit; returns
-    how many modules were hooked. Idempotent."""
-    hooked = 0
+    how many modules were changed. Idempotent."""
+    padded = 0
     for module in _row_gemm_modules(model):
         if getattr(module, "row_unit", 1) == unit:
             continue
         module.row_unit = unit
-        module.register_forward_pre_hook(_pad_input)
-        module.register_forward_hook(_trim_output)
-        hooked += 1
+        module.forward = _padded(module.forward, unit)
+        padded += 1
     # The GEMMs that are not a module's whole forward read row_unit themselves.
     from executor_svc.model.mla import MLAttention
     from executor_svc.model.moe import FusedExperts
@@ -88,7 +90,7 @@ def make_batch_invariant(model: nn.Module, unit: int = ROW_UNIT) -> int:
     for module in model.modules():
         if isinstance(module, (FusedExperts, MLAttention)):
             module.row_unit = unit
-    return hooked
+    return padded
 
 
 def linear_rows_invariant(weight: torch.Tensor, rows: int = 64, unit: int = ROW_UNIT) -> str | None:

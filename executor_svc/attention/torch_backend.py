@@ -37,6 +37,10 @@ INVARIANT_MIN_WIDTH_TOKENS = 64
 # 64 decodes), and a prefill's queries are rows too.
 INVARIANT_CALL_BYTES = 4 << 20
 INVARIANT_MIN_ROWS = 32
+# A prompt's queries reading one piece at one width share one copy of its
+# keys when there are at least this many of them (fewer join the other
+# rows' calls: fewer calls for what they copy).
+INVARIANT_SHARED_MIN_ROWS = 8
 
 
 @dataclass(slots=True)
@@ -46,9 +50,13 @@ class _DecodeChunk:
 
     start: int
     end: int
-    block_ids: torch.Tensor  # [n * num_blocks] int64: blocks to gather, row by row
+    block_ids: torch.Tensor  # [n * num_blocks] int64: blocks to gather, row by row ([num_blocks] when shared)
     num_blocks: int  # per row, after padding to the chunk's longest
     mask: torch.Tensor | None  # [n, 1, 1, num_blocks * block_size] additive; None: every key visible
+    # Fixed-split layouts: every row reads the same keys (one request's
+    # queries in one piece): block_ids holds them once, gathered once and
+    # broadcast over the rows.
+    shared: bool = False
 
 
 @dataclass(slots=True)
@@ -74,6 +82,22 @@ class _AttentionLayout:
     decodes: list[_DecodeChunk]
     prefills: list[_Prefill]
     max_gather_blocks: int  # the largest decode chunk, to size the reused gather buffers
+    # Fixed-split layouts (_plan_fixed_split): how the rows become queries.
+    merge: _FixedMerge | None = None
+
+
+@dataclass(slots=True)
+class _FixedMerge:
+    """A fixed-split step's rows to queries. A query with one piece is that
+    row's output as the kernel wrote it; a query with several has its
+    pieces merged in piece order, whatever order the calls computed them
+    in. Which applies is a function of the query's position alone."""
+
+    whole: torch.Tensor  # [a] int64: rows that are a whole query
+    whole_tokens: torch.Tensor  # [a] int64: their queries' places in the step batch
+    parts: torch.Tensor | None  # [b] int64: the other queries' rows, in (query, piece) order; None: no such query
+    part_queries: torch.Tensor | None  # [b] int64: each one's query among those (0..m-1)
+    part_tokens: torch.Tensor | None  # [m] int64: those queries' places in the step batch
 
 
 class TorchAttentionBackend:
@@ -141,7 +165,9 @@ class TorchAttentionBackend:
                                          max(1, self.fixed_split_tokens // block_size))
             meta.cache[key] = plan
         out = torch.empty_like(query)
-        if plan.decodes:
+        if plan.merge is not None:
+            _attend_fixed_split(query, k_cache, v_cache, plan, scale, softcap, sinks, out, k_scale, v_scale)
+        elif plan.decodes:
             _attend_decodes(query, k_cache, v_cache, plan, scale, softcap, sinks, out, k_scale, v_scale)
         num_kv_heads, head_dim = k_cache.shape[2:]
         for pf in plan.prefills:
@@ -385,19 +411,29 @@ def _plan_fixed_split(
     position and keys only, never on the other queries of the step, nor on
     how its prompt was chunked.
 
-    Every query token, decode or prefill, is attended as a decode row. Its
-    visible keys are cut at multiples of piece_blocks blocks (absolute
-    positions, so the cuts do not move with the batch). A piece is gathered
-    padded to a width that is a function of the piece alone: piece_blocks
-    for a whole piece, the next power of two blocks (at least
-    INVARIANT_MIN_WIDTH_TOKENS) for the query's last, partial one (padding
-    masked), so SDPA sees one of a few shapes and the padding wastes at most
-    half of a last piece. Rows are grouped by width
-    into calls of a fixed number of rows (the last fewer): the CPU flash
-    kernel computes each row on its own, so a row's result does not depend
-    on the others in its call. Every query's pieces are merged by their
-    log-sum-exp, even when there is one, in an order fixed by its own
-    pieces' widths and positions.
+    Every query token, decode or prefill, is attended as one batch row of
+    the CPU flash kernel, its GQA group as the query axis. Its visible keys
+    are cut at multiples of piece_blocks blocks (absolute positions, so the
+    cuts do not move with the batch). A piece is gathered padded to a width
+    that is a function of the piece alone: piece_blocks for a whole piece,
+    the next power of two blocks (at least INVARIANT_MIN_WIDTH_TOKENS) for
+    the query's last, partial one (padding masked: a masked key weighs
+    exactly 0, whatever it holds), so the kernel sees one of a few shapes.
+    It computes each batch row on its own, whatever shares its call and
+    whether the row's keys are a copy of its own or one copy read through a
+    zero stride (checked bitwise by the tests), so:
+
+    - one request's queries reading one piece at one width (at least
+      INVARIANT_SHARED_MIN_ROWS of them: a prompt's) share one gathered
+      copy of its keys, in one call;
+    - the other rows (decodes, a prompt's few queries in a piece) gather
+      their own keys, batched by width.
+
+    (Stacking a prompt's queries on the query axis instead would change a
+    row's GEMM from the group's 2 rows to many, and with it the order of
+    its sums.) A query with one piece is that row's output; one with
+    several has them merged by their log-sum-exp in piece order, whichever
+    calls computed them (_FixedMerge).
     """
     q_lens = np.asarray(meta.query_lens_host, dtype=np.int64)
     seq_lens = np.asarray(meta.seq_lens_host, dtype=np.int64)
@@ -411,32 +447,87 @@ def _plan_fixed_split(
     last_block = (seen - 1) // block_size
     first_piece, last_piece = lo // block_size // piece_blocks, last_block // piece_blocks
     count = last_piece - first_piece + 1  # [num_tokens] pieces per query
-    token = np.repeat(np.arange(num_tokens), count)  # [num_rows]: each piece's query, in order
+    # Rows in (query, piece) order: the merge order.
+    token = np.repeat(np.arange(num_tokens), count)  # [num_rows]: each piece's query
     piece = np.repeat(first_piece, count) + np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
     base = piece * piece_blocks  # first block of each piece
     span = np.minimum(last_block[token] - base + 1, piece_blocks)  # blocks the piece holds up to its query's last
     min_width = max(1, INVARIANT_MIN_WIDTH_TOKENS // block_size)
     width = np.minimum(piece_blocks, np.maximum(min_width, 1 << np.ceil(np.log2(span)).astype(np.int64)))  # [num_rows]
-    order = np.argsort(width, kind="stable")
-    token, base, width = token[order], base[order], width[order]
-    tables = meta.block_tables.index_select(0, torch.from_numpy(req[token]).to(meta.block_tables.device)).long()
-    chunks, block_ids, masks = [], [], []
-    start = 0
-    for w in np.unique(width).tolist():
-        end = start + int(np.searchsorted(width[start:], w, side="right"))
+    # Rows of one request reading one piece at one width have the same keys.
+    _, group, group_rows = np.unique((req[token] * (piece.max() + 1) + piece) * (piece_blocks + 1) + width,
+                                     return_inverse=True, return_counts=True)
+    shared = group_rows[group] >= INVARIANT_SHARED_MIN_ROWS
+    # Shared groups first, each contiguous; then the other rows by width.
+    order = np.concatenate([np.flatnonzero(shared)[np.argsort(group[shared], kind="stable")],
+                            np.flatnonzero(~shared)[np.argsort(width[~shared], kind="stable")]])
+    token_o, base_o, width_o, group_o = token[order], base[order], width[order], group[order]
+    tables = meta.block_tables.index_select(0, torch.from_numpy(req[token_o]).to(meta.block_tables.device)).long()
+    chunks: list[_DecodeChunk] = []
+    start, num_shared = 0, int(shared.sum())
+    while start < len(order):
+        w = int(width_o[start])
+        is_shared = start < num_shared
+        if is_shared:  # one group, one call
+            end = start + int(np.searchsorted(group_o[start:num_shared], group_o[start], side="right"))
+        else:
+            end = start + int(np.searchsorted(width_o[start:], w, side="right"))
+            end = min(end, start + max(INVARIANT_MIN_ROWS, INVARIANT_CALL_BYTES // token_bytes // (w * block_size)))
         # Blocks past the query's last visible one repeat it (masked below).
-        cols = np.minimum(base[start:end, None] + np.arange(w), last_block[token[start:end]][:, None])  # [rows, w]
-        ids = tables[start:end].gather(1, torch.from_numpy(cols).to(tables.device)).to(device)  # [rows, w]
-        keys = np.arange(w * block_size)[None, :] + (base[start:end] * block_size)[:, None]  # [rows, w * bs] positions
-        t = token[start:end]
-        hidden = (keys < lo[t][:, None]) | (keys >= seen[t][:, None])
-        mask = torch.zeros(end - start, 1, 1, w * block_size, dtype=dtype, device=device)
-        mask.masked_fill_(torch.from_numpy(hidden).to(device)[:, None, None, :], float("-inf"))
-        rows_per_chunk = max(INVARIANT_MIN_ROWS, INVARIANT_CALL_BYTES // token_bytes // (w * block_size))
-        for a in range(0, end - start, rows_per_chunk):
-            b = min(a + rows_per_chunk, end - start)
-            chunks.append(_DecodeChunk(start + a, start + b, ids[a:b].reshape(-1), w, mask[a:b]))
+        # A shared group reads up to its last query's last block: its tokens ascend.
+        rows = slice(end - 1, end) if is_shared else slice(start, end)
+        cols = np.minimum(base_o[rows, None] + np.arange(w), last_block[token_o[rows]][:, None])  # [rows, w]
+        ids = tables[rows].gather(1, torch.from_numpy(cols).to(tables.device)).to(device)
+        keys = np.arange(w * block_size)[None, :] + (base_o[start:end] * block_size)[:, None]  # [rows, w * bs]
+        t = token_o[start:end]
+        hidden = torch.from_numpy((keys < lo[t][:, None]) | (keys >= seen[t][:, None])).to(device)
+        mask = torch.zeros(end - start, w * block_size, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+        chunks.append(_DecodeChunk(start, end, ids.reshape(-1), w, mask, is_shared))
         start = end
-    token_t = torch.from_numpy(token).to(device)
-    return _AttentionLayout(token_t, token_t, torch.arange(num_tokens, device=device), chunks, [],
-                            max((c.end - c.start) * c.num_blocks for c in chunks))
+    place = np.argsort(order)  # [num_rows]: each (query, piece) row's place among the rows as computed
+    whole = count[token] == 1
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    merge = _FixedMerge(t(place[whole]), t(token[whole]), None, None, None)
+    if not whole.all():
+        multi_tokens = np.flatnonzero(count > 1)
+        merge.parts = t(place[~whole])
+        merge.part_queries = t(np.searchsorted(multi_tokens, token[~whole]))
+        merge.part_tokens = t(multi_tokens)
+    return _AttentionLayout(t(token_o), None, None, chunks, [],
+                            max(c.num_blocks * (1 if c.shared else c.end - c.start) for c in chunks), merge)
+
+
+def _attend_fixed_split(query, k_cache, v_cache, plan: _AttentionLayout, scale, softcap, sinks, out,
+                        k_scale=1.0, v_scale=1.0) -> None:
+    """Writes out ([num_tokens, num_heads, head_dim]) from a fixed-split
+    layout (_plan_fixed_split): every row a call of its own to the kernel's
+    arithmetic, its keys a copy of its own or one shared copy; the pieces
+    merge in piece order; sinks join after, as in _attend_decodes."""
+    num_heads, head_dim = query.shape[1:]
+    _, block_size, kvh, _ = k_cache.shape
+    group = num_heads // kvh
+    k_buf = k_cache.new_empty(plan.max_gather_blocks, block_size, kvh, head_dim)
+    v_buf = v_cache.new_empty(plan.max_gather_blocks, block_size, kvh, head_dim)
+    q_rows = query.index_select(0, plan.row_tokens).view(-1, kvh, group, head_dim)  # [num_rows, kvh, group, d]
+    o_rows = torch.empty_like(q_rows)
+    lse_rows = q_rows.new_empty(q_rows.shape[:-1], dtype=torch.float32)  # [num_rows, kvh, group]
+    for chunk in plan.decodes:
+        n, ctx = chunk.end - chunk.start, chunk.num_blocks * block_size
+        k = dequantize(_gather(k_cache, chunk.block_ids, k_buf), k_scale, query.dtype)
+        v = dequantize(_gather(v_cache, chunk.block_ids, v_buf), v_scale, query.dtype)
+        if chunk.shared:  # one copy of the piece, read by every row through a zero stride
+            k, v = (t.view(1, ctx, kvh, head_dim).expand(n, -1, -1, -1) for t in (k, v))
+        # [n, ctx, kvh, d] viewed as [n, kvh, ctx, d]
+        k, v = (t.view(n, ctx, kvh, head_dim).transpose(1, 2) for t in (k, v))
+        o, lse = _attention_with_lse(q_rows[chunk.start : chunk.end], k, v, chunk.mask[:, None, None], scale, softcap)
+        o_rows[chunk.start : chunk.end], lse_rows[chunk.start : chunk.end] = o, lse
+    m = plan.merge
+    outputs = [(o_rows.index_select(0, m.whole), lse_rows.index_select(0, m.whole), m.whole_tokens)]
+    if m.parts is not None:
+        outputs.append((*_merge_pieces(o_rows.index_select(0, m.parts), lse_rows.index_select(0, m.parts),
+                                       m.part_queries, m.part_tokens.shape[0]), m.part_tokens))
+    for o, lse, tokens in outputs:
+        if sinks is not None:
+            sink = sinks.float().view(kvh, group)  # [kvh, group]
+            o = (o.float() * torch.sigmoid(lse - sink)[..., None]).to(o.dtype)
+        out.index_copy_(0, tokens, o.reshape(-1, num_heads, head_dim))

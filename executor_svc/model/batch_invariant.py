@@ -73,15 +73,42 @@ def _row_gemm_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (_Linear, nn.Linear, Router))]
 
 
-def make_batch_invariant(model: nn.Module, unit: int = ROW_UNIT) -> int:
-    """Pads the rows of every GEMM of model to a multiple of unit; returns
-    how many modules were changed. Idempotent."""
+def _plain_linear(module: nn.Module) -> bool:
+    """A linear layer whose forward is F.linear(x, weight, bias) on an unquantized weight."""
+    from executor_svc.model.layers import _Linear
+
+    return isinstance(module, nn.Linear) or (isinstance(module, _Linear) and module.scheme is None)
+
+
+def _triton_forward(module: nn.Module):
+    from kernels.invariant_linear import invariant_linear
+
+    return lambda x: invariant_linear(x, module.weight, module.bias)
+
+
+def make_batch_invariant(model: nn.Module, unit: int = ROW_UNIT, triton_gemm: bool | None = None) -> int:
+    """Makes every GEMM of model sum each row in one order whatever the
+    batch; returns how many modules were changed. Idempotent.
+
+    On the CPU every GEMM's rows are padded to a multiple of unit. On CUDA
+    (triton_gemm; None: whether the model's weights are on CUDA) padding
+    does not do it, since cuBLAS picks its algorithm and split-K from the
+    whole shape: unquantized linear layers run kernels/invariant_linear.py,
+    whose tiles never depend on the rows; the others (quantized layers'
+    kernels, the router, MLA's batched products) keep the padding and are
+    left to the start-up self-test.
+    """
+    if triton_gemm is None:
+        triton_gemm = any(p.is_cuda for p in model.parameters())
     padded = 0
     for module in _row_gemm_modules(model):
         if getattr(module, "row_unit", 1) == unit:
             continue
         module.row_unit = unit
-        module.forward = _padded(module.forward, unit)
+        if triton_gemm and _plain_linear(module):
+            module.forward = _triton_forward(module)
+        else:
+            module.forward = _padded(module.forward, unit)
         padded += 1
     # The GEMMs that are not a module's whole forward read row_unit themselves.
     from executor_svc.model.mla import MLAttention

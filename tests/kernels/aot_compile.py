@@ -45,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - depends on the Triton version
 from kernels import fp8_linear as fl  # noqa: E402
 from kernels import fused_moe as fm  # noqa: E402
 from kernels import int_linear as il  # noqa: E402
+from kernels import invariant_linear as inv  # noqa: E402
 from kernels import kv_write  # noqa: E402
 from kernels import mla_decode as mla  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
@@ -181,6 +182,7 @@ def _record_all_launches(arch: int) -> list:
     mla._mla_decode_kernel = _Recorder(mla._mla_decode_kernel, launches, "mla_decode")
     fl._fp8_block_linear_kernel = _Recorder(fl._fp8_block_linear_kernel, launches, "fp8_linear")
     il._int_weight_linear_kernel = _Recorder(il._int_weight_linear_kernel, launches, "int_linear")
+    inv._invariant_linear_kernel = _Recorder(inv._invariant_linear_kernel, launches, "invariant_linear")
     pa._num_sms = lambda device: 132  # choose tiles as on an H100/H200
     pa._compute_capability = lambda device: divmod(arch, 10)
 
@@ -261,6 +263,11 @@ def _record_all_launches(arch: int) -> list:
         _int_linear_launch(1, 4096, 4096, 128, bits, torch.bfloat16, act_order=True)
         _int_linear_launch(100, 4096, 4096, 128, bits, torch.bfloat16, act_order=True)
         _int_linear_launch(4, 96, 80, 80, bits, torch.float32, bias=True)
+    # Batch-invariant mode's GEMM: Llama-3-8B's o_proj in 16-bit, with a bias; a small fp32 one.
+    for dtype in (torch.bfloat16, torch.float16):
+        inv.invariant_linear(torch.zeros(3, 4096, dtype=dtype), torch.zeros(4096, 4096, dtype=dtype),
+                             torch.zeros(4096, dtype=dtype))
+    inv.invariant_linear(torch.zeros(3, 64, dtype=torch.float32), torch.zeros(192, 64, dtype=torch.float32))
     return launches
 
 

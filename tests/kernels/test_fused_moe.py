@@ -82,3 +82,18 @@ def test_executor_experts_torch_and_triton_paths_agree(device):
     assert torch.allclose(experts(x, weights, ids), want, atol=1e-5)
     experts.impl = "triton"
     assert torch.allclose(experts(x, weights, ids), want, atol=1e-4)
+
+
+def test_ordered_combine_gives_a_token_the_same_bits_alone_and_among_others(device):
+    """Batch-invariant mode's fused MoE: the grouped GEMMs' tiles depend on the
+    weights' shapes only and the experts add in top-k slot order, so a token's
+    output is the same bits alone and among 37 tokens (its experts shared with others).
+    (On the CPU interpreter torch's sum over the k slots would pass too: the order
+    matters where a GPU reduction picks it from the batch's size.)"""
+    x, w13, w2, weights, ids, _, _ = make_moe(37, 6, 3, 48, 40, torch.float32, device)
+    among = fm.fused_moe(x, w13, w2, weights, ids, silu_glu, ordered_combine=True)
+    want = reference.fused_moe(x, w13, w2, weights, ids, silu_glu)
+    assert torch.allclose(among, want, atol=1e-4, rtol=1e-4)
+    for t in (0, 17, 36):
+        alone = fm.fused_moe(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], silu_glu, ordered_combine=True)
+        assert torch.equal(alone[0], among[t]), f"token {t} alone differs from token {t} among 37"

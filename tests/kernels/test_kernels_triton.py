@@ -612,3 +612,38 @@ def test_paged_attention_sinks(device, monkeypatch, num_splits, window):
     atol, rtol = ATTENTION_TOLERANCES[torch.float32]
     torch.testing.assert_close(out, expected, atol=atol, rtol=rtol)
     _assert_feature_changes_output(batch, torch.float32, expected, {"sliding_window": window}, "sinks")
+
+
+def _fixed_split_case(device, reqs, fixed_split):
+    """Request 0's last query (position 599 of its context) through paged_attention,
+    in a batch of (request, q_len, seq_len); every request reads request r's own
+    blocks, keys and queries (seeded by r), so request 0's are the same in every batch."""
+    block_size, kvh, heads, d, blocks = 16, 2, 4, 16, 38
+    k_cache = torch.randn(8 * blocks, block_size, kvh, d, generator=torch.Generator().manual_seed(1))
+    v_cache = torch.randn(8 * blocks, block_size, kvh, d, generator=torch.Generator().manual_seed(2))
+    queries = [torch.randn(blocks * block_size, heads, d, generator=torch.Generator().manual_seed(10 + r))
+               for r in range(8)]
+    q = torch.cat([queries[r][s - n:s] for r, n, s in reqs])
+    cu = torch.tensor([0] + [n for _, n, _ in reqs], dtype=torch.int32).cumsum(0).to(torch.int32)
+    seq = torch.tensor([s for _, _, s in reqs], dtype=torch.int32)
+    tables = torch.stack([torch.arange(blocks * r, blocks * (r + 1), dtype=torch.int32) for r, _, _ in reqs])
+    out = pa.paged_attention(q.to(device), k_cache.to(device), v_cache.to(device), cu.to(device), seq.to(device),
+                             tables.to(device), d**-0.5, fixed_split=fixed_split)
+    at = int(cu[[r for r, _, _ in reqs].index(0) + 1]) - 1
+    return out[at].cpu()
+
+
+def test_paged_attention_fixed_split_gives_a_query_the_same_bits_in_any_batch(device):
+    """Batch-invariant mode's kernel config: one tile shape, no split-KV. Request 0's
+    query at position 599 alone (where split-KV would be picked), among other decodes,
+    and at the end of a 40-token prefill chunk beside a decode."""
+    alone = _fixed_split_case(device, [(0, 1, 600)], True)
+    batches = {
+        "among decodes": [(3, 1, 90), (0, 1, 600), (5, 1, 150)],
+        "ending a 40-token chunk beside a decode": [(1, 1, 30), (0, 40, 600)],
+    }
+    for name, reqs in batches.items():
+        assert torch.equal(_fixed_split_case(device, reqs, True), alone), f"fixed split: differs {name}"
+    # The control: without it the decode alone is split over the context, the chunk is not.
+    assert not torch.equal(_fixed_split_case(device, [(0, 40, 600)], False),
+                           _fixed_split_case(device, [(0, 1, 600)], False)), "the control shows no difference"

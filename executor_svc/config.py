@@ -128,7 +128,8 @@ class ExecutorSettings(BaseSettings):
     batch_invariant: Literal["off", "on"] = Field(
         default="off", description="`on`: a request's logits and logprobs are bitwise the same whatever else "
         "shares its steps, however its prompt was chunked and whether its prefix was cached. Every GEMM's rows are "
-        "padded to a multiple of 4 (the row count from which the CPU BLAS sums every row in one order), every "
+        "padded to a multiple of 4 (the row count from which the CPU BLAS sums every row in one order; on CUDA, "
+        "unquantized linear layers run a Triton GEMM whose tiles never depend on the rows), every "
         "query token, prefill or decode, attends its keys in fixed 512-position pieces merged in order, decode "
         "steps run eagerly, and unseeded sampling draws from a stream keyed by the request and the token's "
         "position. Checked at start-up on the model's own shapes: start-up is refused if the host does not keep "

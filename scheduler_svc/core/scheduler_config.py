@@ -49,6 +49,10 @@ class SchedulerConfig:
     @property
     def invariant_chunk(self) -> int:
         """The chunk size of batch-invariant mode: max_prefill_chunk within
-        the step budget, rounded down to whole blocks (at least one)."""
+        the step budget, rounded down to whole blocks (at least one, unless
+        the budget is smaller than a block: then the budget, or no chunk
+        would ever fit)."""
+        if self.max_num_batched_tokens < self.block_size:
+            return self.max_num_batched_tokens
         most = min(self.max_prefill_chunk, self.max_num_batched_tokens)
         return max(self.block_size, most // self.block_size * self.block_size)

@@ -41,6 +41,7 @@ def test_the_invariant_chunk_is_max_prefill_chunk_in_whole_blocks_within_the_bud
     assert SchedulerConfig(**cfg, max_prefill_chunk=100).invariant_chunk == 96
     assert SchedulerConfig(**cfg, max_prefill_chunk=512, max_num_batched_tokens=200).invariant_chunk == 192
     assert SchedulerConfig(**cfg, max_prefill_chunk=5).invariant_chunk == 16
+    assert SchedulerConfig(**cfg, max_num_batched_tokens=10).invariant_chunk == 10, "a chunk must fit the budget"
 
 
 def test_prompt_chunks_end_at_the_same_positions_under_any_load():

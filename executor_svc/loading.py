@@ -119,8 +119,8 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     model = build_model(cfg, ckpt.lazy_tensors(), max_model_len, device, dtype, shard, tp,
                         headless_ok=ckpt.pooling.pooling is not None)
     if invariant:
-        log.info("batch-invariant mode: %d GEMM layers pad their rows to a multiple of %d",
-                 make_batch_invariant(model), ROW_UNIT)
+        log.info("batch-invariant mode: %d GEMM layers made invariant (rows padded to a multiple of %d; on CUDA, "
+                 "unquantized ones on the Triton GEMM)", make_batch_invariant(model), ROW_UNIT)
     generates = model.lm_head is not None
     if not generates:
         # Nothing is ever sampled, so no decode step is captured or compiled.

@@ -24,7 +24,7 @@ class TritonAttentionBackend:
     def __init__(self, batch_invariant: bool = False) -> None:
         # EXECUTOR_BATCH_INVARIANT: every launch takes the same tile shape
         # and no split-KV, whatever the batch (kernels/paged_attention.py
-        # fixed_split); MLA's prefills go to the torch backend's fixed pieces.
+        # fixed_split); MLA runs every query token as one decode (_mla_per_token).
         self.batch_invariant = batch_invariant
         try:
             from kernels.kv_write import write_kv_cache

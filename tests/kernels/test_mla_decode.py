@@ -78,3 +78,32 @@ def test_triton_backend_runs_mla_decode_steps_on_the_kernel_and_others_on_torch(
                                 tables, [1, 2], lens.tolist())
     backend.attend_latent(torch.cat([query, query[1:]]), cache, prefill, 0.2, 16)
     assert calls == ["kernel"], "a step with a prefill runs on the torch path"
+
+
+def test_batch_invariant_mla_runs_every_query_as_one_decode(device):
+    """The triton backend in batch-invariant mode: a prefill chunk's queries are
+    each one decode of the paged kernel over its own prefix, so they match the
+    torch backend's causal attention, and a query's bits are the same in a chunk
+    beside another request as alone."""
+    from executor_svc.attention import AttentionMetadata, TorchAttentionBackend, TritonAttentionBackend
+
+    block_size, heads, value_dim, rope_dim = 4, 4, 16, 8
+    _, cache, _, _ = make_batch([40], heads, value_dim, rope_dim, block_size, torch.float32, device)
+    tables = torch.arange(12, dtype=torch.int32, device=device)[None].repeat(2, 1)  # both read blocks 0-11
+    queries = torch.randn(40, heads, value_dim + rope_dim, generator=torch.Generator().manual_seed(3)).to(device)
+
+    def meta(q_lens, seq_lens):
+        cu = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+        return AttentionMetadata(torch.zeros(sum(q_lens), dtype=torch.long, device=device), cu.to(device),
+                                 torch.tensor(seq_lens, dtype=torch.int32, device=device), tables[: len(q_lens)],
+                                 list(q_lens), list(seq_lens))
+
+    scale = (value_dim + rope_dim) ** -0.5
+    backend = TritonAttentionBackend(batch_invariant=True)
+    chunk = backend.attend_latent(queries[30:40], cache, meta([10], [40]), scale, value_dim)  # positions 30-39
+    want = TorchAttentionBackend().attend_latent(queries[30:40], cache, meta([10], [40]), scale, value_dim)
+    torch.testing.assert_close(chunk, want, atol=1e-4, rtol=1e-4)
+    beside = backend.attend_latent(torch.cat([queries[:5], queries[30:40]]), cache, meta([5, 10], [5, 40]), scale,
+                                   value_dim)
+    alone = backend.attend_latent(queries[39:40], cache, meta([1], [40]), scale, value_dim)
+    assert torch.equal(beside[14], chunk[9]) and torch.equal(alone[0], chunk[9]), "position 39 differs by batch"

@@ -176,3 +176,18 @@ def test_speculative_copy_run_reports_both_stacks_acceptance_and_equal_greedy_ou
     assert sp["greedy"] == {"compared": 2, "identical": 2, "mismatches": [], "copy_sources_equal": True,
                             "equal": True}
     assert (tmp_path / "spec.off.services.log").exists() and (tmp_path / "spec.ngram.services.log").exists()
+
+
+@pytest.mark.slow
+def test_batch_invariant_bench_runs_both_stacks_and_the_modes_tokens_repeat_every_round(tmp_path):
+    """Through the real services: the mode's executor passes its start-up
+    self-test, its scheduler learns the mode in the handshake, and every
+    request gets the same tokens in both rounds (the command exits 1 if not)."""
+    out = tmp_path / "p22.json"
+    cmd = [sys.executable, "-m", "bench.batch_invariant", "--rounds", "2", "--streams", "6", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["stable_requests"]["on"] == 6
+    assert len(report["tokens_per_s"]["on"]) == len(report["tokens_per_s"]["off"]) == 2
+    assert report["median_ratio"] > 0

@@ -43,6 +43,10 @@ INVARIANT_MIN_ROWS = 32
 # keys when there are at least this many of them (fewer join the other
 # rows' calls: fewer calls for what they copy).
 INVARIANT_SHARED_MIN_ROWS = 8
+# Rows per call where the kernel is batched matmuls rather than the CPU
+# flash kernel (a softcap, or a device other than the CPU): fixed, so that
+# every call has one shape (_attention_with_lse_in_fixed_calls).
+INVARIANT_MATH_ROWS = 16
 
 
 @dataclass(slots=True)
@@ -521,7 +525,11 @@ def _attend_fixed_split(query, k_cache, v_cache, plan: _AttentionLayout, scale, 
             k, v = (t.view(1, ctx, kvh, head_dim).expand(n, -1, -1, -1) for t in (k, v))
         # [n, ctx, kvh, d] viewed as [n, kvh, ctx, d]
         k, v = (t.view(n, ctx, kvh, head_dim).transpose(1, 2) for t in (k, v))
-        o, lse = _attention_with_lse(q_rows[chunk.start : chunk.end], k, v, chunk.mask[:, None, None], scale, softcap)
+        q, mask = q_rows[chunk.start : chunk.end], chunk.mask[:, None, None]
+        if softcap is None and q.device.type == "cpu":
+            o, lse = _attention_with_lse(q, k, v, mask, scale, softcap)  # the flash kernel: row by row
+        else:
+            o, lse = _attention_with_lse_in_fixed_calls(q, k, v, mask, scale, softcap)
         o_rows[chunk.start : chunk.end], lse_rows[chunk.start : chunk.end] = o, lse
     m = plan.merge
     outputs = [(o_rows.index_select(0, m.whole), lse_rows.index_select(0, m.whole), m.whole_tokens)]
@@ -533,3 +541,26 @@ def _attend_fixed_split(query, k_cache, v_cache, plan: _AttentionLayout, scale, 
             sink = sinks.float().view(kvh, group)  # [kvh, group]
             o = (o.float() * torch.sigmoid(lse - sink)[..., None]).to(o.dtype)
         out.index_copy_(0, tokens, o.reshape(-1, num_heads, head_dim))
+
+
+def _attention_with_lse_in_fixed_calls(q, k, v, mask, scale, softcap):
+    """_attention_with_lse's explicit path (softcap, or off the CPU) over
+    rows in calls of exactly INVARIANT_MATH_ROWS rows, the last padded with
+    zero rows: its batched matmuls pick their kernel from the whole batch's
+    size (a plain loop for small ones, the BLAS for large), so every call
+    gets the same shape and each row the same sums whatever the step.
+    q: [n, h, m, d]; k, v: [n, h, ctx, d]; mask: [n, 1, 1, ctx]."""
+    n, rows = q.shape[0], INVARIANT_MATH_ROWS
+    outs, lses = [], []
+    for a in range(0, n, rows):
+        # Contiguous whatever they were views of (a shared piece is read
+        # through a zero stride): the matmuls' kernel follows the layout too.
+        part = [t[a : a + rows].contiguous() for t in (q, k, v, mask)]
+        pad = rows - part[0].shape[0]
+        if pad:
+            part = [torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in part]
+        o, lse = _attention_with_lse(*part, scale, softcap)
+        outs.append(o[: rows - pad])
+        lses.append(lse[: rows - pad])
+    return torch.cat(outs), torch.cat(lses)
+

@@ -213,3 +213,19 @@ def test_at_tp2_the_canary_is_bitwise_equal_alone_and_among_63_neighbours(storie
     assert all(lp is not None for _, lp, _, _ in alone_tp), "rank 0 reported no logprobs"
     diff = first_difference(alone_tp, among_tp)
     assert diff is None, f"at TP=2 the canary among 63 neighbours differs from alone at {diff}"
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt-oss", "qwen3-moe", "deepseek-v3"])
+def test_the_self_test_passes_on_families_with_softcaps_windows_sinks_experts_and_latent_attention(
+        family, tmp_path):
+    """Each family's tiny random checkpoint loads in the mode, so its start-up
+    self-test (a 250-token probe alone vs in chunks among others) passed:
+    Gemma 2's soft-capped, windowed attention (the explicit-softmax path),
+    gpt-oss's sinks, windows and biased experts, Qwen3-MoE's routed experts,
+    DeepSeek-V3's latent attention and grouped routing."""
+    from tests.families import CASES, make_checkpoint
+
+    directory = make_checkpoint(CASES[family], tmp_path)
+    settings = ExecutorSettings(model=str(directory), device="cpu", dtype="float32", block_size=16,
+                                num_kv_blocks=128, batch_invariant="on", num_threads=1)
+    assert load(settings).runner.batch_invariant

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.attention.kv_quant import as_bytes, dequantize, quantize
+from executor_svc.model.batch_invariant import tail_free
 from executor_svc.attention.metadata import AttentionMetadata
 
 # Bytes of K gathered per decode chunk (rows x padded context x one token's
@@ -297,7 +298,7 @@ def _attention_with_lse(q, k, v, mask, scale, softcap):
     return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v), lse
 
 
-def _merge_pieces(o_rows, lse_rows, row_decodes, num_decodes):
+def _merge_pieces(o_rows, lse_rows, row_decodes, num_decodes, elementwise=None):
     """Attention over a decode's whole context from its pieces' outputs.
 
     o_rows: [num_rows, kvh, group, d], each normalised over its own keys;
@@ -305,14 +306,15 @@ def _merge_pieces(o_rows, lse_rows, row_decodes, num_decodes):
     exp-sum of its scores. Returns [num_decodes, kvh, group, d] and the
     whole context's log-sum-exp, [num_decodes, kvh, group].
     """
+    apply = elementwise or (lambda fn, x: fn(x))
     shape = (num_decodes, *lse_rows.shape[1:])
     index = row_decodes[:, None, None].expand_as(lse_rows)
     top = lse_rows.new_full(shape, float("-inf")).scatter_reduce_(0, index, lse_rows, "amax")
-    weight = torch.exp(lse_rows - top.index_select(0, row_decodes))  # [num_rows, kvh, group]
+    weight = apply(torch.exp, lse_rows - top.index_select(0, row_decodes))  # [num_rows, kvh, group]
     total = lse_rows.new_zeros(shape).index_add_(0, row_decodes, weight)
     merged = lse_rows.new_zeros(num_decodes, *o_rows.shape[1:])  # fp32, whatever o_rows' dtype
     merged.index_add_(0, row_decodes, o_rows * weight[..., None])
-    return (merged / total[..., None]).to(o_rows.dtype), top + torch.log(total)
+    return (merged / total[..., None]).to(o_rows.dtype), top + apply(torch.log, total)
 
 
 def _plan_step(
@@ -535,11 +537,11 @@ def _attend_fixed_split(query, k_cache, v_cache, plan: _AttentionLayout, scale, 
     outputs = [(o_rows.index_select(0, m.whole), lse_rows.index_select(0, m.whole), m.whole_tokens)]
     if m.parts is not None:
         outputs.append((*_merge_pieces(o_rows.index_select(0, m.parts), lse_rows.index_select(0, m.parts),
-                                       m.part_queries, m.part_tokens.shape[0]), m.part_tokens))
+                                       m.part_queries, m.part_tokens.shape[0], tail_free), m.part_tokens))
     for o, lse, tokens in outputs:
         if sinks is not None:
             sink = sinks.float().view(kvh, group)  # [kvh, group]
-            o = (o.float() * torch.sigmoid(lse - sink)[..., None]).to(o.dtype)
+            o = (o.float() * tail_free(torch.sigmoid, lse - sink)[..., None]).to(o.dtype)
         out.index_copy_(0, tokens, o.reshape(-1, num_heads, head_dim))
 
 

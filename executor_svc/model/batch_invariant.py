@@ -27,6 +27,8 @@ start-up rather than serving results that depend on the batch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +49,38 @@ def pad_rows(x: torch.Tensor, unit: int) -> torch.Tensor:
     if padded == m:
         return x
     return torch.cat([x, x.new_zeros(padded - m, *x.shape[1:])])
+
+
+# ATen runs an elementwise op over a contiguous tensor as one flat loop of
+# vectors (32 fp32 values a step on AVX-512) whose last, partial step takes
+# a scalar path that rounds transcendental functions (exp, sigmoid, tanh)
+# differently: an element's result then depends on where the tensor ends,
+# hence on the batch. A row count that makes the element count a multiple
+# of this leaves no partial step.
+VECTOR_ELEMENTS = 64
+# The MoE router's rows are padded to a multiple of this: its scores
+# ([rows, experts], a sigmoid for DeepSeek) are then whole vectors too.
+ROUTER_ROW_UNIT = 32
+
+
+def tail_free(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn over x ([rows, ...], contiguous), computed
+    on x padded with zero rows up to a whole number of VECTOR_ELEMENTS, so
+    no element of x falls in the loop's partial last step. For tensors
+    small enough for one thread (the loop is split over threads from 32768
+    elements; see rows_in_fixed_calls for larger ones)."""
+    per_row = max(1, x[0].numel()) if x.shape[0] else 1
+    unit = VECTOR_ELEMENTS // math.gcd(VECTOR_ELEMENTS, per_row)
+    return fn(pad_rows(x, unit))[: x.shape[0]]
+
+
+def rows_in_fixed_calls(fn, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """fn(x) for an elementwise fn, over x's rows in calls of exactly `rows`
+    rows (the last padded with zero rows): every call has one size, so the
+    loop's vectors and its split over threads put each row's elements in
+    the same places whatever the batch."""
+    n = x.shape[0]
+    return torch.cat([fn(pad_rows(x[a : a + rows], rows)) for a in range(0, n, rows)])[:n] if n else fn(x)
 
 
 def _padded(forward, unit: int):
@@ -100,6 +134,8 @@ def make_batch_invariant(model: nn.Module, unit: int = ROW_UNIT, triton_gemm: bo
     kernels, the router, MLA's batched products) keep the padding and are
     left to the start-up self-test.
     """
+    from executor_svc.model.moe import Router
+
     if triton_gemm is None:
         triton_gemm = any(p.is_cuda for p in model.parameters())
     padded = 0
@@ -110,14 +146,17 @@ def make_batch_invariant(model: nn.Module, unit: int = ROW_UNIT, triton_gemm: bo
         if triton_gemm and _plain_linear(module):
             module.forward = _triton_forward(module)
         else:
-            module.forward = _padded(module.forward, unit)
+            module.forward = _padded(module.forward, ROUTER_ROW_UNIT if isinstance(module, Router) else unit)
         padded += 1
-    # The GEMMs that are not a module's whole forward read row_unit themselves.
+    # The GEMMs that are not a module's whole forward read row_unit
+    # themselves; so do the elementwise ops that must be tail_free (the
+    # shared expert's gate, a final softcap).
     from executor_svc.model.mla import MLAttention
-    from executor_svc.model.moe import FusedExperts
+    from executor_svc.model.model import CausalLM
+    from executor_svc.model.moe import FusedExperts, SparseMoE
 
     for module in model.modules():
-        if isinstance(module, (FusedExperts, MLAttention)):
+        if isinstance(module, (FusedExperts, MLAttention, SparseMoE, CausalLM)):
             module.row_unit = unit
     return padded
 

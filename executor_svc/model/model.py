@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
+from executor_svc.model.batch_invariant import rows_in_fixed_calls
 from executor_svc.model.checkpoint import LazyTensor
 from executor_svc.model.layers import (
     ColumnLinear, RowLinear, RowPart, VocabEmbedding, VocabHead, load_replicated, quantize_linears, replicated_shapes,
@@ -46,6 +47,9 @@ from executor_svc.model.sharding import Shard
 
 # A family's map from one checkpoint tensor to the decoder parameters it fills.
 Rename = Callable[[str, LazyTensor, ModelConfig], Iterator[tuple[str, LazyTensor]]]
+
+# Batch-invariant mode: rows per call of a final softcap's tanh over the logits.
+LOGIT_CALL_ROWS = 4
 
 # A checkpoint's FP8 KV-cache scales: one float32 scalar per layer for K and for V.
 KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
@@ -238,6 +242,7 @@ class CausalLM(nn.Module):
     # Layers whose input forward keeps in aux_hidden (an EAGLE-3 head reads
     # them; model/eagle3.py); len(layers) = the last layer's output.
     aux_layer_ids: tuple[int, ...] = ()
+    row_unit = 1  # above 1: batch-invariant mode (batch_invariant.py)
 
     def __init__(self, cfg: ModelConfig, max_len: int, shard: Shard = Shard(), comm=None):
         super().__init__()
@@ -321,7 +326,12 @@ class CausalLM(nn.Module):
             logits = logits[:, : self.cfg.vocab_size]  # padding rows are never sampled
         if self.cfg.final_softcap is not None:
             c = self.cfg.final_softcap
-            logits = torch.tanh(logits / c) * c
+            if self.row_unit > 1:
+                # Batch-invariant mode: a tanh over [num_sampled, vocab] is one flat
+                # loop split over threads, both following the batch's size.
+                logits = rows_in_fixed_calls(lambda x: torch.tanh(x / c) * c, logits, LOGIT_CALL_ROWS)
+            else:
+                logits = torch.tanh(logits / c) * c
         return logits.float()
 
 

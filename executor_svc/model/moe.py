@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
-from executor_svc.model.batch_invariant import pad_rows
+from executor_svc.model.batch_invariant import pad_rows, tail_free
 from executor_svc.model.layers import ColumnLinear, RowLinear, RowPart, check_fp8, check_shape, materialize
 from executor_svc.model.model import ACTIVATIONS, MLP, CausalLM
 from executor_svc.model.model_config import LinearScheme, ModelConfig, MoESpec, UnsupportedConfig
@@ -335,6 +335,8 @@ class FusedExperts(nn.Module):
 class SparseMoE(nn.Module):
     """Router + experts (+ shared expert), one all-reduce at the end."""
 
+    row_unit = 1  # above 1: batch-invariant mode (batch_invariant.py)
+
     def __init__(self, cfg: ModelConfig, spec: MoESpec, shard: Shard, comm,
                  experts_cls: type[FusedExperts] = FusedExperts):
         super().__init__()
@@ -353,7 +355,10 @@ class SparseMoE(nn.Module):
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert(x)
             if hasattr(self, "shared_expert_gate"):
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                gate = self.shared_expert_gate(x)  # [num_tokens, 1]
+                # A sigmoid over [num_tokens, 1] is one flat loop whose tail depends on the batch.
+                gate = tail_free(torch.sigmoid, gate) if self.row_unit > 1 else torch.sigmoid(gate)
+                shared = gate * shared
             out = out + shared
         return out if self.comm is None else self.comm.all_reduce(out)
 

@@ -215,7 +215,7 @@ def test_at_tp2_the_canary_is_bitwise_equal_alone_and_among_63_neighbours(storie
     assert diff is None, f"at TP=2 the canary among 63 neighbours differs from alone at {diff}"
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt-oss", "qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2-moe", "gpt-oss", "qwen3-moe", "deepseek-v3"])
 def test_the_self_test_passes_on_families_with_softcaps_windows_sinks_experts_and_latent_attention(
         family, tmp_path):
     """Each family's tiny random checkpoint loads in the mode, so its start-up

@@ -65,10 +65,10 @@ def first_difference(a: list[tuple], b: list[tuple]) -> str | None:
 
 
 def arrival_order(order: int) -> list[Req]:
-    """The same 63 neighbours (seed 1: prompts up to 200 tokens, up to 100
+    """The same 63 neighbours (seed 1: prompts up to 200 tokens, up to 48
     generated), arriving in the order'th permutation of their arrival
     steps over the canary's first 120, the canary at a step of its own."""
-    reqs = neighbours(63, seed=1, max_arrival=120, max_prompt=200, max_tokens=100)
+    reqs = neighbours(63, seed=1, max_arrival=120, max_prompt=200, max_tokens=48)
     rng = random.Random(order)
     steps = [r.arrival for r in reqs]
     rng.shuffle(steps)

@@ -58,7 +58,10 @@ class SchedulerSettings(BaseSettings):
     # Chunking lets long prompts share steps with running decodes instead of
     # stalling them for a whole prefill.
     max_prefill_chunk: int = Field(
-        default=512, ge=1, description="Most prompt tokens of one request per step (chunked prefill).")
+        default=512, ge=1, description="Most prompt tokens of one request per step (chunked prefill). With an "
+        "executor in batch-invariant mode (`EXECUTOR_BATCH_INVARIANT=on`, learned in the handshake) a prompt's "
+        "chunks end at multiples of this, rounded down to whole blocks, and are never cut short by the step's "
+        "budget: a chunk that does not fit waits a step.")
     policy: Literal["fcfs", "priority", "fair"] = Field(
         default="fcfs", description="`fcfs`: arrival order. `priority`: `GenerateRequest.priority` (lower = more "
         "urgent), then arrival. `fair`: the Virtual Token Counter across tenants (each tenant's share of the "

@@ -47,9 +47,14 @@ def runner_on(stories_path):
 
 @pytest.fixture(scope="module")
 def alone(runner_on):
-    """The reference: the canary alone, its prompt in one chunk."""
+    """The reference: the canary alone, its prompt in one chunk (on one
+    thread, like the tests: module fixtures are made before one_thread)."""
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
-    return run(runner_on, [canary()], chunk=512)
+    try:
+        return run(runner_on, [canary()], chunk=512)
+    finally:
+        torch.set_num_threads(before)
 
 
 def canary(**kw) -> Req:

@@ -136,6 +136,21 @@ class ExecutorSettings(BaseSettings):
         "it. The scheduler learns it in the handshake and then cuts prompt chunks at block boundaries, sized "
         "independently of load. Refused with `EXECUTOR_TORCH_COMPILE=on` and with `EXECUTOR_SPECULATIVE_METHOD` "
         "other than `off`. What it guarantees and costs: `docs/batch-invariance.md`.")
+    lora_adapters: str = Field(
+        default="", description="LoRA adapters served beside the base model, `name=path,...`, each a PEFT "
+        "directory (`adapter_config.json` and `adapter_model.safetensors`) on q/k/v/o/gate/up/down projections of "
+        "a dense decoder, scaled by `lora_alpha` / rank (or / sqrt(rank) with `use_rslora`). A request names one by "
+        "`GenerateRequest.adapter` (gRPC) or as its `model` (OpenAI). For now every adapter is read onto the "
+        "device at start-up and stays there (no slots are loaded or evicted at runtime). Refused by name: "
+        "`modules_to_save`, embedding or lm_head weights, DoRA, a `bias` other than `none`, per-module rank or "
+        "alpha patterns, and any other adapter setting that would change the math; tensor parallelism with "
+        "adapters. Steps with adapter tokens run eagerly (no CUDA graph or compiled decode).")
+    max_lora_rank: int = Field(
+        default=64, ge=1, le=1024, description="Largest adapter rank `EXECUTOR_LORA_ADAPTERS` may hold; a larger "
+        "one is refused at start-up.")
+    max_loras: int = Field(
+        default=8, ge=1, le=1024, description="Adapters held on the device at once. For now every configured "
+        "adapter is resident, so more adapters than this are refused at start-up.")
     max_logprobs: int = Field(
         default=20, ge=0, le=1024, description="Most top logprobs per token a request may ask for; capped at the "
         "vocabulary size.")

@@ -36,6 +36,7 @@ from executor_svc.step.invariance_check import self_test
 from executor_svc.step.runner import FromRank0, ModelRunner
 from executor_svc.model.sharding import Shard
 from executor_svc.tensor_parallel import TPGroup, join, rank_device
+from executor_svc.model.lora import load_adapters
 from llmsched.errors import StartupError
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,10 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         log.info("batch-invariant mode: %d GEMM layers made invariant (rows padded to a multiple of %d; on CUDA, "
                  "unquantized ones on the Triton GEMM)", make_batch_invariant(model), ROW_UNIT)
     generates = model.lm_head is not None
+    lora = load_adapters(settings.lora_adapters, model, settings.max_lora_rank, settings.max_loras, device, dtype,
+                         size)
+    if lora is not None:
+        log.info("LoRA adapters resident on the device: %s", ", ".join(lora.names))
     if not generates:
         # Nothing is ever sampled, so no decode step is captured or compiled.
         log.info("the checkpoint ships no lm_head.weight (tie_word_embeddings is false): it serves embeddings only")
@@ -193,7 +198,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         proposer = NgramProposer(settings.speculative_ngram_min, settings.speculative_ngram_max)
     runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp,
                        constraints=constraints, host_kv=host_kv, pooling=ckpt.pooling.pooling, proposer=proposer,
-                       batch_invariant=invariant)
+                       batch_invariant=invariant, lora=lora)
     try:
         runner = ModelRunner(model, pool, backend, device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
                              **runner_args)
@@ -226,6 +231,9 @@ def check_batch_invariant(settings: ExecutorSettings) -> bool:
         raise StartupError(f"EXECUTOR_BATCH_INVARIANT=on is not implemented with EXECUTOR_SPECULATIVE_METHOD="
                            f"{settings.speculative_method} (a verified draft is computed in a multi-token step, "
                            "plain decoding in a one-token step); supported: EXECUTOR_SPECULATIVE_METHOD=off")
+    if settings.lora_adapters:
+        raise StartupError("EXECUTOR_BATCH_INVARIANT=on is not implemented with EXECUTOR_LORA_ADAPTERS (the adapters' "
+                           "own products are not padded); supported: no adapters")
     if settings.tensor_parallel_size > 2:
         raise StartupError(f"EXECUTOR_BATCH_INVARIANT=on supports EXECUTOR_TENSOR_PARALLEL_SIZE 1 or 2, not "
                            f"{settings.tensor_parallel_size}: with more ranks the all-reduce's order of summation "

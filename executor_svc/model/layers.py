@@ -168,7 +168,15 @@ class _Linear(nn.Module):
             self._input_scales = scales if any(not torch.equal(s, scales[0]) for s in scales) else scales[:1]
         return self._input_scales
 
+    # The LoRA adapters' deltas on this layer (lora.LoraLinear), or None:
+    # a model without adapters runs exactly the base layer.
+    lora = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_forward(x)
+        return y if self.lora is None else self.lora.add(x, y)
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         scheme = self.scheme
         if scheme is None:
             return F.linear(x, self.weight, self.bias)

@@ -93,6 +93,7 @@ class RequestRows:
         self.has_bias = grow(get("has_bias"), (rows,), bool)
         self.prompt_logprobs = grow(get("prompt_logprobs"), (rows,), np.int64)  # top alternatives; -1 = none
         self.embed = grow(get("embed"), (rows,), bool)  # prefill only: pooled, never sampled
+        self.adapter = grow(get("adapter"), (rows,), np.int64)  # LoRA slot (model/lora.py); -1 = the base model
         if self.device.type == "cpu":
             self.block_table = torch.from_numpy(self.block_table_host)  # [rows, max_blocks], shared
         else:
@@ -129,7 +130,8 @@ class RequestRows:
                 self.penalty_slot[row] = -1
 
     def add(self, handle: int, token_ids: list[int], block_ids: list[int], num_computed: int,
-            sampling: SamplingSettings, num_output: int, embed: bool = False) -> tuple[int, np.ndarray]:
+            sampling: SamplingSettings, num_output: int, embed: bool = False,
+            adapter: int = -1) -> tuple[int, np.ndarray]:
         """Takes a row for a new (or re-sent) request; returns it and the
         flat block-table indices it wrote."""
         n, nb = len(token_ids), len(block_ids)
@@ -159,6 +161,7 @@ class RequestRows:
         self.min_p[row], self.min_tokens[row] = sampling.min_p, sampling.min_tokens
         self.prompt_logprobs[row] = -1 if sampling.prompt_logprobs is None else sampling.prompt_logprobs
         self.embed[row] = embed
+        self.adapter[row] = adapter
         if sampling.has_penalties:
             num_prompt = n - num_output
             self.penalty_slot[row] = self.counts.add(token_ids[:num_prompt], token_ids[num_prompt:])

@@ -27,6 +27,7 @@ from executor_svc.step.host_memory import retain_freed_memory, to_device
 from executor_svc.step.kv_cache import KVCachePool
 from executor_svc.step.logits_processors import LogitsProcessors
 from executor_svc.model.model import CausalLM
+from executor_svc.model.lora import LoraSet
 from executor_svc.model.pooling import Pooling
 from executor_svc.step.request_rows import PlanError, RequestRows
 from executor_svc.step.sampler import SampleOutput, SamplingBatch, SamplingSettings, sample
@@ -53,6 +54,8 @@ class NewRequestData:
     ignore_eos: bool = False
     # An embedding request (NewRequest.embed): prefill only, pooled.
     embed: bool = False
+    # The LoRA adapter's name (NewRequest.adapter); "" = the base model.
+    adapter: str = ""
 
 
 @dataclass(slots=True)
@@ -153,8 +156,10 @@ class ModelRunner:
                  fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False,
                  torch_compile: bool = False, tp=None, constraints: ConstraintMatchers | None = None,
                  host_kv: HostKVPool | None = None, pooling: Pooling | None = None, proposer=None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, lora: LoraSet | None = None):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
+        # The LoRA adapters attached to the model (model/lora.py), or None.
+        self.lora = lora
         # EXECUTOR_BATCH_INVARIANT (model/batch_invariant.py): the model's
         # GEMMs and the backend are already made invariant by the caller;
         # here, one eager path for every step, and unseeded draws keyed by
@@ -215,7 +220,7 @@ class ModelRunner:
             if new.embed and self.pooling is None:
                 raise PlanError(f"handle {new.handle}: an embedding request, but the checkpoint has no pooling config")
             row, flat = rows.add(new.handle, new.token_ids, new.block_ids, new.num_computed_tokens, new.sampling,
-                                 new.num_output_tokens, new.embed)
+                                 new.num_output_tokens, new.embed, self._adapter_slot(new))
             if self.batch_invariant and new.sampling.seed is None:
                 # Its own stream, keyed by this seed and the output position
                 # (sampler.seeded_uniform): no other row's draws move it. (The
@@ -251,6 +256,14 @@ class ModelRunner:
                     raise PlanError(f"handle {h}: drafts for a request the plan does not schedule as running")
                 drafts[at[h]] = k
         return np.array(scheduled, dtype=np.int64), np.array(counts, dtype=np.int64), drafts
+
+    def _adapter_slot(self, new: NewRequestData) -> int:
+        if not new.adapter:
+            return -1
+        slot = None if self.lora is None else self.lora.slot_of(new.adapter)
+        if slot is None:
+            raise PlanError(f"handle {new.handle}: adapter {new.adapter!r} is not served here")
+        return slot
 
     def _propose(self, rows: np.ndarray, drafts: np.ndarray, allowed: np.ndarray) -> None:
         """Each rows[i] (i in allowed) may verify up to drafts[i] drafts; sets
@@ -375,6 +388,12 @@ class ModelRunner:
                 r.handle[verifying].tolist(),
                 [r.token_ids[row, n:n + k].tolist() for row, n, k in zip(verifying, n_known, drafts[speculates])])
         ids_t, positions_t = batch.ids, batch.positions
+        with_adapters = False
+        if self.lora is not None:
+            slots = r.adapter[rows]  # [n]
+            with_adapters = bool((slots >= 0).any())
+            # Each token's adapter slot: a vectorized repeat, never a loop over requests.
+            self.lora.batch.set(to_device(np.repeat(slots, q), dev) if with_adapters else None)
         t1 = time.perf_counter_ns()
 
         logits = None  # rank 0's only, under tensor parallelism
@@ -382,8 +401,9 @@ class ModelRunner:
         embeddings: list[tuple[int, list[float]]] = []
         verified: list[Verified] = []
         verify_errors: list[tuple[int, str]] = []
+        # Captured graphs and compiled steps hold no LoRA deltas: adapter steps run eagerly.
         decode_only = (num_tokens == len(sample_rows) == len(rows) and not reads_prompt.any()
-                       and not self.observes)
+                       and not self.observes and not with_adapters)
         hidden = None
         if self.graphs is not None and decode_only and len(rows) <= self.graphs.max_batch:
             logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]

@@ -1,0 +1,285 @@
+"""LoRA adapters (PEFT format) on the base model's seven dense projections.
+
+An adapter adds, to projection p's output for the tokens of requests that
+use it, scale * (x A_p^T) B_p^T, with A_p [rank, in] and B_p [out, rank]
+as PEFT stores them and scale = lora_alpha / rank (lora_alpha / sqrt(rank)
+with use_rslora). The order of operations is PEFT's (shrink, expand, then
+scale), so fp32 runs match it.
+
+This first increment keeps every configured adapter resident on the device
+from start-up: adapter i is slot i, and a token's slot (-1: the base model)
+comes from its request (LoraBatch, set by the runner before each forward).
+There are no load or evict operations yet (issue 39).
+
+Compute: the tokens of each adapter present in the batch are gathered and
+run through that adapter's A and B, so the loop is over adapters, never
+over requests; a batch with no adapter tokens does nothing here, and a
+model with no adapters configured has no LoRA state at all (Linear.lora is
+None).
+
+Anything in an adapter that would change the math beyond that (DoRA,
+modules_to_save, embedding or lm_head weights, a trained bias, per-module
+rank or alpha patterns, ...) is refused by name at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from executor_svc.model.layers import ColumnLinear, RowLinear
+from llmsched.errors import StartupError
+
+# PEFT module name -> (our fused layer under a decoder layer, part index in it).
+TARGETS = {
+    "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1), "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1), "down_proj": ("mlp.down_proj", 0),
+}
+SUPPORTED = "LoRA on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+
+# adapter_config.json keys that do not change inference, or whose value is
+# checked below; any other key set to something truthy is refused by name.
+HARMLESS_KEYS = {
+    "peft_type", "task_type", "r", "lora_alpha", "use_rslora", "target_modules", "lora_dropout", "bias",
+    "modules_to_save", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "base_model_name_or_path",
+    "revision", "inference_mode", "init_lora_weights", "layers_to_transform", "layers_pattern", "auto_mapping",
+    "exclude_modules", "peft_version", "qalora_group_size", "megatron_core", "runtime_config",
+    # initialisation methods: they decide the saved weights, not how they are applied
+    "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+}
+
+
+@dataclass(slots=True)
+class LoraWeights:
+    """One adapter's A and B for one projection, on the device."""
+
+    a: torch.Tensor  # [rank, in]
+    b: torch.Tensor  # [out, rank]
+
+
+@dataclass(slots=True)
+class Adapter:
+    name: str
+    path: str
+    rank: int
+    scale: float
+    # "model.layers.0.self_attn.q_proj" -> weights
+    weights: dict[str, LoraWeights] = field(default_factory=dict)
+
+
+def parse_adapters(setting: str) -> list[tuple[str, str]]:
+    """EXECUTOR_LORA_ADAPTERS `name=path,...` -> [(name, path)]."""
+    pairs = []
+    for item in filter(None, (s.strip() for s in setting.split(","))):
+        name, sep, path = item.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise StartupError(f"EXECUTOR_LORA_ADAPTERS: {item!r} is not name=path")
+        if any(name == n for n, _ in pairs):
+            raise StartupError(f"EXECUTOR_LORA_ADAPTERS: adapter {name!r} is named twice")
+        pairs.append((name, path))
+    return pairs
+
+
+def _refuse(where: str, why: str) -> StartupError:
+    return StartupError(f"{where}: {why}; supported: {SUPPORTED}, rank up to EXECUTOR_MAX_LORA_RANK, "
+                        "lora_alpha and use_rslora scaling")
+
+
+def read_adapter(name: str, path: str, max_rank: int, device: torch.device, dtype: torch.dtype) -> Adapter:
+    """Reads and checks one PEFT adapter directory."""
+    from safetensors.torch import load_file
+
+    where = f"EXECUTOR_LORA_ADAPTERS: adapter {name!r} ({path})"
+    directory = Path(path)
+    config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise StartupError(f"{where}: expected adapter_config.json and adapter_model.safetensors (PEFT's format)")
+    cfg = json.loads(config_path.read_text())
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise _refuse(where, f"peft_type {cfg.get('peft_type')} is not implemented")
+    if cfg.get("use_dora"):
+        raise _refuse(where, "DoRA (use_dora) is not implemented")
+    if cfg.get("modules_to_save"):
+        raise _refuse(where, f"modules_to_save {cfg['modules_to_save']} is not implemented")
+    if cfg.get("bias", "none") != "none":
+        raise _refuse(where, f"bias={cfg['bias']!r} is not implemented (only 'none')")
+    if cfg.get("fan_in_fan_out"):
+        raise _refuse(where, "fan_in_fan_out (Conv1D layouts) is not implemented")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise _refuse(where, f"{key} (per-module rank or alpha) is not implemented")
+    for key, value in cfg.items():
+        if key not in HARMLESS_KEYS and value not in (None, False, {}, [], "", 0):
+            raise _refuse(where, f"adapter_config.json sets {key}={value!r}, which is not implemented")
+    rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    if rank > max_rank:
+        raise StartupError(f"{where}: rank {rank} exceeds EXECUTOR_MAX_LORA_RANK={max_rank}")
+    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    adapter = Adapter(name, path, rank, scale)
+    tensors = load_file(str(weights_path))
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        module, _, leaf = key.removeprefix("base_model.model.").rpartition(".lora_")
+        short = module.rpartition(".")[2]
+        if leaf not in ("A.weight", "B.weight"):
+            raise _refuse(where, f"tensor {key} is not a LoRA A/B weight (embedding, bias or DoRA weights are not "
+                                 "implemented)")
+        if short not in TARGETS:
+            raise _refuse(where, f"tensor {key}: LoRA on {short} is not implemented (embedding and lm_head included)")
+        pending.setdefault(module, {})[leaf[0]] = value
+    for module, ab in pending.items():
+        if set(ab) != {"A", "B"}:
+            raise StartupError(f"{where}: {module} has lora_{''.join(ab)} without its pair")
+        a, b = ab["A"], ab["B"]
+        if a.shape[0] != rank or b.shape[1] != rank:
+            raise StartupError(f"{where}: {module}: A {tuple(a.shape)} and B {tuple(b.shape)} are not of rank {rank}")
+        adapter.weights[module] = LoraWeights(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
+    return adapter
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    """Which adapter each token of the running step uses: the runner sets it
+    before each forward (the linear layers' call sites take no metadata).
+    groups: (slot, token indices) per adapter present; empty when the
+    batch is base-model only."""
+
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def set(self, token_slots: torch.Tensor | None) -> None:
+        # token_slots: [num_tokens] int64, -1 = no adapter; None: no token has one
+        if token_slots is None:
+            self.groups = []
+            return
+        present = torch.unique(token_slots)
+        self.groups = [(int(s), torch.nonzero(token_slots == s).squeeze(1)) for s in present.tolist() if s >= 0]
+
+
+@dataclass(slots=True)
+class LoraLinear:
+    """The adapters' deltas of one base linear layer (ColumnLinear with
+    fused parts, or RowLinear): per slot, per part, A and B or None. Not an
+    nn.Module: its tensors are made on the device, and the layer's `lora`
+    stays a plain attribute."""
+
+    batch: LoraBatch
+    part_rows: list[int]  # the base output's columns per part (q, k, v; gate, up; or one)
+    slots: list[list[LoraWeights | None]]  # [slot][part]
+    scales: list[float]  # [slot]
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in]; y: [num_tokens, out] (the base output, parts side by side)
+        if not self.batch.groups:
+            return y
+        for slot, idx in self.batch.groups:
+            xs = x[idx]  # [m, in]
+            deltas, any_part = [], False
+            for rows, w in zip(self.part_rows, self.slots[slot]):
+                if w is None:
+                    deltas.append(None)
+                    continue
+                any_part = True
+                deltas.append((xs @ w.a.T) @ w.b.T * self.scales[slot])  # [m, rows]
+            if not any_part:
+                continue
+            ys = y[idx]
+            offset = 0
+            parts = []
+            for rows, d in zip(self.part_rows, deltas):
+                part = ys[:, offset:offset + rows]
+                parts.append(part if d is None else part + d)
+                offset += rows
+            y = y.index_copy(0, idx, torch.cat(parts, dim=1))
+        return y
+
+
+def attach_adapters(model: nn.Module, adapters: list[Adapter], tensor_parallel_size: int) -> LoraBatch:
+    """Gives each targeted linear of `model` its LoraLinear; returns the
+    LoraBatch the runner sets per step. Adapter i is slot i."""
+    if tensor_parallel_size > 1:
+        raise StartupError("EXECUTOR_LORA_ADAPTERS is not implemented with EXECUTOR_TENSOR_PARALLEL_SIZE > 1 yet")
+    batch = LoraBatch()
+    layers = model.model.layers
+    used: dict[str, set[str]] = {a.name: set() for a in adapters}
+    for i, layer in enumerate(layers):
+        for fused in sorted({t[0] for t in TARGETS.values()}):
+            linear = layer.get_submodule(fused) if _has(layer, fused) else None
+            shorts = [s for s, (f, _) in TARGETS.items() if f == fused]
+            names = {s: f"model.layers.{i}.{fused.rpartition('.')[0]}.{s}" for s in shorts}
+            wanted = any(n in a.weights for a in adapters for n in names.values())
+            if not wanted:
+                continue
+            if not isinstance(linear, (ColumnLinear, RowLinear)):
+                raise StartupError(f"EXECUTOR_LORA_ADAPTERS: model.layers.{i}.{fused} is not a dense linear layer "
+                                   f"in {model.cfg.architecture}; {SUPPORTED} of dense decoder layers")
+            part_rows = [p.rows for p in linear.parts] if hasattr(linear, "parts") else [linear.out_features]
+            slots = []
+            for a in adapters:
+                row = []
+                for s in shorts:
+                    w = a.weights.get(names[s])
+                    if w is not None:
+                        used[a.name].add(names[s])
+                        rows = part_rows[TARGETS[s][1]]
+                        if w.b.shape[0] != rows or w.a.shape[1] != linear_in(linear):
+                            raise StartupError(f"EXECUTOR_LORA_ADAPTERS: adapter {a.name!r}: {names[s]}: A "
+                                               f"{tuple(w.a.shape)} and B {tuple(w.b.shape)} do not fit the base "
+                                               f"layer ({linear_in(linear)} in, {rows} out)")
+                    row.append(w)
+                slots.append(row)
+            linear.lora = LoraLinear(batch, part_rows, slots, [a.scale for a in adapters])
+    for a in adapters:
+        unused = sorted(set(a.weights) - used[a.name])
+        if unused:
+            raise StartupError(f"EXECUTOR_LORA_ADAPTERS: adapter {a.name!r} has weights for modules the base model "
+                               f"does not have: {unused[:3]}")
+    return batch
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def linear_in(linear: nn.Module) -> int:
+    return linear.in_features if hasattr(linear, "in_features") else linear.whole_in
+
+
+@dataclass(slots=True)
+class LoraSet:
+    """The adapters served, by slot, and the per-step batch their layers read."""
+
+    names: list[str]
+    batch: LoraBatch
+
+    def slot_of(self, name: str) -> int | None:
+        """The adapter's slot, or None when no adapter has that name."""
+        try:
+            return self.names.index(name)
+        except ValueError:
+            return None
+
+
+def load_adapters(setting: str, model: nn.Module, max_rank: int, max_loras: int, device: torch.device,
+                  dtype: torch.dtype, tensor_parallel_size: int) -> LoraSet | None:
+    """EXECUTOR_LORA_ADAPTERS, all read onto the device and attached to
+    `model`; None when the setting is empty (the model stays untouched)."""
+    pairs = parse_adapters(setting)
+    if not pairs:
+        return None
+    if len(pairs) > max_loras:
+        raise StartupError(f"EXECUTOR_LORA_ADAPTERS names {len(pairs)} adapters, but EXECUTOR_MAX_LORAS={max_loras}: "
+                           "every adapter is resident on the device for now (no slot eviction yet)")
+    adapters = [read_adapter(name, path, max_rank, device, dtype) for name, path in pairs]
+    batch = attach_adapters(model, adapters, tensor_parallel_size)
+    return LoraSet([a.name for a in adapters], batch)

@@ -1,0 +1,144 @@
+"""Multi-LoRA on the CPU torch path, in process, against HF transformers +
+PEFT on a tiny random Llama (tests/families.py). Adapters are made with
+init_lora_weights=False: PEFT's default init leaves B at zero, so an
+adapter would change nothing and the test could not fail. About 15 s."""
+
+import json
+
+import pytest
+import torch
+
+from executor_svc.model.checkpoint import load_checkpoint
+from executor_svc.model.families import build_model, read_config
+from executor_svc.model.lora import load_adapters
+from executor_svc.attention import make_backend
+from executor_svc.step.kv_cache import KVCachePool
+from executor_svc.step.runner import ModelRunner, NewRequestData, PlanError, StepPlan
+from llmsched.errors import StartupError
+from tests.families import CASES, make_checkpoint
+from tests.unit.test_runner_vs_hf import BLOCK, GREEDY
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, lora_alpha, use_rslora): five adapters of ranks 8, 16 and 64.
+ADAPTERS = {"a8": (8, 16, False), "b16": (16, 8, False), "c64": (64, 64, True), "d8": (8, 4, True),
+            "e16": (16, 32, False)}
+PROMPT = [1, 300, 301, 302, 303, 304, 305, 306, 307]
+MAX_NEW = 10
+
+
+def _hf_base(path: str):
+    import transformers
+
+    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _make_adapter(base_path: str, directory, rank: int, alpha: int, rslora: bool, seed: int) -> str:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=PROJECTIONS,
+                        init_lora_weights=False, lora_dropout=0.0)
+    model = get_peft_model(_hf_base(base_path), config)
+    with torch.no_grad():  # PEFT's random B is small; at unit scale the adapter decides the tokens
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(4.0 / p.shape[1] ** 0.5 / p.std())
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def _hf_greedy(base_path: str, adapter_path: str | None) -> list[int]:
+    from peft import PeftModel
+
+    model = _hf_base(base_path)
+    if adapter_path is not None:
+        model = PeftModel.from_pretrained(model, adapter_path).eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+                             max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    base = str(make_checkpoint(CASES["llama3"], tmp_path_factory.mktemp("lora-base")))
+    adapters = {name: _make_adapter(base, tmp_path_factory.mktemp(name), *spec, seed=i)
+                for i, (name, spec) in enumerate(ADAPTERS.items())}
+    return base, adapters
+
+
+def _runner(base: str, setting: str, max_rank: int = 64, max_loras: int = 8) -> ModelRunner:
+    ckpt = load_checkpoint(base)
+    cfg = read_config(ckpt.hf_config)
+    model = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, torch.device("cpu"), torch.float32)
+    lora = load_adapters(setting, model, max_rank, max_loras, torch.device("cpu"), torch.float32, 1)
+    pool = KVCachePool(cfg, 64, BLOCK, torch.device("cpu"), torch.float32)
+    return ModelRunner(model, pool, make_backend("torch"), torch.device("cpu"), lora=lora)
+
+
+def _generate(runner: ModelRunner, adapters: list[str], chunk: int = 4) -> list[list[int]]:
+    """All requests (the same prompt, one per adapter; "" = base) in one
+    batch: chunked prefill, then decode."""
+    nb = -(-(len(PROMPT) + MAX_NEW) // BLOCK)
+    computed = [0] * len(adapters)
+    total = [len(PROMPT)] * len(adapters)
+    outputs: list[list[int]] = [[] for _ in adapters]
+    step = 0
+    while any(len(o) < MAX_NEW for o in outputs):
+        plan = StepPlan(step_id=step)
+        for h, name in enumerate(adapters):
+            n = min(chunk, total[h] - computed[h])
+            if step == 0:
+                plan.new_requests.append(NewRequestData(h, PROMPT, list(range(h * nb, (h + 1) * nb)), 0, n, GREEDY, 0,
+                                                        adapter=name))
+            elif len(outputs[h]) < MAX_NEW:
+                plan.cached_handles.append(h)
+                plan.cached_num_scheduled_tokens.append(n)
+            else:
+                continue
+            computed[h] += n
+        out = runner.execute(plan)
+        for h, t in zip(out.sampled_handles, out.sampled_token_ids):
+            outputs[h].append(t)
+            total[h] += 1
+        step += 1
+    return outputs
+
+
+def test_mixed_adapters_in_one_batch_match_hf_peft(made):
+    """Five adapters (ranks 8, 16, 64; alpha and rsLoRA scaling; all seven
+    projections) and the base model, in one batch, each token-identical
+    to HF + PEFT greedy alone."""
+    base, adapters = made
+    runner = _runner(base, ",".join(f"{n}={p}" for n, p in adapters.items()))
+    names = ["", *adapters]
+    got = _generate(runner, names)
+    want = {n: _hf_greedy(base, adapters.get(n)) for n in names}
+    for name, tokens in zip(names, got):
+        assert tokens == want[name], name
+    assert len({tuple(t) for t in want.values()}) == len(names), "each adapter changes the continuation"
+
+
+def test_refusals_by_name(made, tmp_path):
+    base, adapters = made
+    with pytest.raises(StartupError, match="rank 64 exceeds EXECUTOR_MAX_LORA_RANK=16"):
+        _runner(base, f"c64={adapters['c64']}", max_rank=16)
+    with pytest.raises(StartupError, match="EXECUTOR_MAX_LORAS=1"):
+        _runner(base, f"a8={adapters['a8']},b16={adapters['b16']}", max_loras=1)
+    import shutil
+
+    for key, value, why in [("modules_to_save", ["lm_head"], "modules_to_save"), ("use_dora", True, "DoRA"),
+                            ("bias", "all", "bias='all'"), ("alpha_pattern", {"q_proj": 4}, "alpha_pattern")]:
+        bad = tmp_path / key
+        shutil.copytree(adapters["a8"], bad)
+        cfg = json.loads((bad / "adapter_config.json").read_text())
+        (bad / "adapter_config.json").write_text(json.dumps(cfg | {key: value}))
+        with pytest.raises(StartupError, match=why):
+            _runner(base, f"bad={bad}")
+
+
+def test_unknown_adapter_in_a_plan_is_rejected(made):
+    base, adapters = made
+    runner = _runner(base, f"a8={adapters['a8']}")
+    with pytest.raises(PlanError, match="'nope'"):
+        runner.execute(StepPlan(0, [NewRequestData(0, PROMPT, [0, 1, 2], 0, 3, GREEDY, 0, adapter="nope")]))

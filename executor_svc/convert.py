@@ -44,6 +44,7 @@ def step_from_proto(plan: pb.StepPlan, keep_wire: bool = False) -> StepPlan:
                 grammar=r.constraint.grammar if r.HasField("constraint") else None,
                 ignore_eos=r.constraint.ignore_eos,
                 embed=r.embed,
+                adapter=r.adapter,
             )
             for r in plan.new_requests
         ],

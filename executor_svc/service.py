@@ -36,6 +36,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.weight_bytes = loaded.weight_bytes
         self.pooling = loaded.ckpt.pooling.pooling
         self.generates = loaded.generates
+        self.lora_adapters = [] if loaded.runner.lora is None else list(loaded.runner.lora.names)
         log.info("embeddings: %s", f"pooled {self.pooling.describe()} (sentence-transformers config)"
                  if self.pooling else f"not served: {loaded.ckpt.pooling.why_not}")
         self.tp = loaded.tp
@@ -104,6 +105,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             speculative_method="" if self.settings.speculative_method == "off" else self.settings.speculative_method,
             speculative_tokens=0 if self.settings.speculative_method == "off" else self.settings.speculative_tokens,
             batch_invariant=self.settings.batch_invariant == "on",
+            lora_adapters=self.lora_adapters,
         )
 
     async def heartbeats(self) -> None:

@@ -30,6 +30,7 @@ def model_facts(h: epb.HandshakeResponse) -> ModelFacts:
         weight_bytes=h.weight_bytes, quantization=h.quantization, pooling=h.pooling, hidden_size=h.hidden_size,
         embedding_only=h.embedding_only, speculative_method=h.speculative_method,
         speculative_tokens=h.speculative_tokens, batch_invariant=h.batch_invariant,
+        lora_adapters=tuple(h.lora_adapters),
     )
 
 
@@ -99,6 +100,7 @@ def plan_to_proto(out: StepPlan) -> epb.StepPlan:
                 num_output_tokens=n.num_output_tokens,
                 constraint=constraint_to_proto(n.request),
                 embed=n.request.embed,
+                adapter=n.request.adapter,
             )
         )
     return plan

@@ -102,6 +102,9 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         if engine.link.facts.embedding_only:
             raise NotServed(f"model {engine.link.facts.model!r} serves embeddings only: its checkpoint ships no "
                             "lm_head.weight (tie_word_embeddings is false), so it cannot generate")
+        if msg.adapter and msg.adapter not in engine.link.facts.lora_adapters:
+            served = ", ".join(engine.link.facts.lora_adapters) or "none"
+            raise NotFound(f"adapter {msg.adapter!r} is not served (LoRA adapters served: {served})")
         limits = self._limits()
         validate_prompt(msg, limits)
         cache_salt = msg.cache_salt if msg.HasField("cache_salt") else None
@@ -128,6 +131,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             constraint=constraint,
             tenant=tenant,
             prefix_salt=prefix_salt(tenant, cache_salt, engine.settings.prefix_cache_scope),
+            adapter=msg.adapter,
             skip_prefix_cache=sampling.prompt_logprobs is not None,
         )
 
@@ -239,6 +243,8 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         except PermissionDenied as exc:
             await self._reject(context, span, outcome, grpc.StatusCode.PERMISSION_DENIED, "permission_denied",
                                str(exc))
+        except NotFound as exc:
+            await self._reject(context, span, outcome, grpc.StatusCode.NOT_FOUND, "not_found", str(exc))
         except NotServed as exc:
             await self._reject(context, span, outcome, grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition",
                                str(exc))
@@ -388,11 +394,16 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             quantization=facts.quantization,
             pooling=facts.pooling,
             embedding_only=facts.embedding_only,
+            lora_adapters=list(facts.lora_adapters),
         )
 
 
 class PermissionDenied(Exception):
     """The request asks for what its API key may not: another tenant."""
+
+
+class NotFound(Exception):
+    """The request names what is not served (NOT_FOUND): an unknown LoRA adapter."""
 
 
 class NotServed(Exception):

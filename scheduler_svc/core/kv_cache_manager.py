@@ -36,6 +36,16 @@ def hash_block(parent: BlockHash, token_ids: list[int]) -> BlockHash:
     return hashlib.blake2b(parent + array("I", token_ids).tobytes(), digest_size=16).digest()
 
 
+def prefix_root(request: Request) -> BlockHash:
+    """The hash a request's block chain starts from: its salt's and its
+    LoRA adapter's, each a link of its own so neither can be spelled as
+    the other. Requests share cached blocks only under the same root."""
+    root = hash_block(ROOT_HASH + request.prefix_salt, []) if request.prefix_salt else ROOT_HASH
+    if request.adapter:
+        root = hash_block(root + b"adapter:" + request.adapter.encode(), [])
+    return root
+
+
 @dataclass(slots=True)
 class CacheHit:
     """The first blocks of a request's table, found before admission."""
@@ -91,7 +101,7 @@ class KVCacheManager:
         if len(hashes) < num_full_blocks:
             tokens = request.all_token_ids
             bs = self.block_size
-            root = hash_block(ROOT_HASH + request.prefix_salt, []) if request.prefix_salt else ROOT_HASH
+            root = prefix_root(request)
             for i in range(len(hashes), num_full_blocks):
                 parent = hashes[-1] if hashes else root
                 hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))

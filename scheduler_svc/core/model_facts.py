@@ -43,6 +43,8 @@ class ModelFacts:
     # EXECUTOR_BATCH_INVARIANT: prompt chunks are then cut independently of
     # load (SchedulerConfig.batch_invariant).
     batch_invariant: bool = False
+    # LoRA adapters the executor serves, by name (GenerateRequest.adapter).
+    lora_adapters: tuple[str, ...] = ()
 
     @property
     def geometry(self) -> tuple:

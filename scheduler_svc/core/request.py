@@ -105,6 +105,9 @@ class Request:
     # What its prefix-cache hashes are salted with (tenants.prefix_salt):
     # only requests with the same salt share blocks.
     prefix_salt: bytes = b""
+    # The LoRA adapter it runs with ("" = the base model). Folded into its
+    # prefix-cache hashes: KV computed under one adapter is never another's.
+    adapter: str = ""
     # Prompt positions already counted as served (policy.py): recomputing
     # them after a preemption does not count again.
     num_charged_prompt_tokens: int = 0

@@ -138,3 +138,22 @@ def test_fcfs_preempts_the_latest_arrival_whatever_its_priority():
     while not (early.num_preemptions or late.num_preemptions):
         run_step(sched)
     assert late.num_preemptions == 1 and early.num_preemptions == 0
+
+
+def test_a_prefix_hit_never_crosses_lora_adapters():
+    """KV computed under one adapter is another model's: the same prompt
+    under another adapter (or the base) finds nothing cached, and under the
+    same adapter finds it all."""
+    sched = make_scheduler(block_size=4, num_kv_blocks=64)
+    first = make_request(prompt=PREFIX + [1], max_tokens=2)
+    first.adapter = "a"
+    sched.add_request(first)
+    finish_prefill(sched, first)
+    others = [make_request(prompt=PREFIX + [1], max_tokens=2) for _ in range(3)]
+    others[0].adapter, others[1].adapter = "b", "a"  # others[2]: the base model
+    salted = make_request(prompt=PREFIX + [1], max_tokens=2)
+    salted.adapter, salted.prefix_salt = "", b"a"  # a salt spelled as the adapter's name is not the adapter
+    for r in [*others, salted]:
+        sched.add_request(r)
+    run_step(sched)
+    assert [r.num_cached_prompt_tokens for r in [*others, salted]] == [0, 32, 0, 0]

@@ -83,10 +83,14 @@ def create_app(settings: GatewaySettings, client_interceptors: list | None = Non
             info = await state["gw"].client.server_info(_auth_metadata(request))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
-        # `root` is the model the names stand for, as vLLM reports it.
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "llmsched",
-                                             "root": info.model, "max_model_len": info.max_model_len}
-                                            for name in state["gw"].served_names(info)]}
+        # `root` is the model the names stand for, as vLLM reports it; a
+        # LoRA adapter's `parent` is the model it runs on.
+        names = state["gw"].served_names(info)
+        return {"object": "list", "data": [
+            *({"id": name, "object": "model", "created": 0, "owned_by": "llmsched", "root": info.model,
+               "parent": None, "max_model_len": info.max_model_len} for name in names),
+            *({"id": name, "object": "model", "created": 0, "owned_by": "llmsched", "root": name,
+               "parent": names[0], "max_model_len": info.max_model_len} for name in info.lora_adapters)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):

@@ -39,7 +39,10 @@ async def embeddings(gw: Gateway, request: Request) -> Response | dict:
                                     f"({gw.settings.max_embedding_inputs})")
     metadata = _auth_metadata(request)
     info = await gw._info(metadata)
-    _check_model(body.model, gw.served_names(info))
+    if _check_model(body.model, gw.served_names(info), info.lora_adapters):
+        raise RequestError("model", f"{body.model!r} is a LoRA adapter; adapters serve generation only "
+                                    f"(/v1/completions, /v1/chat/completions), embeddings come from "
+                                    f"{gw.served_names(info)[0]!r}")
     record = record_of(request)
     calls = []
     for request_id, (_, one) in zip(_call_ids(record.request_id, len(inputs)), inputs):

@@ -64,6 +64,10 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, fields: Mapping[str, str | None] |
     if code == grpc.StatusCode.UNAVAILABLE:
         return RequestError(None, message or "the scheduler is unavailable", status=503,
                             type_="service_unavailable_error")
+    if code == grpc.StatusCode.NOT_FOUND:
+        # A LoRA adapter the executor does not serve (it may have restarted
+        # without one the gateway still listed).
+        return RequestError("model", message, status=404, code="model_not_found", type_="not_found_error")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         # The served model cannot do what was asked (Embed on a model
         # without a pooling config); the scheduler's message says why.

@@ -124,11 +124,16 @@ async def _parse(request: Request, model: type[BaseModel]):
     return parsed
 
 
-def _check_model(requested: str | None, names: list[str]) -> None:
+def _check_model(requested: str | None, names: list[str], adapters: tuple[str, ...] = ()) -> str:
+    """The LoRA adapter `requested` names ("" for the model itself);
+    anything else served by neither is a 404."""
+    if requested is not None and requested in adapters and requested not in names:
+        return requested
     if requested is not None and requested not in names:
-        served = ", ".join(repr(n) for n in names)
+        served = ", ".join(repr(n) for n in [*names, *adapters])
         raise RequestError("model", f"the model {requested!r} does not exist; this server serves {served}",
                            status=404, code="model_not_found", type_="not_found_error")
+    return ""
 
 
 def _sampling(body, max_tokens: int, num_logprobs: int | None, sub: int,
@@ -179,15 +184,16 @@ class Gateway:
     async def _prepare(self, request: Request, model: type[BaseModel], body: BaseModel | None = None):
         """What every endpoint does first: the body parsed (unless an API
         that translates into this one built it) and checked, the model
-        facts, the caller's metadata."""
+        facts, the caller's metadata, the LoRA adapter `model` names."""
         body = body if body is not None else await _parse(request, model)
         if body.n > self.settings.max_n:
             raise RequestError("n", f"n={body.n} exceeds the most this server allows ({self.settings.max_n})")
         constraint = constraints.from_request(body)
         metadata = _auth_metadata(request)
         info = await self._info(metadata)
-        _check_model(body.model, self.served_names(info))
-        return body, constraint, metadata, info
+        # A LoRA adapter's name as `model` selects it ("" = the model itself).
+        adapter = _check_model(body.model, self.served_names(info), info.lora_adapters)
+        return body, constraint, metadata, info, adapter
 
     async def _start(self, job: Job, requests: list[tuple[int, spb.GenerateRequest]], metadata) -> list:
         """Starts every call and waits for each one's first response, so that
@@ -210,7 +216,7 @@ class Gateway:
         return firsts
 
     async def completions(self, request: Request) -> Response:
-        body, constraint, metadata, info = await self._prepare(request, CompletionRequest)
+        body, constraint, metadata, info, adapter = await self._prepare(request, CompletionRequest)
         prompts = body.prompts()
         # echo with max_tokens 0 still generates one token (the scheduler
         # computes a prompt on the way to a token) and drops it.
@@ -220,7 +226,7 @@ class Gateway:
         for prompt in prompts:
             for sub in range(body.n):
                 r = spb.GenerateRequest(sampling=_sampling(body, max_tokens, body.logprobs, sub, num_prompt_logprobs),
-                                        priority=body.priority, cache_salt=body.cache_salt)
+                                        priority=body.priority, cache_salt=body.cache_salt, adapter=adapter)
                 if isinstance(prompt, str):
                     r.prompt = prompt
                 else:
@@ -231,7 +237,7 @@ class Gateway:
         echo = await self._prompt_texts(prompts, metadata) if body.echo else None
         record = record_of(request)
         fmt = CompletionFormat(body.logprobs, echo, body.n, body.prompt_only(), body.prompt_logprobs)
-        job = Job(f"cmpl-{record.request_id}", int(time.time()), self.served_names(info)[0], fmt,
+        job = Job(f"cmpl-{record.request_id}", int(time.time()), adapter or self.served_names(info)[0], fmt,
                   bool(body.stream_options and body.stream_options.include_usage), record, constraint)
         return await self._respond(request, job, requests, body.stream, metadata)
 
@@ -259,7 +265,7 @@ class Gateway:
         and answer in their own format; else it is parsed from the request.
         `template_kwargs` are extra chat template variables (Messages'
         `thinking` -> `enable_thinking`)."""
-        body, constraint, metadata, info = await self._prepare(request, ChatCompletionRequest, body)
+        body, constraint, metadata, info, adapter = await self._prepare(request, ChatCompletionRequest, body)
         if body.top_logprobs and not body.logprobs:
             raise RequestError("top_logprobs", "top_logprobs needs logprobs=true")
         plan = tools.plan(body, self.settings.tool_call_parser)
@@ -286,7 +292,7 @@ class Gateway:
         max_tokens = body.resolved_max_tokens() or DEFAULT_CHAT_MAX_TOKENS
         # The rendered template already spells out BOS and friends.
         requests = [(sub, spb.GenerateRequest(prompt=prompt, add_special_tokens=False, priority=body.priority,
-                                              cache_salt=body.cache_salt,
+                                              cache_salt=body.cache_salt, adapter=adapter,
                                               sampling=_sampling(body, max_tokens, num_logprobs, sub,
                                                                  body.prompt_logprobs),
                                               structured=constraint.structured if constraint else None))
@@ -297,7 +303,7 @@ class Gateway:
         fmt = ChatFormat(num_logprobs, plan.parser, reasoning, plan.parallel, self.settings.tool_call_parser,
                          body.prompt_logprobs)
         record = record_of(request)
-        job = Job(f"chatcmpl-{record.request_id}", int(time.time()), self.served_names(info)[0], fmt,
+        job = Job(f"chatcmpl-{record.request_id}", int(time.time()), adapter or self.served_names(info)[0], fmt,
                   bool(body.stream_options and body.stream_options.include_usage), record, constraint)
         return job, requests, body, metadata
 
@@ -309,7 +315,7 @@ class Gateway:
             raise RequestError("prompt", "give exactly one of prompt and messages")
         metadata = _auth_metadata(request)
         info = await self._info(metadata)
-        _check_model(body.model, self.served_names(info))
+        _check_model(body.model, self.served_names(info), info.lora_adapters)  # an adapter shares the tokenizer
         prompt, special = body.prompt, body.add_special_tokens
         if body.messages is not None:
             if not info.chat_template:
@@ -335,7 +341,7 @@ class Gateway:
         token_ids = body.token_ids()
         metadata = _auth_metadata(request)
         info = await self._info(metadata)
-        _check_model(body.model, self.served_names(info))
+        _check_model(body.model, self.served_names(info), info.lora_adapters)
         try:
             return {"prompt": await self.client.detokenize(token_ids, False, metadata)}
         except grpc.aio.AioRpcError as exc:

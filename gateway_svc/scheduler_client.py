@@ -30,10 +30,13 @@ class ModelInfo:
     bos_token: str
     eos_token: str
     max_model_len: int = 0
+    # LoRA adapters served beside the model: a request's `model` may name one.
+    lora_adapters: tuple[str, ...] = ()
 
     @classmethod
     def from_proto(cls, info: spb.ServerInfo) -> "ModelInfo":
-        return cls(info.model, info.chat_template, info.bos_token, info.eos_token, info.max_model_len)
+        return cls(info.model, info.chat_template, info.bos_token, info.eos_token, info.max_model_len,
+                   tuple(info.lora_adapters))
 
 
 class SchedulerClient:

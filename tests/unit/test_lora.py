@@ -1,7 +1,5 @@
 """Multi-LoRA on the CPU torch path, in process, against HF transformers +
-PEFT on a tiny random Llama (tests/families.py). Adapters are made with
-init_lora_weights=False: PEFT's default init leaves B at zero, so an
-adapter would change nothing and the test could not fail. About 15 s."""
+PEFT on a tiny random Llama (tests/lora.py). About 15 s."""
 
 import json
 
@@ -15,56 +13,16 @@ from executor_svc.attention import make_backend
 from executor_svc.step.kv_cache import KVCachePool
 from executor_svc.step.runner import ModelRunner, NewRequestData, PlanError, StepPlan
 from llmsched.errors import StartupError
-from tests.families import CASES, make_checkpoint
+from tests.lora import ADAPTERS, hf_peft_greedy, make_base_and_adapters
 from tests.unit.test_runner_vs_hf import BLOCK, GREEDY
 
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# name -> (rank, lora_alpha, use_rslora): five adapters of ranks 8, 16 and 64.
-ADAPTERS = {"a8": (8, 16, False), "b16": (16, 8, False), "c64": (64, 64, True), "d8": (8, 4, True),
-            "e16": (16, 32, False)}
 PROMPT = [1, 300, 301, 302, 303, 304, 305, 306, 307]
 MAX_NEW = 10
 
 
-def _hf_base(path: str):
-    import transformers
-
-    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def _make_adapter(base_path: str, directory, rank: int, alpha: int, rslora: bool, seed: int) -> str:
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=PROJECTIONS,
-                        init_lora_weights=False, lora_dropout=0.0)
-    model = get_peft_model(_hf_base(base_path), config)
-    with torch.no_grad():  # PEFT's random B is small; at unit scale the adapter decides the tokens
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(4.0 / p.shape[1] ** 0.5 / p.std())
-    model.save_pretrained(directory)
-    return str(directory)
-
-
-def _hf_greedy(base_path: str, adapter_path: str | None) -> list[int]:
-    from peft import PeftModel
-
-    model = _hf_base(base_path)
-    if adapter_path is not None:
-        model = PeftModel.from_pretrained(model, adapter_path).eval()
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
-                             max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    base = str(make_checkpoint(CASES["llama3"], tmp_path_factory.mktemp("lora-base")))
-    adapters = {name: _make_adapter(base, tmp_path_factory.mktemp(name), *spec, seed=i)
-                for i, (name, spec) in enumerate(ADAPTERS.items())}
-    return base, adapters
+    return make_base_and_adapters(tmp_path_factory.mktemp("lora"), list(ADAPTERS))
 
 
 def _runner(base: str, setting: str, max_rank: int = 64, max_loras: int = 8) -> ModelRunner:
@@ -113,7 +71,7 @@ def test_mixed_adapters_in_one_batch_match_hf_peft(made):
     runner = _runner(base, ",".join(f"{n}={p}" for n, p in adapters.items()))
     names = ["", *adapters]
     got = _generate(runner, names)
-    want = {n: _hf_greedy(base, adapters.get(n)) for n in names}
+    want = {n: hf_peft_greedy(base, adapters.get(n), PROMPT, MAX_NEW) for n in names}
     for name, tokens in zip(names, got):
         assert tokens == want[name], name
     assert len({tuple(t) for t in want.values()}) == len(names), "each adapter changes the continuation"

@@ -1,0 +1,70 @@
+"""Multi-LoRA through the services: executor (EXECUTOR_LORA_ADAPTERS),
+scheduler and gateway, one stack for the module, on the tiny random Llama
+of tests/lora.py with three PEFT adapters (ranks 8, 16, 64)."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+
+from tests.integration.conftest import start_gateway_stack
+from tests.lora import hf_peft_greedy, make_base_and_adapters
+
+pytestmark = pytest.mark.slow
+
+NAMES = ["a8", "b16", "c64"]
+PROMPT = [1, 300, 301, 302, 303, 304, 305, 306, 307]
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def lora_stack(tmp_path_factory):
+    base, adapters = make_base_and_adapters(tmp_path_factory.mktemp("lora"), NAMES)
+    stack = start_gateway_stack(base, executor_env={
+        "EXECUTOR_LORA_ADAPTERS": ",".join(f"{n}={p}" for n, p in adapters.items()),
+        "EXECUTOR_BLOCK_SIZE": "4", "EXECUTOR_DTYPE": "float32"})
+    yield stack, base, adapters
+    stack.stop()
+
+
+def test_adapters_mixed_in_one_batch_match_hf_peft_and_never_share_cache(lora_stack):
+    stack, base, adapters = lora_stack
+    listed = {m.id: m for m in stack.openai.models.list().data}
+    assert {n: listed[n].parent for n in NAMES} == {n: stack.model for n in NAMES}
+    models = [stack.model, *NAMES]
+
+    def complete(model, prompt=PROMPT, max_tokens=MAX_NEW):
+        return stack.openai.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+
+    def generate(model):
+        return stack.grpc.generate(prompt_token_ids=PROMPT, adapter=model if model in adapters else "",
+                                   sampling={"max_tokens": MAX_NEW, "temperature": 0})
+
+    # The base and every adapter at once, each through gRPC and the gateway.
+    with ThreadPoolExecutor(2 * len(models)) as pool:
+        grpc_runs = [pool.submit(generate, m) for m in models]
+        openai_runs = [pool.submit(complete, m) for m in models]
+        grpc_results = [f.result() for f in grpc_runs]
+        openai_results = [f.result() for f in openai_runs]
+    for model, (tokens, text, _, _), r in zip(models, grpc_results, openai_results):
+        assert tokens == hf_peft_greedy(base, adapters.get(model), PROMPT, MAX_NEW), model
+        assert r.model == model and r.choices[0].text == text, model
+    assert len({tuple(g[0]) for g in grpc_results}) == len(models), "each adapter changes the continuation"
+    # Isolation: a prompt of whole blocks, cached under a8, is not a hit
+    # under b16, and is one under a8 again.
+    long_prompt = [1, *range(310, 338)]
+    assert complete("a8", long_prompt, 1).usage.prompt_tokens_details.cached_tokens == 0
+    assert complete("b16", long_prompt, 1).usage.prompt_tokens_details.cached_tokens == 0
+    assert complete("a8", long_prompt, 1).usage.prompt_tokens_details.cached_tokens > 0
+    stack.grpc.assert_no_leaked_blocks()
+
+
+def test_an_unknown_adapter_is_refused_by_name(lora_stack):
+    stack, _, _ = lora_stack
+    with pytest.raises(openai.NotFoundError) as exc:
+        stack.openai.completions.create(model="nope", prompt=PROMPT, max_tokens=1)
+    assert exc.value.code == "model_not_found" and "nope" in str(exc.value)
+    with pytest.raises(grpc.RpcError) as rpc:
+        stack.grpc.generate(prompt_token_ids=PROMPT, adapter="nope", sampling={"max_tokens": 1})
+    assert rpc.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in rpc.value.details()

@@ -231,3 +231,16 @@ def test_echo_with_max_tokens_0_drops_the_one_generated_token():
         assert c["text"] == "Once" and c["finish_reason"] == "length", "EOS ended the dropped token, not the client's"
         assert c["logprobs"]["tokens"] == ["t1", "t7"] and c["logprobs"]["token_logprobs"] == [None, -0.5]
     assert usage([sample])["completion_tokens"] == 0 and usage([sample])["prompt_tokens"] == 2
+
+
+def test_model_may_name_a_lora_adapter_and_an_unknown_one_is_a_404():
+    from gateway_svc.gateway import _check_model
+
+    assert _check_model("base", ["base"], ("a8",)) == ""
+    assert _check_model(None, ["base"], ("a8",)) == ""
+    assert _check_model("a8", ["base"], ("a8",)) == "a8"
+    with pytest.raises(RequestError) as exc:
+        _check_model("b16", ["base"], ("a8",))
+    assert exc.value.status == 404 and exc.value.code == "model_not_found" and "'a8'" in str(exc.value)
+    err = from_rpc_error(FakeRpcError(grpc.StatusCode.NOT_FOUND, "adapter 'x' is not served"))
+    assert err.status == 404 and err.code == "model_not_found"

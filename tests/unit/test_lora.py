@@ -93,6 +93,22 @@ def test_refusals_by_name(made, tmp_path):
         (bad / "adapter_config.json").write_text(json.dumps(cfg | {key: value}))
         with pytest.raises(StartupError, match=why):
             _runner(base, f"bad={bad}")
+    from safetensors.torch import load_file, save_file
+
+    for key, why in [("base_model.model.model.embed_tokens.lora_embedding_A", "not a LoRA A/B weight"),
+                     ("base_model.model.lm_head.lora_A.weight", "LoRA on lm_head is not implemented")]:
+        bad = tmp_path / key.rpartition(".")[0].replace(".", "_")
+        shutil.copytree(adapters["a8"], bad)
+        tensors = load_file(str(bad / "adapter_model.safetensors")) | {key: torch.zeros(8, 64)}
+        save_file(tensors, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(StartupError, match=why):
+            _runner(base, f"bad={bad}")
+    bad = tmp_path / "lora_bias"
+    shutil.copytree(adapters["a8"], bad)
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps(cfg | {"lora_bias": True}))
+    with pytest.raises(StartupError, match="sets lora_bias=True, which is not implemented"):
+        _runner(base, f"bad={bad}")
 
 
 def test_unknown_adapter_in_a_plan_is_rejected(made):

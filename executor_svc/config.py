@@ -143,8 +143,9 @@ class ExecutorSettings(BaseSettings):
         "`GenerateRequest.adapter` (gRPC) or as its `model` (OpenAI). For now every adapter is read onto the "
         "device at start-up and stays there (no slots are loaded or evicted at runtime). Refused by name: "
         "`modules_to_save`, embedding or lm_head weights, DoRA, a `bias` other than `none`, per-module rank or "
-        "alpha patterns, and any other adapter setting that would change the math; tensor parallelism with "
-        "adapters. Steps with adapter tokens run eagerly (no CUDA graph or compiled decode).")
+        "alpha patterns, and any other adapter setting that would change the math. Under tensor parallelism each "
+        "rank holds its share of each adapter (B's rows for q/k/v/gate/up, A's columns for o/down). Steps with "
+        "adapter tokens run eagerly (no CUDA graph or compiled decode).")
     max_lora_rank: int = Field(
         default=64, ge=1, le=1024, description="Largest adapter rank `EXECUTOR_LORA_ADAPTERS` may hold; a larger "
         "one is refused at start-up.")

@@ -123,8 +123,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         log.info("batch-invariant mode: %d GEMM layers made invariant (rows padded to a multiple of %d; on CUDA, "
                  "unquantized ones on the Triton GEMM)", make_batch_invariant(model), ROW_UNIT)
     generates = model.lm_head is not None
-    lora = load_adapters(settings.lora_adapters, model, settings.max_lora_rank, settings.max_loras, device, dtype,
-                         size)
+    lora = load_adapters(settings.lora_adapters, model, settings.max_lora_rank, settings.max_loras, device, dtype)
     if lora is not None:
         log.info("LoRA adapters resident on the device: %s", ", ".join(lora.names))
     if not generates:

@@ -18,24 +18,25 @@ from llmsched.launch import free_port
 BLOCK = 4
 
 
-def settings_for(model: str, size: int, drafts: int = 0, method: str = "ngram", draft_model: str = ""
-                 ) -> ExecutorSettings:
+def settings_for(model: str, size: int, drafts: int = 0, method: str = "ngram", draft_model: str = "",
+                 lora_adapters: str = "") -> ExecutorSettings:
     speculative = {"speculative_method": method, "speculative_tokens": drafts,
                    "speculative_draft_model": draft_model} if drafts else {}
     return ExecutorSettings(model=model, tensor_parallel_size=size, tensor_parallel_timeout_s=60, device="cpu",
                             dtype="float32", attention_backend="torch", block_size=BLOCK, num_kv_blocks=512,
-                            num_threads=1, **speculative)
+                            num_threads=1, lora_adapters=lora_adapters, **speculative)
 
 
 def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_new: int, chunk: int, results,
-                     drafts: int = 0, method: str = "ngram", draft_model: str = "") -> None:
+                     drafts: int = 0, method: str = "ngram", draft_model: str = "", lora_adapters: str = "",
+                     adapters: list[str] | None = None) -> None:
     from executor_svc.loading import load
     from tests.unit.test_runner_vs_hf import generate
 
     if size > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-    loaded = load(settings_for(model, size, drafts, method, draft_model))
+    loaded = load(settings_for(model, size, drafts, method, draft_model, lora_adapters))
     logits: list[np.ndarray] = []
     compute = loaded.runner.model.compute_logits
 
@@ -47,7 +48,7 @@ def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_n
 
     loaded.runner.model.compute_logits = recording
     stats: dict[str, int] = {}
-    tokens = generate(loaded.runner, prompts, max_new, chunk, drafts=drafts, stats=stats)
+    tokens = generate(loaded.runner, prompts, max_new, chunk, drafts=drafts, stats=stats, adapters=adapters)
     if rank == 0:
         results.put((tokens, logits, stats["steps"]))
         results.close()
@@ -57,12 +58,15 @@ def generate_on_rank(model: str, size: int, rank: int, port: int, prompts, max_n
 
 
 def run_group(model: str, size: int, prompts, max_new: int, chunk: int, timeout_s: float = 240.0, drafts: int = 0,
-              method: str = "ngram", draft_model: str = ""):
+              method: str = "ngram", draft_model: str = "", lora_adapters: str = "",
+              adapters: list[str] | None = None):
     """(tokens per prompt, logits per step, steps) from rank 0 of a group of
     `size`; with drafts, every rank speculates up to that many, by
-    EXECUTOR_SPECULATIVE_METHOD=method (draft: with draft_model)."""
+    EXECUTOR_SPECULATIVE_METHOD=method (draft: with draft_model); with
+    lora_adapters (EXECUTOR_LORA_ADAPTERS), prompt i runs under adapters[i]."""
     return _run_ranks(size, timeout_s, lambda r, port, results: (
-        generate_on_rank, (model, size, r, port, prompts, max_new, chunk, results, drafts, method, draft_model)))
+        generate_on_rank, (model, size, r, port, prompts, max_new, chunk, results, drafts, method, draft_model,
+                           lora_adapters, adapters)))
 
 
 def canary_on_rank(model: str, size: int, rank: int, port: int, results) -> None:

@@ -200,26 +200,31 @@ class LoraLinear:
         return y
 
 
-def attach_adapters(model: nn.Module, adapters: list[Adapter], tensor_parallel_size: int) -> LoraBatch:
+def attach_adapters(model: nn.Module, adapters: list[Adapter]) -> LoraBatch:
     """Gives each targeted linear of `model` its LoraLinear; returns the
-    LoraBatch the runner sets per step. Adapter i is slot i."""
-    if tensor_parallel_size > 1:
-        raise StartupError("EXECUTOR_LORA_ADAPTERS is not implemented with EXECUTOR_TENSOR_PARALLEL_SIZE > 1 yet")
+    LoraBatch the runner sets per step. Adapter i is slot i.
+
+    Under tensor parallelism each rank keeps the part of each delta its
+    base layer computes (layers.py): a ColumnLinear's rows of B (each
+    part's [start, start + rows), so replicated KV heads come out right),
+    and a RowLinear's columns of A. A row-split layer's delta,
+    (x_rank A_rank^T) B^T, is then this rank's share of the whole, summed
+    by the same all-reduce as the base output."""
     batch = LoraBatch()
-    layers = model.model.layers
     used: dict[str, set[str]] = {a.name: set() for a in adapters}
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(model.model.layers):
         for fused in sorted({t[0] for t in TARGETS.values()}):
             linear = layer.get_submodule(fused) if _has(layer, fused) else None
             shorts = [s for s, (f, _) in TARGETS.items() if f == fused]
             names = {s: f"model.layers.{i}.{fused.rpartition('.')[0]}.{s}" for s in shorts}
-            wanted = any(n in a.weights for a in adapters for n in names.values())
-            if not wanted:
+            if not any(n in a.weights for a in adapters for n in names.values()):
                 continue
             if not isinstance(linear, (ColumnLinear, RowLinear)):
                 raise StartupError(f"EXECUTOR_LORA_ADAPTERS: model.layers.{i}.{fused} is not a dense linear layer "
                                    f"in {model.cfg.architecture}; {SUPPORTED} of dense decoder layers")
-            part_rows = [p.rows for p in linear.parts] if hasattr(linear, "parts") else [linear.out_features]
+            column = isinstance(linear, ColumnLinear)
+            part_rows = [p.rows for p in linear.parts] if column else [linear.out_features]
+            whole_in = linear.in_features if column else linear.whole_in
             slots = []
             for a in adapters:
                 row = []
@@ -227,11 +232,16 @@ def attach_adapters(model: nn.Module, adapters: list[Adapter], tensor_parallel_s
                     w = a.weights.get(names[s])
                     if w is not None:
                         used[a.name].add(names[s])
-                        rows = part_rows[TARGETS[s][1]]
-                        if w.b.shape[0] != rows or w.a.shape[1] != linear_in(linear):
+                        part = linear.parts[TARGETS[s][1]] if column else None
+                        whole_out = part.whole if column else linear.out_features
+                        if tuple(w.b.shape[:1]) != (whole_out,) or w.a.shape[1] != whole_in:
                             raise StartupError(f"EXECUTOR_LORA_ADAPTERS: adapter {a.name!r}: {names[s]}: A "
                                                f"{tuple(w.a.shape)} and B {tuple(w.b.shape)} do not fit the base "
-                                               f"layer ({linear_in(linear)} in, {rows} out)")
+                                               f"layer ({whole_in} in, {whole_out} out)")
+                        if column:  # this rank's output rows
+                            w = LoraWeights(w.a, w.b[part.start:part.start + part.rows].clone())
+                        else:  # this rank's input columns
+                            w = LoraWeights(w.a[:, linear.start:linear.start + linear.cols].clone(), w.b)
                     row.append(w)
                 slots.append(row)
             linear.lora = LoraLinear(batch, part_rows, slots, [a.scale for a in adapters])
@@ -251,10 +261,6 @@ def _has(module: nn.Module, path: str) -> bool:
         return False
 
 
-def linear_in(linear: nn.Module) -> int:
-    return linear.in_features if hasattr(linear, "in_features") else linear.whole_in
-
-
 @dataclass(slots=True)
 class LoraSet:
     """The adapters served, by slot, and the per-step batch their layers read."""
@@ -271,7 +277,7 @@ class LoraSet:
 
 
 def load_adapters(setting: str, model: nn.Module, max_rank: int, max_loras: int, device: torch.device,
-                  dtype: torch.dtype, tensor_parallel_size: int) -> LoraSet | None:
+                  dtype: torch.dtype) -> LoraSet | None:
     """EXECUTOR_LORA_ADAPTERS, all read onto the device and attached to
     `model`; None when the setting is empty (the model stays untouched)."""
     pairs = parse_adapters(setting)
@@ -281,5 +287,5 @@ def load_adapters(setting: str, model: nn.Module, max_rank: int, max_loras: int,
         raise StartupError(f"EXECUTOR_LORA_ADAPTERS names {len(pairs)} adapters, but EXECUTOR_MAX_LORAS={max_loras}: "
                            "every adapter is resident on the device for now (no slot eviction yet)")
     adapters = [read_adapter(name, path, max_rank, device, dtype) for name, path in pairs]
-    batch = attach_adapters(model, adapters, tensor_parallel_size)
+    batch = attach_adapters(model, adapters)
     return LoraSet([a.name for a in adapters], batch)

@@ -29,7 +29,7 @@ def _runner(base: str, setting: str, max_rank: int = 64, max_loras: int = 8) -> 
     ckpt = load_checkpoint(base)
     cfg = read_config(ckpt.hf_config)
     model = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, torch.device("cpu"), torch.float32)
-    lora = load_adapters(setting, model, max_rank, max_loras, torch.device("cpu"), torch.float32, 1)
+    lora = load_adapters(setting, model, max_rank, max_loras, torch.device("cpu"), torch.float32)
     pool = KVCachePool(cfg, 64, BLOCK, torch.device("cpu"), torch.float32)
     return ModelRunner(model, pool, make_backend("torch"), torch.device("cpu"), lora=lora)
 
@@ -116,3 +116,17 @@ def test_unknown_adapter_in_a_plan_is_rejected(made):
     runner = _runner(base, f"a8={adapters['a8']}")
     with pytest.raises(PlanError, match="'nope'"):
         runner.execute(StepPlan(0, [NewRequestData(0, PROMPT, [0, 1, 2], 0, 3, GREEDY, 0, adapter="nope")]))
+
+
+def test_mixed_adapters_under_tensor_parallelism_match_hf_peft(made):
+    """TP=2 over gloo: B split by rows for q/k/v/gate/up, A by columns for
+    o/down (a share of the delta, summed by the base layer's all-reduce).
+    About 15 s (two rank processes)."""
+    from tests import tp_ranks
+
+    base, adapters = made
+    names = ["", "a8", "c64", "d8"]
+    tokens, _, _ = tp_ranks.run_group(base, 2, [PROMPT] * len(names), MAX_NEW, 4,
+                                      lora_adapters=",".join(f"{n}={p}" for n, p in adapters.items()), adapters=names)
+    for name, got in zip(names, tokens):
+        assert got == hf_peft_greedy(base, adapters.get(name), PROMPT, MAX_NEW), name

@@ -23,12 +23,12 @@ def make_runner(model: str, num_blocks=128, torch_compile=False):
     return ModelRunner(m, pool, make_backend("torch"), torch.device("cpu"), torch_compile=torch_compile)
 
 
-def generate(runner, prompts, max_new, chunk, settings=None, drafts=0, stats=None):
+def generate(runner, prompts, max_new, chunk, settings=None, drafts=0, stats=None, adapters=None):
     """Drives the runner the way the scheduler would: chunked prefill, then
     decode, all requests in one batch, blocks handed out sequentially. With
     drafts, each decode step lets a request verify up to that many
     speculative drafts (the runner must speculate); stats, a dict, gets the
-    number of steps."""
+    number of steps. adapters: each prompt's LoRA adapter ("" = none)."""
     next_block, outputs, state = 0, {}, {}
     for h, p in enumerate(prompts):
         nb = -(-(len(p) + max_new + drafts) // BLOCK)
@@ -45,7 +45,8 @@ def generate(runner, prompts, max_new, chunk, settings=None, drafts=0, stats=Non
             n = min(chunk, st["total"] - st["computed"])
             if step == 0:
                 sampling = settings[h] if settings else GREEDY
-                inp.new_requests.append(NewRequestData(h, p, st["blocks"], 0, n, sampling, 0))
+                inp.new_requests.append(NewRequestData(h, p, st["blocks"], 0, n, sampling, 0,
+                                                       adapter=adapters[h] if adapters else ""))
             else:
                 k = min(drafts, max_new - len(outputs[h]) - 1) if st["total"] - st["computed"] == 1 else 0
                 n += k

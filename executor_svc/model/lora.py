@@ -50,9 +50,14 @@ HARMLESS_KEYS = {
     "modules_to_save", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "base_model_name_or_path",
     "revision", "inference_mode", "init_lora_weights", "layers_to_transform", "layers_pattern", "auto_mapping",
     "exclude_modules", "peft_version", "qalora_group_size", "megatron_core", "runtime_config",
-    # initialisation methods: they decide the saved weights, not how they are applied
-    "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+    # initialisation methods that leave the base weights alone: they decide
+    # the saved weights, not how they are applied
+    "eva_config", "lora_ga_config",
 }
+# init_lora_weights methods that rewrite the base weights the adapter is
+# trained against; PEFT saves such an adapter as plain LoRA (and sets
+# init_lora_weights back to true) only when asked to convert it.
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
 
 
 @dataclass(slots=True)
@@ -112,6 +117,11 @@ def read_adapter(name: str, path: str, max_rank: int, device: torch.device, dtyp
         raise _refuse(where, f"bias={cfg['bias']!r} is not implemented (only 'none')")
     if cfg.get("fan_in_fan_out"):
         raise _refuse(where, "fan_in_fan_out (Conv1D layouts) is not implemented")
+    init = cfg.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(BASE_REWRITING_INITS) or cfg.get("loftq_config"):
+        raise _refuse(where, f"init_lora_weights={init!r} (or loftq_config) rewrites the base weights the adapter "
+                             "was trained against, which is not implemented; save it converted to plain LoRA "
+                             "(PEFT's path_initial_model_for_weight_conversion)")
     for key in ("rank_pattern", "alpha_pattern"):
         if cfg.get(key):
             raise _refuse(where, f"{key} (per-module rank or alpha) is not implemented")

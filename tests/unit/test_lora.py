@@ -86,7 +86,8 @@ def test_refusals_by_name(made, tmp_path):
     import shutil
 
     for key, value, why in [("modules_to_save", ["lm_head"], "modules_to_save"), ("use_dora", True, "DoRA"),
-                            ("bias", "all", "bias='all'"), ("alpha_pattern", {"q_proj": 4}, "alpha_pattern")]:
+                            ("bias", "all", "bias='all'"), ("alpha_pattern", {"q_proj": 4}, "alpha_pattern"),
+                            ("init_lora_weights", "pissa_niter_4", "rewrites the base weights")]:
         bad = tmp_path / key
         shutil.copytree(adapters["a8"], bad)
         cfg = json.loads((bad / "adapter_config.json").read_text())

@@ -29,10 +29,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from executor_svc.model.layers import ColumnLinear, RowLinear
+from executor_svc.step.host_memory import to_device
 from llmsched.errors import StartupError
 
 # PEFT module name -> (our fused layer under a decoder layer, part index in it).
@@ -163,13 +165,14 @@ class LoraBatch:
 
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
-    def set(self, token_slots: torch.Tensor | None) -> None:
-        # token_slots: [num_tokens] int64, -1 = no adapter; None: no token has one
+    def set(self, token_slots: np.ndarray | None, device: torch.device) -> None:
+        # token_slots: [num_tokens] host int64, -1 = no adapter; None: no token has one.
+        # Grouped on the host, so the device never waits for a sync.
         if token_slots is None:
             self.groups = []
             return
-        present = torch.unique(token_slots)
-        self.groups = [(int(s), torch.nonzero(token_slots == s).squeeze(1)) for s in present.tolist() if s >= 0]
+        self.groups = [(int(s), to_device(np.flatnonzero(token_slots == s), device))
+                       for s in np.unique(token_slots) if s >= 0]
 
 
 @dataclass(slots=True)

@@ -393,7 +393,7 @@ class ModelRunner:
             slots = r.adapter[rows]  # [n]
             with_adapters = bool((slots >= 0).any())
             # Each token's adapter slot: a vectorized repeat, never a loop over requests.
-            self.lora.batch.set(to_device(np.repeat(slots, q), dev) if with_adapters else None)
+            self.lora.batch.set(np.repeat(slots, q) if with_adapters else None, dev)
         t1 = time.perf_counter_ns()
 
         logits = None  # rank 0's only, under tensor parallelism

@@ -128,7 +128,8 @@ class Engine(CoreListener):
         facts = self.link.facts
         if self.scheduler is not None and previous is not None:  # a reconnect
             if facts.geometry != previous.geometry:
-                self._fail_all("UNAVAILABLE", "the executor came back with a different model or KV geometry")
+                self._fail_all("UNAVAILABLE",
+                               "the executor came back with a different model, LoRA adapters or KV geometry")
                 self.core.detach()
             elif facts.num_host_kv_blocks != previous.num_host_kv_blocks:
                 # _recover emptied the host tier already (the process is gone

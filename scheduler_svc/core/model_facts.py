@@ -49,6 +49,7 @@ class ModelFacts:
     @property
     def geometry(self) -> tuple:
         """What the live requests' state depends on. Not the host tier's
-        size: it comes back empty after a restart anyway."""
+        size: it comes back empty after a restart anyway. The LoRA adapters
+        are: a live request's adapter must still be served."""
         return (self.model, self.block_size, self.num_kv_blocks, self.max_model_len, self.vocab_size,
-                self.speculative_tokens, self.batch_invariant)
+                self.speculative_tokens, self.batch_invariant, self.lora_adapters)

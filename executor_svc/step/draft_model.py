@@ -24,8 +24,10 @@ A draft is the draft model's own choice at its position: its argmax for a
 greedy request; for a seeded sampled one, a draw with the uniforms the
 target's draw at that position will use (sampler.py), so that where the two
 models' distributions agree the draws coincide and sampled requests accept
-about as often as greedy ones. Unseeded requests draw from torch's global
-generator, which the draft model cannot anticipate: they draft the argmax.
+about as often as greedy ones. With speculation on, the scheduler gives
+every unseeded request a random seed of its own (Scheduler.add_request),
+so this holds for all sampled requests; a row without one (a plan from
+another scheduler) drafts the argmax.
 """
 
 from __future__ import annotations

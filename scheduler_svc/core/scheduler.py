@@ -123,11 +123,16 @@ class Scheduler:
         if reason:
             raise ValueError(reason)
         request.handle = self._alloc_handle()
-        if self.config.batch_invariant and request.sampling.seed is None:
+        if (self.config.batch_invariant or self.config.speculative_tokens) and request.sampling.seed is None:
             # Its draws keyed by a seed of its own and the token's index
             # (the executor's sampler), never by its row in a batch; kept
             # for its whole life, so a recompute after a preemption draws
-            # what it would have drawn.
+            # what it would have drawn. Speculating, a model-based proposer
+            # (draft model, MTP, EAGLE-3) draws its drafts with the uniforms
+            # the target's draw at each position will use, so the two
+            # coincide where the models agree; without a seed it could only
+            # draft its argmax. Unseeded output stays unreproducible: the
+            # seed is random and never returned.
             request.sampling = replace(request.sampling, seed=secrets.randbits(64))
         request.arrival_seq = self._next_arrival
         self._next_arrival += 1

@@ -132,6 +132,22 @@ def test_every_generating_request_speculates_whatever_its_sampling_settings():
     assert out.draft_counts == [4] * 6
 
 
+def test_speculating_an_unseeded_request_gets_a_random_seed_of_its_own():
+    """So a model-based proposer can draw its drafts with the uniforms the
+    target's draws will use; a seeded request keeps its seed."""
+    sched = make_scheduler(speculative_tokens=4, speculative_max_batch=16)
+    unseeded, other, seeded = (make_request(temperature=1.0), make_request(temperature=1.0),
+                               make_request(temperature=1.0, seed=7))
+    for req in (unseeded, other, seeded):
+        sched.add_request(req)
+    assert unseeded.sampling.seed is not None and unseeded.sampling.seed != other.sampling.seed
+    assert seeded.sampling.seed == 7
+    plain = make_scheduler()
+    req = make_request(temperature=1.0)
+    plain.add_request(req)
+    assert req.sampling.seed is None, "without speculation an unseeded request stays unseeded"
+
+
 def test_a_stop_string_completing_mid_step_cuts_the_step_s_later_tokens_from_the_output():
     """A speculative step yields 4 tokens; the second completes a stop
     string: the request ends with it, and the 2 after it leave its output."""

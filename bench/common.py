@@ -351,7 +351,9 @@ def decoded_prompts(requests: list[wl.BenchRequest], model: str) -> list[str]:
 
 def info_dict(info) -> dict:
     # Field by field rather than MessageToDict, which writes uint64 as text.
-    return {f.name: getattr(info, f.name) for f in info.DESCRIPTOR.fields}
+    # Repeated fields (the LoRA adapters) as lists: protobuf's containers are not JSON.
+    values = {f.name: getattr(info, f.name) for f in info.DESCRIPTOR.fields}
+    return {k: v if isinstance(v, (bool, int, float, str, bytes)) else list(v) for k, v in values.items()}
 
 
 def environment(num_threads: int) -> dict:

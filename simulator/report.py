@@ -45,6 +45,8 @@ def _server_info(result: SimResult, free_blocks: int, running: int, waiting: int
     out = {}
     for f in spb.ServerInfo.DESCRIPTOR.fields:
         default = "" if f.type == f.TYPE_STRING else 0
+        if not isinstance(getattr(spb.ServerInfo(), f.name), (bool, int, float, str, bytes)):
+            default = []  # a repeated field (the LoRA adapters): bench reports it as a list
         out[f.name] = values.get(f.name, default)
     return out
 

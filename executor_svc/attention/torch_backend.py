@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.attention.kv_quant import as_bytes, dequantize, quantize
-from executor_svc.model.batch_invariant import tail_free
+from executor_svc.model.invariant_ops import tail_free
 from executor_svc.attention.metadata import AttentionMetadata
 
 # Bytes of K gathered per decode chunk (rows x padded context x one token's

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
-from executor_svc.model.batch_invariant import pad_rows
+from executor_svc.model.invariant_ops import pad_rows
 from executor_svc.model.layers import ColumnLinear, RowLinear
 from executor_svc.model.model import RMSNorm, apply_rope
 from executor_svc.model.model_config import ModelConfig

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
-from executor_svc.model.batch_invariant import rows_in_fixed_calls
+from executor_svc.model.invariant_ops import rows_in_fixed_calls
 from executor_svc.model.checkpoint import LazyTensor
 from executor_svc.model.layers import (
     ColumnLinear, RowLinear, RowPart, VocabEmbedding, VocabHead, load_replicated, quantize_linears, replicated_shapes,

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
-from executor_svc.model.batch_invariant import pad_rows, tail_free
+from executor_svc.model.invariant_ops import pad_rows, tail_free
 from executor_svc.model.layers import ColumnLinear, RowLinear, RowPart, check_fp8, check_shape, materialize
 from executor_svc.model.model import ACTIVATIONS, MLP, CausalLM
 from executor_svc.model.model_config import LinearScheme, ModelConfig, MoESpec, UnsupportedConfig

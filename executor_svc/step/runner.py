@@ -276,12 +276,12 @@ class ModelRunner:
         r, at, limits = self.rows, rows[allowed], drafts[allowed]
         # Shared as each row's count, then its limit's worth of slots.
         size = len(at) + int(limits.sum())
+        offsets = (len(at) + np.cumsum(limits) - limits).tolist()  # where each row's slots start
         if self.tp is not None and self.tp.rank != 0:
             if self.observes:
                 self.proposer.propose(r, at, limits)  # its layer is sharded: every rank runs it
             flat = np.array(self.tp.share_tokens(None, size), dtype=np.int64)
-            offsets = len(at) + np.cumsum(limits) - limits
-            found = [flat[o:o + k] for o, k in zip(offsets.tolist(), flat[:len(at)].tolist())]
+            found = [flat[o:o + k] for o, k in zip(offsets, flat[:len(at)].tolist())]
         else:
             try:
                 found = self.proposer.propose(r, at, limits)
@@ -294,7 +294,7 @@ class ModelRunner:
             if self.tp is not None:
                 flat = np.zeros(size, dtype=np.int64)
                 flat[:len(at)] = [len(f) for f in found]
-                for o, f in zip((len(at) + np.cumsum(limits) - limits).tolist(), found):
+                for o, f in zip(offsets, found):
                     flat[o:o + len(f)] = f
                 self.tp.share_tokens(flat.tolist(), size)
         for i, row, f in zip(allowed.tolist(), at.tolist(), found):

@@ -347,6 +347,7 @@ class EngineCore:
                 return step
             self._fail_constrained(sched, out, outcome.request_errors)
             live_before = len(sched.requests)
+            sched.confirm_swaps(out, outcome.failed_swap_outs, outcome.failed_swap_ins)
             if outcome.prompt_logprobs or outcome.embeddings:
                 self.listener.prompt_outputs(sched.apply_prompt_outputs(out, outcome.prompt_logprobs,
                                                                         outcome.embeddings))

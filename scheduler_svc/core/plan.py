@@ -79,6 +79,9 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     # Copies between the tiers, run before the forward; None when none.
     swaps: SwapPlan | None = None
+    # Whether the result's swap outcomes have been applied
+    # (Scheduler.confirm_swaps): once per plan, before its other outputs.
+    swaps_confirmed: bool = False
     # Every scheduled request, in scheduling order, keyed by handle: results
     # are matched against the step's own requests, never against whoever
     # holds a handle by the time the result arrives.

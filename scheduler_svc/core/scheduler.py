@@ -422,8 +422,7 @@ class Scheduler:
         entries are dropped. verified_drafts: how many drafts each
         speculating request verified (by handle; without it, the plan's
         count), for the acceptance figures."""
-        if out.swaps is not None:
-            self._complete_swaps(out, set(failed_swap_outs), set(failed_swap_ins))
+        self.confirm_swaps(out, failed_swap_outs, failed_swap_ins)
         for e in out.entries.values():
             if not e.is_stale:
                 e.request.num_failed_steps = 0
@@ -469,14 +468,30 @@ class Scheduler:
             self._free_handles.extend(self._releasing.pop(0)[1])
         return results
 
+    def confirm_swaps(self, out: StepPlan, failed_swap_outs: list[int] = (), failed_swap_ins: list[int] = ()
+                      ) -> None:
+        """Applies a step's swap outcomes, before anything else it returned:
+        a request whose swap-in failed read garbage KV, so whatever it
+        computed in this step (prompt logprobs, an embedding, tokens) is
+        stale by then, never served nor cached. Once per plan; a later call
+        (update_from_output's own) does nothing."""
+        if out.swaps is None or out.swaps_confirmed:
+            return
+        out.swaps_confirmed = True
+        self._complete_swaps(out, set(failed_swap_outs), set(failed_swap_ins))
+
     def apply_prompt_outputs(self, out: StepPlan, prompt_logprobs: list[PromptLogprobsResult],
                              embeddings: list[tuple[int, list[float]]]) -> list[PromptOutput]:
         """Matches what a step read from prompt positions to its requests
         (stale entries dropped, as their tokens are). An embedding request
         whose vector arrived is finished: its computed blocks become
-        findable first, for later prompts with the same prefix. Call before
+        findable first, for later prompts with the same prefix. Call after
+        confirm_swaps (a failed swap-in voids these outputs) and before
         update_from_output: the prompt's logprobs come before its first
         token."""
+        if out.swaps is not None and not out.swaps_confirmed:
+            raise RuntimeError(f"step {out.step_id}'s prompt outputs applied before its swap outcomes: "
+                               "a failed swap-in's garbage would be served and cached")
         results: list[PromptOutput] = []
         for p in prompt_logprobs:
             e = self._entry_for(out, p.handle, "prompt logprobs")

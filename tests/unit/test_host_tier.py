@@ -218,6 +218,30 @@ def test_a_failed_swap_in_recomputes_only_its_own_request():
     assert late.num_lost_tokens > 0 and sched.num_recomputed_tokens["swap"] > 0
 
 
+def test_an_embedding_whose_host_hit_failed_to_swap_in_is_neither_served_nor_cached():
+    # An embedding ends in the step that reads its prompt, so its vector and
+    # its blocks would be taken before update_from_output saw the failure.
+    sched = evicting_scheduler()
+    sched.add_request(make_request(prompt=PREFIX + [1], max_tokens=1))
+    drain(sched)
+    sched.add_request(make_request(prompt=list(range(500, 547)), max_tokens=1))
+    drain(sched)  # the prefix is evicted and spilled to the host tier
+    embed = make_request(prompt=PREFIX + [2, 3], max_tokens=0)
+    embed.embed = True
+    sched.add_request(embed)
+    out = sched.schedule()
+    assert out.swaps is not None and out.swaps.in_host, "the prefix comes back from the host tier"
+    failed_ins = list(range(len(out.swaps.in_host)))
+    with pytest.raises(RuntimeError, match="before its swap outcomes"):
+        sched.apply_prompt_outputs(out, [], [(embed.handle, [0.0])])
+    sched.confirm_swaps(out, (), failed_ins)
+    assert sched.apply_prompt_outputs(out, [], [(embed.handle, [0.0])]) == [], "a vector read from garbage KV"
+    sched.update_from_output(out, [], (), failed_ins)
+    assert embed.status == RequestStatus.WAITING and embed.lost_cause == "swap"
+    assert not set(out.swaps.in_device) & set(sched.kv.pool.cached.values()), "garbage blocks cached"
+    assert not set(out.swaps.in_host) & set(sched.kv.host.pool.cached.values()), "host copies it failed to read"
+
+
 def test_a_failed_step_keeps_confirmed_swaps_but_a_lost_executor_does_not():
     sched, (early, late) = long_generations("swap")
     while not late.num_preemptions:

@@ -247,6 +247,7 @@ class ExecutorMirror:
         prompt positions first, then its tokens. Each embedding request ends
         with its one vector, having sampled nothing."""
         lps, embeddings = self.prompt_outputs.pop(out.step_id, ([], []))
+        sched.confirm_swaps(out, failed_outs, failed_ins)
         for output in sched.apply_prompt_outputs(out, lps, embeddings):
             req = output.request
             if output.embedding is not None:

@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
+from llmsched import cpus
+from llmsched.errors import StartupError, exit_with
 
-from executor_svc.config import ExecutorSettings
-from executor_svc.loading import load
-from executor_svc.model.model_config import UnsupportedConfig
-from executor_svc.service import ExecutorService
-from executor_svc.tensor_parallel import is_worker_rank
-from executor_svc.tp_worker import run_worker
-from llmsched import logs
-from llmsched import server as srv
-from llmsched.errors import StartupError, exit_with, load_settings
-from llmsched.security import server_credentials
-from llmsched.tracing import setup_tracing
-from llmsched.v1 import executor_pb2, executor_pb2_grpc
+# Before anything loads torch: libgomp reads its wait policy once, and the
+# threads torch starts inherit this process's cores (llmsched/cpus.py).
+cpus.sleeping_openmp()
+try:
+    cpus.apply_from_env("executor")
+except StartupError as exc:
+    exit_with("executor", exc)
+
+import asyncio  # noqa: E402
+import logging  # noqa: E402
+
+from executor_svc.config import ExecutorSettings  # noqa: E402
+from executor_svc.loading import load  # noqa: E402
+from executor_svc.model.model_config import UnsupportedConfig  # noqa: E402
+from executor_svc.service import ExecutorService  # noqa: E402
+from executor_svc.tensor_parallel import is_worker_rank  # noqa: E402
+from executor_svc.tp_worker import run_worker  # noqa: E402
+from llmsched import logs  # noqa: E402
+from llmsched import server as srv  # noqa: E402
+from llmsched.errors import load_settings  # noqa: E402
+from llmsched.security import server_credentials  # noqa: E402
+from llmsched.tracing import setup_tracing  # noqa: E402
+from llmsched.v1 import executor_pb2, executor_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("executor_svc")
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name

@@ -95,8 +95,11 @@ class ExecutorSettings(BaseSettings):
         "seconds stops the whole group, which exits non-zero; rank 0 checks an idle group every quarter of it. "
         "Start-up waits (rendezvous, pool-size agreement) are bounded by it too.")
     num_threads: int = Field(
-        default=0, ge=0, description="torch intra-op CPU threads; 0 = torch's default, divided among the ranks "
-        "sharing a node's cores under tensor parallelism.")
+        default=0, ge=0, description="torch intra-op CPU threads; 0 = on the CPU, one per core the executor may "
+        "run on (its CPU affinity: `llmsched.launch` leaves it every core but the scheduler's, see "
+        "`LLMSCHED_PIN_CPUS`), divided among the ranks sharing them under tensor parallelism, and 1 for models "
+        "whose hidden size is under 512, whose products are too small for a second thread to pay; torch's "
+        "default on CUDA. Idle OpenMP threads sleep (`OMP_WAIT_POLICY=PASSIVE` unless set).")
     speculative_method: Literal["off", "ngram", "draft", "mtp", "eagle3"] = Field(
         default="off", description="Speculative decoding: `ngram` proposes each request's next tokens from the "
         "last place its own prompt and output repeat their last few tokens, and verifies them in one forward, "

@@ -97,12 +97,32 @@ class LoadedModel:
     generates: bool = True  # False: no lm_head in the checkpoint, embeddings only
 
 
-def _set_threads(settings: ExecutorSettings, device: torch.device) -> None:
+# Below this hidden size a token's matrix products are too small for a
+# second thread to pay for waking it: stories260K (hidden 64) decodes a
+# single stream faster on one torch thread than on two (docs/performance.md,
+# CPU threads).
+ONE_THREAD_BELOW_HIDDEN = 512
+
+
+def default_cpu_threads(cfg: ModelConfig, num_local_ranks: int) -> int:
+    """EXECUTOR_NUM_THREADS=0 on the CPU: one per core this process may run
+    on (its affinity, which llmsched.launch narrows to all cores but the
+    scheduler's), divided among the ranks sharing them; one for a tiny
+    model."""
+    if cfg.hidden_size < ONE_THREAD_BELOW_HIDDEN:
+        return 1
+    return max(1, len(os.sched_getaffinity(0)) // num_local_ranks)
+
+
+def _set_threads(settings: ExecutorSettings, device: torch.device, cfg: ModelConfig) -> None:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
-    elif device.type == "cpu" and (local := int(os.environ.get("LOCAL_WORLD_SIZE", "1"))) > 1:
-        # Ranks sharing this node's cores would otherwise each take them all.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    elif device.type == "cpu":
+        torch.set_num_threads(default_cpu_threads(cfg, local))
+    elif local > 1:
+        # GPU ranks sharing this node's cores would otherwise each take them all.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
 
 
 def load(settings: ExecutorSettings) -> LoadedModel:
@@ -113,7 +133,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     invariant = check_batch_invariant(settings)
     torch_compile = check_torch_compile(settings.torch_compile, device, size, cfg, settings.kv_cache_dtype)
     tp = join(settings, cfg, device)
-    _set_threads(settings, device)
+    _set_threads(settings, device, cfg)
     shard = tp.shard if tp else Shard()
     dtype = resolve_dtype(settings.dtype, device)
     max_model_len = settings.max_model_len or cfg.max_position_embeddings

@@ -7,6 +7,7 @@ import logging
 import uuid
 
 import grpc
+import torch
 
 from executor_svc.chat_template import load_chat_template
 from executor_svc.config import ExecutorSettings
@@ -16,6 +17,7 @@ from executor_svc.model.model_config import SLIDING
 from executor_svc.step.step_loop import StepExecutor, StepLoop
 from executor_svc.telemetry import StepTelemetry
 from executor_svc.tensor_parallel import HEARTBEAT
+from llmsched import cpus
 from llmsched.tracing import Tracing
 from llmsched.v1 import executor_pb2 as pb
 from llmsched.v1 import executor_pb2_grpc as pb_grpc
@@ -61,11 +63,13 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.stopping = False
         log.info(
             "executor %s: model=%s architecture=%s rope=%s sliding_window=%s device=%s dtype=%s kv_cache_dtype=%s "
-            "kv_blocks=%d host_kv_blocks=%d block_size=%d max_model_len=%d tensor_parallel_size=%d",
+            "kv_blocks=%d host_kv_blocks=%d block_size=%d max_model_len=%d tensor_parallel_size=%d torch_threads=%d "
+            "cpus=%s",
             self.instance_id, self.model_name, self.cfg.architecture, self.cfg.rope_description(),
             self.cfg.sliding_window if SLIDING in self.cfg.layer_types else None, self.device, self.dtype,
             f"{settings.kv_cache_dtype} ({self.pool.dtype})", self.pool.num_blocks, self.num_host_kv_blocks,
-            settings.block_size, self.max_model_len, self.tp_size,
+            settings.block_size, self.max_model_len, self.tp_size, torch.get_num_threads(),
+            cpus.format_cpu_list(cpus.usable_cpus()),
         )
         log.info("config.json keys ignored: %s", "; ".join(f"{k} ({why})" for k, why in self.cfg.ignored.items()))
 

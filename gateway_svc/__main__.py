@@ -8,7 +8,7 @@ import uvicorn
 
 from gateway_svc.app import create_app
 from gateway_svc.config import GatewaySettings
-from llmsched import logs
+from llmsched import cpus, logs
 from llmsched import server as srv
 from llmsched.errors import StartupError, exit_with, load_settings
 from llmsched.tracing import setup_tracing
@@ -17,6 +17,7 @@ from llmsched.tracing import setup_tracing
 def main() -> None:
     logs.setup("gateway", fmt=logs.format_from_env("GATEWAY"))
     try:
+        cpus.apply_from_env("gateway")
         settings = load_settings(GatewaySettings)
     except StartupError as exc:
         exit_with("gateway", exc)

@@ -4,9 +4,12 @@ tests and the benchmarks.
 
     python -m llmsched.launch            # tiny-random on 50051/50052, OpenAI API on 8080
 
-It reads the services' own variables (ports, TLS) and one of its own:
+It reads the services' own variables (ports, TLS) and two of its own:
 LLMSCHED_START_TIMEOUT_S, how long each service may take to start (120 s;
-a large checkpoint on a slow disk needs more).
+a large checkpoint on a slow disk needs more), and LLMSCHED_PIN_CPUS: `auto`
+(the default) runs the executor on all cores but one and the scheduler and
+gateway on that one, where there are two or more (llmsched/cpus.py); `off`
+leaves placement to the operating system.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmsched import logs
+from llmsched import cpus, logs
+from llmsched.errors import StartupError
 from llmsched.security import channel_credentials
 from llmsched.server import free_port
 
@@ -112,6 +116,7 @@ class Services:
             **os.environ,
             "EXECUTOR_PORT": str(self.executor_port),
             "EXECUTOR_METRICS_PORT": str(self.executor_metrics_port),
+            **self._cpus_env("executor"),
             **self.executor_env,
         }
         self.executor = subprocess.Popen([sys.executable, "-m", "executor_svc"], env=env, stdout=self.stdout, stderr=self.stdout)
@@ -126,17 +131,33 @@ class Services:
             "SCHEDULER_PORT": str(self.scheduler_port),
             "SCHEDULER_METRICS_PORT": str(self.scheduler_metrics_port),
             "SCHEDULER_EXECUTOR_ADDRESS": self.executor_address,
+            **self._cpus_env("scheduler"),
             **self.scheduler_env,
         }
         self.scheduler = subprocess.Popen([sys.executable, "-m", "scheduler_svc"], env=env, stdout=self.stdout, stderr=self.stdout)
         if wait:
             wait_serving(self.scheduler_address, timeout_s, self.scheduler, self.scheduler_credentials)
 
+    @staticmethod
+    def _cpus_env(service: str) -> dict[str, str]:
+        """LLMSCHED_CPUS for a child (llmsched/cpus.py): the executor on all
+        cores but one, the scheduler and the gateway on that one. Nothing
+        with LLMSCHED_PIN_CPUS=off, on one core, or where the caller set
+        LLMSCHED_CPUS itself (then every child takes that)."""
+        if cpus.CPUS_ENV in os.environ or cpus.pin_mode(os.environ) == "off":
+            return {}
+        split = cpus.split_for_services(cpus.usable_cpus())
+        if split is None:
+            return {}
+        executor, others = split
+        return {cpus.CPUS_ENV: cpus.format_cpu_list(executor if service == "executor" else others)}
+
     def start_gateway(self, timeout_s: float = 60.0) -> None:
         env = {
             **os.environ,
             "GATEWAY_PORT": str(self.gateway_port),
             "GATEWAY_SCHEDULER_ADDRESS": self.scheduler_address,
+            **self._cpus_env("gateway"),
             **self.gateway_env,
         }
         self.gateway = subprocess.Popen([sys.executable, "-m", "gateway_svc"], env=env, stdout=self.stdout, stderr=self.stdout)
@@ -290,6 +311,10 @@ def main() -> int:
     # script) Python raises no KeyboardInterrupt, and Ctrl-C did nothing.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_stop_signal)
+    try:
+        cpus.pin_mode(os.environ)
+    except StartupError as exc:
+        raise SystemExit(f"launch: {exc}") from None
     services = Services(
         scheduler_port=port_from_env("SCHEDULER_PORT", 50051),
         executor_port=port_from_env("EXECUTOR_PORT", 50052),

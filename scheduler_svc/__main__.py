@@ -6,7 +6,7 @@ import asyncio
 import io
 import logging
 
-from llmsched import logs
+from llmsched import cpus, logs
 from llmsched import server as srv
 from llmsched.errors import StartupError, exit_with, load_settings
 from llmsched.security import ApiKeyInterceptor, load_api_keys, server_credentials
@@ -117,6 +117,7 @@ def main() -> None:
     # already in the format asked for.
     logs.setup("scheduler", fmt=logs.format_from_env("SCHEDULER"))
     try:
+        cpus.apply_from_env("scheduler")  # before gRPC starts its threads
         settings = load_settings(SchedulerSettings)
         logs.setup("scheduler", settings.log_level, settings.log_format)
         code = asyncio.run(serve(settings))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from llmsched import cpus
 from llmsched.assets import STORIES260K
 from tests.xdist_scheduling import (  # noqa: F401 (pytest hooks, registered by name)
     pytest_runtest_protocol,
@@ -20,6 +21,14 @@ from tests.xdist_scheduling import (  # noqa: F401 (pytest hooks, registered by 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STORIES = STORIES260K
+
+# Before torch loads below: the test processes' own OpenMP threads (the HF
+# oracles) sleep when idle, as the executor's do.
+cpus.sleeping_openmp()
+# The suite runs many stacks at once on few cores, where pinning every
+# executor to all cores but one would leave that one to the schedulers
+# alone; tests/unit/test_cpus.py starts a stack with pinning on.
+os.environ.setdefault(cpus.PIN_SETTING, "off")
 
 
 def _has_cuda() -> bool:

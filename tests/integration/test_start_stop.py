@@ -11,11 +11,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from unittest import mock
 from pathlib import Path
 
 import grpc
 import pytest
 
+from llmsched import cpus
 from llmsched.launch import free_port, launch
 from llmsched.v1 import scheduler_pb2 as spb
 from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
@@ -27,10 +29,30 @@ TERABYTES_IN_MB = str(100 * 1024 * 1024)
 
 @pytest.fixture(scope="module")
 def running():
-    """One executor + scheduler pair whose ports the second copies clash with."""
-    services = launch(executor_env={"EXECUTOR_NUM_THREADS": "1"}).start()
+    """One executor + scheduler pair whose ports the second copies clash with,
+    placed on the cores as `make serve` places them (the suite otherwise
+    runs with LLMSCHED_PIN_CPUS=off: tests/conftest.py)."""
+    with mock.patch.dict(os.environ, {cpus.PIN_SETTING: "auto"}):
+        services = launch().start()
     yield services
     services.stop()
+
+
+def allowed_cpus(pid: int) -> set[int]:
+    return os.sched_getaffinity(pid)
+
+
+def test_launch_runs_the_executor_on_all_cores_but_the_schedulers(running):
+    usable = cpus.usable_cpus()
+    if len(usable) < 2:
+        pytest.skip(f"one usable core ({cpus.format_cpu_list(usable)}): nothing to split")
+    executor, scheduler = allowed_cpus(running.executor.pid), allowed_cpus(running.scheduler.pid)
+    assert scheduler == {min(usable)} and executor == usable - scheduler, (
+        f"executor on {cpus.format_cpu_list(executor)}, scheduler on {cpus.format_cpu_list(scheduler)}, "
+        f"of {cpus.format_cpu_list(usable)}")
+    threads = {int(t) for t in os.listdir(f"/proc/{running.executor.pid}/task")}
+    strays = {t: allowed_cpus(t) for t in threads if allowed_cpus(t) != executor}
+    assert not strays, f"executor threads started before it was pinned: {strays}"
 
 
 def generate(address: str, max_tokens: int = 4) -> list[int]:
@@ -101,6 +123,10 @@ CASES = {
     "swap-preemption-without-a-host-tier": lambda pair, tmp, ckpt: BadStart(
         "scheduler_svc", {"SCHEDULER_EXECUTOR_ADDRESS": pair.executor_address, "SCHEDULER_PREEMPTION_MODE": "swap"},
         "SCHEDULER_PREEMPTION_MODE=swap: the executor at"),
+    "executor-on-cores-it-may-not-use": lambda pair, tmp, ckpt: BadStart(
+        "executor_svc", {cpus.CPUS_ENV: "4095"}, f"{cpus.CPUS_ENV}='4095' names cores the executor may not run on"),
+    "scheduler-on-a-cpu-list-that-is-not-one": lambda pair, tmp, ckpt: BadStart(
+        "scheduler_svc", {cpus.CPUS_ENV: "two"}, f"{cpus.CPUS_ENV}='two': 'two' is not a CPU number or range"),
     "second-scheduler-on-a-port-in-use": lambda pair, tmp, ckpt: BadStart(
         "scheduler_svc", {"SCHEDULER_PORT": str(pair.scheduler_port)},
         f"SCHEDULER_PORT={pair.scheduler_port}: address already in use"),

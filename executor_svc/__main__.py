@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 from llmsched import cpus
 from llmsched.errors import StartupError, exit_with
 
 # Before anything loads torch: libgomp reads its wait policy once, and the
 # threads torch starts inherit this process's cores (llmsched/cpus.py).
 cpus.sleeping_openmp()
+# Compiled decode steps (EXECUTOR_TORCH_COMPILE) are cached across restarts
+# in a directory of our own, not in /tmp where inductor puts them.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmsched", "inductor"))
 try:
     cpus.apply_from_env("executor")
 except StartupError as exc:

@@ -74,8 +74,11 @@ class ExecutorSettings(BaseSettings):
         default="auto", description="Decode steps replayed from CUDA graphs (batch sizes 1, 2, 4, ..., 512). "
         "`auto` = on with a CUDA device and the `triton` backend on one device (off under tensor parallelism), "
         "else off; `off`.")
-    torch_compile: Literal["off", "on"] = Field(
-        default="off", description="`on`: decode-only steps on CPU whose gathered K fits 4 MiB per layer (e.g. 64 "
+    torch_compile: Literal["auto", "off", "on"] = Field(
+        default="auto", description="`auto` = `on` for a dense model under hidden size 512 on one CPU rank (where "
+        "per-op dispatch is most of a decode step) when a C++ compiler is found, else `off`. Inductor's cache "
+        "is kept in `~/.cache/llmsched/inductor` (unless `TORCHINDUCTOR_CACHE_DIR` is set), so a restart loads the "
+        "compiled step instead of compiling it again. `on`: decode-only steps on CPU whose gathered K fits 4 MiB per layer (e.g. 64 "
         "requests x 512 tokens on stories260K) run as one `torch.compile`d graph "
         "(`executor_svc/step/compiled_decode.py`), compiled at start-up (about 22 s cold on the development machine, "
         "5 s with inductor's on-disk cache warm); other steps run eagerly. Needs a C++ compiler: if compiling "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,10 +61,19 @@ def use_cuda_graphs(setting: str, device: torch.device, backend_name: str, tp_si
     return setting == "auto" and device.type == "cuda" and backend_name == "triton" and tp_size == 1 and dense
 
 
+# A model below this hidden size is tiny on the CPU: a token's matrix
+# products are too small for a second torch thread to pay for waking it,
+# and per-op dispatch is most of a decode step, which the compiled decode
+# removes (stories260K, hidden 64: docs/performance.md P12 and CPU threads).
+TINY_HIDDEN = 512
+
+
 def check_torch_compile(setting: str, device: torch.device, tp_size: int, cfg: ModelConfig | None = None,
-                        kv_cache_dtype: str = "auto") -> bool:
+                        kv_cache_dtype: str = "auto", batch_invariant: bool = False) -> bool:
     if setting == "off":
         return False
+    if setting == "auto":
+        return compile_pays(device, tp_size, cfg, kv_cache_dtype, batch_invariant)
     if kv_cache_dtype != "auto":
         # The compiled graph reads the pool with its own gather (compiled_decode.py), which does not dequantize.
         raise StartupError("EXECUTOR_TORCH_COMPILE=on is not implemented with "
@@ -78,6 +88,28 @@ def check_torch_compile(setting: str, device: torch.device, tp_size: int, cfg: M
     if tp_size > 1:
         raise StartupError("EXECUTOR_TORCH_COMPILE=on is not implemented with EXECUTOR_TENSOR_PARALLEL_SIZE > 1")
     return True
+
+
+def compile_pays(device: torch.device, tp_size: int, cfg: ModelConfig | None, kv_cache_dtype: str,
+                 batch_invariant: bool) -> bool:
+    """EXECUTOR_TORCH_COMPILE=auto: compile decode steps where the compiled
+    graph serves them and per-op dispatch is most of a step, a tiny dense
+    model on one CPU rank (stories260K: 0.84 ms a token through the services
+    compiled, 1.67 eager, docs/performance.md P12), given a C++ compiler for
+    inductor. Elsewhere `on` is a choice to measure, not a default."""
+    why_not = None
+    if device.type != "cpu" or tp_size > 1:
+        why_not = "not a single CPU rank"
+    elif cfg is None or cfg.moe is not None or cfg.mla is not None:
+        why_not = "not a dense family"
+    elif cfg.hidden_size >= TINY_HIDDEN:
+        why_not = f"hidden size {cfg.hidden_size} >= {TINY_HIDDEN}: compute, not dispatch, dominates"
+    elif kv_cache_dtype != "auto" or batch_invariant:
+        why_not = "EXECUTOR_KV_CACHE_DTYPE or EXECUTOR_BATCH_INVARIANT rules it out"
+    elif not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
+        why_not = "no C++ compiler for inductor"
+    log.info("EXECUTOR_TORCH_COMPILE=auto: %s", f"off ({why_not})" if why_not else "compiling CPU decode steps")
+    return why_not is None
 
 
 @dataclass(slots=True)
@@ -97,19 +129,12 @@ class LoadedModel:
     generates: bool = True  # False: no lm_head in the checkpoint, embeddings only
 
 
-# Below this hidden size a token's matrix products are too small for a
-# second thread to pay for waking it: stories260K (hidden 64) decodes a
-# single stream faster on one torch thread than on two (docs/performance.md,
-# CPU threads).
-ONE_THREAD_BELOW_HIDDEN = 512
-
-
 def default_cpu_threads(cfg: ModelConfig, num_local_ranks: int) -> int:
     """EXECUTOR_NUM_THREADS=0 on the CPU: one per core this process may run
     on (its affinity, which llmsched.launch narrows to all cores but the
     scheduler's), divided among the ranks sharing them; one for a tiny
     model."""
-    if cfg.hidden_size < ONE_THREAD_BELOW_HIDDEN:
+    if cfg.hidden_size < TINY_HIDDEN:
         return 1
     return max(1, len(os.sched_getaffinity(0)) // num_local_ranks)
 
@@ -131,7 +156,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     size = settings.tensor_parallel_size
     device = rank_device(settings.device, int(os.environ.get("LOCAL_RANK", "0")) if size > 1 else 0, size)
     invariant = check_batch_invariant(settings)
-    torch_compile = check_torch_compile(settings.torch_compile, device, size, cfg, settings.kv_cache_dtype)
+    torch_compile = check_torch_compile(settings.torch_compile, device, size, cfg, settings.kv_cache_dtype, invariant)
     tp = join(settings, cfg, device)
     _set_threads(settings, device, cfg)
     shard = tp.shard if tp else Shard()
@@ -242,7 +267,7 @@ def check_batch_invariant(settings: ExecutorSettings) -> bool:
     invariant is refused by name."""
     if settings.batch_invariant == "off":
         return False
-    if settings.torch_compile != "off":
+    if settings.torch_compile == "on":
         raise StartupError("EXECUTOR_BATCH_INVARIANT=on runs every step eagerly; it cannot be combined with "
                            "EXECUTOR_TORCH_COMPILE=on (the compiled decode step is a second, batch-size-dependent "
                            "path): set EXECUTOR_TORCH_COMPILE=off")

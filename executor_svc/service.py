@@ -45,9 +45,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.tp_size = self.tp.size if self.tp else 1
         log.info("CUDA graphs for decode steps: %s (EXECUTOR_CUDA_GRAPHS=%s)", "on" if self.cuda_graphs else "off",
                  settings.cuda_graphs)
-        if settings.torch_compile == "on":
-            log.info("compiled CPU decode steps: %s (EXECUTOR_TORCH_COMPILE=on)", "on" if loaded.torch_compile else
-                     "off, compiling failed")
+        if settings.torch_compile != "off":
+            log.info("compiled CPU decode steps: %s (EXECUTOR_TORCH_COMPILE=%s)",
+                     "on" if loaded.torch_compile else "off", settings.torch_compile)
         executor = StepExecutor(loaded.runner, StepTelemetry(tracing), self.tp,
                                 self.host_kv.block_bytes if self.host_kv is not None else 0)
         # Decode steps run inline on CPU alone: see StepLoop.

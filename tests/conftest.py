@@ -29,6 +29,11 @@ cpus.sleeping_openmp()
 # executor to all cores but one would leave that one to the schedulers
 # alone; tests/unit/test_cpus.py starts a stack with pinning on.
 os.environ.setdefault(cpus.PIN_SETTING, "off")
+# EXECUTOR_TORCH_COMPILE=auto compiles every tiny model's decode step at
+# start-up, seconds per stack even from a warm cache, over the suite's
+# hundred-odd stacks; the compiled step is tested on its own
+# (tests/unit/test_compiled_decode.py, test_oracle's compiled stack).
+os.environ.setdefault("EXECUTOR_TORCH_COMPILE", "off")
 
 
 def _has_cuda() -> bool:

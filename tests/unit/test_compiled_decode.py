@@ -76,3 +76,25 @@ def test_torch_compile_is_refused_by_name_off_cpu_and_under_tensor_parallelism()
     with pytest.raises(StartupError, match=r"EXECUTOR_TORCH_COMPILE=on is not implemented with "
                                            r"EXECUTOR_TENSOR_PARALLEL_SIZE > 1"):
         check_torch_compile("on", torch.device("cpu"), 2)
+
+
+def test_auto_compiles_only_a_tiny_dense_model_on_one_cpu_rank(stories_path, monkeypatch):
+    import dataclasses
+    import shutil
+
+    from executor_svc.model.checkpoint import load_checkpoint
+    from executor_svc.model.families import read_config
+
+    tiny = read_config(load_checkpoint(str(stories_path)).hf_config)
+    cpu = torch.device("cpu")
+    if not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler on this machine: auto is off by design")
+    assert check_torch_compile("auto", cpu, 1, tiny) is True, "stories260K on one CPU rank compiles"
+    assert check_torch_compile("auto", cpu, 1, dataclasses.replace(tiny, hidden_size=1024)) is False, "compute-bound"
+    assert check_torch_compile("auto", cpu, 2, tiny) is False, "tensor parallelism: eager, not refused"
+    assert check_torch_compile("auto", torch.device("cuda", 0), 1, tiny) is False, "CUDA graphs' job"
+    assert check_torch_compile("auto", cpu, 1, tiny, "fp8_e4m3") is False
+    assert check_torch_compile("auto", cpu, 1, tiny, batch_invariant=True) is False
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    assert check_torch_compile("auto", cpu, 1, tiny) is False, "no C++ compiler: eager"

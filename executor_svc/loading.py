@@ -61,10 +61,11 @@ def use_cuda_graphs(setting: str, device: torch.device, backend_name: str, tp_si
     return setting == "auto" and device.type == "cuda" and backend_name == "triton" and tp_size == 1 and dense
 
 
-# A model below this hidden size is tiny on the CPU: a token's matrix
-# products are too small for a second torch thread to pay for waking it,
-# and per-op dispatch is most of a decode step, which the compiled decode
-# removes (stories260K, hidden 64: docs/performance.md P12 and CPU threads).
+# A model below this hidden size is tiny on the CPU: per-op dispatch is
+# most of a decode step, which the compiled decode removes (stories260K,
+# hidden 64: docs/performance.md, P12 and CPU placement), and a token's
+# products are too small for a second torch thread to share (torch runs
+# such ops on one thread anyway), so more threads only wake for nothing.
 TINY_HIDDEN = 512
 
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import llama_cpp as lc
+from bench import peer_models as pm
 from bench import workloads as wl
 from bench.baselines import compare_outputs
 from llmsched.assets import STORIES260K
@@ -278,11 +279,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("peer", choices=["llama-cpp"])
-    p.add_argument("--model", default=str(STORIES260K), help="a checkpoint directory (convert_hf_to_gguf.py reads it)")
+    p.add_argument("--model", default=str(STORIES260K),
+                   help=f"a checkpoint directory (convert_hf_to_gguf.py reads it), or {pm.QWEN3_SHAPE}: a random "
+                        "Qwen3-0.6B-shaped checkpoint in bf16, built once into the cache")
+    p.add_argument("--weights", choices=["as-is", "int8"], default="as-is",
+                   help="int8: ours serves an int8 weight-only copy (compressed-tensors W8A16, per channel), "
+                        "llama-server a Q8_0 GGUF")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--num-requests", type=int, default=64, help="mixed workload requests, all sent at once")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="concurrent requests, all sent at once: the mixed workload (default 64) on a directory, "
+                        f"--stream-tokens each after a 16-token prompt (default 16) on {pm.QWEN3_SHAPE}")
+    p.add_argument("--stream-tokens", type=int, default=32, help=f"{pm.QWEN3_SHAPE}: output tokens per request")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--single-tokens", type=int, default=200, help="greedy tokens of the single stream")
+    p.add_argument("--single-tokens", type=int, default=None,
+                   help=f"greedy tokens of the single stream (default 200; {pm.QWEN3_SHAPE}: 32)")
     p.add_argument("--num-threads", type=int, default=0,
                    help="threads for every system: EXECUTOR_NUM_THREADS, llama-server -t/-tb, HF's torch; "
                         "0 = our executor's default (torch's default thread count), given to the others")
@@ -296,11 +306,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--executor-env", action="append", default=[], metavar="K=V", help="extra executor env for ours")
     p.add_argument("--out", type=Path, default=Path("bench_results") / "peer-llama-cpp.json")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.num_requests < 1 or args.single_tokens < 2:
-        p.error("--rounds and --num-requests must be at least 1, --single-tokens at least 2")
-    if not Path(args.model).is_dir():
+    shape = args.model == pm.QWEN3_SHAPE
+    args.num_requests = args.num_requests or (16 if shape else 64)
+    args.single_tokens = args.single_tokens or (32 if shape else 200)
+    if args.rounds < 1 or args.num_requests < 1 or args.single_tokens < 2 or args.stream_tokens < 1:
+        p.error("--rounds, --num-requests and --stream-tokens must be at least 1, --single-tokens at least 2")
+    if not shape and not Path(args.model).is_dir():
         p.error(f"--model {args.model}: llama.cpp's converter needs a checkpoint directory")
+    if shape and not args.no_hf:
+        args.no_hf = True  # HF's bf16 generate on 0.6B parameters would take the rounds' whole time
     return args
+
+
+def streams_work(num_requests: int, prompt_tokens: int, output_tokens: int, vocab: int, seed: int,
+                 single_tokens: int) -> Work:
+    """Equal requests: `prompt_tokens` random ids, `output_tokens` out."""
+    import random
+
+    rng = random.Random(seed)
+    requests = [wl.BenchRequest(i, output_tokens, prompt_token_ids=wl.random_token_ids(rng, prompt_tokens, vocab))
+                for i in range(num_requests)]
+    return Work(requests, wl.warmup_requests(requests[:WARMUP_REQUESTS], vocab, seed), single_tokens)
 
 
 def build_work(model: str, num_requests: int, seed: int, single_tokens: int) -> Work:
@@ -337,9 +363,26 @@ def main(argv: list[str] | None = None) -> int:
         env["EXECUTOR_NUM_THREADS"] = str(args.num_threads)
     paths = lc.Paths.make(lc.SDIST_VERSION, args.cache_dir)
     binary = lc.build_server(paths, args.sdist, args.build_jobs)
-    gguf = lc.convert(paths, Path(args.model), args.outtype, args.sdist)
-    work = build_work(args.model, args.num_requests, args.seed, args.single_tokens)
-    context = context_for(args.model, {}) or 4096
+    if args.model == pm.QWEN3_SHAPE:
+        _say(f"building {pm.QWEN3_SHAPE} (random, bf16) in the cache unless there")
+        plain = pm.make_qwen3_shape(paths.root.parent / "checkpoints" / pm.QWEN3_SHAPE, args.seed)
+        # bf16 on both sides; a KV pool of 4,096 tokens is plenty for the
+        # short requests and keeps memory modest.
+        env = {"EXECUTOR_DTYPE": "bfloat16", "EXECUTOR_NUM_KV_BLOCKS": "256", **env}
+        work = streams_work(args.num_requests, 16, args.stream_tokens, pm.QWEN3_06B["vocab_size"], args.seed,
+                            args.single_tokens)
+        context = 16 + max(args.stream_tokens, args.single_tokens) + 64
+        outtype = "q8_0" if args.weights == "int8" else "bf16"
+    else:
+        plain = Path(args.model)
+        work = build_work(args.model, args.num_requests, args.seed, args.single_tokens)
+        context = context_for(args.model, {}) or 4096
+        outtype = "q8_0" if args.weights == "int8" else args.outtype
+    ours_model = str(plain)
+    if args.weights == "int8":
+        ours_model = str(pm.write_int8(plain, paths.root.parent / "checkpoints" / f"{plain.name}-int8"))
+    args.outtype = outtype
+    gguf = lc.convert(paths, plain, outtype, args.sdist)
     server = lc.LlamaServer.make(binary, gguf, threads, args.num_requests, context)
     hf = None
     if not args.no_hf:
@@ -350,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_path = args.out.with_suffix(".services.log")
     runs: dict[str, Callable[[], dict]] = {
-        "ours": lambda: run_ours(args.model, work, log, env),
+        "ours": lambda: run_ours(ours_model, work, log, env),
         "llama-server": lambda: run_llama(server, work, log),
         "hf-static": lambda: run_hf(hf, work),
     }
@@ -373,10 +416,12 @@ def main(argv: list[str] | None = None) -> int:
                  + "; ms/token " + ", ".join(f"{s} {this[s]['single']['ms_per_token']:.3f}" for s in systems
                                              if "single" in this[s]))
     summary = summarize(rounds)
-    report = {"peer": "llama-cpp", "model": args.model, "threads": threads,
+    report = {"peer": "llama-cpp", "model": args.model, "ours_checkpoint": ours_model, "weights": args.weights,
+              "threads": threads,
               "llama_cpp": {"sdist_version": lc.SDIST_VERSION, "server_version": server_version(binary),
                             "server_args": server.args[1:], "gguf": str(gguf), "outtype": args.outtype},
-              "workload": {"name": "mixed", "num_requests": args.num_requests, "seed": args.seed,
+              "workload": {"name": "streams" if args.model == pm.QWEN3_SHAPE else "mixed",
+                           "num_requests": args.num_requests, "seed": args.seed,
                            "output_tokens": sum(work.max_tokens), "single_prompt": PROMPT,
                            "single_tokens": args.single_tokens},
               "environment": environment(threads), "summary": summary, "greedy_agreement": checks,

@@ -154,3 +154,23 @@ def test_round_order_rotates():
 def test_agreement_counts_identical_requests():
     a = peer.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]])
     assert a == {"compared": 2, "identical": 1, "first_diffs": [1]}
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    import torch
+
+    from bench.peer_models import quantize_int8_rows
+
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    q, scale = quantize_int8_rows(w)
+    assert q.dtype == torch.int8 and q.shape == (8, 64) and scale.shape == (8, 1)
+    assert int(q.abs().max()) == 127
+    err = (q.float() * scale.float() - w.float()).abs()
+    assert bool((err <= scale.float() * 0.5 + 1e-3).all())
+
+
+def test_streams_work_is_equal_requests():
+    work = peer.streams_work(16, 16, 32, 151936, 0, 32)
+    assert len(work.requests) == 16 and {r.max_tokens for r in work.requests} == {32}
+    assert {len(p) for p in work.prompts} == {16} and all(3 <= t < 151936 for p in work.prompts for t in p)
+    assert len(work.warmup) == peer.WARMUP_REQUESTS and work.single_tokens == 32

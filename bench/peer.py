@@ -398,6 +398,15 @@ def main(argv: list[str] | None = None) -> int:
         "hf-static": lambda: run_hf(hf, work),
     }
     rounds, checks = [], {}
+    report = {"peer": "llama-cpp", "model": args.model, "ours_checkpoint": ours_model, "weights": args.weights,
+              "threads": threads,
+              "llama_cpp": {"sdist_version": lc.SDIST_VERSION, "server_version": server_version(binary),
+                            "server_args": server.args[1:], "gguf": str(gguf), "outtype": args.outtype},
+              "workload": {"name": "streams" if args.model == pm.QWEN3_SHAPE else "mixed",
+                           "num_requests": args.num_requests, "seed": args.seed,
+                           "output_tokens": sum(work.max_tokens), "single_prompt": PROMPT,
+                           "single_tokens": args.single_tokens},
+              "environment": environment(threads), "summary": {}, "greedy_agreement": checks, "rounds": rounds}
     with log_path.open("w") as log:
         for r in range(args.rounds):
             this: dict = {"order": round_order(r, systems)}
@@ -412,21 +421,12 @@ def main(argv: list[str] | None = None) -> int:
                 this[name].pop("outputs")
                 this[name].pop("single_ids", None)
             rounds.append(this)
+            # Written after every round, so that a run cut short keeps what it measured.
+            report["summary"] = summarize(rounds)
+            args.out.write_text(json.dumps(report, indent=2))
             _say(f"  tok/s " + ", ".join(f"{s} {this[s]['throughput']['tok_per_s']:.0f}" for s in systems)
                  + "; ms/token " + ", ".join(f"{s} {this[s]['single']['ms_per_token']:.3f}" for s in systems
                                              if "single" in this[s]))
-    summary = summarize(rounds)
-    report = {"peer": "llama-cpp", "model": args.model, "ours_checkpoint": ours_model, "weights": args.weights,
-              "threads": threads,
-              "llama_cpp": {"sdist_version": lc.SDIST_VERSION, "server_version": server_version(binary),
-                            "server_args": server.args[1:], "gguf": str(gguf), "outtype": args.outtype},
-              "workload": {"name": "streams" if args.model == pm.QWEN3_SHAPE else "mixed",
-                           "num_requests": args.num_requests, "seed": args.seed,
-                           "output_tokens": sum(work.max_tokens), "single_prompt": PROMPT,
-                           "single_tokens": args.single_tokens},
-              "environment": environment(threads), "summary": summary, "greedy_agreement": checks,
-              "rounds": rounds}
-    args.out.write_text(json.dumps(report, indent=2))
     print(format_table(report))
     _say(f"report: {args.out}; logs: {log_path}")
     return 0

@@ -20,7 +20,7 @@ def make_scheduler(**overrides) -> Scheduler:
 
 
 def make_request(prompt_len: int = 8, max_tokens: int = 4, request_id: str | None = None,
-                 prompt: list[int] | None = None, priority: int = 0, **sampling) -> Request:
+                 prompt: list[int] | None = None, priority: int = 0, adapter: str = "", **sampling) -> Request:
     """Prompts are distinct per request (no accidental prefix hits) unless
     `prompt` is given."""
     sampling.setdefault("temperature", 0.0)
@@ -31,6 +31,7 @@ def make_request(prompt_len: int = 8, max_tokens: int = 4, request_id: str | Non
         priority=priority,
         sampling=SamplingParams(max_tokens=max_tokens, **sampling),
         eos_token_ids=frozenset({EOS}),
+        adapter=adapter,
     )
 
 

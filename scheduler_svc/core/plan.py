@@ -82,6 +82,10 @@ class StepPlan:
     # Whether the result's swap outcomes have been applied
     # (Scheduler.confirm_swaps): once per plan, before its other outputs.
     swaps_confirmed: bool = False
+    # LoRA slots (lora_slots.py) to empty, then (slot, adapter) pairs to
+    # load, before the forward.
+    lora_evicts: list[int] = field(default_factory=list)
+    lora_loads: list[tuple[int, str]] = field(default_factory=list)
     # Every scheduled request, in scheduling order, keyed by handle: results
     # are matched against the step's own requests, never against whoever
     # holds a handle by the time the result arrives.

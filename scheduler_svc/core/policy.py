@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from llmsched.errors import StartupError
@@ -101,9 +101,23 @@ class FairQueue:
     def peek(self) -> Request:
         return self._queues[self.head_tenant()][0]
 
+    def first_not_of(self, adapters: Collection[str]) -> Request | None:
+        """The head as if the requests with these adapters (waiting for a
+        LoRA slot, lora_slots.py) were not queued, or None."""
+        firsts = {t: r for t, q in self._queues.items()
+                  if (r := next((r for r in q if r.adapter not in adapters), None)) is not None}
+        if not firsts:
+            return None
+        return firsts[min(firsts, key=lambda t: (self._vtc.counter(t) + self._admitted_output.get(t, 0.0),
+                                                   self._key(firsts[t])))]
+
     def pop(self) -> Request:
-        tenant = self.head_tenant()
-        req = self._queues[tenant].pop(0)
+        return self.take(self.peek())
+
+    def take(self, req: Request) -> Request:
+        """Takes req (the head, or first_not_of's) off the queue to run."""
+        tenant = req.tenant
+        self._queues[tenant].remove(req)
         vtc = self._vtc
         expected = vtc.output_weight * (req.sampling.max_tokens - len(req.output_token_ids)) / vtc.weight(tenant)
         self._admitted_output[tenant] = self._admitted_output.get(tenant, 0.0) + expected

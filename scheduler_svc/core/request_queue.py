@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from scheduler_svc.core.request import Request
 
@@ -36,6 +36,16 @@ class RequestQueue:
         req = self._items.pop(0)
         self.num_tokens -= req.num_tokens
         self._uncount(req)
+        return req
+
+    def first_not_of(self, adapters: Collection[str]) -> Request | None:
+        """The first request in order whose adapter is not one of these (the
+        adapters waiting for a LoRA slot, lora_slots.py), or None."""
+        return next((r for r in self._items if r.adapter not in adapters), None)
+
+    def take(self, req: Request) -> Request:
+        """Takes req (the head, or first_not_of's) off the queue to run."""
+        self.remove(req)
         return req
 
     def remove(self, req: Request) -> None:

@@ -30,6 +30,7 @@ from typing import Protocol
 
 from scheduler_svc.core.host_tier import SwappedOut
 from scheduler_svc.core.kv_cache_manager import KVCacheManager, blocks_needed
+from scheduler_svc.core.lora_slots import LoraSlots
 from scheduler_svc.core.plan import (NewRequestData, PromptLogprobsResult, PromptOutput, SampledToken,
                                      ScheduledRequest, StepPlan)
 from scheduler_svc.core.policy import make_policy
@@ -73,6 +74,9 @@ class Scheduler:
         self.policy = make_policy(config.policy, config.prompt_token_weight, config.output_token_weight,
                                   dict(config.tenant_weights))
         self.waiting = self.policy.make_queue()
+        # The executor's LoRA adapter slots (lora_slots.py); None without adapters.
+        self.lora = LoraSlots(config.max_loras or len(config.lora_adapters), config.lora_adapters) \
+            if config.lora_adapters else None
         # Sorted by order_key: the last one is the first to be preempted.
         self.running: list[Request] = []
         self._next_arrival = 0
@@ -122,6 +126,8 @@ class Scheduler:
         reason = self.fits(request.num_prompt_tokens, request.sampling.max_tokens)
         if reason:
             raise ValueError(reason)
+        if request.adapter and request.adapter not in self.config.lora_adapters:
+            raise ValueError(f"adapter {request.adapter!r} is not served")
         request.handle = self._alloc_handle()
         if (self.config.batch_invariant or self.config.speculative_tokens) and request.sampling.seed is None:
             # Its draws keyed by a seed of its own and the token's index
@@ -164,11 +170,14 @@ class Scheduler:
         block and none is free, the least urgent running request is
         preempted (its blocks freed, recomputed later). Waiting requests are
         admitted in policy order, starting from their longest cached prefix,
-        and only in a step that preempted nothing."""
+        and only in a step that preempted nothing; one whose LoRA adapter
+        cannot get a device slot is passed over (lora_slots.py)."""
         cfg = self.config
         out = StepPlan(step_id=self._step_id, executor_epoch=self.executor_epoch)
         self._step_id += 1
         self.waiting.begin_step()
+        if self.lora is not None:
+            self.lora.begin_step(self.running)
         budget = cfg.max_num_batched_tokens
         if self.waiting and self.waiting.peek().num_failed_steps and self._admit(out, budget) is not None:
             # A request whose step failed is retried alone, so a second
@@ -211,19 +220,38 @@ class Scheduler:
             i += 1
 
         while self.waiting and not out.num_preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            if self.waiting.peek().num_failed_steps:
-                break  # a suspect runs alone, next step
-            n = self._admit(out, budget)
+            req = self._next_to_admit()
+            if req is None or req.num_failed_steps:
+                break  # every waiting adapter lacks a slot; or a suspect, which runs alone, next step
+            n = self._admit(out, budget, req)
             if n is None:
                 break  # the head waits for blocks; nobody overtakes it
             budget -= n
         return self._finish_plan(out)
 
-    def _admit(self, out: StepPlan, budget: int) -> int | None:
-        """Moves the head of the queue to running, starting from its longest
-        cached prefix. Returns the tokens scheduled, or None when the pool
-        cannot hold them (nothing changes then)."""
-        req = self.waiting.peek()
+    def _next_to_admit(self) -> Request | None:
+        """The head of the queue; with LoRA adapters, the first in policy
+        order whose adapter has a slot or can get one (lora_slots.py): the
+        others are skipped, their adapters waiting for a slot."""
+        if self.lora is None:
+            return self.waiting.peek()
+        while True:
+            req = self.waiting.first_not_of(self.lora.blocked)
+            if req is None:
+                self.lora.end_pass()
+                return None
+            if self.lora.can_admit(req.adapter):
+                return req
+            self.lora.block(req.adapter)
+
+    def _admit(self, out: StepPlan, budget: int, req: Request | None = None) -> int | None:
+        """Moves req (the head of the queue by default) to running, starting
+        from its longest cached prefix. Returns the tokens scheduled, or
+        None when the pool or the LoRA slots cannot hold it (nothing
+        changes then)."""
+        req = req or self.waiting.peek()
+        if self.lora is not None and not self.lora.can_admit(req.adapter):
+            return None
         if not self.kv.can_resume(req):
             return None  # swapped out by a plan whose result is still to come
         hit = self.kv.find_cached_prefix(req)
@@ -245,7 +273,9 @@ class Scheduler:
         self.kv.record_hit(hit)
         if req.num_preemptions == 0:
             req.num_cached_prompt_tokens = min(hit.num_tokens, req.num_prompt_tokens)
-        self.waiting.pop()
+        self.waiting.take(req)
+        if self.lora is not None:
+            self.lora.admit(req.adapter)
         req.status = RequestStatus.RUNNING
         bisect.insort(self.running, req, key=self.order_key)
         self._record(out, req, n, new_blocks)
@@ -264,6 +294,9 @@ class Scheduler:
 
     def _finish_plan(self, out: StepPlan, send_empty: bool = False) -> StepPlan:
         out.swaps = self.kv.end_plan()
+        if self.lora is not None:
+            out.lora_evicts, out.lora_loads = self.lora.end_plan(out.step_id,
+                                                                 (e.request.adapter for e in out.entries.values()))
         if out.is_empty and not send_empty:
             return out  # not sent: its forgets wait for the next plan
         out.finished_handles, self._to_forget = self._to_forget, []
@@ -423,6 +456,8 @@ class Scheduler:
         speculating request verified (by handle; without it, the plan's
         count), for the acceptance figures."""
         self.confirm_swaps(out, failed_swap_outs, failed_swap_ins)
+        if self.lora is not None:
+            self.lora.complete(out.step_id)
         for e in out.entries.values():
             if not e.is_stale:
                 e.request.num_failed_steps = 0
@@ -597,6 +632,8 @@ class Scheduler:
             self.waiting.push(req)
         self.running.clear()
         self.executor_epoch += 1
+        if self.lora is not None:
+            self.lora.reset()
         # The device's KV content is gone, so nothing cached there can be
         # trusted; nor can any copy of a plan in flight.
         for record in self.kv.reset_executor(host_lost):

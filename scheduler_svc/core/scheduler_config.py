@@ -45,6 +45,10 @@ class SchedulerConfig:
     # chunks then end at multiples of invariant_chunk and are never cut
     # short by the step's budget (Scheduler._num_tokens_to_schedule).
     batch_invariant: bool = False
+    # The executor's LoRA adapters, and its device slots for them
+    # (lora_slots.py; 0 = one per adapter).
+    lora_adapters: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def invariant_chunk(self) -> int:

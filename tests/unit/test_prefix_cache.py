@@ -144,7 +144,7 @@ def test_a_prefix_hit_never_crosses_lora_adapters():
     """KV computed under one adapter is another model's: the same prompt
     under another adapter (or the base) finds nothing cached, and under the
     same adapter finds it all."""
-    sched = make_scheduler(block_size=4, num_kv_blocks=64)
+    sched = make_scheduler(block_size=4, num_kv_blocks=64, lora_adapters=("a", "b"))
     first = make_request(prompt=PREFIX + [1], max_tokens=2)
     first.adapter = "a"
     sched.add_request(first)

@@ -146,8 +146,9 @@ class ExecutorSettings(BaseSettings):
         default="", description="LoRA adapters served beside the base model, `name=path,...`, each a PEFT "
         "directory (`adapter_config.json` and `adapter_model.safetensors`) on q/k/v/o/gate/up/down projections of "
         "a dense decoder, scaled by `lora_alpha` / rank (or / sqrt(rank) with `use_rslora`). A request names one by "
-        "`GenerateRequest.adapter` (gRPC) or as its `model` (OpenAI). For now every adapter is read onto the "
-        "device at start-up and stays there (no slots are loaded or evicted at runtime). Refused by name: "
+        "`GenerateRequest.adapter` (gRPC) or as its `model` (OpenAI). Every adapter is read and checked at "
+        "start-up; the scheduler loads them into the `EXECUTOR_MAX_LORAS` device slots as requests need them. "
+        "Refused by name: "
         "`modules_to_save`, embedding or lm_head weights, DoRA, a `bias` other than `none`, per-module rank or "
         "alpha patterns, and any other adapter setting that would change the math. Under tensor parallelism each "
         "rank holds its share of each adapter (B's rows for q/k/v/gate/up, A's columns for o/down). Steps with "
@@ -156,8 +157,14 @@ class ExecutorSettings(BaseSettings):
         default=64, ge=1, le=1024, description="Largest adapter rank `EXECUTOR_LORA_ADAPTERS` may hold; a larger "
         "one is refused at start-up.")
     max_loras: int = Field(
-        default=8, ge=1, le=1024, description="Adapters held on the device at once. For now every configured "
-        "adapter is resident, so more adapters than this are refused at start-up.")
+        default=8, ge=1, le=1024, description="LoRA slots on the device: adapters held there at once. The "
+        "scheduler decides which adapter sits in which slot; a request whose adapter has no slot waits until one "
+        "frees (an adapter that running requests use is never evicted). More adapters than slots may be "
+        "configured.")
+    max_cpu_loras: int = Field(
+        default=0, ge=0, le=65536, description="Adapters kept in host memory, least recently loaded dropped "
+        "first; a load of one that is not there reads it from disk again. 0 = as many as `EXECUTOR_MAX_LORAS`; "
+        "below `EXECUTOR_MAX_LORAS` is refused at start-up.")
     max_logprobs: int = Field(
         default=20, ge=0, le=1024, description="Most top logprobs per token a request may ask for; capped at the "
         "vocabulary size.")

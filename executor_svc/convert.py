@@ -59,6 +59,9 @@ def step_from_proto(plan: pb.StepPlan, keep_wire: bool = False) -> StepPlan:
         swap_in_device_blocks=list(plan.swap_in_device_blocks),
         draft_handles=list(plan.draft_handles),
         draft_counts=list(plan.draft_counts),
+        lora_evict_slots=list(plan.lora_evict_slots),
+        lora_load_slots=list(plan.lora_load_slots),
+        lora_load_adapters=list(plan.lora_load_adapters),
         epoch=plan.epoch,
         after_idle=plan.after_idle,
         traceparent=plan.traceparent,
@@ -86,6 +89,8 @@ def result_to_proto(out: StepResult) -> pb.StepResult:
         sample_ns=out.sample_ns,
         error=out.error or "",
         discarded=out.was_discarded,
+        lora_load_ns=out.lora_load_ns,
+        lora_disk_reads=out.lora_disk_reads,
     )
     if out.logprobs is not None:
         for lp, top_ids, top_lps in out.logprobs:

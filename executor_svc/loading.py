@@ -169,9 +169,11 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         log.info("batch-invariant mode: %d GEMM layers made invariant (rows padded to a multiple of %d; on CUDA, "
                  "unquantized ones on the Triton GEMM)", make_batch_invariant(model), ROW_UNIT)
     generates = model.lm_head is not None
-    lora = load_adapters(settings.lora_adapters, model, settings.max_lora_rank, settings.max_loras, device, dtype)
+    lora = load_adapters(settings.lora_adapters, model, settings.max_lora_rank, settings.max_loras, device, dtype,
+                         settings.max_cpu_loras)
     if lora is not None:
-        log.info("LoRA adapters resident on the device: %s", ", ".join(lora.names))
+        log.info("LoRA adapters served: %s (%d device slots, %d kept in host memory)", ", ".join(lora.names),
+                 lora.num_slots, lora.max_cpu)
     if not generates:
         # Nothing is ever sampled, so no decode step is captured or compiled.
         log.info("the checkpoint ships no lm_head.weight (tie_word_embeddings is false): it serves embeddings only")

@@ -38,7 +38,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.weight_bytes = loaded.weight_bytes
         self.pooling = loaded.ckpt.pooling.pooling
         self.generates = loaded.generates
-        self.lora_adapters = [] if loaded.runner.lora is None else list(loaded.runner.lora.names)
+        lora = loaded.runner.lora
+        self.lora_adapters = [] if lora is None else list(lora.names)
+        self.max_loras, self.max_cpu_loras = (0, 0) if lora is None else (lora.num_slots, lora.max_cpu)
         log.info("embeddings: %s", f"pooled {self.pooling.describe()} (sentence-transformers config)"
                  if self.pooling else f"not served: {loaded.ckpt.pooling.why_not}")
         self.tp = loaded.tp
@@ -110,6 +112,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             speculative_tokens=0 if self.settings.speculative_method == "off" else self.settings.speculative_tokens,
             batch_invariant=self.settings.batch_invariant == "on",
             lora_adapters=self.lora_adapters,
+            max_loras=self.max_loras,
+            max_cpu_loras=self.max_cpu_loras,
         )
 
     async def heartbeats(self) -> None:

@@ -30,7 +30,7 @@ def model_facts(h: epb.HandshakeResponse) -> ModelFacts:
         weight_bytes=h.weight_bytes, quantization=h.quantization, pooling=h.pooling, hidden_size=h.hidden_size,
         embedding_only=h.embedding_only, speculative_method=h.speculative_method,
         speculative_tokens=h.speculative_tokens, batch_invariant=h.batch_invariant,
-        lora_adapters=tuple(h.lora_adapters),
+        lora_adapters=tuple(h.lora_adapters), max_loras=h.max_loras, max_cpu_loras=h.max_cpu_loras,
     )
 
 
@@ -81,6 +81,9 @@ def plan_to_proto(out: StepPlan) -> epb.StepPlan:
         epoch=out.executor_epoch,
         draft_handles=out.draft_handles,
         draft_counts=out.draft_counts,
+        lora_evict_slots=out.lora_evicts,
+        lora_load_slots=[s for s, _ in out.lora_loads],
+        lora_load_adapters=[a for _, a in out.lora_loads],
     )
     if out.swaps is not None:
         plan.swap_out_device_blocks.extend(out.swaps.out_device)
@@ -125,7 +128,8 @@ def outcome_from_proto(result: epb.StepResult) -> StepResult:
                                                              list(p.top_token_ids), list(p.top_logprobs))
                                         for p in result.prompt_logprobs],
                        embeddings=[(e.handle, list(e.values)) for e in result.embeddings],
-                       verified_drafts=dict(zip(result.verified_handles, result.verified_draft_counts)))
+                       verified_drafts=dict(zip(result.verified_handles, result.verified_draft_counts)),
+                       lora_load_ns=result.lora_load_ns, lora_disk_reads=result.lora_disk_reads)
 
 
 def sampled_from_proto(result: epb.StepResult) -> list[tuple[int, int, tuple | None]]:

@@ -142,7 +142,8 @@ class Engine(CoreListener):
         if self.scheduler is None:
             scheduler = self.core.attach(scheduler_config(self.settings, facts.num_kv_blocks, facts.block_size,
                                                           facts.max_model_len, facts.num_host_kv_blocks,
-                                                          facts.speculative_tokens, facts.batch_invariant))
+                                                          facts.speculative_tokens, facts.batch_invariant,
+                                                          facts.lora_adapters, facts.max_loras))
             self.telemetry.attach(scheduler)
             if previous is not None:
                 self.link.warn_swap_without_host()

@@ -395,6 +395,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             pooling=facts.pooling,
             embedding_only=facts.embedding_only,
             lora_adapters=list(facts.lora_adapters),
+            max_loras=(facts.max_loras or len(facts.lora_adapters)) if facts.lora_adapters else 0,
         )
 
 

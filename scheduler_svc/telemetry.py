@@ -64,6 +64,13 @@ KV_TOKENS_HELD = Counter("llmsched_kv_tokens_held", "Tokens with KV in running r
 KV_SLOTS_ALLOCATED = Counter("llmsched_kv_slots_allocated",
                              "Token slots in running requests' blocks, summed over steps (P6 = held / allocated)")
 FINISHED = Counter("llmsched_request_success", "Requests finished, by reason", ["finished_reason"])
+LORA_SLOTS_IN_USE = Gauge("llmsched_lora_slots_in_use", "LoRA device slots holding an adapter")
+LORA_WAITING = Gauge("llmsched_lora_requests_waiting_for_slot",
+                     "Waiting requests whose LoRA adapter is in no device slot")
+LORA_LOADS = Counter("llmsched_lora_loads", "LoRA adapters loaded into a device slot, by where the executor read "
+                     "them from (host: its host cache; disk)", ["source"])
+LORA_EVICTIONS = Counter("llmsched_lora_evictions", "LoRA adapters evicted from a device slot")
+LORA_LOAD_SECONDS = Counter("llmsched_lora_load_seconds", "Time the executor spent on LoRA evictions and loads")
 REJECTED = Counter("llmsched_request_rejected", "Requests refused at admission, by reason", ["reason"])
 
 FINISH_LABELS = {2: "stop", 3: "length", 4: "abort", 5: "error"}
@@ -76,6 +83,8 @@ for _cause in ("recompute", "swap", "reset"):
     RECOMPUTED_TOKENS.labels(_cause)
 for _tier in ("device", "host"):
     PREFIX_HITS.labels(_tier)
+for _source in ("host", "disk"):
+    LORA_LOADS.labels(_source)
 for _direction, _reason in (("out", "spill"), ("out", "preemption"), ("in", "prefix_hit"), ("in", "resume")):
     SWAPPED_BLOCKS.labels(_direction, _reason)
 
@@ -232,6 +241,18 @@ def record_swaps(swaps, num_failed: int) -> None:
     SWAPPED_BLOCKS.labels("in", "prefix_hit").inc(hits)
     SWAPPED_BLOCKS.labels("in", "resume").inc(len(swaps.in_for) - hits)
     SWAP_FAILURES.inc(num_failed)
+
+
+def record_lora(lora, waiting, out, outcome) -> None:
+    """The LoRA slots after a step's result (lora_slots.py), and that
+    step's evictions and loads."""
+    LORA_SLOTS_IN_USE.set(lora.num_in_use)
+    LORA_WAITING.set(lora.num_waiting_for_slot(waiting))
+    if out.lora_loads:
+        LORA_LOADS.labels("disk").inc(outcome.lora_disk_reads)
+        LORA_LOADS.labels("host").inc(len(out.lora_loads) - outcome.lora_disk_reads)
+        LORA_LOAD_SECONDS.inc(outcome.lora_load_ns / 1e9)
+    LORA_EVICTIONS.inc(len(out.lora_evicts))
 
 
 def record_load(load: Load, num_blocks: int) -> None:

@@ -6,10 +6,16 @@ as PEFT stores them and scale = lora_alpha / rank (lora_alpha / sqrt(rank)
 with use_rslora). The order of operations is PEFT's (shrink, expand, then
 scale), so fp32 runs match it.
 
-This first increment keeps every configured adapter resident on the device
-from start-up: adapter i is slot i, and a token's slot (-1: the base model)
-comes from its request (LoraBatch, set by the runner before each forward).
-There are no load or evict operations yet (issue 39).
+The scheduler owns the adapter slots (scheduler_svc/core/lora_slots.py):
+EXECUTOR_MAX_LORAS device slots, each holding one adapter or none, and
+each plan's evictions and loads (StepPlan.lora_*) applied before its
+forward. A load replaces every weight of its slot (a part the adapter does
+not target becomes None), so a slot never serves its previous adapter's
+weights. Every configured adapter is read and checked at start-up;
+EXECUTOR_MAX_CPU_LORAS of them stay in host memory (least recently loaded
+dropped first) and the others are read from disk again when loaded. A
+token's slot (-1: the base model) comes from its request (LoraBatch, set
+by the runner before each forward).
 
 Compute: the tokens of each adapter present in the batch are gathered and
 run through that adapter's A and B, so the loop is over adapters, never
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,7 +71,8 @@ BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
 
 @dataclass(slots=True)
 class LoraWeights:
-    """One adapter's A and B for one projection, on the device."""
+    """One adapter's A and B for one projection: whole on the host (Adapter),
+    this rank's share on the device (a slot of LoraLinear)."""
 
     a: torch.Tensor  # [rank, in]
     b: torch.Tensor  # [out, rank]
@@ -213,57 +221,56 @@ class LoraLinear:
         return y
 
 
-def attach_adapters(model: nn.Module, adapters: list[Adapter]) -> LoraBatch:
-    """Gives each targeted linear of `model` its LoraLinear; returns the
-    LoraBatch the runner sets per step. Adapter i is slot i.
+@dataclass(slots=True)
+class _Site:
+    """One base layer the adapters may target, and how a rank's share of an
+    adapter's A and B is cut for it."""
 
-    Under tensor parallelism each rank keeps the part of each delta its
-    base layer computes (layers.py): a ColumnLinear's rows of B (each
-    part's [start, start + rows), so replicated KV heads come out right),
-    and a RowLinear's columns of A. A row-split layer's delta,
-    (x_rank A_rank^T) B^T, is then this rank's share of the whole, summed
-    by the same all-reduce as the base output."""
+    linear: ColumnLinear | RowLinear
+    lora: LoraLinear
+    # PEFT module name per part ("model.layers.0.self_attn.q_proj", ...)
+    modules: list[str]
+    whole_in: int
+    whole_out: list[int]  # per part
+
+    def shard(self, part: int, w: LoraWeights, device: torch.device) -> LoraWeights:
+        """This rank's share (layers.py): a ColumnLinear's rows of B (each
+        part's [start, start + rows), so replicated KV heads come out
+        right), a RowLinear's columns of A. A row-split layer's delta,
+        (x_rank A_rank^T) B^T, is then this rank's share of the whole,
+        summed by the same all-reduce as the base output."""
+        linear = self.linear
+        if isinstance(linear, ColumnLinear):
+            p = linear.parts[part]
+            return LoraWeights(w.a.to(device), w.b[p.start:p.start + p.rows].to(device))
+        return LoraWeights(w.a[:, linear.start:linear.start + linear.cols].to(device), w.b.to(device))
+
+
+def attach_sites(model: nn.Module, num_slots: int) -> tuple[LoraBatch, list[_Site], dict[str, str]]:
+    """Gives each dense projection the adapters may target its LoraLinear,
+    with num_slots empty slots; returns the LoraBatch the runner sets per
+    step, the sites, and why each module that cannot take LoRA cannot
+    (by PEFT module name)."""
     batch = LoraBatch()
-    used: dict[str, set[str]] = {a.name: set() for a in adapters}
+    sites: list[_Site] = []
+    refused: dict[str, str] = {}
     for i, layer in enumerate(model.model.layers):
         for fused in sorted({t[0] for t in TARGETS.values()}):
-            linear = layer.get_submodule(fused) if _has(layer, fused) else None
             shorts = [s for s, (f, _) in TARGETS.items() if f == fused]
-            names = {s: f"model.layers.{i}.{fused.rpartition('.')[0]}.{s}" for s in shorts}
-            if not any(n in a.weights for a in adapters for n in names.values()):
-                continue
+            modules = [f"model.layers.{i}.{fused.rpartition('.')[0]}.{s}" for s in shorts]
+            linear = layer.get_submodule(fused) if _has(layer, fused) else None
             if not isinstance(linear, (ColumnLinear, RowLinear)):
-                raise StartupError(f"EXECUTOR_LORA_ADAPTERS: model.layers.{i}.{fused} is not a dense linear layer "
-                                   f"in {model.cfg.architecture}; {SUPPORTED} of dense decoder layers")
+                for m in modules:
+                    refused[m] = (f"model.layers.{i}.{fused} is not a dense linear layer in "
+                                  f"{model.cfg.architecture}; {SUPPORTED} of dense decoder layers")
+                continue
             column = isinstance(linear, ColumnLinear)
             part_rows = [p.rows for p in linear.parts] if column else [linear.out_features]
-            whole_in = linear.in_features if column else linear.whole_in
-            slots = []
-            for a in adapters:
-                row = []
-                for s in shorts:
-                    w = a.weights.get(names[s])
-                    if w is not None:
-                        used[a.name].add(names[s])
-                        part = linear.parts[TARGETS[s][1]] if column else None
-                        whole_out = part.whole if column else linear.out_features
-                        if tuple(w.b.shape[:1]) != (whole_out,) or w.a.shape[1] != whole_in:
-                            raise StartupError(f"EXECUTOR_LORA_ADAPTERS: adapter {a.name!r}: {names[s]}: A "
-                                               f"{tuple(w.a.shape)} and B {tuple(w.b.shape)} do not fit the base "
-                                               f"layer ({whole_in} in, {whole_out} out)")
-                        if column:  # this rank's output rows
-                            w = LoraWeights(w.a, w.b[part.start:part.start + part.rows].clone())
-                        else:  # this rank's input columns
-                            w = LoraWeights(w.a[:, linear.start:linear.start + linear.cols].clone(), w.b)
-                    row.append(w)
-                slots.append(row)
-            linear.lora = LoraLinear(batch, part_rows, slots, [a.scale for a in adapters])
-    for a in adapters:
-        unused = sorted(set(a.weights) - used[a.name])
-        if unused:
-            raise StartupError(f"EXECUTOR_LORA_ADAPTERS: adapter {a.name!r} has weights for modules the base model "
-                               f"does not have: {unused[:3]}")
-    return batch
+            lora = LoraLinear(batch, part_rows, [[None] * len(shorts) for _ in range(num_slots)], [1.0] * num_slots)
+            linear.lora = lora
+            sites.append(_Site(linear, lora, modules, linear.in_features if column else linear.whole_in,
+                               [p.whole for p in linear.parts] if column else [linear.out_features]))
+    return batch, sites, refused
 
 
 def _has(module: nn.Module, path: str) -> bool:
@@ -274,31 +281,114 @@ def _has(module: nn.Module, path: str) -> bool:
         return False
 
 
-@dataclass(slots=True)
 class LoraSet:
-    """The adapters served, by slot, and the per-step batch their layers read."""
+    """The adapters served: every configured one checked at start-up, the
+    device slots the scheduler fills, and a host cache of read adapters."""
 
-    names: list[str]
-    batch: LoraBatch
+    def __init__(self, pairs: list[tuple[str, str]], model: nn.Module, max_rank: int, num_slots: int,
+                 max_cpu: int, device: torch.device, dtype: torch.dtype):
+        self.names = [n for n, _ in pairs]
+        self.paths = dict(pairs)
+        self.max_rank, self.device, self.dtype = max_rank, device, dtype
+        self.max_cpu = max_cpu
+        self.batch, self.sites, self.refused = attach_sites(model, num_slots)
+        self._site_of = {m: (site, part) for site in self.sites for part, m in enumerate(site.modules)}
+        self.slots: list[str | None] = [None] * num_slots
+        # Adapters read, on the host, least recently loaded first.
+        self.host: OrderedDict[str, Adapter] = OrderedDict()
+        self.num_disk_reads = 0
+        for name in self.names:
+            self._keep(self._read(name))
+
+    def _read(self, name: str) -> Adapter:
+        adapter = read_adapter(name, self.paths[name], self.max_rank, torch.device("cpu"), self.dtype)
+        self._check_fits(adapter)
+        return adapter
+
+    def _keep(self, adapter: Adapter) -> None:
+        self.host[adapter.name] = adapter
+        self.host.move_to_end(adapter.name)
+        while len(self.host) > self.max_cpu:
+            self.host.popitem(last=False)
+
+    def _check_fits(self, a: Adapter) -> None:
+        for module, w in a.weights.items():
+            if module in self.refused:
+                raise StartupError(f"EXECUTOR_LORA_ADAPTERS: {self.refused[module]}")
+            if module not in self._site_of:
+                raise StartupError(f"EXECUTOR_LORA_ADAPTERS: adapter {a.name!r} has weights for modules the base "
+                                   f"model does not have: {sorted(set(a.weights) - set(self._site_of))[:3]}")
+            site, part = self._site_of[module]
+            if w.b.shape[0] != site.whole_out[part] or w.a.shape[1] != site.whole_in:
+                raise StartupError(f"EXECUTOR_LORA_ADAPTERS: adapter {a.name!r}: {module}: A {tuple(w.a.shape)} "
+                                   f"and B {tuple(w.b.shape)} do not fit the base layer ({site.whole_in} in, "
+                                   f"{site.whole_out[part]} out)")
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
 
     def slot_of(self, name: str) -> int | None:
-        """The adapter's slot, or None when no adapter has that name."""
+        """The slot holding the adapter, or None when none does."""
         try:
-            return self.names.index(name)
+            return self.slots.index(name)
         except ValueError:
             return None
 
+    def evict(self, slot: int) -> None:
+        """Empties the slot: every part of every layer's delta goes."""
+        self._check_slot(slot)
+        for site in self.sites:
+            site.lora.slots[slot] = [None] * len(site.modules)
+        self.slots[slot] = None
+
+    def load(self, slot: int, name: str) -> bool:
+        """Puts the adapter in the slot, replacing all it held; returns
+        whether it was read from disk (not in the host cache)."""
+        self._check_slot(slot)
+        if name not in self.paths:
+            raise ValueError(f"LoRA load: adapter {name!r} is not served here")
+        adapter = self.host.get(name)
+        from_disk = adapter is None
+        if from_disk:
+            adapter = self._read(name)
+            self.num_disk_reads += 1
+        self._keep(adapter)
+        for site in self.sites:
+            row = []
+            for part, module in enumerate(site.modules):
+                w = adapter.weights.get(module)
+                row.append(None if w is None else site.shard(part, w, self.device))
+            site.lora.slots[slot] = row
+            site.lora.scales[slot] = adapter.scale
+        # An adapter sits in one slot: a stale copy elsewhere (the scheduler
+        # took the slots as empty after a reset) is dropped from the lookup.
+        for s, held in enumerate(self.slots):
+            if held == name:
+                self.slots[s] = None
+        self.slots[slot] = name
+        return from_disk
+
+    def evict_all(self) -> None:
+        for slot in range(self.num_slots):
+            self.evict(slot)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"LoRA slot {slot} is out of range (EXECUTOR_MAX_LORAS={self.num_slots})")
+
 
 def load_adapters(setting: str, model: nn.Module, max_rank: int, max_loras: int, device: torch.device,
-                  dtype: torch.dtype) -> LoraSet | None:
-    """EXECUTOR_LORA_ADAPTERS, all read onto the device and attached to
-    `model`; None when the setting is empty (the model stays untouched)."""
+                  dtype: torch.dtype, max_cpu_loras: int = 0) -> LoraSet | None:
+    """EXECUTOR_LORA_ADAPTERS, each read and checked against `model`, with
+    max_loras empty device slots attached to it; None when the setting is
+    empty (the model stays untouched). max_cpu_loras: adapters kept in host
+    memory (0: as many as max_loras)."""
     pairs = parse_adapters(setting)
     if not pairs:
         return None
-    if len(pairs) > max_loras:
-        raise StartupError(f"EXECUTOR_LORA_ADAPTERS names {len(pairs)} adapters, but EXECUTOR_MAX_LORAS={max_loras}: "
-                           "every adapter is resident on the device for now (no slot eviction yet)")
-    adapters = [read_adapter(name, path, max_rank, device, dtype) for name, path in pairs]
-    batch = attach_adapters(model, adapters)
-    return LoraSet([a.name for a in adapters], batch)
+    if max_cpu_loras and max_cpu_loras < max_loras:
+        raise StartupError(f"EXECUTOR_MAX_CPU_LORAS={max_cpu_loras} is below EXECUTOR_MAX_LORAS={max_loras}: an "
+                           "adapter loaded into a device slot is read through the host cache; supported: "
+                           "EXECUTOR_MAX_CPU_LORAS >= EXECUTOR_MAX_LORAS, or 0 (= EXECUTOR_MAX_LORAS)")
+    return LoraSet(pairs, model, max_rank, max_loras, max_cpu_loras or max_loras, device, dtype)

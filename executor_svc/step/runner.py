@@ -75,6 +75,11 @@ class StepPlan:
     # Requests that speculate, and their draft counts (StepPlan.draft_*).
     draft_handles: list[int] = field(default_factory=list)
     draft_counts: list[int] = field(default_factory=list)
+    # LoRA slots to empty, then (slot, adapter) pairs to load, before the
+    # forward (StepPlan.lora_*).
+    lora_evict_slots: list[int] = field(default_factory=list)
+    lora_load_slots: list[int] = field(default_factory=list)
+    lora_load_adapters: list[str] = field(default_factory=list)
     # What the step stream needs beside the step itself (step_loop.py): the
     # scheduler's epoch, whether an idle wait came before (telemetry), the
     # trace to join, and the message as received, for the other
@@ -141,6 +146,10 @@ class StepResult:
     embeddings: list[tuple[int, list[float]]] = field(default_factory=list)
     # (handle, drafts verified) of each request the plan let speculate.
     verified_drafts: list[tuple[int, int]] = field(default_factory=list)
+    # Time the plan's LoRA evictions and loads took, and how many of its
+    # loads read the adapter from disk (not in the host cache).
+    lora_load_ns: int = 0
+    lora_disk_reads: int = 0
 
     @classmethod
     def failed(cls, step_id: int, error: str) -> "StepResult":
@@ -200,8 +209,11 @@ class ModelRunner:
             retain_freed_memory()
 
     def reset(self) -> None:
-        """Forgets every request, e.g. when a new scheduler connects."""
+        """Forgets every request, e.g. when a new scheduler connects (whose
+        LoRA slots start empty)."""
         self.rows.reset()
+        if self.lora is not None:
+            self.lora.evict_all()
         if self.constraints is not None:
             self.constraints.reset()
 
@@ -262,7 +274,8 @@ class ModelRunner:
             return -1
         slot = None if self.lora is None else self.lora.slot_of(new.adapter)
         if slot is None:
-            raise PlanError(f"handle {new.handle}: adapter {new.adapter!r} is not served here")
+            raise PlanError(f"handle {new.handle}: adapter {new.adapter!r} is in no LoRA slot here (not served, or "
+                            "not loaded by this plan or an earlier one)")
         return slot
 
     def _propose(self, rows: np.ndarray, drafts: np.ndarray, allowed: np.ndarray) -> None:
@@ -336,15 +349,34 @@ class ModelRunner:
         return self.host_kv.swap(self.pool.storage, step.swap_out_device_blocks, step.swap_out_host_blocks,
                                  step.swap_in_host_blocks, step.swap_in_device_blocks)
 
+    def _apply_lora_ops(self, step: StepPlan) -> tuple[int, int]:
+        """The plan's LoRA evictions, then loads (model/lora.py); returns
+        their time and how many loads read from disk."""
+        if not step.lora_evict_slots and not step.lora_load_slots:
+            return 0, 0
+        if self.lora is None:
+            raise PlanError("plan loads LoRA adapters, but this executor serves none")
+        t0 = time.perf_counter_ns()
+        try:
+            for slot in step.lora_evict_slots:
+                self.lora.evict(slot)
+            disk = sum(self.lora.load(slot, name) for slot, name in zip(step.lora_load_slots, step.lora_load_adapters,
+                                                                        strict=True))
+        except ValueError as exc:
+            raise PlanError(str(exc)) from exc
+        return time.perf_counter_ns() - t0, disk
+
     @torch.inference_mode()
     def execute(self, step: StepPlan) -> StepResult:
         swaps = self._swap(step)  # timed on its own (SwapResult.swap_ns)
+        lora_ns, lora_disk = self._apply_lora_ops(step)
         t0 = time.perf_counter_ns()
         rows, q, drafts = self._apply_diffs(step)  # [n] each
         if not len(rows):
             if swaps is not None:
                 self.host_kv.finish(swaps)
-            return StepResult(step.step_id, [], [], None, time.perf_counter_ns() - t0, 0, 0, swaps=swaps)
+            return StepResult(step.step_id, [], [], None, time.perf_counter_ns() - t0, 0, 0, swaps=swaps,
+                              lora_load_ns=lora_ns, lora_disk_reads=lora_disk)
         # The batch runs in row order: when its rows are contiguous, as in a
         # steady decode, the block table is a view of the persistent one.
         order = np.argsort(rows, kind="stable")
@@ -469,7 +501,8 @@ class ModelRunner:
         t3 = time.perf_counter_ns()
         return StepResult(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2,
                           errors + verify_errors, swaps, prompt_logprobs=prompt_logprobs, embeddings=embeddings,
-                          verified_drafts=list(zip(r.handle[rows[allowed]].tolist(), drafts[allowed].tolist())))
+                          verified_drafts=list(zip(r.handle[rows[allowed]].tolist(), drafts[allowed].tolist())),
+                          lora_load_ns=lora_ns, lora_disk_reads=lora_disk)
 
     def _verify(self, hidden: torch.Tensor, rows: np.ndarray, first: np.ndarray, drafts: np.ndarray,
                 masks: MaskJob | None) -> tuple[list[Verified], list[tuple[int, str]]]:

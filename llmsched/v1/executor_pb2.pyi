@@ -11,7 +11,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("model", "tokenizer_json", "block_size", "num_kv_blocks", "max_model_len", "instance_id", "vocab_size", "eos_token_ids", "max_logprobs", "device", "chat_template", "bos_token", "eos_token", "architecture", "rope_type", "tensor_parallel_size", "supports_constraints", "kv_bytes_per_token", "num_host_kv_blocks", "weight_bytes", "quantization", "pooling", "hidden_size", "embedding_only", "speculative_method", "speculative_tokens", "batch_invariant", "lora_adapters")
+    __slots__ = ("model", "tokenizer_json", "block_size", "num_kv_blocks", "max_model_len", "instance_id", "vocab_size", "eos_token_ids", "max_logprobs", "device", "chat_template", "bos_token", "eos_token", "architecture", "rope_type", "tensor_parallel_size", "supports_constraints", "kv_bytes_per_token", "num_host_kv_blocks", "weight_bytes", "quantization", "pooling", "hidden_size", "embedding_only", "speculative_method", "speculative_tokens", "batch_invariant", "lora_adapters", "max_loras", "max_cpu_loras")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class HandshakeResponse(_message.Message):
     SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer_json: str
     block_size: int
@@ -68,7 +70,9 @@ class HandshakeResponse(_message.Message):
     speculative_tokens: int
     batch_invariant: bool
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., supports_constraints: _Optional[bool] = ..., kv_bytes_per_token: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., pooling: _Optional[str] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_loras: int
+    max_cpu_loras: int
+    def __init__(self, model: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., supports_constraints: _Optional[bool] = ..., kv_bytes_per_token: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., pooling: _Optional[str] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ...) -> None: ...
 
 class StepSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "min_tokens_held_ids", "logit_bias_ids", "logit_bias_values", "prompt_logprobs")
@@ -137,7 +141,7 @@ class Constraint(_message.Message):
     def __init__(self, grammar: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_handles", "cached_num_scheduled_tokens", "new_block_handles", "new_block_ids", "finished_handles", "traceparent", "epoch", "after_idle", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks", "draft_handles", "draft_counts")
+    __slots__ = ("step_id", "new_requests", "cached_handles", "cached_num_scheduled_tokens", "new_block_handles", "new_block_ids", "finished_handles", "traceparent", "epoch", "after_idle", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks", "draft_handles", "draft_counts", "lora_evict_slots", "lora_load_slots", "lora_load_adapters")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_HANDLES_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +158,9 @@ class StepPlan(_message.Message):
     SWAP_IN_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HANDLES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_EVICT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOAD_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_handles: _containers.RepeatedScalarFieldContainer[int]
@@ -170,7 +177,10 @@ class StepPlan(_message.Message):
     swap_in_device_blocks: _containers.RepeatedScalarFieldContainer[int]
     draft_handles: _containers.RepeatedScalarFieldContainer[int]
     draft_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_handles: _Optional[_Iterable[int]] = ..., cached_num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_handles: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_handles: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ..., epoch: _Optional[int] = ..., after_idle: _Optional[bool] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., draft_handles: _Optional[_Iterable[int]] = ..., draft_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_evict_slots: _containers.RepeatedScalarFieldContainer[int]
+    lora_load_slots: _containers.RepeatedScalarFieldContainer[int]
+    lora_load_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_handles: _Optional[_Iterable[int]] = ..., cached_num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_handles: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_handles: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ..., epoch: _Optional[int] = ..., after_idle: _Optional[bool] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., draft_handles: _Optional[_Iterable[int]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., lora_evict_slots: _Optional[_Iterable[int]] = ..., lora_load_slots: _Optional[_Iterable[int]] = ..., lora_load_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SampledLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -207,7 +217,7 @@ class Embedding(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_handles", "sampled_token_ids", "logprobs", "prepare_ns", "forward_ns", "sample_ns", "error", "discarded", "request_errors", "swap_ns", "failed_swap_outs", "failed_swap_ins", "prompt_logprobs", "embeddings", "verified_handles", "verified_draft_counts")
+    __slots__ = ("step_id", "sampled_handles", "sampled_token_ids", "logprobs", "prepare_ns", "forward_ns", "sample_ns", "error", "discarded", "request_errors", "swap_ns", "failed_swap_outs", "failed_swap_ins", "prompt_logprobs", "embeddings", "verified_handles", "verified_draft_counts", "lora_load_ns", "lora_disk_reads")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_HANDLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +235,8 @@ class StepResult(_message.Message):
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_HANDLES_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOAD_NS_FIELD_NUMBER: _ClassVar[int]
+    LORA_DISK_READS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_handles: _containers.RepeatedScalarFieldContainer[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -242,7 +254,9 @@ class StepResult(_message.Message):
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
     verified_handles: _containers.RepeatedScalarFieldContainer[int]
     verified_draft_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., error: _Optional[str] = ..., discarded: _Optional[bool] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., swap_ns: _Optional[int] = ..., failed_swap_outs: _Optional[_Iterable[int]] = ..., failed_swap_ins: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., verified_handles: _Optional[_Iterable[int]] = ..., verified_draft_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_load_ns: int
+    lora_disk_reads: int
+    def __init__(self, step_id: _Optional[int] = ..., sampled_handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., error: _Optional[str] = ..., discarded: _Optional[bool] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., swap_ns: _Optional[int] = ..., failed_swap_outs: _Optional[_Iterable[int]] = ..., failed_swap_ins: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., verified_handles: _Optional[_Iterable[int]] = ..., verified_draft_counts: _Optional[_Iterable[int]] = ..., lora_load_ns: _Optional[int] = ..., lora_disk_reads: _Optional[int] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("handle", "message")

@@ -224,7 +224,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "block_size", "num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting", "executor_instance_id", "num_preemptions", "architecture", "rope_type", "chat_template", "bos_token", "eos_token", "tensor_parallel_size", "num_host_kv_blocks", "num_free_host_kv_blocks", "weight_bytes", "quantization", "pooling", "embedding_only", "lora_adapters")
+    __slots__ = ("model", "max_model_len", "block_size", "num_kv_blocks", "num_free_kv_blocks", "num_running", "num_waiting", "executor_instance_id", "num_preemptions", "architecture", "rope_type", "chat_template", "bos_token", "eos_token", "tensor_parallel_size", "num_host_kv_blocks", "num_free_host_kv_blocks", "weight_bytes", "quantization", "pooling", "embedding_only", "lora_adapters", "max_loras")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class ServerInfo(_message.Message):
     POOLING_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_ONLY_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     block_size: int
@@ -269,4 +270,5 @@ class ServerInfo(_message.Message):
     pooling: str
     embedding_only: bool
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., executor_instance_id: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., pooling: _Optional[str] = ..., embedding_only: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    max_loras: int
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., executor_instance_id: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., num_free_host_kv_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., pooling: _Optional[str] = ..., embedding_only: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ...) -> None: ...

@@ -418,7 +418,8 @@ def core_limits(settings: SchedulerSettings) -> CoreLimits:
 
 def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size: int,
                      max_model_len: int, num_host_blocks: int = 0, speculative_tokens: int = 0,
-                     batch_invariant: bool = False) -> SchedulerConfig:
+                     batch_invariant: bool = False, lora_adapters: tuple[str, ...] = (),
+                     max_loras: int = 0) -> SchedulerConfig:
     """The scheduler's configuration: the executor's KV geometry (from its
     handshake: device pool, host tier) and the SCHEDULER_* settings."""
     return SchedulerConfig(
@@ -435,6 +436,8 @@ def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size
         speculative_tokens=speculative_tokens,
         speculative_max_batch=settings.speculative_max_batch,
         batch_invariant=batch_invariant,
+        lora_adapters=tuple(lora_adapters),
+        max_loras=max_loras,
         prompt_token_weight=settings.prompt_token_weight,
         output_token_weight=settings.output_token_weight,
         tenant_weights=tuple(parse_weights(settings.tenant_weights).items()),

@@ -45,6 +45,10 @@ class ModelFacts:
     batch_invariant: bool = False
     # LoRA adapters the executor serves, by name (GenerateRequest.adapter).
     lora_adapters: tuple[str, ...] = ()
+    # Device slots for them (lora_slots.py; 0: an executor older than the
+    # field, which holds every adapter at once).
+    max_loras: int = 0
+    max_cpu_loras: int = 0
 
     @property
     def geometry(self) -> tuple:
@@ -52,4 +56,4 @@ class ModelFacts:
         size: it comes back empty after a restart anyway. The LoRA adapters
         are: a live request's adapter must still be served."""
         return (self.model, self.block_size, self.num_kv_blocks, self.max_model_len, self.vocab_size,
-                self.speculative_tokens, self.batch_invariant, self.lora_adapters)
+                self.speculative_tokens, self.batch_invariant, self.lora_adapters, self.max_loras)

@@ -174,3 +174,7 @@ class StepResult:
     # Drafts each speculating request verified, by handle (the plan allowed
     # up to ScheduledRequest.num_drafts).
     verified_drafts: dict[int, int] = field(default_factory=dict)
+    # Time the plan's LoRA evictions and loads took on the executor, and
+    # how many loads read their adapter from disk.
+    lora_load_ns: int = 0
+    lora_disk_reads: int = 0

@@ -1,6 +1,7 @@
 """Multi-LoRA through the services: executor (EXECUTOR_LORA_ADAPTERS),
 scheduler and gateway, one stack for the module, on the tiny random Llama
-of tests/lora.py with three PEFT adapters (ranks 8, 16, 64)."""
+of tests/lora.py with four PEFT adapters (ranks 8, 16, 64) and two device
+slots (EXECUTOR_MAX_LORAS=2), so the scheduler loads and evicts them."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -8,12 +9,12 @@ import grpc
 import openai
 import pytest
 
-from tests.integration.conftest import start_gateway_stack
+from tests.integration.conftest import scheduler_metric, start_gateway_stack
 from tests.lora import hf_peft_greedy, make_base_and_adapters
 
 pytestmark = pytest.mark.slow
 
-NAMES = ["a8", "b16", "c64"]
+NAMES = ["a8", "b16", "c64", "d8"]
 PROMPT = [1, 300, 301, 302, 303, 304, 305, 306, 307]
 MAX_NEW = 8
 
@@ -23,7 +24,7 @@ def lora_stack(tmp_path_factory):
     base, adapters = make_base_and_adapters(tmp_path_factory.mktemp("lora"), NAMES)
     stack = start_gateway_stack(base, executor_env={
         "EXECUTOR_LORA_ADAPTERS": ",".join(f"{n}={p}" for n, p in adapters.items()),
-        "EXECUTOR_BLOCK_SIZE": "4", "EXECUTOR_DTYPE": "float32"})
+        "EXECUTOR_MAX_LORAS": "2", "EXECUTOR_BLOCK_SIZE": "4", "EXECUTOR_DTYPE": "float32"})
     yield stack, base, adapters
     stack.stop()
 
@@ -41,7 +42,9 @@ def test_adapters_mixed_in_one_batch_match_hf_peft_and_never_share_cache(lora_st
         return stack.grpc.generate(prompt_token_ids=PROMPT, adapter=model if model in adapters else "",
                                    sampling={"max_tokens": MAX_NEW, "temperature": 0})
 
-    # The base and every adapter at once, each through gRPC and the gateway.
+    assert stack.grpc.info().max_loras == 2
+    # The base and every adapter at once, each through gRPC and the gateway:
+    # four adapters take turns in two slots.
     with ThreadPoolExecutor(2 * len(models)) as pool:
         grpc_runs = [pool.submit(generate, m) for m in models]
         openai_runs = [pool.submit(complete, m) for m in models]
@@ -58,6 +61,9 @@ def test_adapters_mixed_in_one_batch_match_hf_peft_and_never_share_cache(lora_st
     assert complete("b16", long_prompt, 1).usage.prompt_tokens_details.cached_tokens == 0
     assert complete("a8", long_prompt, 1).usage.prompt_tokens_details.cached_tokens > 0
     stack.grpc.assert_no_leaked_blocks()
+    assert scheduler_metric(stack.services, "llmsched_lora_loads_total") >= 4
+    assert scheduler_metric(stack.services, "llmsched_lora_evictions_total") >= 2
+    assert scheduler_metric(stack.services, "llmsched_lora_slots_in_use") == 2
 
 
 def test_an_unknown_adapter_is_refused_by_name(lora_stack):

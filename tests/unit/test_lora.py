@@ -25,18 +25,24 @@ def made(tmp_path_factory):
     return make_base_and_adapters(tmp_path_factory.mktemp("lora"), list(ADAPTERS))
 
 
-def _runner(base: str, setting: str, max_rank: int = 64, max_loras: int = 8) -> ModelRunner:
+def _runner(base: str, setting: str, max_rank: int = 64, max_loras: int = 8, max_cpu_loras: int = 0) -> ModelRunner:
     ckpt = load_checkpoint(base)
     cfg = read_config(ckpt.hf_config)
     model = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, torch.device("cpu"), torch.float32)
-    lora = load_adapters(setting, model, max_rank, max_loras, torch.device("cpu"), torch.float32)
+    lora = load_adapters(setting, model, max_rank, max_loras, torch.device("cpu"), torch.float32, max_cpu_loras)
     pool = KVCachePool(cfg, 64, BLOCK, torch.device("cpu"), torch.float32)
     return ModelRunner(model, pool, make_backend("torch"), torch.device("cpu"), lora=lora)
 
 
-def _generate(runner: ModelRunner, adapters: list[str], chunk: int = 4) -> list[list[int]]:
+def _generate(runner: ModelRunner, adapters: list[str], chunk: int = 4,
+              loads: list[tuple[int, str]] | None = None, evicts: list[int] = (),
+              finished: list[int] = ()) -> list[list[int]]:
     """All requests (the same prompt, one per adapter; "" = base) in one
-    batch: chunked prefill, then decode."""
+    batch: chunked prefill, then decode. The first plan forgets handles
+    `finished`, evicts `evicts` and loads `loads` ((slot, adapter); by
+    default each adapter into a slot of its own, in order)."""
+    if loads is None:
+        loads = list(enumerate(a for a in adapters if a))
     nb = -(-(len(PROMPT) + MAX_NEW) // BLOCK)
     computed = [0] * len(adapters)
     total = [len(PROMPT)] * len(adapters)
@@ -44,6 +50,10 @@ def _generate(runner: ModelRunner, adapters: list[str], chunk: int = 4) -> list[
     step = 0
     while any(len(o) < MAX_NEW for o in outputs):
         plan = StepPlan(step_id=step)
+        if step == 0:
+            plan.finished_handles = list(finished)
+            plan.lora_evict_slots = list(evicts)
+            plan.lora_load_slots, plan.lora_load_adapters = [s for s, _ in loads], [a for _, a in loads]
         for h, name in enumerate(adapters):
             n = min(chunk, total[h] - computed[h])
             if step == 0:
@@ -81,8 +91,8 @@ def test_refusals_by_name(made, tmp_path):
     base, adapters = made
     with pytest.raises(StartupError, match="rank 64 exceeds EXECUTOR_MAX_LORA_RANK=16"):
         _runner(base, f"c64={adapters['c64']}", max_rank=16)
-    with pytest.raises(StartupError, match="EXECUTOR_MAX_LORAS=1"):
-        _runner(base, f"a8={adapters['a8']},b16={adapters['b16']}", max_loras=1)
+    with pytest.raises(StartupError, match="EXECUTOR_MAX_CPU_LORAS=1 is below EXECUTOR_MAX_LORAS=2"):
+        _runner(base, f"a8={adapters['a8']},b16={adapters['b16']}", max_loras=2, max_cpu_loras=1)
     import shutil
 
     for key, value, why in [("modules_to_save", ["lm_head"], "modules_to_save"), ("use_dora", True, "DoRA"),
@@ -117,6 +127,50 @@ def test_unknown_adapter_in_a_plan_is_rejected(made):
     runner = _runner(base, f"a8={adapters['a8']}")
     with pytest.raises(PlanError, match="'nope'"):
         runner.execute(StepPlan(0, [NewRequestData(0, PROMPT, [0, 1, 2], 0, 3, GREEDY, 0, adapter="nope")]))
+    # Served, but in no slot: the plan must load it first.
+    with pytest.raises(PlanError, match="'a8' is in no LoRA slot"):
+        runner.execute(StepPlan(0, [NewRequestData(0, PROMPT, [0, 1, 2], 0, 3, GREEDY, 0, adapter="a8")]))
+    with pytest.raises(PlanError, match="'nope' is not served"):
+        runner.execute(StepPlan(0, lora_load_slots=[0], lora_load_adapters=["nope"]))
+    with pytest.raises(PlanError, match="LoRA slot 8 is out of range"):
+        runner.execute(StepPlan(0, lora_load_slots=[8], lora_load_adapters=["a8"]))
+
+
+def _only_q_proj(source: str, directory) -> str:
+    """A copy of a PEFT adapter that targets q_proj alone."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory)
+    cfg = json.loads((directory / "adapter_config.json").read_text())
+    (directory / "adapter_config.json").write_text(json.dumps(cfg | {"target_modules": ["q_proj"]}))
+    tensors = load_file(str(directory / "adapter_model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if ".q_proj." in k}, str(directory / "adapter_model.safetensors"))
+    return str(directory)
+
+
+def test_a_slot_reused_by_another_adapter_serves_only_the_new_one(made, tmp_path):
+    """One device slot, one adapter in host memory: c64 (all seven
+    projections) runs in slot 0, is evicted, and an adapter on q_proj
+    alone is loaded there (read from disk): its output is HF + PEFT's for
+    it, so nothing of c64 stayed. Then c64 comes back from disk into the
+    same slot and matches again. The first switch loads over the slot
+    without an eviction, the second evicts first: either way the slot
+    holds the new adapter alone."""
+    base, adapters = made
+    q_only = _only_q_proj(adapters["a8"], tmp_path / "q_only")
+    runner = _runner(base, f"c64={adapters['c64']},q={q_only}", max_loras=1, max_cpu_loras=1)
+    lora = runner.lora
+    assert list(lora.host) == ["q"], "the host cache keeps the most recently read adapter"
+    (c64,) = _generate(runner, ["c64"], loads=[(0, "c64")])
+    assert c64 == hf_peft_greedy(base, adapters["c64"], PROMPT, MAX_NEW)
+    (q,) = _generate(runner, ["q"], loads=[(0, "q")], finished=[0])
+    assert q == hf_peft_greedy(base, q_only, PROMPT, MAX_NEW)
+    assert q != hf_peft_greedy(base, adapters["a8"], PROMPT, MAX_NEW), "q_proj alone changes the continuation"
+    (again,) = _generate(runner, ["c64"], loads=[(0, "c64")], evicts=[0], finished=[0])
+    assert again == c64
+    assert lora.num_disk_reads == 3 and list(lora.host) == ["c64"]  # c64, q, c64: each missed the cache
 
 
 def test_mixed_adapters_under_tensor_parallelism_match_hf_peft(made):

@@ -38,6 +38,9 @@ def generate(runner, prompts, max_new, chunk, settings=None, drafts=0, stats=Non
     step = 0
     while any(len(o) < max_new for o in outputs.values()):
         inp = StepPlan(step_id=step)
+        if step == 0 and adapters:  # each adapter into a slot of its own, as the scheduler's plan would
+            inp.lora_load_adapters = sorted(set(adapters) - {""})
+            inp.lora_load_slots = list(range(len(inp.lora_load_adapters)))
         for h, p in enumerate(prompts):
             st = state[h]
             if len(outputs[h]) >= max_new:

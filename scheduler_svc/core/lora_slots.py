@@ -21,12 +21,14 @@ Admission (Scheduler._next_to_admit): waiting requests are taken in policy
 order; one whose adapter has no slot, when none can be freed, is skipped,
 so the loaded adapters keep batching, and its adapter waits. Each waiting
 adapter drains one loaded adapter (the one with the fewest running
-requests, least recently used on ties), at most one per slot: no request
-is admitted to a draining adapter, so its slot frees as its running
-requests end, and the first waiting adapter in policy order takes it. An
-adapter therefore waits at most for one drain (its running requests'
-remaining lengths) per waiting adapter ahead of it in policy order: none
-starves, and priority and fair share decide who is ahead.
+requests, least recently used on ties), at most one per slot: a draining
+adapter admits only the requests that arrived before its drain began (so
+an adapter that just got a slot still takes every request that waited for
+it, in one batch), and its slot frees once they end; the first waiting
+adapter in policy order takes it. An adapter therefore waits at most for
+one drain (a finite set of requests) per waiting adapter ahead of it in
+policy order: none starves, and priority and fair share decide who is
+ahead.
 """
 
 from __future__ import annotations
@@ -51,9 +53,10 @@ class LoraSlots:
         self.applied_step = -1
         # Running requests per adapter, as of this step's admissions.
         self.users: Counter[str] = Counter()
-        # Loaded adapters that admit no new request, so their slots free
-        # up for adapters waiting for one; in the order they were chosen.
-        self.draining: list[str] = []
+        # Loaded adapters that admit no request that arrived after their
+        # drain began (Request.arrival_seq >= the value), so their slots
+        # free up for adapters waiting for one; in the order chosen.
+        self.draining: dict[str, int] = {}
         # Adapters skipped this step for want of a slot (policy order).
         self.blocked: list[str] = []
         # The plan being built: slots evicted, then (slot, adapter) loaded.
@@ -71,12 +74,15 @@ class LoraSlots:
     def is_loaded(self, adapter: str) -> bool:
         return not adapter or adapter in self.slot_of
 
-    def can_admit(self, adapter: str) -> bool:
-        """Whether a request with this adapter may run this step: the base
-        model, an adapter in a slot that is not draining, or one a free or
+    def can_admit(self, adapter: str, arrival_seq: int) -> bool:
+        """Whether a request with this adapter (that arrived arrival_seq-th)
+        may run this step: the base model, an adapter in a slot that is not
+        draining or whose drain began after it arrived, or one a free or
         evictable slot can take."""
-        if not adapter or adapter in self.slot_of:
-            return adapter not in self.draining
+        if not adapter:
+            return True
+        if adapter in self.slot_of:
+            return arrival_seq < self.draining.get(adapter, arrival_seq + 1)
         return self._slot_for_load() is not None
 
     def admit(self, adapter: str) -> None:
@@ -91,8 +97,7 @@ class LoraSlots:
             old = self.names[slot]
             if old is not None:
                 del self.slot_of[old]
-                if old in self.draining:
-                    self.draining.remove(old)
+                self.draining.pop(old, None)
                 self.evicts.append(slot)
                 self.num_evictions += 1
             self.names[slot] = adapter
@@ -103,10 +108,11 @@ class LoraSlots:
                 self.blocked.remove(adapter)
         self.users[adapter] += 1
 
-    def block(self, adapter: str) -> None:
+    def block(self, adapter: str, next_arrival: int) -> None:
         """A waiting request with this adapter cannot run this step for
         want of a slot: its adapter waits, and drains a slot when fewer
-        slots drain than adapters wait."""
+        slots drain than adapters wait. next_arrival: the arrival_seq the
+        next request to arrive will get (where a drain begins)."""
         if adapter in self.blocked:
             return
         self.blocked.append(adapter)
@@ -114,14 +120,16 @@ class LoraSlots:
             return
         candidates = [a for a in self.slot_of if a not in self.draining]
         if candidates:
-            self.draining.append(min(candidates, key=lambda a: (self.users[a], self.last_step[self.slot_of[a]])))
+            drained = min(candidates, key=lambda a: (self.users[a], self.last_step[self.slot_of[a]]))
+            self.draining[drained] = next_arrival
 
     def end_pass(self) -> None:
         """Every waiting request was looked at this step: drains beyond the
         adapters that still wait are lifted (their waiters ended, or got a
         slot another way)."""
         waiting = sum(a not in self.slot_of for a in self.blocked)
-        del self.draining[waiting:]
+        for lifted in list(self.draining)[waiting:]:
+            del self.draining[lifted]
 
     def end_plan(self, step_id: int, adapters: Iterable[str]) -> tuple[list[int], list[tuple[int, str]]]:
         """The plan's evictions and loads; `adapters`: those its requests

@@ -240,9 +240,9 @@ class Scheduler:
             if req is None:
                 self.lora.end_pass()
                 return None
-            if self.lora.can_admit(req.adapter):
+            if self.lora.can_admit(req.adapter, req.arrival_seq):
                 return req
-            self.lora.block(req.adapter)
+            self.lora.block(req.adapter, self._next_arrival)
 
     def _admit(self, out: StepPlan, budget: int, req: Request | None = None) -> int | None:
         """Moves req (the head of the queue by default) to running, starting
@@ -250,7 +250,7 @@ class Scheduler:
         None when the pool or the LoRA slots cannot hold it (nothing
         changes then)."""
         req = req or self.waiting.peek()
-        if self.lora is not None and not self.lora.can_admit(req.adapter):
+        if self.lora is not None and not self.lora.can_admit(req.adapter, req.arrival_seq):
             return None
         if not self.kv.can_resume(req):
             return None  # swapped out by a plan whose result is still to come

@@ -67,18 +67,21 @@ def test_adapters_load_into_free_slots_and_waiting_adapters_skip_to_loaded_ones(
     (out,) = run(sched, mirror)
     # c has no slot and none frees this step: it waits, and drains a slot
     # (a's: as few running requests as b's, loaded first). Later requests
-    # on b and the base model go past it; a admits nobody new.
+    # on a, b and the base model go past it: a's drain admits the requests
+    # that arrived before it began, none after.
     assert out.lora_loads == [(0, "a"), (1, "b")] and not out.lora_evicts
-    assert sched.lora.blocked == ["c", "a"] and sched.lora.draining == ["a"]
+    assert sched.lora.blocked == ["c"] and list(sched.lora.draining) == ["a"]
     assert {e.request.request_id for e in out.entries.values()} == {
-        reqs["a"].request_id, reqs["b"].request_id, later["b"].request_id, base.request_id}
+        reqs["a"].request_id, reqs["b"].request_id, later["a"].request_id, later["b"].request_id, base.request_id}
+    too_late = make_request(max_tokens=2, adapter="a")
+    sched.add_request(too_late)
     assert sched.lora.num_waiting_for_slot(sched.waiting) == 1
-    # Once a's request ends (its result applied), c takes a's slot (and
-    # a, waiting again, the idle b's).
+    # Once a's requests end (their results applied), c takes a's slot, and
+    # the request on a that came too late, waiting again, the idle b's.
     plans = run(sched, mirror, 12)
     loads = [(p.lora_evicts, p.lora_loads) for p in plans if p.lora_loads]
     assert loads[0] == ([0, 1], [(0, "c"), (1, "a")])
-    assert all(r.status.is_finished for r in [*reqs.values(), *later.values(), base])
+    assert all(r.status.is_finished for r in [*reqs.values(), *later.values(), base, too_late])
 
 
 def test_a_waiting_adapter_drains_a_slot_and_gets_it_despite_a_stream_of_loaded_requests():

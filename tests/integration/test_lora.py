@@ -3,11 +3,14 @@ scheduler and gateway, one stack for the module, on the tiny random Llama
 of tests/lora.py with four PEFT adapters (ranks 8, 16, 64) and two device
 slots (EXECUTOR_MAX_LORAS=2), so the scheduler loads and evicts them."""
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import openai
 import pytest
+
+from llmsched.v1 import scheduler_pb2 as spb
 
 from tests.integration.conftest import scheduler_metric, start_gateway_stack
 from tests.lora import hf_peft_greedy, make_base_and_adapters
@@ -74,3 +77,55 @@ def test_an_unknown_adapter_is_refused_by_name(lora_stack):
     with pytest.raises(grpc.RpcError) as rpc:
         stack.grpc.generate(prompt_token_ids=PROMPT, adapter="nope", sampling={"max_tokens": 1})
     assert rpc.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in rpc.value.details()
+
+
+def _ttfts(stack, adapters: list[str], n: int, interval_s: float, max_tokens: int) -> tuple[list[float], dict]:
+    """n greedy requests through gRPC, one every interval_s, adapters in
+    turn: each one's time to first token, sorted, and the tokens each
+    adapter's requests produced."""
+
+    def one(adapter: str):
+        t0 = time.perf_counter()
+        req = spb.GenerateRequest(prompt_token_ids=PROMPT, adapter=adapter,
+                                  sampling=spb.SamplingParams(max_tokens=max_tokens, temperature=0))
+        first, tokens = None, []
+        for resp in stack.grpc.stub.Generate(req, timeout=120):
+            first = first or time.perf_counter() - t0
+            tokens += resp.token_ids
+        return first, adapter, tuple(tokens)
+
+    with ThreadPoolExecutor(n) as pool:
+        start = time.perf_counter()
+        runs = []
+        for i in range(n):
+            time.sleep(max(0.0, start + i * interval_s - time.perf_counter()))
+            runs.append(pool.submit(one, adapters[i % len(adapters)]))
+        results = [f.result() for f in runs]
+    outputs: dict[str, set] = {}
+    for _, adapter, tokens in results:
+        outputs.setdefault(adapter, set()).add(tokens)
+    return sorted(r[0] for r in results), outputs
+
+
+@pytest.mark.alone  # timing-sensitive: TTFTs compared
+def test_four_adapters_round_robin_in_two_slots_starve_nobody(lora_stack):
+    """The thrash acceptance (issue 39): 4 adapters sent round-robin into 2
+    slots, against the same arrivals on 2 adapters (both stay loaded).
+    Every request finishes with its adapter's HF + PEFT tokens, and the
+    TTFT p99 (here the slowest of 48) is at most 3x the all-loaded one, in
+    the better of 3 alternating rounds (a 2-core host shared with other
+    tests is noisy). Before drains admitted what waited in one batch, it
+    was 5-25x. About 5 s."""
+    stack, base, adapters = lora_stack
+    want = {n: tuple(hf_peft_greedy(base, adapters[n], PROMPT, MAX_NEW)) for n in NAMES}
+    ratios = []
+    for _ in range(3):
+        loaded, _ = _ttfts(stack, NAMES[:2], 48, 0.01, MAX_NEW)
+        thrash, outputs = _ttfts(stack, NAMES, 48, 0.01, MAX_NEW)
+        assert outputs == {n: {want[n]} for n in NAMES}
+        ratios.append(thrash[-1] / loaded[-1])
+        print(f"TTFT p99 all loaded {loaded[-1] * 1e3:.1f} ms, 4 adapters in 2 slots {thrash[-1] * 1e3:.1f} ms "
+              f"({ratios[-1]:.2f}x); p50 {loaded[len(loaded) // 2] * 1e3:.1f} / {thrash[len(thrash) // 2] * 1e3:.1f} ms")
+    assert min(ratios) <= 3.0, f"TTFT p99 under adapter thrash / all loaded: {ratios}"
+    assert scheduler_metric(stack.services, "llmsched_lora_requests_waiting_for_slot") == 0
+    stack.grpc.assert_no_leaked_blocks()

@@ -294,6 +294,8 @@ class LoraSet:
         self.batch, self.sites, self.refused = attach_sites(model, num_slots)
         self._site_of = {m: (site, part) for site in self.sites for part, m in enumerate(site.modules)}
         self.slots: list[str | None] = [None] * num_slots
+        # [adapter id] -> its slot, -1 when in none (ids: indices in names).
+        self.slot_by_id = np.full(len(self.names), -1, dtype=np.int64)
         # Adapters read, on the host, least recently loaded first.
         self.host: OrderedDict[str, Adapter] = OrderedDict()
         self.num_disk_reads = 0
@@ -335,11 +337,20 @@ class LoraSet:
         except ValueError:
             return None
 
+    def id_of(self, name: str) -> int | None:
+        """The adapter's id (a request row keeps it), or None when not served."""
+        try:
+            return self.names.index(name)
+        except ValueError:
+            return None
+
     def evict(self, slot: int) -> None:
         """Empties the slot: every part of every layer's delta goes."""
         self._check_slot(slot)
         for site in self.sites:
             site.lora.slots[slot] = [None] * len(site.modules)
+        if self.slots[slot] is not None:
+            self.slot_by_id[self.names.index(self.slots[slot])] = -1
         self.slots[slot] = None
 
     def load(self, slot: int, name: str) -> bool:
@@ -366,7 +377,10 @@ class LoraSet:
         for s, held in enumerate(self.slots):
             if held == name:
                 self.slots[s] = None
+        if self.slots[slot] is not None:
+            self.slot_by_id[self.names.index(self.slots[slot])] = -1
         self.slots[slot] = name
+        self.slot_by_id[self.names.index(name)] = slot
         return from_disk
 
     def evict_all(self) -> None:

@@ -93,7 +93,10 @@ class RequestRows:
         self.has_bias = grow(get("has_bias"), (rows,), bool)
         self.prompt_logprobs = grow(get("prompt_logprobs"), (rows,), np.int64)  # top alternatives; -1 = none
         self.embed = grow(get("embed"), (rows,), bool)  # prefill only: pooled, never sampled
-        self.adapter = grow(get("adapter"), (rows,), np.int64)  # LoRA slot (model/lora.py); -1 = the base model
+        # The LoRA adapter's id (its index in LoraSet.names, model/lora.py),
+        # not its slot: the scheduler may move a parked request's adapter
+        # to another slot. -1 = the base model.
+        self.adapter = grow(get("adapter"), (rows,), np.int64)
         if self.device.type == "cpu":
             self.block_table = torch.from_numpy(self.block_table_host)  # [rows, max_blocks], shared
         else:

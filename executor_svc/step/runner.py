@@ -232,7 +232,7 @@ class ModelRunner:
             if new.embed and self.pooling is None:
                 raise PlanError(f"handle {new.handle}: an embedding request, but the checkpoint has no pooling config")
             row, flat = rows.add(new.handle, new.token_ids, new.block_ids, new.num_computed_tokens, new.sampling,
-                                 new.num_output_tokens, new.embed, self._adapter_slot(new))
+                                 new.num_output_tokens, new.embed, self._adapter_id(new))
             if self.batch_invariant and new.sampling.seed is None:
                 # Its own stream, keyed by this seed and the output position
                 # (sampler.seeded_uniform): no other row's draws move it. (The
@@ -269,14 +269,24 @@ class ModelRunner:
                 drafts[at[h]] = k
         return np.array(scheduled, dtype=np.int64), np.array(counts, dtype=np.int64), drafts
 
-    def _adapter_slot(self, new: NewRequestData) -> int:
+    def _check_adapters_loaded(self, rows: np.ndarray) -> None:
+        """Every scheduled row's adapter is in a slot once the plan's loads
+        ran: a row is never served with another adapter's weights."""
+        ids = self.rows.adapter[rows]  # [n]
+        missing = (ids >= 0) & (self.lora.slot_by_id[np.maximum(ids, 0)] < 0)
+        if missing.any():
+            row = int(rows[np.flatnonzero(missing)[0]])
+            raise PlanError(f"handle {self.rows.handle[row]}: adapter {self.lora.names[ids[missing][0]]!r} is in no "
+                            "LoRA slot (the plan runs a request whose adapter no plan loaded)")
+
+    def _adapter_id(self, new: NewRequestData) -> int:
+        """The id of the request's adapter (model/lora.py); -1: the base model."""
         if not new.adapter:
             return -1
-        slot = None if self.lora is None else self.lora.slot_of(new.adapter)
-        if slot is None:
-            raise PlanError(f"handle {new.handle}: adapter {new.adapter!r} is in no LoRA slot here (not served, or "
-                            "not loaded by this plan or an earlier one)")
-        return slot
+        adapter_id = None if self.lora is None else self.lora.id_of(new.adapter)
+        if adapter_id is None:
+            raise PlanError(f"handle {new.handle}: adapter {new.adapter!r} is not served here")
+        return adapter_id
 
     def _propose(self, rows: np.ndarray, drafts: np.ndarray, allowed: np.ndarray) -> None:
         """Each rows[i] (i in allowed) may verify up to drafts[i] drafts; sets
@@ -372,6 +382,8 @@ class ModelRunner:
         lora_ns, lora_disk = self._apply_lora_ops(step)
         t0 = time.perf_counter_ns()
         rows, q, drafts = self._apply_diffs(step)  # [n] each
+        if self.lora is not None:
+            self._check_adapters_loaded(rows)
         if not len(rows):
             if swaps is not None:
                 self.host_kv.finish(swaps)
@@ -422,8 +434,9 @@ class ModelRunner:
         ids_t, positions_t = batch.ids, batch.positions
         with_adapters = False
         if self.lora is not None:
-            slots = r.adapter[rows]  # [n]
-            with_adapters = bool((slots >= 0).any())
+            adapter_ids = r.adapter[rows]  # [n]
+            with_adapters = bool((adapter_ids >= 0).any())
+            slots = np.where(adapter_ids >= 0, self.lora.slot_by_id[np.maximum(adapter_ids, 0)], -1)  # [n]
             # Each token's adapter slot: a vectorized repeat, never a loop over requests.
             self.lora.batch.set(np.repeat(slots, q) if with_adapters else None, dev)
         t1 = time.perf_counter_ns()

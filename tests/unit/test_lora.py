@@ -36,11 +36,12 @@ def _runner(base: str, setting: str, max_rank: int = 64, max_loras: int = 8, max
 
 def _generate(runner: ModelRunner, adapters: list[str], chunk: int = 4,
               loads: list[tuple[int, str]] | None = None, evicts: list[int] = (),
-              finished: list[int] = ()) -> list[list[int]]:
+              finished: list[int] = (), later: dict | None = None) -> list[list[int]]:
     """All requests (the same prompt, one per adapter; "" = base) in one
     batch: chunked prefill, then decode. The first plan forgets handles
     `finished`, evicts `evicts` and loads `loads` ((slot, adapter); by
-    default each adapter into a slot of its own, in order)."""
+    default each adapter into a slot of its own, in order). later: step ->
+    (evicts, loads) of a later plan."""
     if loads is None:
         loads = list(enumerate(a for a in adapters if a))
     nb = -(-(len(PROMPT) + MAX_NEW) // BLOCK)
@@ -54,6 +55,9 @@ def _generate(runner: ModelRunner, adapters: list[str], chunk: int = 4,
             plan.finished_handles = list(finished)
             plan.lora_evict_slots = list(evicts)
             plan.lora_load_slots, plan.lora_load_adapters = [s for s, _ in loads], [a for _, a in loads]
+        elif later and step in later:
+            plan.lora_evict_slots = list(later[step][0])
+            plan.lora_load_slots, plan.lora_load_adapters = [s for s, _ in later[step][1]], [a for _, a in later[step][1]]
         for h, name in enumerate(adapters):
             n = min(chunk, total[h] - computed[h])
             if step == 0:
@@ -185,3 +189,14 @@ def test_mixed_adapters_under_tensor_parallelism_match_hf_peft(made):
                                       lora_adapters=",".join(f"{n}={p}" for n, p in adapters.items()), adapters=names)
     for name, got in zip(names, tokens):
         assert got == hf_peft_greedy(base, adapters.get(name), PROMPT, MAX_NEW), name
+
+
+def test_a_request_s_adapter_may_move_to_another_slot_between_its_steps(made):
+    """A request row keeps its adapter's id, not its slot: when the
+    scheduler evicts the adapter (its requests parked) and loads it again
+    into another slot, the request goes on with the same weights."""
+    base, adapters = made
+    runner = _runner(base, f"a8={adapters['a8']},b16={adapters['b16']}", max_loras=2)
+    (a8,) = _generate(runner, ["a8"], loads=[(0, "a8")], later={4: ([0], [(0, "b16"), (1, "a8")])})
+    assert a8 == hf_peft_greedy(base, adapters["a8"], PROMPT, MAX_NEW)
+    assert runner.lora.slots == ["b16", "a8"]

@@ -110,7 +110,7 @@ class EngineTelemetry(CoreListener):
         telemetry.STEP_DURATION.observe(elapsed)
         telemetry.record_load(sched.load(), sched.config.num_kv_blocks)
         if sched.lora is not None:
-            telemetry.record_lora(sched.lora, sched.waiting, out, outcome)
+            telemetry.record_lora(sched.lora, out, outcome)
         telemetry.record_tenants(sched.policy.served, self._tenants_published, sched.waiting.waiting_by_tenant(),
                                  Counter(r.tenant for r in sched.running), sched.policy.counters)
         if self.tracing.enabled:

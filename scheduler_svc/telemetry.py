@@ -66,7 +66,7 @@ KV_SLOTS_ALLOCATED = Counter("llmsched_kv_slots_allocated",
 FINISHED = Counter("llmsched_request_success", "Requests finished, by reason", ["finished_reason"])
 LORA_SLOTS_IN_USE = Gauge("llmsched_lora_slots_in_use", "LoRA device slots holding an adapter")
 LORA_WAITING = Gauge("llmsched_lora_requests_waiting_for_slot",
-                     "Waiting requests whose LoRA adapter is in no device slot")
+                     "Requests whose LoRA adapter is in no device slot: waiting, or running and parked")
 LORA_LOADS = Counter("llmsched_lora_loads", "LoRA adapters loaded into a device slot, by where the executor read "
                      "them from (host: its host cache; disk)", ["source"])
 LORA_EVICTIONS = Counter("llmsched_lora_evictions", "LoRA adapters evicted from a device slot")
@@ -243,11 +243,11 @@ def record_swaps(swaps, num_failed: int) -> None:
     SWAP_FAILURES.inc(num_failed)
 
 
-def record_lora(lora, waiting, out, outcome) -> None:
+def record_lora(lora, out, outcome) -> None:
     """The LoRA slots after a step's result (lora_slots.py), and that
     step's evictions and loads."""
     LORA_SLOTS_IN_USE.set(lora.num_in_use)
-    LORA_WAITING.set(lora.num_waiting_for_slot(waiting))
+    LORA_WAITING.set(lora.num_waiting_for_slot)
     if out.lora_loads:
         LORA_LOADS.labels("disk").inc(outcome.lora_disk_reads)
         LORA_LOADS.labels("host").inc(len(out.lora_loads) - outcome.lora_disk_reads)

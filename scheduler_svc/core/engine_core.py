@@ -438,6 +438,7 @@ def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size
         batch_invariant=batch_invariant,
         lora_adapters=tuple(lora_adapters),
         max_loras=max_loras,
+        lora_quantum_steps=settings.lora_quantum_steps,
         prompt_token_weight=settings.prompt_token_weight,
         output_token_weight=settings.output_token_weight,
         tenant_weights=tuple(parse_weights(settings.tenant_weights).items()),

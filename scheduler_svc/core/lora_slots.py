@@ -6,145 +6,159 @@ one adapter's weights or none. It decides nothing: each plan carries the
 slots to evict and the (slot, adapter) pairs to load (StepPlan.lora_*),
 which the executor applies, evictions first, before the plan's forward.
 A load replaces everything in its slot, so an adapter never serves with a
-weight of the slot's previous adapter.
+weight of the slot's previous adapter; a request row keeps its adapter's
+name, not its slot, so an adapter may come back in another slot.
 
-Invariants:
-- a running request's adapter is in a slot: a request is admitted only
-  when it is, or when this plan's load puts it there;
-- a slot is evicted only when no running request uses its adapter and the
-  result of every plan that named it (a load, or a request using it) has
-  been applied. Plans run in order on the executor, so this is stricter
-  than needed; it keeps "no plan in flight reads an evicted slot" a fact
-  the scheduler alone can check.
-
-Admission (Scheduler._next_to_admit): waiting requests are taken in policy
-order; one whose adapter has no slot, when none can be freed, is skipped,
-so the loaded adapters keep batching, and its adapter waits. Each waiting
-adapter drains one loaded adapter (the one with the fewest running
-requests, least recently used on ties), at most one per slot: a draining
-adapter admits only the requests that arrived before its drain began (so
-an adapter that just got a slot still takes every request that waited for
-it, in one batch), and its slot frees once they end; the first waiting
-adapter in policy order takes it. An adapter therefore waits at most for
-one drain (a finite set of requests) per waiting adapter ahead of it in
-policy order: none starves, and priority and fair share decide who is
-ahead.
+Slots are time-sliced among the adapters that want one, in policy order:
+- An adapter wants a slot when a request that uses it waits for one: a
+  waiting request, or a running one whose adapter was evicted (it is
+  *parked*: it keeps its KV blocks and its row on the executor, and is
+  not scheduled until its adapter is back).
+- At each step, the adapters that want a slot, ordered by their most
+  urgent request (Scheduler.order_key), each reserve one: an empty slot,
+  else one whose adapter no running request uses (least recently used
+  first), else one whose adapter has held it for `quantum` steps (loaded
+  longest ago first). A slot reserved away takes no new request, and its
+  running requests are parked.
+- The reserved slot is evicted and loaded when a request of the adapter
+  runs and the slot is free: no plan in flight names its old adapter (the
+  result of the last plan that did has been applied; plans run in order,
+  so this is stricter than the executor needs, and it keeps "no plan in
+  flight reads an evicted slot" a fact the scheduler alone can check).
+- A plan in which the slot was free but no request of the adapter could
+  run (no KV blocks or budget left for it: parked requests hold theirs)
+  gives the reservation up: the slot's adapter gets a new quantum, and
+  the adapter that could not use it goes behind the others that want a
+  slot for as long, so requests that hold KV run on and free it, and
+  neither side waits on the other forever. Parked requests do not count
+  against max_num_seqs (they do not run).
+So the slots never idle while an adapter waits, a loaded adapter keeps
+admitting requests in between (batching by adapter), and the first
+adapter in policy order to want a slot gets one within `quantum` steps
+plus the plans in flight: none starves, and priority and fair share
+decide who is first.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from itertools import chain
 
 from scheduler_svc.core.request import Request
 
 
 class LoraSlots:
-    def __init__(self, num_slots: int, adapters: Iterable[str]):
+    def __init__(self, num_slots: int, adapters: Iterable[str], quantum: int = 8):
         if num_slots < 1:
             raise ValueError(f"LoRA slots: {num_slots} slots; at least 1 is needed to serve adapters")
         self.num_slots = num_slots
         self.adapters = frozenset(adapters)
+        self.quantum = quantum
         self.names: list[str | None] = [None] * num_slots  # [slot] -> adapter
         self.slot_of: dict[str, int] = {}
-        # [slot] -> step id of the last plan naming its adapter; evictable
-        # once that plan's result is applied (step id <= applied_step).
+        # [slot] -> step id of the last plan naming its adapter, and of the
+        # plan that loaded it.
         self.last_step: list[int] = [-1] * num_slots
+        self.loaded_step: list[int] = [-1] * num_slots
         self.applied_step = -1
-        # Running requests per adapter, as of this step's admissions.
+        self.step_id = 0
+        # Running requests per adapter, parked ones included.
         self.users: Counter[str] = Counter()
-        # Loaded adapters that admit no request that arrived after their
-        # drain began (Request.arrival_seq >= the value), so their slots
-        # free up for adapters waiting for one; in the order chosen.
-        self.draining: dict[str, int] = {}
-        # Adapters skipped this step for want of a slot (policy order).
-        self.blocked: list[str] = []
-        # The plan being built: slots evicted, then (slot, adapter) loaded.
+        # slot -> the adapter it is reserved for (its own adapter is on its
+        # way out); kept across steps until the load or until nobody wants it.
+        self.reserved: dict[int, str] = {}
+        # Adapters whose requests cannot run this step (none of the base model).
+        self.blocked: frozenset[str] = frozenset()
+        # The plan being built: adapters its requests use; slots evicted,
+        # then (slot, adapter) loaded.
+        self.in_plan: set[str] = set()
         self.evicts: list[int] = []
         self.loads: list[tuple[int, str]] = []
         self.num_loads = 0
         self.num_evictions = 0
+        self.num_waiting_for_slot = 0
+        # Running requests whose adapter is blocked this step.
+        self.num_parked = 0
+        # Reserved slots that are free this step: given up at end_plan if
+        # their adapter did not take them.
+        self._ready_reserved: list[int] = []
+        # adapter -> the step until which it wants a slot behind the others
+        # (it could not use the last one it was given).
+        self.backoff: dict[str, int] = {}
 
     # ----- the step --------------------------------------------------------
 
-    def begin_step(self, running: Iterable[Request]) -> None:
+    def begin_step(self, step_id: int, running: list[Request], waiting: Iterable[Request],
+                   order_key: Callable[[Request], tuple]) -> None:
+        """Reserves slots for the adapters that want one, in the order of
+        their most urgent request, and decides which adapters are blocked."""
+        self.step_id = step_id
         self.users = Counter(r.adapter for r in running if r.adapter)
-        self.blocked = []
+        self.in_plan = set()
+        first: dict[str, tuple] = {}
+        num_waiting = 0
+        for r in chain(running, waiting):
+            if r.adapter and r.adapter not in self.slot_of:
+                num_waiting += 1
+                key = order_key(r)
+                if r.adapter not in first or key < first[r.adapter]:
+                    first[r.adapter] = key
+        self.num_waiting_for_slot = num_waiting
+        self.reserved = {s: a for s, a in self.reserved.items() if a in first}
+        self.backoff = {a: until for a, until in self.backoff.items() if until > step_id}
+        for adapter in sorted(first, key=lambda a: (a in self.backoff, first[a])):
+            if adapter in self.reserved.values():
+                continue
+            slot = self._slot_to_reserve()
+            if slot is None:
+                break
+            self.reserved[slot] = adapter
+        self.blocked = frozenset(a for a in self.adapters if not self._runnable(a))
+        self.num_parked = sum(1 for r in running if r.adapter in self.blocked)
+        self._ready_reserved = [s for s in self.reserved if self._ready(s)]
 
-    def is_loaded(self, adapter: str) -> bool:
-        return not adapter or adapter in self.slot_of
-
-    def can_admit(self, adapter: str, arrival_seq: int) -> bool:
-        """Whether a request with this adapter (that arrived arrival_seq-th)
-        may run this step: the base model, an adapter in a slot that is not
-        draining or whose drain began after it arrived, or one a free or
-        evictable slot can take."""
-        if not adapter:
-            return True
-        if adapter in self.slot_of:
-            return arrival_seq < self.draining.get(adapter, arrival_seq + 1)
-        return self._slot_for_load() is not None
+    def can_admit(self, adapter: str) -> bool:
+        """Whether a request with this adapter may run this step."""
+        return adapter not in self.blocked
 
     def admit(self, adapter: str) -> None:
-        """A request with this adapter runs from this plan on (after
-        can_admit said yes): its adapter is loaded if it is not."""
+        """A request with this adapter runs in this plan (can_admit said
+        yes): its adapter is loaded into its reserved slot if it is not in
+        one."""
         if not adapter:
             return
         if adapter not in self.slot_of:
-            slot = self._slot_for_load()
-            if slot is None:
-                raise RuntimeError(f"LoRA slots: admitting adapter {adapter!r} with no slot free or evictable")
+            slot = next((s for s, a in self.reserved.items() if a == adapter), None)
+            if slot is None or not self._ready(slot):
+                raise RuntimeError(f"LoRA slots: running adapter {adapter!r} with no slot reserved and free for it")
             old = self.names[slot]
             if old is not None:
+                if old in self.in_plan:
+                    raise RuntimeError(f"LoRA slots: evicting {old!r} from slot {slot}, which this plan uses")
                 del self.slot_of[old]
-                self.draining.pop(old, None)
                 self.evicts.append(slot)
                 self.num_evictions += 1
+            del self.reserved[slot]
             self.names[slot] = adapter
             self.slot_of[adapter] = slot
+            self.loaded_step[slot] = self.step_id
             self.loads.append((slot, adapter))
             self.num_loads += 1
-            if adapter in self.blocked:
-                self.blocked.remove(adapter)
-        self.users[adapter] += 1
+        self.in_plan.add(adapter)
 
-    def block(self, adapter: str, next_arrival: int) -> None:
-        """A waiting request with this adapter cannot run this step for
-        want of a slot: its adapter waits, and drains a slot when fewer
-        slots drain than adapters wait. next_arrival: the arrival_seq the
-        next request to arrive will get (where a drain begins)."""
-        if adapter in self.blocked:
-            return
-        self.blocked.append(adapter)
-        if adapter in self.slot_of or len(self.draining) >= min(len(self.blocked), self.num_slots):
-            return
-        candidates = [a for a in self.slot_of if a not in self.draining]
-        if candidates:
-            drained = min(candidates, key=lambda a: (self.users[a], self.last_step[self.slot_of[a]]))
-            self.draining[drained] = next_arrival
-
-    def end_pass(self) -> None:
-        """Every waiting request was looked at this step: drains beyond the
-        adapters that still wait are lifted (their waiters ended, or got a
-        slot another way)."""
-        waiting = sum(a not in self.slot_of for a in self.blocked)
-        for lifted in list(self.draining)[waiting:]:
-            del self.draining[lifted]
-
-    def end_plan(self, step_id: int, adapters: Iterable[str]) -> tuple[list[int], list[tuple[int, str]]]:
-        """The plan's evictions and loads; `adapters`: those its requests
-        use, whose slots it now reads."""
-        for a in adapters:
-            if a:
-                slot = self.slot_of.get(a)
-                if slot is None:
-                    raise RuntimeError(f"LoRA slots: step {step_id} runs a request with adapter {a!r}, which is in "
-                                       "no slot (a running request's adapter must be loaded)")
-                self.last_step[slot] = step_id
-        for slot, _ in self.loads:
-            self.last_step[slot] = step_id
+    def end_plan(self, step_id: int) -> tuple[list[int], list[tuple[int, str]]]:
+        """The plan's evictions and loads; the slots of the adapters it uses
+        are read by it from now on."""
+        for a in self.in_plan:
+            self.last_step[self.slot_of[a]] = step_id
+        for slot in self._ready_reserved:
+            if slot in self.reserved:  # free, and not taken
+                self.backoff[self.reserved.pop(slot)] = step_id + 1 + self.quantum
+                self.loaded_step[slot] = step_id + 1
+        self._ready_reserved = []
         ops = self.evicts, self.loads
-        self.evicts, self.loads = [], []
+        self.evicts, self.loads, self.in_plan = [], [], set()
         return ops
 
     def complete(self, step_id: int) -> None:
@@ -158,31 +172,46 @@ class LoraSlots:
         self.names = [None] * self.num_slots
         self.slot_of.clear()
         self.last_step = [-1] * self.num_slots
-        self.draining.clear()
+        self.loaded_step = [-1] * self.num_slots
+        self.reserved.clear()
+        self._ready_reserved = []
+        self.backoff.clear()
+        self.num_parked = 0
+        self.blocked = frozenset()
         self.users.clear()
-        self.evicts, self.loads = [], []
+        self.in_plan, self.evicts, self.loads = set(), [], []
 
     # ----- helpers ---------------------------------------------------------
 
-    def evictable(self, slot: int) -> bool:
+    def _ready(self, slot: int) -> bool:
+        """Empty, or no plan in flight (or being built) names its adapter."""
         name = self.names[slot]
-        return name is None or (not self.users[name] and self.last_step[slot] <= self.applied_step)
+        return name is None or (self.last_step[slot] <= self.applied_step and name not in self.in_plan)
 
-    def _slot_for_load(self) -> int | None:
-        """An empty slot, else an evictable one: a draining adapter's
-        first, then the least recently used."""
-        if None in self.names:
-            return self.names.index(None)
-        free = [s for s in range(self.num_slots) if self.evictable(s)]
-        if not free:
-            return None
-        return min(free, key=lambda s: (self.names[s] not in self.draining, self.last_step[s]))
+    def _runnable(self, adapter: str) -> bool:
+        if not adapter:
+            return True
+        slot = self.slot_of.get(adapter)
+        if slot is not None:
+            return slot not in self.reserved
+        return any(a == adapter and self._ready(s) for s, a in self.reserved.items())
+
+    def _slot_to_reserve(self) -> int | None:
+        """An empty slot, else one no running request uses (least recently
+        used first), else one held for `quantum` steps (longest first)."""
+        free = [s for s in range(self.num_slots) if s not in self.reserved]
+        empty = [s for s in free if self.names[s] is None]
+        if empty:
+            return empty[0]
+        idle = [s for s in free if not self.users[self.names[s]]]
+        if idle:
+            return min(idle, key=lambda s: self.last_step[s])
+        expired = [s for s in free if self.step_id - self.loaded_step[s] >= self.quantum]
+        if expired:
+            return min(expired, key=lambda s: self.loaded_step[s])
+        return None
 
     @property
     def num_in_use(self) -> int:
         """Slots holding an adapter."""
         return len(self.slot_of)
-
-    def num_waiting_for_slot(self, waiting: Iterable[Request]) -> int:
-        """Waiting requests whose adapter is not in a slot."""
-        return sum(1 for r in waiting if r.adapter and r.adapter not in self.slot_of)

@@ -75,8 +75,8 @@ class Scheduler:
                                   dict(config.tenant_weights))
         self.waiting = self.policy.make_queue()
         # The executor's LoRA adapter slots (lora_slots.py); None without adapters.
-        self.lora = LoraSlots(config.max_loras or len(config.lora_adapters), config.lora_adapters) \
-            if config.lora_adapters else None
+        self.lora = LoraSlots(config.max_loras or len(config.lora_adapters), config.lora_adapters,
+                              config.lora_quantum_steps) if config.lora_adapters else None
         # Sorted by order_key: the last one is the first to be preempted.
         self.running: list[Request] = []
         self._next_arrival = 0
@@ -170,14 +170,15 @@ class Scheduler:
         block and none is free, the least urgent running request is
         preempted (its blocks freed, recomputed later). Waiting requests are
         admitted in policy order, starting from their longest cached prefix,
-        and only in a step that preempted nothing; one whose LoRA adapter
-        cannot get a device slot is passed over (lora_slots.py)."""
+        and only in a step that preempted nothing. With LoRA adapters, a
+        request whose adapter cannot have a device slot this step is passed
+        over, running (parked) or waiting (lora_slots.py)."""
         cfg = self.config
         out = StepPlan(step_id=self._step_id, executor_epoch=self.executor_epoch)
         self._step_id += 1
         self.waiting.begin_step()
         if self.lora is not None:
-            self.lora.begin_step(self.running)
+            self.lora.begin_step(out.step_id, self.running, self.waiting, self.order_key)
         budget = cfg.max_num_batched_tokens
         if self.waiting and self.waiting.peek().num_failed_steps and self._admit(out, budget) is not None:
             # A request whose step failed is retried alone, so a second
@@ -189,6 +190,9 @@ class Scheduler:
             req = self.running[i]
             if self._last_token_in_flight(req):
                 i += 1  # it finishes when that result arrives
+                continue
+            if self.lora is not None and not self.lora.can_admit(req.adapter):
+                i += 1  # parked: its adapter is out of the slots, or on its way out (lora_slots.py)
                 continue
             n = self._num_tokens_to_schedule(req, budget)
             if n is None:
@@ -215,11 +219,15 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(req, n)
             if new_blocks is None:
                 break  # req preempted itself: nothing after it can run either
+            if self.lora is not None:
+                self.lora.admit(req.adapter)
             self._record(out, req, n, new_blocks, drafts)
             budget -= n
             i += 1
 
-        while self.waiting and not out.num_preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        num_parked = self.lora.num_parked if self.lora is not None else 0  # they do not run
+        while (self.waiting and not out.num_preempted and budget > 0
+               and len(self.running) - num_parked < cfg.max_num_seqs):
             req = self._next_to_admit()
             if req is None or req.num_failed_steps:
                 break  # every waiting adapter lacks a slot; or a suspect, which runs alone, next step
@@ -231,18 +239,11 @@ class Scheduler:
 
     def _next_to_admit(self) -> Request | None:
         """The head of the queue; with LoRA adapters, the first in policy
-        order whose adapter has a slot or can get one (lora_slots.py): the
-        others are skipped, their adapters waiting for a slot."""
+        order whose adapter may run this step (lora_slots.py): the others
+        are passed over, their adapters waiting for a slot."""
         if self.lora is None:
             return self.waiting.peek()
-        while True:
-            req = self.waiting.first_not_of(self.lora.blocked)
-            if req is None:
-                self.lora.end_pass()
-                return None
-            if self.lora.can_admit(req.adapter, req.arrival_seq):
-                return req
-            self.lora.block(req.adapter, self._next_arrival)
+        return self.waiting.first_not_of(self.lora.blocked)
 
     def _admit(self, out: StepPlan, budget: int, req: Request | None = None) -> int | None:
         """Moves req (the head of the queue by default) to running, starting
@@ -250,7 +251,7 @@ class Scheduler:
         None when the pool or the LoRA slots cannot hold it (nothing
         changes then)."""
         req = req or self.waiting.peek()
-        if self.lora is not None and not self.lora.can_admit(req.adapter, req.arrival_seq):
+        if self.lora is not None and not self.lora.can_admit(req.adapter):
             return None
         if not self.kv.can_resume(req):
             return None  # swapped out by a plan whose result is still to come
@@ -295,8 +296,7 @@ class Scheduler:
     def _finish_plan(self, out: StepPlan, send_empty: bool = False) -> StepPlan:
         out.swaps = self.kv.end_plan()
         if self.lora is not None:
-            out.lora_evicts, out.lora_loads = self.lora.end_plan(out.step_id,
-                                                                 (e.request.adapter for e in out.entries.values()))
+            out.lora_evicts, out.lora_loads = self.lora.end_plan(out.step_id)
         if out.is_empty and not send_empty:
             return out  # not sent: its forgets wait for the next plan
         out.finished_handles, self._to_forget = self._to_forget, []

@@ -49,6 +49,9 @@ class SchedulerConfig:
     # (lora_slots.py; 0 = one per adapter).
     lora_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    # Steps an adapter keeps its slot while another waits for one, before
+    # its running requests are parked and the slot passes on.
+    lora_quantum_steps: int = 8
 
     @property
     def invariant_chunk(self) -> int:

@@ -114,8 +114,8 @@ def test_four_adapters_round_robin_in_two_slots_starve_nobody(lora_stack):
     Every request finishes with its adapter's HF + PEFT tokens, and the
     TTFT p99 (here the slowest of 48) is at most 3x the all-loaded one, in
     the better of 3 alternating rounds (a 2-core host shared with other
-    tests is noisy). Before drains admitted what waited in one batch, it
-    was 5-25x. About 5 s."""
+    tests is noisy). When an adapter had to wait for every running request
+    of another to end, it was 5-25x. About 5 s."""
     stack, base, adapters = lora_stack
     want = {n: tuple(hf_peft_greedy(base, adapters[n], PROMPT, MAX_NEW)) for n in NAMES}
     ratios = []

@@ -163,7 +163,7 @@ class ExecutorSettings(BaseSettings):
         "configured.")
     max_cpu_loras: int = Field(
         default=0, ge=0, le=65536, description="Adapters kept in host memory, least recently loaded dropped "
-        "first; a load of one that is not there reads it from disk again. 0 = as many as `EXECUTOR_MAX_LORAS`; "
+        "first; a load of one that is not there reads it from disk again. 0 = every configured adapter; "
         "below `EXECUTOR_MAX_LORAS` is refused at start-up.")
     max_logprobs: int = Field(
         default=20, ge=0, le=1024, description="Most top logprobs per token a request may ask for; capped at the "

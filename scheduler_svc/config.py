@@ -54,7 +54,7 @@ class SchedulerSettings(BaseSettings):
         "one) up to this many, and none above it, so a loaded server does not pay for verifying drafts it cannot "
         "use. 0 = never speculate.")
     lora_quantum_steps: int = Field(
-        default=8, ge=1, le=100000, description="With more LoRA adapters wanted than the executor has device slots "
+        default=4, ge=1, le=100000, description="With more LoRA adapters wanted than the executor has device slots "
         "(`EXECUTOR_MAX_LORAS`): the steps an adapter keeps its slot while another waits for one. Then its running "
         "requests are parked (they keep their KV and resume when their adapter is back) and the slot passes to "
         "the first waiting adapter in policy order. Smaller: shorter waits for a slot, more loads.")

@@ -397,12 +397,12 @@ def load_adapters(setting: str, model: nn.Module, max_rank: int, max_loras: int,
     """EXECUTOR_LORA_ADAPTERS, each read and checked against `model`, with
     max_loras empty device slots attached to it; None when the setting is
     empty (the model stays untouched). max_cpu_loras: adapters kept in host
-    memory (0: as many as max_loras)."""
+    memory (0: every configured one)."""
     pairs = parse_adapters(setting)
     if not pairs:
         return None
     if max_cpu_loras and max_cpu_loras < max_loras:
         raise StartupError(f"EXECUTOR_MAX_CPU_LORAS={max_cpu_loras} is below EXECUTOR_MAX_LORAS={max_loras}: an "
                            "adapter loaded into a device slot is read through the host cache; supported: "
-                           "EXECUTOR_MAX_CPU_LORAS >= EXECUTOR_MAX_LORAS, or 0 (= EXECUTOR_MAX_LORAS)")
-    return LoraSet(pairs, model, max_rank, max_loras, max_cpu_loras or max_loras, device, dtype)
+                           "EXECUTOR_MAX_CPU_LORAS >= EXECUTOR_MAX_LORAS, or 0 (every configured adapter)")
+    return LoraSet(pairs, model, max_rank, max_loras, max_cpu_loras or len(pairs), device, dtype)

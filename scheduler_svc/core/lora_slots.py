@@ -49,7 +49,7 @@ from scheduler_svc.core.request import Request
 
 
 class LoraSlots:
-    def __init__(self, num_slots: int, adapters: Iterable[str], quantum: int = 8):
+    def __init__(self, num_slots: int, adapters: Iterable[str], quantum: int = 4):
         if num_slots < 1:
             raise ValueError(f"LoRA slots: {num_slots} slots; at least 1 is needed to serve adapters")
         self.num_slots = num_slots

@@ -51,7 +51,7 @@ class SchedulerConfig:
     max_loras: int = 0
     # Steps an adapter keeps its slot while another waits for one, before
     # its running requests are parked and the slot passes on.
-    lora_quantum_steps: int = 8
+    lora_quantum_steps: int = 4
 
     @property
     def invariant_chunk(self) -> int:

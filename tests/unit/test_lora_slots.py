@@ -59,7 +59,7 @@ def run(sched, mirror, steps=1, in_flight: deque | None = None, depth=1):
 
 
 def test_adapters_load_into_free_slots_and_waiting_adapters_skip_to_loaded_ones():
-    sched, mirror = lora_scheduler(), Mirror(2)
+    sched, mirror = lora_scheduler(lora_quantum_steps=100), Mirror(2)  # no slot passes on by quantum here
     reqs = {a: make_request(max_tokens=6, adapter=a) for a in ("a", "b", "c")}
     later = {a: make_request(max_tokens=2, adapter=a) for a in ("a", "b")}
     base = make_request(max_tokens=2)

@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
               "threads": threads,
               "llama_cpp": {"sdist_version": lc.SDIST_VERSION, "server_version": server_version(binary),
                             "server_args": server.args[1:], "gguf": str(gguf), "outtype": args.outtype},
-              "workload": {"name": "streams" if args.model == pm.QWEN3_SHAPE else "mixed",
+              "workload": {"name": "equal" if args.model == pm.QWEN3_SHAPE else "mixed",
                            "num_requests": args.num_requests, "seed": args.seed,
                            "output_tokens": sum(work.max_tokens), "single_prompt": PROMPT,
                            "single_tokens": args.single_tokens},
@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def format_table(report: dict) -> str:
     s = report["summary"]
-    lines = [f"P24: {Path(report['model']).name}, {report['workload']['num_requests']} mixed requests and one "
+    lines = [f"P24: {Path(report['model']).name}, {report['workload']['num_requests']} {report['workload']['name']} requests and one "
              f"{report['workload']['single_tokens']}-token stream, {report['threads']} threads, "
              f"llama-cpp-python {report['llama_cpp']['sdist_version']} ({report['llama_cpp']['outtype']} GGUF), "
              f"medians of {s['rounds']} interleaved rounds",

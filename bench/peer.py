@@ -23,10 +23,10 @@ Two figures a round: the **mixed-64** workload's output tok/s (first
 request sent to last token in), and one stream's ms per token (200 greedy
 tokens after a 5-token prompt, first token's arrival to the last's, so
 the prefill is left out; llama-server's own `predicted_per_token_ms` is
-recorded beside it). Each run records its CPU steal (from /proc/stat) and
-the CPU seconds of the serving processes (ours: scheduler + executor;
-llama-server; HF: this process). Medians, per-round ratios, and the
-greedy tokens of ours compared with the others'.
+recorded beside it). Each run records its CPU steal (from /proc/stat), the
+load average at its end and the CPU seconds of the serving processes
+(ours: scheduler + executor; llama-server; HF: this process). Medians,
+per-round ratios, and the greedy tokens of ours compared with the others'.
 """
 
 from __future__ import annotations
@@ -120,11 +120,12 @@ class Meter:
         self.wall = time.perf_counter() - self.wall
         cpu, stat = self._cpu_now(), read_proc_stat()
         self.cpu = {name: cpu[name] - self.cpu[name] for name in cpu}
-        self.stat = {"steal_share": steal_share(self.stat, stat)}
+        # The load average says how much else wanted the cores meanwhile.
+        self.stat = {"steal_share": steal_share(self.stat, stat), "load_1m": os.getloadavg()[0]}
 
     def record(self) -> dict:
-        return {"wall_s": self.wall, "steal_share": self.stat["steal_share"], "cpu_s": self.cpu,
-                "cpu_s_total": sum(self.cpu.values())}
+        return {"wall_s": self.wall, "steal_share": self.stat["steal_share"], "load_1m": self.stat["load_1m"],
+                "cpu_s": self.cpu, "cpu_s_total": sum(self.cpu.values())}
 
 
 # ----- arithmetic -------------------------------------------------------------

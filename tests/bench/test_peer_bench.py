@@ -174,3 +174,11 @@ def test_streams_work_is_equal_requests():
     assert len(work.requests) == 16 and {r.max_tokens for r in work.requests} == {32}
     assert {len(p) for p in work.prompts} == {16} and all(3 <= t < 151936 for p in work.prompts for t in p)
     assert len(work.warmup) == peer.WARMUP_REQUESTS and work.single_tokens == 32
+
+
+def test_meter_records_wall_steal_load_and_cpu_of_this_process():
+    with peer.Meter({"self": 0}) as meter:
+        sum(i * i for i in range(200_000))
+    rec = meter.record()
+    assert rec["wall_s"] > 0 and 0 <= rec["steal_share"] <= 1 and rec["load_1m"] >= 0
+    assert rec["cpu_s"]["self"] > 0 and rec["cpu_s_total"] == rec["cpu_s"]["self"]

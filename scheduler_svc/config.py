@@ -53,6 +53,12 @@ class SchedulerSettings(BaseSettings):
         "draft up to `EXECUTOR_SPECULATIVE_TOKENS` each while at most half this many run, half as many (at least "
         "one) up to this many, and none above it, so a loaded server does not pay for verifying drafts it cannot "
         "use. 0 = never speculate.")
+    multi_step_decode: int = Field(
+        default=1, ge=1, le=64, description="Multi-step decode: when nothing needs the scheduler between steps "
+        "(no request waiting, every running request decoding, none constrained, no speculation, room in the KV "
+        "pool), one plan runs up to this many decode steps on the executor, which returns each step's tokens. "
+        "A new request or a cancel arriving on the executor, or a stop token, ends the run early; tokens past a "
+        "stop string are cut. Output is the same as one step per plan. 1 = off.")
     lora_quantum_steps: int = Field(
         default=4, ge=1, le=100000, description="With more LoRA adapters wanted than the executor has device slots "
         "(`EXECUTOR_MAX_LORAS`): the steps an adapter keeps its slot while another waits for one. Then its running "

@@ -33,6 +33,7 @@ class EngineTelemetry(CoreListener):
         self._recomputed_published: dict[str, int] = {}
         self._accepted_published: Counter[int] = Counter()
         self._drafts_published = self._accepted_tokens_published = 0
+        self._lookahead_published = (0, 0)
 
     def attach(self, scheduler: Scheduler) -> None:
         """A new scheduler (a first connect, or another model): its counts start at 0."""
@@ -41,6 +42,7 @@ class EngineTelemetry(CoreListener):
         # The speculative-decoding counts already published.
         self._accepted_published: Counter[int] = Counter()
         self._drafts_published = self._accepted_tokens_published = 0
+        self._lookahead_published = (0, 0)
 
     def plan_started(self) -> int:
         return self.clock.time_ns()
@@ -87,6 +89,12 @@ class EngineTelemetry(CoreListener):
         sched = self.scheduler
         if sched.accepted_lengths != self._accepted_published:
             self._publish_speculation(sched)
+        granted, ran = sched.num_lookahead_steps, sched.num_lookahead_steps_run
+        if (granted, ran) != self._lookahead_published:
+            telemetry.LOOKAHEAD_STEPS.labels("run").inc(ran - self._lookahead_published[1])
+            telemetry.LOOKAHEAD_STEPS.labels("not_run").inc(granted - ran - (self._lookahead_published[0]
+                                                                             - self._lookahead_published[1]))
+            self._lookahead_published = (granted, ran)
         if sched.kv.host is not None:
             telemetry.HOST_KV_USAGE.set(1.0 - sched.num_free_host_blocks / sched.kv.host.num_blocks)
 
@@ -115,8 +123,9 @@ class EngineTelemetry(CoreListener):
                                  Counter(r.tenant for r in sched.running), sched.policy.counters)
         if self.tracing.enabled:
             entries = out.entries.values()
-            decode = sum(1 for e in entries if e.num_tokens - e.num_drafts == 1 and e.start >= e.request.num_prompt_tokens)
-            planned_drafts = sum(e.num_drafts for e in entries)
+            decode = sum(1 for e in entries if e.num_tokens - e.num_lookahead == 1 and e.start >= e.request.num_prompt_tokens)
+            lookahead = sum(e.num_lookahead for e in entries)
+            planned_drafts = 0 if out.multi_step else lookahead
             yielded = Counter(handle for handle, _, _ in outcome.sampled)
             verified = {h: n for h, n in outcome.verified_drafts.items() if n}
             step_span.set_attributes({
@@ -125,7 +134,8 @@ class EngineTelemetry(CoreListener):
                 "llmsched.num_new_requests": len(out.new_requests),
                 "llmsched.num_constrained_requests": sum(1 for e in entries if e.request.constraint is not None),
                 "llmsched.num_decode_tokens": decode,
-                "llmsched.num_prefill_tokens": out.total_num_scheduled_tokens - decode - planned_drafts,
+                "llmsched.num_prefill_tokens": out.total_num_scheduled_tokens - decode - lookahead,
+                "llmsched.multi_step.lookahead_planned": lookahead if out.multi_step else 0,
                 # Speculation: drafts the plan allowed, those the executor
                 # verified, and how many of those were accepted.
                 "llmsched.spec.drafts_planned": planned_drafts,

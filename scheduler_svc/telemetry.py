@@ -42,6 +42,11 @@ SPEC_ACCEPTED_LENGTH = Histogram("llmsched_spec_decode_accepted_length",
 SPEC_MEAN_ACCEPTANCE = Gauge("llmsched_spec_decode_mean_acceptance_length",
                              "Tokens a speculative step of one request yields on average since start: 1 + the mean "
                              "of drafts accepted")
+LOOKAHEAD_STEPS = Counter("llmsched_multi_step_lookahead_steps",
+                          "Multi-step decode (SCHEDULER_MULTI_STEP_DECODE): decode steps past each request's first "
+                          "that plans granted, by whether the executor ran them or ended the run early (a stop "
+                          "token, an arrival, a cancel) or the request finished first",
+                          ["outcome"])
 NUM_RUNNING = Gauge("llmsched_num_requests_running", "Requests in the running set")
 NUM_WAITING = Gauge("llmsched_num_requests_waiting", "Requests waiting for admission")
 KV_USAGE = Gauge("llmsched_kv_cache_usage_ratio", "Share of KV blocks held by live requests")

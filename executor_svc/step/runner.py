@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -72,7 +73,8 @@ class StepPlan:
     swap_out_host_blocks: list[int] = field(default_factory=list)
     swap_in_host_blocks: list[int] = field(default_factory=list)
     swap_in_device_blocks: list[int] = field(default_factory=list)
-    # Requests that speculate, and their draft counts (StepPlan.draft_*).
+    # Requests granted lookahead slots, and how many (StepPlan.draft_*):
+    # drafts to verify, or, in a multi-step plan, further decode steps.
     draft_handles: list[int] = field(default_factory=list)
     draft_counts: list[int] = field(default_factory=list)
     # LoRA slots to empty, then (slot, adapter) pairs to load, before the
@@ -80,6 +82,9 @@ class StepPlan:
     lora_evict_slots: list[int] = field(default_factory=list)
     lora_load_slots: list[int] = field(default_factory=list)
     lora_load_adapters: list[str] = field(default_factory=list)
+    # StepPlan.multi_step and stop_token_ids (ModelRunner._execute_multi_step).
+    multi_step: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
     # What the step stream needs beside the step itself (step_loop.py): the
     # scheduler's epoch, whether an idle wait came before (telemetry), the
     # trace to join, and the message as received, for the other
@@ -207,6 +212,11 @@ class ModelRunner:
         self.compiled = CompiledDecode(model, pool) if torch_compile else None
         if device.type == "cpu":
             retain_freed_memory()
+        # Multi-step decode: whether a plan that has arrived since carries
+        # something the scheduler must act on (a new request, a cancel), so
+        # the run in progress ends early. Set by the step loop; one device
+        # only (the ranks of a tensor-parallel group must run the same steps).
+        self.end_run_early: Callable[[], bool] | None = None
 
     def reset(self) -> None:
         """Forgets every request, e.g. when a new scheduler connects (whose
@@ -378,6 +388,67 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepPlan) -> StepResult:
+        if step.multi_step and step.draft_handles:
+            return self._execute_multi_step(step)
+        return self._execute_step(step)
+
+    def _execute_multi_step(self, step: StepPlan) -> StepResult:
+        """A multi-step plan: its lookahead rows (draft_handles, each
+        scheduled its next token and k slots after it) run up to 1 + k
+        decode steps, one after another. The first step is the plan with
+        the slots taken off (its diffs, new requests and every other row
+        run there); each later one is a plain decode step of the rows with
+        slots left, the token sampled before as its input. Each step is
+        the single-step path itself, so sampling (greedy, per-position
+        seeded draws, penalties, logprobs) is what one step per plan gives.
+        A row stops after a stop token, and every row stops once a plan
+        that arrived meanwhile needs the scheduler (end_run_early). Tokens
+        come back grouped by request, in step order; slots not run count
+        as not computed, as rejected drafts' do."""
+        lookahead = dict(zip(step.draft_handles, step.draft_counts))
+        scheduled = dict(zip(step.cached_handles, step.cached_num_scheduled_tokens))
+        for h, k in lookahead.items():
+            if k <= 0 or scheduled.get(h) != 1 + k:
+                raise PlanError(f"handle {h}: {k} lookahead slots, but the plan schedules it {scheduled.get(h)} "
+                                f"tokens as running, not {1 + k}")
+        first = replace(step, cached_num_scheduled_tokens=[n - lookahead.get(h, 0) for h, n in zip(
+                            step.cached_handles, step.cached_num_scheduled_tokens)],
+                        draft_handles=[], draft_counts=[], multi_step=False)
+        result = self._execute_step(first)
+        tokens: dict[int, list[int]] = {}
+        logprobs: dict[int, list] = {}
+        with_logprobs = False
+
+        def collect(res: StepResult) -> None:
+            nonlocal with_logprobs
+            with_logprobs |= res.logprobs is not None
+            for i, (h, t) in enumerate(zip(res.sampled_handles, res.sampled_token_ids)):
+                tokens.setdefault(h, []).append(t)
+                logprobs.setdefault(h, []).append(res.logprobs[i] if res.logprobs is not None else NO_LOGPROBS)
+
+        collect(result)
+        stops = set(step.stop_token_ids)
+        failed = {h for h, _ in result.request_errors}
+        for h in lookahead:
+            if h not in tokens and h not in failed:
+                raise PlanError(f"handle {h}: lookahead slots, but its step does not sample (not a decode)")
+        left = {h: k for h, k in lookahead.items() if h not in failed and tokens[h][-1] not in stops}
+        while left and not (self.tp is None and self.end_run_early is not None and self.end_run_early()):
+            sub = self._execute_step(StepPlan(step.step_id, cached_handles=list(left),
+                                              cached_num_scheduled_tokens=[1] * len(left)))
+            collect(sub)
+            result.prepare_ns += sub.prepare_ns
+            result.forward_ns += sub.forward_ns
+            result.sample_ns += sub.sample_ns
+            result.request_errors += sub.request_errors
+            failed = {h for h, _ in sub.request_errors}
+            left = {h: k - 1 for h, k in left.items() if k > 1 and h not in failed and tokens[h][-1] not in stops}
+        result.sampled_handles = [h for h in tokens for _ in tokens[h]]
+        result.sampled_token_ids = [t for h in tokens for t in tokens[h]]
+        result.logprobs = [lp for h in tokens for lp in logprobs[h]] if with_logprobs else None
+        return result
+
+    def _execute_step(self, step: StepPlan) -> StepResult:
         swaps = self._swap(step)  # timed on its own (SwapResult.swap_ns)
         lora_ns, lora_disk = self._apply_lora_ops(step)
         t0 = time.perf_counter_ns()

@@ -58,6 +58,12 @@ def decode_only(plan: Plan) -> bool:
     return all(n == 1 + drafts.get(h, 0) for h, n in zip(plan.cached_handles, plan.cached_num_scheduled_tokens))
 
 
+def needs_scheduler(plan: Plan) -> bool:
+    """The plan brings something a multi-step run in progress should stop
+    for, so the scheduler sees it sooner: a new request or a cancel."""
+    return isinstance(plan, StepPlan) and bool(plan.new_requests or plan.finished_handles)
+
+
 def num_scheduled_tokens(plan: Plan) -> int:
     if isinstance(plan, UndecodablePlan):
         return 0
@@ -150,11 +156,26 @@ class StepLoop:
         # whichever runs steps; a float, so the event loop may read it
         # meanwhile.
         self.last_decode_s = 0.0
+        # Plans received and not yet started that need the scheduler
+        # (needs_scheduler): while any is, a multi-step run ends after its
+        # current step (ModelRunner.end_run_early). Changed on the event
+        # loop (put) and by whichever runs steps; read between steps. A
+        # plan run inline cannot be overtaken by one still unreceived.
+        self.num_waiting_attention = 0
+
+    def attention_waiting(self) -> bool:
+        return self.num_waiting_attention > 0
 
     def runs_inline(self, plan: Plan) -> bool:
         return self.inline_decode and self.last_decode_s < INLINE_DECODE_MAX_S and decode_only(plan)
 
+    def received(self, plan: Plan) -> None:
+        if needs_scheduler(plan):
+            self.num_waiting_attention += 1
+
     def run(self, plan: Plan) -> StepResult:
+        if needs_scheduler(plan) and self.num_waiting_attention:
+            self.num_waiting_attention -= 1
         started = time.perf_counter()
         result = self.executor.run(plan)
         if decode_only(plan):
@@ -166,6 +187,7 @@ class StepLoop:
         return self._thread.submit(fn, *args)
 
     def stream(self) -> PlanQueue:
+        self.num_waiting_attention = 0  # a former stream's unrun plans never will be
         return PlanQueue(self)
 
     def close(self) -> None:
@@ -186,6 +208,7 @@ class PlanQueue:
         self._held = 0
 
     def put(self, plan: Plan) -> None:
+        self._steps.received(plan)
         if self._held or self._steps.runs_inline(plan):
             self._held += 1
             self._items.put_nowait((plan, None))

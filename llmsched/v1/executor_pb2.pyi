@@ -141,7 +141,7 @@ class Constraint(_message.Message):
     def __init__(self, grammar: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_handles", "cached_num_scheduled_tokens", "new_block_handles", "new_block_ids", "finished_handles", "traceparent", "epoch", "after_idle", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks", "draft_handles", "draft_counts", "lora_evict_slots", "lora_load_slots", "lora_load_adapters")
+    __slots__ = ("step_id", "new_requests", "cached_handles", "cached_num_scheduled_tokens", "new_block_handles", "new_block_ids", "finished_handles", "traceparent", "epoch", "after_idle", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks", "draft_handles", "draft_counts", "multi_step", "stop_token_ids", "lora_evict_slots", "lora_load_slots", "lora_load_adapters")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_HANDLES_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,8 @@ class StepPlan(_message.Message):
     SWAP_IN_DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HANDLES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    MULTI_STEP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LORA_EVICT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LORA_LOAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LORA_LOAD_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
@@ -177,10 +179,12 @@ class StepPlan(_message.Message):
     swap_in_device_blocks: _containers.RepeatedScalarFieldContainer[int]
     draft_handles: _containers.RepeatedScalarFieldContainer[int]
     draft_counts: _containers.RepeatedScalarFieldContainer[int]
+    multi_step: bool
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     lora_evict_slots: _containers.RepeatedScalarFieldContainer[int]
     lora_load_slots: _containers.RepeatedScalarFieldContainer[int]
     lora_load_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_handles: _Optional[_Iterable[int]] = ..., cached_num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_handles: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_handles: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ..., epoch: _Optional[int] = ..., after_idle: _Optional[bool] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., draft_handles: _Optional[_Iterable[int]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., lora_evict_slots: _Optional[_Iterable[int]] = ..., lora_load_slots: _Optional[_Iterable[int]] = ..., lora_load_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_handles: _Optional[_Iterable[int]] = ..., cached_num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_handles: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_handles: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ..., epoch: _Optional[int] = ..., after_idle: _Optional[bool] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., draft_handles: _Optional[_Iterable[int]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., multi_step: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., lora_evict_slots: _Optional[_Iterable[int]] = ..., lora_load_slots: _Optional[_Iterable[int]] = ..., lora_load_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SampledLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")

@@ -435,6 +435,7 @@ def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size
         preemption_mode=settings.preemption_mode,
         speculative_tokens=speculative_tokens,
         speculative_max_batch=settings.speculative_max_batch,
+        multi_step_decode=settings.multi_step_decode,
         batch_invariant=batch_invariant,
         lora_adapters=tuple(lora_adapters),
         max_loras=max_loras,

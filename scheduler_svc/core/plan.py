@@ -50,8 +50,13 @@ class ScheduledRequest:
     # request.epoch when planned; a different epoch at update time means the
     # executor lost the request since, and this part of the result is stale.
     epoch: int
-    # Speculative drafts verified in this step (num_tokens includes them).
-    num_drafts: int = 0
+    # Lookahead slots: positions past the next token that this step may
+    # fill (num_tokens includes them). They are speculative drafts verified
+    # in one forward, or, in a multi-step plan (StepPlan.multi_step), more
+    # decode steps run one after another. Either way the step yields 1 to
+    # 1 + num_lookahead tokens, and the rest roll back
+    # (Scheduler.update_from_output).
+    num_lookahead: int = 0
 
     @property
     def is_stale(self) -> bool:
@@ -70,9 +75,19 @@ class StepPlan:
     # Blocks appended to cached requests' tables, as parallel lists.
     new_block_handles: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
-    # Requests that speculate this step and their draft counts, in parallel.
-    draft_handles: list[int] = field(default_factory=list)
-    draft_counts: list[int] = field(default_factory=list)
+    # Requests granted lookahead slots this step and their counts, in
+    # parallel (ScheduledRequest.num_lookahead); on the wire, draft_handles
+    # and draft_counts.
+    lookahead_handles: list[int] = field(default_factory=list)
+    lookahead_counts: list[int] = field(default_factory=list)
+    # The lookahead slots are decode steps the executor runs one after
+    # another (multi-step decode), not drafts to verify. A plan is one or
+    # the other (Scheduler._multi_step_lookahead).
+    multi_step: bool = False
+    # Multi-step only: a row that samples one of these ends its run early
+    # (every scheduled row's stop token ids and, unless it ignores EOS, its
+    # EOS ids): the scheduler would finish it there anyway.
+    stop_token_ids: list[int] = field(default_factory=list)
     # Handles the executor must forget before this step.
     finished_handles: list[int] = field(default_factory=list)
     # Requests preempted while building this step (see Request.preempted_by).
@@ -172,7 +187,7 @@ class StepResult:
     prompt_logprobs: list[PromptLogprobsResult] = field(default_factory=list)
     embeddings: list[tuple[int, list[float]]] = field(default_factory=list)
     # Drafts each speculating request verified, by handle (the plan allowed
-    # up to ScheduledRequest.num_drafts).
+    # up to ScheduledRequest.num_lookahead).
     verified_drafts: dict[int, int] = field(default_factory=dict)
     # Time the plan's LoRA evictions and loads took on the executor, and
     # how many loads read their adapter from disk.

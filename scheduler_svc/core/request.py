@@ -119,13 +119,14 @@ class Request:
     # logprobs, or an embedding pooled over every position): it takes no
     # cached blocks and computes its whole prompt.
     skip_prefix_cache: bool = False
-    # Drafts of its speculative steps in flight (0: none in flight). Each
-    # such step holds 1 + its drafts in placeholders and counts them all as
-    # computed, as if every draft will be accepted; its result says how
-    # many were, and the request's later steps move back by the rest
+    # Lookahead slots of its steps in flight (0: none in flight):
+    # speculative drafts, or a multi-step plan's further decode steps. Each
+    # such step holds 1 + its slots in placeholders and counts them all as
+    # computed, as if every slot will yield a token; its result says how
+    # many did, and the request's later steps move back by the rest
     # (Scheduler.update_from_output). Until then it is never swapped: which
-    # of its computed positions hold verified tokens is unknown.
-    num_drafts_in_flight: int = 0
+    # of its computed positions hold known tokens is unknown.
+    num_lookahead_in_flight: int = 0
 
     @property
     def can_speculate(self) -> bool:

@@ -108,6 +108,10 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_lengths: Counter[int] = Counter()
+        # Multi-step decode: lookahead steps granted, and those the executor
+        # ran (the rest ended early: a stop token, an arrival or a cancel).
+        self.num_lookahead_steps = 0
+        self.num_lookahead_steps_run = 0
 
     # ----- admission -------------------------------------------------------
 
@@ -185,6 +189,10 @@ class Scheduler:
             # failure names it and spares the rest of the batch.
             return self._finish_plan(out)
 
+        # Multi-step decode: each decode row's lookahead slots this plan
+        # (0: none), and whether the plan runs them as decode steps.
+        steps_ahead = self._multi_step_lookahead()
+        out.multi_step = steps_ahead > 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -198,8 +206,8 @@ class Scheduler:
             if n is None:
                 i += 1  # its fixed-size chunk waits for a step with room for it
                 continue
-            drafts = self._num_drafts(req, n, budget)
-            n += drafts
+            lookahead = self._num_lookahead(req, n, budget, steps_ahead)
+            n += lookahead
             new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
                 # Only from those not yet in this plan: a victim scheduled
@@ -221,7 +229,7 @@ class Scheduler:
                 break  # req preempted itself: nothing after it can run either
             if self.lora is not None:
                 self.lora.admit(req.adapter)
-            self._record(out, req, n, new_blocks, drafts)
+            self._record(out, req, n, new_blocks, lookahead)
             budget -= n
             i += 1
 
@@ -336,45 +344,87 @@ class Scheduler:
             n = min(n, cfg.max_prefill_chunk)
         return n
 
-    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
-        """Drafts for a decode step of a running request: the executor's
-        most while at most half of speculative_max_batch run, half as many
-        (at least 1) up to speculative_max_batch, none above it; never past
-        max_tokens or max_model_len (the step yields up to 1 + drafts
-        tokens), nor past the step's budget."""
+    def _num_lookahead(self, req: Request, n: int, budget: int, steps_ahead: int) -> int:
+        """Lookahead slots for a decode step of a running request: in a
+        multi-step plan steps_ahead more decode steps; else its speculative
+        drafts, the executor's most while at most half of
+        speculative_max_batch run, half as many (at least 1) up to
+        speculative_max_batch, none above it. Never past max_tokens or
+        max_model_len (the step yields up to 1 + lookahead tokens), nor
+        past the step's budget."""
         cfg = self.config
         running = len(self.running)
         decoding = req.num_tokens_with_placeholders - req.num_computed_tokens == 1  # not a prompt's chunk of 1
-        if (not cfg.speculative_tokens or n != 1 or not decoding or running > cfg.speculative_max_batch
-                or not req.on_executor or not req.can_speculate):
+        if n != 1 or not decoding or not req.on_executor:
             return 0
-        most = cfg.speculative_tokens if 2 * running <= cfg.speculative_max_batch else max(1, cfg.speculative_tokens // 2)
+        if steps_ahead:
+            most = steps_ahead
+        elif cfg.speculative_tokens and running <= cfg.speculative_max_batch and req.can_speculate:
+            most = cfg.speculative_tokens if 2 * running <= cfg.speculative_max_batch else max(1, cfg.speculative_tokens // 2)
+        else:
+            return 0
         left = req.sampling.max_tokens - len(req.output_token_ids) - req.num_output_placeholders - 1
         room = cfg.max_model_len - req.num_tokens_with_placeholders - 1
         return max(0, min(most, left, room, budget - 1))
 
-    def _record(self, out: StepPlan, req: Request, n: int, new_blocks: list[int], drafts: int = 0) -> None:
+    def _multi_step_lookahead(self) -> int:
+        """Multi-step decode: how many decode steps past the first this plan
+        grants each decode row (0: a plain plan). Only when nothing needs
+        the scheduler between steps: nobody waits (a new arrival, or a
+        preempted or swapped-out request to resume), every running request
+        is a plain decode (no prompt chunk, no embedding), none is
+        constrained (its grammar is advanced by the executor one token per
+        step; such a batch steps one at a time), speculation drafts for
+        nobody (it takes the slots when it can: speculative_tokens with at
+        most speculative_max_batch running), and the pool has a free block
+        for every slot granted (a full pool would only preempt for tokens
+        that may never be needed). Stop strings need nothing: a result's
+        tokens past one are cut (stop_by_string), as a speculative step's
+        are; the plan names the stop token ids, where the executor ends a
+        row's run early."""
+        cfg = self.config
+        ahead = cfg.multi_step_decode - 1
+        if ahead <= 0 or self.waiting or not self.running:
+            return 0
+        if self.lora is not None and self.lora.num_parked:
+            return 0  # their adapter's turn comes in plans (lora_slots.py): they would wait k times as long
+        if cfg.speculative_tokens and len(self.running) <= cfg.speculative_max_batch:
+            return 0
+        need = 0
+        for req in self.running:
+            if (req.embed or not req.on_executor or req.constraint is not None
+                    or req.num_tokens_with_placeholders - req.num_computed_tokens > 1):
+                return 0
+            need += self.kv.num_blocks_to_take(req, 1 + ahead)
+        return ahead if self.kv.pool.can_allocate(need) else 0
+
+    def _record(self, out: StepPlan, req: Request, n: int, new_blocks: list[int], lookahead: int = 0) -> None:
         if req.on_executor:
             out.cached_requests.append(req)
             out.cached_num_scheduled_tokens.append(n)
             out.new_block_handles.extend([req.handle] * len(new_blocks))
             out.new_block_ids.extend(new_blocks)
-            if drafts:
-                out.draft_handles.append(req.handle)
-                out.draft_counts.append(drafts)
+            if lookahead:
+                out.lookahead_handles.append(req.handle)
+                out.lookahead_counts.append(lookahead)
+                if out.multi_step:
+                    stops = req.sampling.stop_token_ids
+                    if not req.sampling.ignore_eos:
+                        stops = stops | req.eos_token_ids
+                    out.stop_token_ids.extend(t for t in stops if t not in out.stop_token_ids)
         else:
             out.new_requests.append(NewRequestData.from_request(req, self.kv.get_block_table(req), n))
             req.on_executor = True
         start = req.num_computed_tokens
         if start < req.num_lost_tokens:
             self.num_recomputed_tokens[req.lost_cause] += min(start + n, req.num_lost_tokens) - start
-        samples = start + n - drafts == req.num_tokens_with_placeholders and not req.embed
-        out.entries[req.handle] = ScheduledRequest(req, n, start, samples, req.epoch, drafts)
-        self.policy.charge(req, start, n - drafts, samples)
+        samples = start + n - lookahead == req.num_tokens_with_placeholders and not req.embed
+        out.entries[req.handle] = ScheduledRequest(req, n, start, samples, req.epoch, lookahead)
+        self.policy.charge(req, start, n - lookahead, samples)
         req.num_computed_tokens += n
         if samples:
-            req.num_output_placeholders += 1 + drafts
-            req.num_drafts_in_flight += drafts
+            req.num_output_placeholders += 1 + lookahead
+            req.num_lookahead_in_flight += lookahead
 
     def _preempt(self, req: Request) -> None:
         """Takes the request off the executor and puts it back in the queue,
@@ -407,7 +457,7 @@ class Scheduler:
         # Nor a request whose speculative step is in flight: until its
         # result, which of its computed positions hold verified tokens is
         # unknown.
-        if (mode == "recompute" or req.embed or req.num_drafts_in_flight or self.kv.host is None
+        if (mode == "recompute" or req.embed or req.num_lookahead_in_flight or self.kv.host is None
                 or req.num_computed_tokens == 0):
             return False
         if mode == "swap":
@@ -423,7 +473,7 @@ class Scheduler:
         req.lost_cause = cause
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0
-        req.num_drafts_in_flight = 0
+        req.num_lookahead_in_flight = 0
         req.epoch += 1
 
     def _lose_swapped(self, record: SwappedOut) -> None:
@@ -467,25 +517,32 @@ class Scheduler:
         results: list[SampledToken] = []
         for handle, tokens in _by_handle(sampled):
             e = out.entries.get(handle)
-            if e is None or not e.samples or len(tokens) > 1 + e.num_drafts:
+            if e is None or not e.samples or len(tokens) > 1 + e.num_lookahead:
                 raise RuntimeError(f"executor sampled {len(tokens)} tokens for handle {handle}, which step "
                                    f"{out.step_id} {'samples once' if e is not None and e.samples else 'did not sample'}"
-                                   + (f" after {e.num_drafts} drafts" if e is not None and e.num_drafts else ""))
+                                   + (f" after {e.num_lookahead} lookahead slots" if e is not None and e.num_lookahead else ""))
             if e.is_stale:
                 self.num_dropped_tokens += len(tokens)
                 continue
             req = e.request
-            req.num_output_placeholders -= 1 + e.num_drafts
-            if e.num_drafts:
-                # Positions past the last accepted draft hold the rejected
-                # drafts' KV: they count as not computed, and are computed
-                # again (overwritten) by later steps. A step planned for it
-                # since (while this one was in flight) assumed every draft
-                # accepted; the executor ran it from where the accepted
-                # tokens end, so it moves back by as much.
-                req.num_drafts_in_flight -= e.num_drafts
-                req.num_computed_tokens -= 1 + e.num_drafts - len(tokens)
-                verified = e.num_drafts if verified_drafts is None else verified_drafts.get(handle, e.num_drafts)
+            req.num_output_placeholders -= 1 + e.num_lookahead
+            if e.num_lookahead:
+                # Lookahead slots past the tokens yielded (rejected drafts,
+                # or decode steps a multi-step run did not reach) count as
+                # not computed; what a rejected draft wrote there is
+                # overwritten by later steps. A step planned for it since
+                # (while this one was in flight) assumed every slot filled;
+                # the executor ran it from where the yielded tokens end, so
+                # it moves back by as much.
+                req.num_lookahead_in_flight -= e.num_lookahead
+                req.num_computed_tokens -= 1 + e.num_lookahead - len(tokens)
+                if out.multi_step:
+                    self.num_lookahead_steps += e.num_lookahead
+                    self.num_lookahead_steps_run += len(tokens) - 1
+                    verified = 0
+                else:
+                    verified = (e.num_lookahead if verified_drafts is None
+                                else verified_drafts.get(handle, e.num_lookahead))
                 if verified:  # else the proposer found nothing: a plain decode step
                     self.num_draft_tokens += verified
                     self.num_accepted_tokens += len(tokens) - 1

@@ -38,9 +38,13 @@ class SchedulerConfig:
     preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
     # Speculative decoding: the executor's most drafts per request per step
     # (0 = it does not speculate), and the batch size above which no request
-    # drafts (Scheduler._num_drafts).
+    # drafts (Scheduler._num_lookahead).
     speculative_tokens: int = 0
     speculative_max_batch: int = 16
+    # Multi-step decode: at most this many decode steps per plan when
+    # nothing needs the scheduler between them (1 = off;
+    # Scheduler._multi_step_lookahead).
+    multi_step_decode: int = 1
     # The executor is batch-invariant (EXECUTOR_BATCH_INVARIANT): a prompt's
     # chunks then end at multiples of invariant_chunk and are never cut
     # short by the step's budget (Scheduler._num_tokens_to_schedule).

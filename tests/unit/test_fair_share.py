@@ -204,7 +204,7 @@ def test_a_speculative_step_charges_every_token_it_yields():
     run_step(sched)  # the prompt, and its first token
     before = sched.policy.counters["A"]
     out = sched.schedule()
-    assert out.draft_counts == [4]
+    assert out.lookahead_counts == [4]
     sched.update_from_output(out, [(req.handle, t, None) for t in (5, 6, 7)])  # 2 drafts accepted
     assert sched.policy.served["A"] == [8, 1 + 3]
     # As much as three plain decode steps of the same request add.

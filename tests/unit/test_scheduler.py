@@ -128,8 +128,8 @@ def test_every_generating_request_speculates_whatever_its_sampling_settings():
         sched.add_request(req)
     run_step(sched)  # the prompts
     out = sched.schedule()
-    assert sorted(out.draft_handles) == sorted(r.handle for r in [constrained] + others)
-    assert out.draft_counts == [4] * 6
+    assert sorted(out.lookahead_handles) == sorted(r.handle for r in [constrained] + others)
+    assert out.lookahead_counts == [4] * 6
 
 
 def test_speculating_an_unseeded_request_gets_a_random_seed_of_its_own():

@@ -43,6 +43,11 @@ SCHEDULER_SHAPES = dict(
     # or 16 requests run.
     speculative_tokens=st.sampled_from([0, 0, 2, 4]),
     speculative_max_batch=st.sampled_from([1, 4, 16]),
+    # Multi-step decode off, or up to 2 or 4 steps per plan. The fake
+    # executor answers its lookahead slots as it does drafts, with a random
+    # count yielded: to the scheduler, a run that ended early is a step
+    # whose later drafts were rejected.
+    multi_step_decode=st.sampled_from([1, 1, 2, 4]),
 )
 
 
@@ -66,12 +71,12 @@ FIRST_ARRIVALS = st.lists(st.fixed_dictionaries(dict(
 
 
 def shaped_scheduler(num_blocks, block_size, max_num_seqs, budget, chunk, policy, caching, host_blocks,
-                     preemption_mode, speculative_tokens=0, speculative_max_batch=16):
+                     preemption_mode, speculative_tokens=0, speculative_max_batch=16, multi_step_decode=1):
     return Scheduler(SchedulerConfig(
         num_kv_blocks=num_blocks, block_size=block_size, max_model_len=64, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget, max_prefill_chunk=chunk, policy=policy, enable_prefix_caching=caching,
         num_host_blocks=host_blocks, preemption_mode=preemption_mode, speculative_tokens=speculative_tokens,
-        speculative_max_batch=speculative_max_batch,
+        speculative_max_batch=speculative_max_batch, multi_step_decode=multi_step_decode,
     ), swap_cost=ParityCost())
 
 
@@ -203,10 +208,10 @@ class ExecutorMirror:
                 f"was planned rejected {unknown} of its drafts")
             end = start + e.num_tokens
             known = len(row.tokens)
-            assert end <= known + e.num_drafts, f"handle {h}: plan computes past the tokens the executor knows"
-            if e.num_drafts:
-                assert start == known - 1 and end == known + e.num_drafts, "drafts follow the next token"
-                drafts = [token(len(sampled) + j) for j in range(e.num_drafts)]
+            assert end <= known + e.num_lookahead, f"handle {h}: plan computes past the tokens the executor knows"
+            if e.num_lookahead:
+                assert start == known - 1 and end == known + e.num_lookahead, "drafts follow the next token"
+                drafts = [token(len(sampled) + j) for j in range(e.num_lookahead)]
                 for t in drafts:  # proposed: their KV is written like any token's, then mostly rolled back
                     row.append(t)
             assert len(row.table) * bs >= end, "table must cover the step"
@@ -217,14 +222,14 @@ class ExecutorMirror:
                     assert got == row.ids[p], f"handle {h} reads wrong KV at position {p} (block {row.table[p // bs]})"
             for p in range(start, end):
                 self.device[row.table[p // bs]][p % bs] = None if row.poisoned else row.ids[p]
-            if e.num_drafts:
-                accepted = min(e.num_drafts, max(0, accept(len(sampled), e.num_drafts)))
-                yielded = drafts[:accepted] + [token(len(sampled) + e.num_drafts)]
+            if e.num_lookahead:
+                accepted = min(e.num_lookahead, max(0, accept(len(sampled), e.num_lookahead)))
+                yielded = drafts[:accepted] + [token(len(sampled) + e.num_lookahead)]
                 row.truncate(known + accepted)
                 for t in yielded[accepted:]:
                     row.append(t)
                 row.computed = known + accepted
-                rejections.append((row, e.num_drafts - accepted))
+                rejections.append((row, e.num_lookahead - accepted))
                 sampled += [(h, t) for t in yielded]
                 continue
             row.computed = end
@@ -586,7 +591,7 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
         for out in self.in_flight:
             for e in out.entries.values():
                 if not e.is_stale:
-                    expected[e.request.request_id] += e.samples * (1 + e.num_drafts)  # a draft may be a token
+                    expected[e.request.request_id] += e.samples * (1 + e.num_lookahead)  # a draft may be a token
         for req in self.sched.requests.values():
             # A request swapped out with a step in flight still expects its token.
             assert req.num_output_placeholders == expected[req.request_id], (

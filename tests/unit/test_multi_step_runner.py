@@ -1,0 +1,114 @@
+"""Multi-step decode on the executor (ModelRunner._execute_multi_step): a
+plan whose rows hold lookahead slots runs that many more decode steps and
+returns every step's tokens, the same tokens and logprobs as one step per
+plan (greedy: HF's), and ends a row's run at a stop token, every row's
+when a plan waiting needs the scheduler. Scheduling: test_multi_step.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from executor_svc.step.runner import NewRequestData, PlanError, StepPlan
+from executor_svc.step.sampler import SamplingSettings
+from tests.oracle import hf_greedy
+from tests.unit.test_runner_vs_hf import GREEDY, make_runner
+
+PROMPTS = [[1, 403, 407, 261, 378], [1, 65, 322, 90, 261, 505, 300]]
+SAMPLED = SamplingSettings(temperature=1.0, top_p=0.9, top_k=0, seed=1234, logprobs=2, frequency_penalty=0.4)
+
+
+def decode(runner, sampling: list[SamplingSettings], num_tokens: int, lookahead: list[int],
+           stop_token_ids: list[int] = ()) -> tuple[dict, dict, int]:
+    """Each prompt decoded to num_tokens tokens by plans that grant
+    request h lookahead[h] slots (all 0: one step per plan), the way the
+    scheduler plans them: 1 + slots tokens each, blocks for all. Returns
+    each request's tokens, logprobs and the plans run."""
+    news = [NewRequestData(h, p, list(range(16 * h, 16 * h + 16)), 0, len(p), s, 0)
+            for h, (p, s) in enumerate(zip(PROMPTS, sampling))]
+    out = runner.execute(StepPlan(0, news))
+    tokens = {h: [] for h in range(len(PROMPTS))}
+    logprobs = {h: [] for h in range(len(PROMPTS))}
+    steps = 1
+    while True:
+        for i, (h, t) in enumerate(zip(out.sampled_handles, out.sampled_token_ids)):
+            tokens[h].append(t)
+            logprobs[h].append(out.logprobs[i] if out.logprobs else None)
+        left = [h for h in tokens if len(tokens[h]) < num_tokens]
+        if not left:
+            break
+        k = [min(lookahead[h], num_tokens - len(tokens[h]) - 1) for h in left]
+        out = runner.execute(StepPlan(steps, cached_handles=left, cached_num_scheduled_tokens=[1 + n for n in k],
+                                      draft_handles=[h for h, n in zip(left, k) if n],
+                                      draft_counts=[n for n in k if n], multi_step=any(k),
+                                      stop_token_ids=list(stop_token_ids)))
+        steps += 1
+    runner.execute(StepPlan(steps, finished_handles=list(tokens)))
+    return tokens, logprobs, steps
+
+
+@pytest.fixture(scope="module")
+def runner(stories_path):
+    return make_runner(str(stories_path))
+
+
+def test_greedy_multi_step_decode_yields_hf_s_tokens(runner, stories_path):
+    plain, _, plain_plans = decode(runner, [GREEDY, GREEDY], 24, [0, 0])
+    multi, _, multi_plans = decode(runner, [GREEDY, GREEDY], 24, [3, 1])
+    assert multi == plain
+    assert multi_plans < plain_plans / 1.5
+    for h, p in enumerate(PROMPTS):
+        want = hf_greedy(str(stories_path), p, 24, ignore_eos=True)
+        assert plain[h] == want[:len(plain[h])]
+
+
+def test_seeded_sampling_with_penalties_and_logprobs_is_the_same_per_step_or_per_plan(runner):
+    """Each step draws with the uniform of its (seed, output position), and
+    penalties count every token sampled before it, as one step per plan."""
+    plain, plain_lps, _ = decode(runner, [SAMPLED, GREEDY], 30, [0, 0])
+    multi, multi_lps, _ = decode(runner, [SAMPLED, GREEDY], 30, [4, 2])
+    assert multi == plain
+    for (lp, ids, top), (lp2, ids2, top2) in zip(multi_lps[0], plain_lps[0]):
+        assert ids == ids2 and lp == pytest.approx(lp2, abs=1e-4) and top == pytest.approx(top2, abs=1e-4)
+    other, _, _ = decode(runner, [SamplingSettings(1.0, 0.9, 0, seed=99, logprobs=0), GREEDY], 30, [4, 2])
+    assert other[0] != plain[0], "another seed draws other tokens (else the test could not fail)"
+
+
+def test_a_stop_token_ends_the_row_s_run_and_the_next_plan_goes_on_from_there(runner):
+    plain, _, _ = decode(runner, [GREEDY, GREEDY], 12, [0, 0])
+    stop = plain[0][2]
+    news = [NewRequestData(h, p, list(range(16 * h, 16 * h + 16)), 0, len(p), GREEDY, 0) for h, p in enumerate(PROMPTS)]
+    runner.execute(StepPlan(0, news))
+    out = runner.execute(StepPlan(1, cached_handles=[0, 1], cached_num_scheduled_tokens=[5, 5], draft_handles=[0, 1],
+                                  draft_counts=[4, 4], multi_step=True, stop_token_ids=[stop]))
+    got = {h: [t for g, t in zip(out.sampled_handles, out.sampled_token_ids) if g == h] for h in (0, 1)}
+    assert got[0] == plain[0][1:3], "row 0 stops with the stop token"
+    assert got[1] == plain[1][1:6] or stop in got[1]
+    # The scheduler planned the next step as if row 0 ran all 5 steps; the
+    # executor runs it from where row 0 is.
+    out = runner.execute(StepPlan(2, cached_handles=[0], cached_num_scheduled_tokens=[3], draft_handles=[0],
+                                  draft_counts=[2], multi_step=True))
+    assert out.sampled_token_ids == plain[0][3:6]
+    runner.execute(StepPlan(3, finished_handles=[0, 1]))
+
+
+def test_a_plan_waiting_for_the_scheduler_ends_every_run_after_its_step(runner):
+    plain, _, _ = decode(runner, [GREEDY, GREEDY], 8, [0, 0])
+    try:
+        runner.end_run_early = lambda: True
+        ended, _, plans = decode(runner, [GREEDY, GREEDY], 8, [3, 3])
+    finally:
+        runner.end_run_early = None
+    assert ended == plain and plans == 8, "one token per plan, and nothing lost"
+
+
+def test_lookahead_slots_that_are_not_the_row_s_next_decode_are_refused(runner):
+    runner.execute(StepPlan(0, [NewRequestData(0, PROMPTS[0], list(range(16)), 0, 3, GREEDY, 0)]))
+    with pytest.raises(PlanError, match="does not sample"):
+        runner.execute(StepPlan(1, cached_handles=[0], cached_num_scheduled_tokens=[3], draft_handles=[0],
+                                draft_counts=[2], multi_step=True))
+    runner.reset()
+    with pytest.raises(PlanError, match="not 3"):
+        runner.execute(StepPlan(0, [NewRequestData(0, PROMPTS[0], list(range(16)), 0, 5, GREEDY, 0)]))
+        runner.execute(StepPlan(1, cached_handles=[0], cached_num_scheduled_tokens=[2], draft_handles=[0],
+                                draft_counts=[2], multi_step=True))
+    runner.reset()

@@ -54,7 +54,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                                 self.host_kv.block_bytes if self.host_kv is not None else 0)
         # Decode steps run inline on CPU alone: see StepLoop.
         self.steps = StepLoop(executor, inline_decode=self.device.type == "cpu" and self.tp is None)
-        loaded.runner.end_run_early = self.steps.attention_waiting
+        loaded.runner.run_interrupts = self.steps.interrupts.pending
         self.instance_id = uuid.uuid4().hex
         # One scheduler drives the executor at a time: a second step stream
         # is refused while the first is open. A scheduler that dies or stops

@@ -59,6 +59,9 @@ class SchedulerSettings(BaseSettings):
         "pool), one plan runs up to this many decode steps on the executor, which returns each step's tokens. "
         "A new request or a cancel arriving on the executor, or a stop token, ends the run early; tokens past a "
         "stop string are cut. Output is the same as one step per plan. 1 = off.")
+    multi_step_max_batch: int = Field(
+        default=8, ge=0, description="Multi-step decode (`SCHEDULER_MULTI_STEP_DECODE`) only while at most this "
+        "many requests run: a larger batch already spreads each step's fixed cost over its rows.")
     lora_quantum_steps: int = Field(
         default=4, ge=1, le=100000, description="With more LoRA adapters wanted than the executor has device slots "
         "(`EXECUTOR_MAX_LORAS`): the steps an adapter keeps its slot while another waits for one. Then its running "

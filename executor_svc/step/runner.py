@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Container
 
 import numpy as np
 import torch
@@ -212,11 +212,12 @@ class ModelRunner:
         self.compiled = CompiledDecode(model, pool) if torch_compile else None
         if device.type == "cpu":
             retain_freed_memory()
-        # Multi-step decode: whether a plan that has arrived since carries
-        # something the scheduler must act on (a new request, a cancel), so
-        # the run in progress ends early. Set by the step loop; one device
-        # only (the ranks of a tensor-parallel group must run the same steps).
-        self.end_run_early: Callable[[], bool] | None = None
+        # Multi-step decode: what plans received since bring (step_loop.
+        # RunInterrupts.pending): whether a new request waits, which ends
+        # every run early so the scheduler admits it sooner, and the handles
+        # they finish, whose runs end. Set by the step loop; heeded on one
+        # device only (a tensor-parallel group's ranks run the same steps).
+        self.run_interrupts: Callable[[], tuple[bool, Container[int]]] | None = None
 
     def reset(self) -> None:
         """Forgets every request, e.g. when a new scheduler connects (whose
@@ -401,8 +402,9 @@ class ModelRunner:
         slots left, the token sampled before as its input. Each step is
         the single-step path itself, so sampling (greedy, per-position
         seeded draws, penalties, logprobs) is what one step per plan gives.
-        A row stops after a stop token, and every row stops once a plan
-        that arrived meanwhile needs the scheduler (end_run_early). Tokens
+        A row stops after a stop token or once a plan received meanwhile
+        finishes it, and every row stops once one brings a new request
+        (run_interrupts). Tokens
         come back grouped by request, in step order; slots not run count
         as not computed, as rejected drafts' do."""
         lookahead = dict(zip(step.draft_handles, step.draft_counts))
@@ -433,7 +435,14 @@ class ModelRunner:
             if h not in tokens and h not in failed:
                 raise PlanError(f"handle {h}: lookahead slots, but its step does not sample (not a decode)")
         left = {h: k for h, k in lookahead.items() if h not in failed and tokens[h][-1] not in stops}
-        while left and not (self.tp is None and self.end_run_early is not None and self.end_run_early()):
+        while left:
+            if self.tp is None and self.run_interrupts is not None:
+                arrival, finished = self.run_interrupts()
+                if arrival:
+                    break
+                left = {h: k for h, k in left.items() if h not in finished}
+                if not left:
+                    break
             sub = self._execute_step(StepPlan(step.step_id, cached_handles=list(left),
                                               cached_num_scheduled_tokens=[1] * len(left)))
             collect(sub)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -58,10 +59,43 @@ def decode_only(plan: Plan) -> bool:
     return all(n == 1 + drafts.get(h, 0) for h, n in zip(plan.cached_handles, plan.cached_num_scheduled_tokens))
 
 
-def needs_scheduler(plan: Plan) -> bool:
-    """The plan brings something a multi-step run in progress should stop
-    for, so the scheduler sees it sooner: a new request or a cancel."""
-    return isinstance(plan, StepPlan) and bool(plan.new_requests or plan.finished_handles)
+def num_steps(plan: Plan) -> int:
+    """Decode steps the plan runs at most: 1 + its most lookahead slots
+    when multi-step, else 1."""
+    if isinstance(plan, StepPlan) and plan.multi_step and plan.draft_counts:
+        return 1 + max(plan.draft_counts)
+    return 1
+
+
+class RunInterrupts:
+    """What the plans received and not yet started bring that a multi-step
+    run (ModelRunner._execute_multi_step) heeds between its steps: a new
+    request ends every row's run, so the scheduler admits it sooner; a
+    finished handle (a cancel, or a request that ended) ends that row's,
+    whose tokens would be dropped. A plan run inline cannot be overtaken
+    by one not yet received: only runs on the step thread see them."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.num_arrivals = 0
+        self.finished: Counter[int] = Counter()
+
+    def received(self, plan: Plan) -> None:
+        if isinstance(plan, StepPlan):
+            self.num_arrivals += bool(plan.new_requests)
+            self.finished.update(plan.finished_handles)
+
+    def started(self, plan: Plan) -> None:
+        if isinstance(plan, StepPlan):
+            self.num_arrivals -= bool(plan.new_requests) and self.num_arrivals > 0
+            self.finished.subtract(plan.finished_handles)
+            self.finished = +self.finished
+
+    def pending(self) -> tuple[bool, Counter[int]]:
+        """(whether a new request waits, the handles a waiting plan finishes)."""
+        return self.num_arrivals > 0, self.finished
 
 
 def num_scheduled_tokens(plan: Plan) -> int:
@@ -156,30 +190,23 @@ class StepLoop:
         # whichever runs steps; a float, so the event loop may read it
         # meanwhile.
         self.last_decode_s = 0.0
-        # Plans received and not yet started that need the scheduler
-        # (needs_scheduler): while any is, a multi-step run ends after its
-        # current step (ModelRunner.end_run_early). Changed on the event
-        # loop (put) and by whichever runs steps; read between steps. A
-        # plan run inline cannot be overtaken by one still unreceived.
-        self.num_waiting_attention = 0
-
-    def attention_waiting(self) -> bool:
-        return self.num_waiting_attention > 0
+        # What plans received and not yet started bring that a multi-step
+        # run in progress should heed (RunInterrupts): changed on the event
+        # loop (put) and by whichever runs steps, read between steps.
+        self.interrupts = RunInterrupts()
 
     def runs_inline(self, plan: Plan) -> bool:
         return self.inline_decode and self.last_decode_s < INLINE_DECODE_MAX_S and decode_only(plan)
 
-    def received(self, plan: Plan) -> None:
-        if needs_scheduler(plan):
-            self.num_waiting_attention += 1
-
     def run(self, plan: Plan) -> StepResult:
-        if needs_scheduler(plan) and self.num_waiting_attention:
-            self.num_waiting_attention -= 1
+        self.interrupts.started(plan)
         started = time.perf_counter()
         result = self.executor.run(plan)
         if decode_only(plan):
-            self.last_decode_s = time.perf_counter() - started
+            # Per decode step: a multi-step plan's run keeps the loop for a
+            # few of them, still far below what a health check waits, and
+            # to the thread it would pay the hand-off again.
+            self.last_decode_s = (time.perf_counter() - started) / num_steps(plan)
         return result
 
     def on_thread(self, fn: Callable, *args) -> Future:
@@ -187,7 +214,7 @@ class StepLoop:
         return self._thread.submit(fn, *args)
 
     def stream(self) -> PlanQueue:
-        self.num_waiting_attention = 0  # a former stream's unrun plans never will be
+        self.interrupts.clear()  # a former stream's unrun plans never will be
         return PlanQueue(self)
 
     def close(self) -> None:
@@ -208,7 +235,7 @@ class PlanQueue:
         self._held = 0
 
     def put(self, plan: Plan) -> None:
-        self._steps.received(plan)
+        self._steps.interrupts.received(plan)
         if self._held or self._steps.runs_inline(plan):
             self._held += 1
             self._items.put_nowait((plan, None))

@@ -436,6 +436,7 @@ def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size
         speculative_tokens=speculative_tokens,
         speculative_max_batch=settings.speculative_max_batch,
         multi_step_decode=settings.multi_step_decode,
+        multi_step_max_batch=settings.multi_step_max_batch,
         batch_invariant=batch_invariant,
         lora_adapters=tuple(lora_adapters),
         max_loras=max_loras,

@@ -369,8 +369,10 @@ class Scheduler:
 
     def _multi_step_lookahead(self) -> int:
         """Multi-step decode: how many decode steps past the first this plan
-        grants each decode row (0: a plain plan). Only when nothing needs
-        the scheduler between steps: nobody waits (a new arrival, or a
+        grants each decode row (0: a plain plan). Only while at most
+        multi_step_max_batch requests run (a larger batch spreads the
+        per-step cost it saves over more tokens already, and measured no
+        faster), and when nothing needs the scheduler between steps: nobody waits (a new arrival, or a
         preempted or swapped-out request to resume), every running request
         is a plain decode (no prompt chunk, no embedding), none is
         constrained (its grammar is advanced by the executor one token per
@@ -384,7 +386,7 @@ class Scheduler:
         row's run early."""
         cfg = self.config
         ahead = cfg.multi_step_decode - 1
-        if ahead <= 0 or self.waiting or not self.running:
+        if ahead <= 0 or self.waiting or not self.running or len(self.running) > cfg.multi_step_max_batch:
             return 0
         if self.lora is not None and self.lora.num_parked:
             return 0  # their adapter's turn comes in plans (lora_slots.py): they would wait k times as long

@@ -42,9 +42,10 @@ class SchedulerConfig:
     speculative_tokens: int = 0
     speculative_max_batch: int = 16
     # Multi-step decode: at most this many decode steps per plan when
-    # nothing needs the scheduler between them (1 = off;
-    # Scheduler._multi_step_lookahead).
+    # nothing needs the scheduler between them (1 = off), while at most
+    # multi_step_max_batch requests run (Scheduler._multi_step_lookahead).
     multi_step_decode: int = 1
+    multi_step_max_batch: int = 8
     # The executor is batch-invariant (EXECUTOR_BATCH_INVARIANT): a prompt's
     # chunks then end at multiples of invariant_chunk and are never cut
     # short by the step's budget (Scheduler._num_tokens_to_schedule).

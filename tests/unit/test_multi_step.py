@@ -59,6 +59,13 @@ def test_a_waiting_request_a_prompt_chunk_or_a_constraint_means_one_step():
     assert not out.multi_step and not out.lookahead_handles
 
 
+def test_a_batch_above_multi_step_max_batch_steps_one_token_per_plan():
+    sched, reqs = decoding(num_requests=3, multi_step_max_batch=2)
+    assert not sched.schedule().multi_step
+    sched.finish_request(reqs[0].request_id, RequestStatus.FINISHED_ABORTED)
+    assert sched.schedule().multi_step
+
+
 def test_speculation_takes_the_slots_while_it_drafts():
     sched, reqs = decoding(speculative_tokens=2, speculative_max_batch=16)
     out = sched.schedule()

@@ -91,14 +91,40 @@ def test_a_stop_token_ends_the_row_s_run_and_the_next_plan_goes_on_from_there(ru
     runner.execute(StepPlan(3, finished_handles=[0, 1]))
 
 
-def test_a_plan_waiting_for_the_scheduler_ends_every_run_after_its_step(runner):
+def test_a_waiting_arrival_ends_every_run_and_a_waiting_forget_ends_that_row_s(runner):
     plain, _, _ = decode(runner, [GREEDY, GREEDY], 8, [0, 0])
     try:
-        runner.end_run_early = lambda: True
+        runner.run_interrupts = lambda: (True, ())
         ended, _, plans = decode(runner, [GREEDY, GREEDY], 8, [3, 3])
+        assert ended == plain and plans == 8, "one token per plan, and nothing lost"
+        runner.run_interrupts = lambda: (False, {1})  # a plan received forgets handle 1
+        news = [NewRequestData(h, p, list(range(16 * h, 16 * h + 16)), 0, len(p), GREEDY, 0)
+                for h, p in enumerate(PROMPTS)]
+        runner.execute(StepPlan(0, news))
+        out = runner.execute(StepPlan(1, cached_handles=[0, 1], cached_num_scheduled_tokens=[4, 4],
+                                      draft_handles=[0, 1], draft_counts=[3, 3], multi_step=True))
+        assert out.sampled_handles == [0] * 4 + [1] and out.sampled_token_ids == plain[0][1:5] + plain[1][1:2]
+        runner.execute(StepPlan(2, finished_handles=[0, 1]))
     finally:
-        runner.end_run_early = None
-    assert ended == plain and plans == 8, "one token per plan, and nothing lost"
+        runner.run_interrupts = None
+
+
+def test_the_step_loop_tells_a_run_what_plans_received_bring():
+    from executor_svc.step.step_loop import RunInterrupts
+
+    interrupts = RunInterrupts()
+    decode_plan = StepPlan(1, cached_handles=[0], cached_num_scheduled_tokens=[1])
+    forget = StepPlan(2, finished_handles=[3])
+    arrival = StepPlan(3, [NewRequestData(4, PROMPTS[0], [0], 0, 5, GREEDY, 0)])
+    for plan in (decode_plan, forget, arrival):
+        interrupts.received(plan)
+    arriving, finished = interrupts.pending()
+    assert arriving and set(finished) == {3}
+    interrupts.started(decode_plan)
+    interrupts.started(forget)
+    assert interrupts.pending()[0] and not interrupts.pending()[1]
+    interrupts.started(arrival)
+    assert interrupts.pending() == (False, {})
 
 
 def test_lookahead_slots_that_are_not_the_row_s_next_decode_are_refused(runner):

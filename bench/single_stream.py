@@ -8,8 +8,8 @@ Ours: both services are launched (one torch thread for the executor), one
 greedy request streams `--tokens` tokens with ignore_eos; time per output
 token is (last token's arrival - first token's arrival) / (tokens - 1), so
 the prefill is left out. It runs once per SCHEDULER_MAX_PLANS_IN_FLIGHT
-and EXECUTOR_TORCH_COMPILE value given (and SCHEDULER_MULTI_STEP_DECODE,
-with --multi-step). HF: `generate` with max_new_tokens
+and EXECUTOR_TORCH_COMPILE value given (and SCHEDULER_MULTI_STEP_DECODE
+with --multi-step; without it, the scheduler's default). HF: `generate` with max_new_tokens
 = tokens and = 1 on the same prompt (one thread, KV cache on); time per
 token = (T(tokens) - T(1)) / (tokens - 1). The greedy tokens of both sides are compared. Medians over
 --repeats runs; the JSON report goes to bench_results/.
@@ -35,14 +35,14 @@ PROMPT = [1, 403, 407, 261, 378]  # "Once upon a time" in stories260K's tokenize
 
 
 def ours_per_token_ms(model: str, in_flight: int, torch_compile: str, tokens: int, repeats: int,
-                      threads: int, multi_step: int = 1) -> tuple[list[float], list[int]]:
+                      threads: int, multi_step: int | None = None) -> tuple[list[float], list[int]]:
     from llmsched.launch import launch
 
     services = launch(
         executor_env={"EXECUTOR_MODEL": model, "EXECUTOR_NUM_THREADS": str(threads),
                       "EXECUTOR_TORCH_COMPILE": torch_compile},
         scheduler_env={"SCHEDULER_MAX_PLANS_IN_FLIGHT": str(in_flight),
-                       "SCHEDULER_MULTI_STEP_DECODE": str(multi_step)},
+                       **({} if multi_step is None else {"SCHEDULER_MULTI_STEP_DECODE": str(multi_step)})},
     ).start()
     try:
         with grpc.insecure_channel(services.scheduler_address) as channel:
@@ -101,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch-compile", choices=["off", "on"], action="append", default=None,
                    help="EXECUTOR_TORCH_COMPILE values to run (default: off and on)")
     p.add_argument("--multi-step", type=int, action="append", default=None,
-                   help="SCHEDULER_MULTI_STEP_DECODE values to run (default: 1, off)")
+                   help="SCHEDULER_MULTI_STEP_DECODE values to run (default: the scheduler's default)")
     p.add_argument("--out", type=Path, default=Path("bench_results") / "single_stream.json")
     args = p.parse_args(argv)
     configs = [(k, c, m) for c in args.torch_compile or ["off", "on"] for k in args.plans_in_flight or [1, 2]
-               for m in args.multi_step or [1]]
+               for m in args.multi_step or [None]]
 
     hf_times, hf_tokens = hf_per_token_ms(args.model, args.tokens, args.repeats, args.num_threads)
     hf_ms = statistics.median(hf_times)
@@ -121,11 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         ms = statistics.median(times)
         same = tokens == hf_tokens
         mismatch |= not same
-        report["ours"][f"{k}-in-flight-compile-{compiled}" + (f"-multi-step-{multi}" if multi > 1 else "")] = {
+        report["ours"][f"{k}-in-flight-compile-{compiled}" + (f"-multi-step-{multi}" if multi else "")] = {
             "plans_in_flight": k, "torch_compile": compiled, "multi_step": multi, "ms_per_token": ms, "runs_ms": times,
             "ratio_to_hf": ms / hf_ms, "tokens_equal_hf": same}
         label = f"llmsched, {k} plan{'s' if k > 1 else ''} in flight, compile {compiled}" + (
-            f", {multi} steps" if multi > 1 else "")
+            f", multi-step {multi}" if multi else "")
         print(f"{label:44} {ms:9.3f} {ms / hf_ms:14.2f}x{'' if same else '  (tokens differ from HF!)'}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

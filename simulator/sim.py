@@ -90,8 +90,11 @@ class Simulation(CoreListener):
         self.core = EngineCore(core_limits(settings), self)
         # The scheduler weighs a swap against a recompute with the step times
         # the core measures, here the cost model's: as in the engine.
-        self.core.attach(scheduler_config(settings, g.num_kv_blocks, g.block_size, g.max_model_len,
-                                          g.num_host_kv_blocks))
+        # One step per plan: the cost model prices a plan by its shape, one
+        # forward, and the fake executor samples one token per row, so
+        # multi-step decode (SCHEDULER_MULTI_STEP_DECODE) is not simulated.
+        self.core.attach(scheduler_config(settings.model_copy(update={"multi_step_decode": 1}), g.num_kv_blocks,
+                                          g.block_size, g.max_model_len, g.num_host_kv_blocks))
         self.maker = PromptMaker(g.vocab_size, trace.options.seed, max(r.prompt_len for r in trace.records))
         self.now = 0.0
         self.results = [RequestResult(r.index, f"trace-{r.index}", r.arrival_s, r.output_len, r.prompt_len)

@@ -2,7 +2,7 @@
 issue 37): greedy output equals HF's token for token with requests
 arriving, cancelled and finishing mid-run; a seeded sampled request with
 penalties and logprobs, and a request cut by a stop string, yield what
-the shared stack (one step per plan) yields. In process:
+a stack with one step per plan yields. In process:
 tests/unit/test_multi_step.py and test_multi_step_runner.py."""
 
 from __future__ import annotations
@@ -24,6 +24,16 @@ RUN = 'llmsched_multi_step_lookahead_steps_total{outcome="run"}'
 def multi_step(stories_path):
     services, client = start_services(str(stories_path), scheduler_env={"SCHEDULER_MULTI_STEP_DECODE": "4"})
     yield services, client
+    client.channel.close()
+    services.stop()
+
+
+@pytest.fixture(scope="module")
+def one_step(stories_path):
+    """The same model, one decode step per plan (the shared stack runs
+    the default, multi-step)."""
+    services, client = start_services(str(stories_path), scheduler_env={"SCHEDULER_MULTI_STEP_DECODE": "1"})
+    yield client
     client.channel.close()
     services.stop()
 
@@ -61,7 +71,7 @@ def test_greedy_multi_step_output_equals_hf_with_arrivals_cancels_and_stops(mult
     client.assert_no_leaked_blocks()
 
 
-def test_sampled_requests_and_stop_strings_yield_what_one_step_per_plan_yields(multi_step, stories):
+def test_sampled_requests_and_stop_strings_yield_what_one_step_per_plan_yields(multi_step, one_step):
     services, client = multi_step
     stop_at = hf_greedy(client.model, list(client.stub.Tokenize(
         spb.TokenizeRequest(prompt=STORY_PROMPTS[1]), timeout=10).token_ids), 30)
@@ -78,8 +88,8 @@ def test_sampled_requests_and_stop_strings_yield_what_one_step_per_plan_yields(m
 
     sampled = {"max_tokens": 60, "temperature": 0.8, "top_p": 0.95, "logprobs": 2, "ignore_eos": True,
                "frequency_penalty": 0.3, "repetition_penalty": 1.1}
-    cases = [(p, {**sampled, "seed": 100 + i}, on) for i, p in enumerate(STORY_PROMPTS[:3]) for on in (client, stories)]
-    cases += [(STORY_PROMPTS[1], {"max_tokens": 30, "temperature": 0, "stop": [stop]}, on) for on in (client, stories)]
+    cases = [(p, {**sampled, "seed": 100 + i}, on) for i, p in enumerate(STORY_PROMPTS[:3]) for on in (client, one_step)]
+    cases += [(STORY_PROMPTS[1], {"max_tokens": 30, "temperature": 0, "stop": [stop]}, on) for on in (client, one_step)]
     with ThreadPoolExecutor(len(cases)) as pool:
         results = list(pool.map(run, cases))
     for i in range(0, len(cases), 2):

@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             # Written after every round, so that a run cut short keeps what it measured.
             report["summary"] = summarize(rounds)
             args.out.write_text(json.dumps(report, indent=2))
-            _say(f"  tok/s " + ", ".join(f"{s} {this[s]['throughput']['tok_per_s']:.0f}" for s in systems)
+            _say("  tok/s " + ", ".join(f"{s} {this[s]['throughput']['tok_per_s']:.0f}" for s in systems)
                  + "; ms/token " + ", ".join(f"{s} {this[s]['single']['ms_per_token']:.3f}" for s in systems
                                              if "single" in this[s]))
     print(format_table(report))

@@ -99,7 +99,7 @@ class ExecutorSettings(BaseSettings):
         "Start-up waits (rendezvous, pool-size agreement) are bounded by it too.")
     num_threads: int = Field(
         default=0, ge=0, description="torch intra-op CPU threads; 0 = on the CPU, one per core the executor may "
-        "run on (its CPU affinity: `llmsched.launch` leaves it every core but the scheduler's, see "
+        "run on (its CPU affinity: `llmsched.launch` leaves it every core but the scheduler's from three cores up, see "
         "`LLMSCHED_PIN_CPUS`), divided among the ranks sharing them under tensor parallelism, and 1 for models "
         "whose hidden size is under 512, whose products are too small for a second thread to pay; torch's "
         "default on CUDA. Idle OpenMP threads sleep (`OMP_WAIT_POLICY=PASSIVE` unless set).")

@@ -133,8 +133,8 @@ class LoadedModel:
 def default_cpu_threads(cfg: ModelConfig, num_local_ranks: int) -> int:
     """EXECUTOR_NUM_THREADS=0 on the CPU: one per core this process may run
     on (its affinity, which llmsched.launch narrows to all cores but the
-    scheduler's), divided among the ranks sharing them; one for a tiny
-    model."""
+    scheduler's from three cores up), divided among the ranks sharing them;
+    one for a tiny model."""
     if cfg.hidden_size < TINY_HIDDEN:
         return 1
     return max(1, len(os.sched_getaffinity(0)) // num_local_ranks)

@@ -4,9 +4,9 @@ A scheduler and an executor on the same cores fight over them: every step
 the scheduler must build the next plan while the executor computes, and an
 executor whose OpenMP threads spin on every core delays it. So where
 `llmsched.launch` starts the services on a machine with two or more cores
-it splits them: the scheduler and the gateway share one, the executor gets
-the rest (`LLMSCHED_PIN_CPUS=auto`, the default; `off` leaves placement to
-the operating system). It tells each child through `LLMSCHED_CPUS`, a
+it splits them: the scheduler and the gateway share the lowest, the
+executor gets the rest, or on two cores both (`LLMSCHED_PIN_CPUS=auto`, the
+default; `off` leaves placement to the operating system). It tells each child through `LLMSCHED_CPUS`, a
 Linux CPU list such as `1-3,6`, which the child applies to itself first
 thing, before torch starts any thread, so that every thread inherits it.
 A service started by hand (a container, a unit file) honours
@@ -59,11 +59,16 @@ def usable_cpus() -> set[int]:
 def split_for_services(cpus: set[int]) -> tuple[set[int], set[int]] | None:
     """(the executor's cores, the scheduler's and gateway's core), or None
     with fewer than two cores: one core cannot be split. The scheduler takes
-    the lowest: the rest stay one contiguous run for the executor."""
+    the lowest; the executor the rest, a contiguous run, where that leaves
+    it two or more. On two cores it keeps both: a core of its own would
+    halve a compute-bound model's threads (a Qwen3-0.6B-shaped model served
+    0.53x llama-server's 16-stream throughput pinned to one core, 0.74x on
+    both), while a tiny model's one thread gains little from it (1.60x
+    against 1.52x; docs/performance.md, P24)."""
     if len(cpus) < 2:
         return None
     first = min(cpus)
-    return cpus - {first}, {first}
+    return (cpus - {first} if len(cpus) > 2 else set(cpus)), {first}
 
 
 def pin_mode(env: dict[str, str] | os._Environ) -> str:

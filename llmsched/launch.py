@@ -7,9 +7,9 @@ tests and the benchmarks.
 It reads the services' own variables (ports, TLS) and two of its own:
 LLMSCHED_START_TIMEOUT_S, how long each service may take to start (120 s;
 a large checkpoint on a slow disk needs more), and LLMSCHED_PIN_CPUS: `auto`
-(the default) runs the executor on all cores but one and the scheduler and
-gateway on that one, where there are two or more (llmsched/cpus.py); `off`
-leaves placement to the operating system.
+(the default) runs the scheduler and gateway on the lowest core and the
+executor on the others (on both of two), where there are two or more
+(llmsched/cpus.py); `off` leaves placement to the operating system.
 """
 
 from __future__ import annotations

@@ -30,9 +30,10 @@ def test_a_malformed_cpu_list_is_refused(text):
         cpus.parse_cpu_list(text)
 
 
-def test_the_scheduler_takes_the_lowest_core_and_the_executor_the_rest():
-    assert cpus.split_for_services({0, 1}) == ({1}, {0})
+def test_the_scheduler_takes_the_lowest_core_and_the_executor_the_rest_or_both_of_two():
     assert cpus.split_for_services({2, 3, 4, 5}) == ({3, 4, 5}, {2})
+    assert cpus.split_for_services({0, 1, 2}) == ({1, 2}, {0})
+    assert cpus.split_for_services({0, 1}) == ({0, 1}, {0}), "on two cores the executor keeps both"
     assert cpus.split_for_services({3}) is None, "one core is not split"
 
 

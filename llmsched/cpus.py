@@ -62,7 +62,7 @@ def split_for_services(cpus: set[int]) -> tuple[set[int], set[int]] | None:
     the lowest; the executor the rest, a contiguous run, where that leaves
     it two or more. On two cores it keeps both: a core of its own would
     halve a compute-bound model's threads (a Qwen3-0.6B-shaped model served
-    0.53x llama-server's 16-stream throughput pinned to one core, 0.74x on
+    0.53x llama-server's 16-stream throughput pinned to one core, 0.71x on
     both), while a tiny model's one thread gains little from it (1.60x
     against 1.52x; docs/performance.md, P24)."""
     if len(cpus) < 2:

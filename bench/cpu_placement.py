@@ -40,10 +40,10 @@ CONFIGS: dict[str, dict[str, str]] = {
     "eager, 1 thread, OpenMP passive, unpinned": {
         "EXECUTOR_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "LLMSCHED_PIN_CPUS": "off",
         "EXECUTOR_TORCH_COMPILE": "off"},
-    "eager, 1 thread, OpenMP passive, pinned": {
+    "eager, 1 thread, OpenMP passive, pin auto": {
         "EXECUTOR_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "LLMSCHED_PIN_CPUS": "auto",
         "EXECUTOR_TORCH_COMPILE": "off"},
-    "defaults (pinned, auto threads, compile auto)": {
+    "defaults (pin auto, auto threads, compile auto)": {
         "EXECUTOR_NUM_THREADS": "0", "LLMSCHED_PIN_CPUS": "auto", "EXECUTOR_TORCH_COMPILE": "auto"},
 }
 

@@ -22,14 +22,10 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
+from unittest import mock
 
-import grpc
-
-from bench.single_stream import DEFAULT_MODEL, PROMPT
-from llmsched.v1 import scheduler_pb2 as spb
-from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
+from bench.single_stream import DEFAULT_MODEL, stream_per_token_ms
 
 # name -> environment of both services (the launcher reads LLMSCHED_PIN_CPUS).
 # OMP_WAIT_POLICY="" is not a value libgomp knows, so it keeps its default.
@@ -53,33 +49,10 @@ def per_token_ms(model: str, env: dict[str, str], tokens: int, repeats: int) -> 
     launch of both services; the first run warms them up."""
     from llmsched.launch import launch
 
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the launcher and both children read them
-    try:
+    with mock.patch.dict(os.environ, env):  # the launcher and both children read them
         services = launch(executor_env={"EXECUTOR_MODEL": model}).start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
-        with grpc.insecure_channel(services.scheduler_address) as channel:
-            stub = spb_grpc.SchedulerStub(channel)
-            req = spb.GenerateRequest(prompt_token_ids=PROMPT, sampling=spb.SamplingParams(
-                max_tokens=tokens, temperature=0, ignore_eos=True))
-            times, ids = [], []
-            for i in range(repeats + 1):
-                ids, first, last = [], None, None
-                for resp in stub.Generate(req, timeout=600):
-                    now = time.perf_counter()
-                    if resp.token_ids:
-                        first = first or now
-                        last = now
-                    ids += resp.token_ids
-                if i:
-                    times.append((last - first) * 1000 / (len(ids) - 1))
-            return times, ids
+        return stream_per_token_ms(services.scheduler_address, tokens, repeats)
     finally:
         services.stop()
 

@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmsched.launch import stop_process, wait_http_ok
 from llmsched.server import free_port
 
 # The pinned llama-cpp-python release whose vendor/llama.cpp we build.
@@ -207,29 +208,15 @@ class LlamaServer:
 
     def start(self, timeout_s: float = 120.0) -> LlamaServer:
         self.proc = subprocess.Popen(self.args, stdout=self.log or subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {' '.join(self.args)}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.2)  # it loads the model before /health answers 200; no event to wait on
-        self.stop()
-        raise TimeoutError(f"llama-server did not serve within {timeout_s} s")
+        try:
+            wait_http_ok(f"{self.url}/health", timeout_s, self.proc)  # 200 once the model is loaded
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop()
+            raise type(exc)(f"llama-server: {exc}: {' '.join(self.args)}") from None
+        return self
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, timeout_s)
 
 
 # ----- /completion ------------------------------------------------------------

@@ -45,25 +45,33 @@ def ours_per_token_ms(model: str, in_flight: int, torch_compile: str, tokens: in
                        **({} if multi_step is None else {"SCHEDULER_MULTI_STEP_DECODE": str(multi_step)})},
     ).start()
     try:
-        with grpc.insecure_channel(services.scheduler_address) as channel:
-            stub = spb_grpc.SchedulerStub(channel)
-            req = spb.GenerateRequest(prompt_token_ids=PROMPT, sampling=spb.SamplingParams(
-                max_tokens=tokens, temperature=0, ignore_eos=True))
-            times, out = [], []
-            for i in range(repeats + 1):  # the first run warms up both processes
-                ids, first, last = [], None, None
-                for resp in stub.Generate(req, timeout=600):
-                    now = time.perf_counter()
-                    if resp.token_ids:
-                        first = first or now
-                        last = now
-                    ids += resp.token_ids
-                if i:
-                    times.append((last - first) * 1000 / (len(ids) - 1))
-                out = ids
-            return times, out
+        return stream_per_token_ms(services.scheduler_address, tokens, repeats)
     finally:
         services.stop()
+
+
+def stream_per_token_ms(address: str, tokens: int, repeats: int) -> tuple[list[float], list[int]]:
+    """(ms/token of each measured run, the last run's greedy tokens): one
+    greedy stream of PROMPT at a time through the scheduler at address,
+    repeats + 1 times (the first warms both processes up); prefill is left
+    out by timing from the first token's arrival to the last's."""
+    with grpc.insecure_channel(address) as channel:
+        stub = spb_grpc.SchedulerStub(channel)
+        req = spb.GenerateRequest(prompt_token_ids=PROMPT, sampling=spb.SamplingParams(
+            max_tokens=tokens, temperature=0, ignore_eos=True))
+        times, out = [], []
+        for i in range(repeats + 1):
+            ids, first, last = [], None, None
+            for resp in stub.Generate(req, timeout=600):
+                now = time.perf_counter()
+                if resp.token_ids:
+                    first = first or now
+                    last = now
+                ids += resp.token_ids
+            if i:
+                times.append((last - first) * 1000 / (len(ids) - 1))
+            out = ids
+        return times, out
 
 
 def hf_per_token_ms(model: str, tokens: int, repeats: int, threads: int) -> tuple[list[float], list[int]]:

@@ -75,6 +75,19 @@ def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen | None = Non
         time.sleep(0.1)  # start-up probe of another process: no event to wait on
 
 
+def stop_process(proc: subprocess.Popen | None, timeout_s: float) -> int | None:
+    """SIGTERM, then SIGKILL after timeout_s; the exit code, or None when
+    there was no process. One that already exited is left as it is."""
+    if proc is None or proc.poll() is not None:
+        return None if proc is None else proc.returncode
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 @dataclass
 class Services:
     """The services as child processes (the gateway when gateway_port is set)."""
@@ -183,22 +196,11 @@ class Services:
             raise
         return self
 
-    @staticmethod
-    def _stop(proc: subprocess.Popen | None, timeout_s: float) -> int | None:
-        if proc is None or proc.poll() is not None:
-            return None if proc is None else proc.returncode
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
-
     def stop(self, timeout_s: float = 15.0) -> None:
         # Front to back: the scheduler never sees its executor vanish mid-step.
-        self._stop(self.gateway, timeout_s)
-        self._stop(self.scheduler, timeout_s)
-        self._stop(self.executor, timeout_s)
+        stop_process(self.gateway, timeout_s)
+        stop_process(self.scheduler, timeout_s)
+        stop_process(self.executor, timeout_s)
 
     def __enter__(self) -> "Services":
         return self.start()

@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from llmsched.launch import Services, launch
+from llmsched.launch import Services, launch, stop_process
 from llmsched.server import free_port
 
 
@@ -86,14 +86,7 @@ class Router:
         return sum(1 for w in self.workers() if w.get("is_healthy"))
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, timeout_s)
 
 
 def launch_replicas(n: int, executor_env: Mapping[str, str], scheduler_env: Mapping[str, str] | None = None,

@@ -135,8 +135,11 @@ def default_cpu_threads(cfg: ModelConfig, num_local_ranks: int) -> int:
     on (its affinity, which llmsched.launch narrows to all cores but the
     scheduler's from three cores up), divided among the ranks sharing them;
     one for a tiny model."""
-    if cfg.hidden_size < TINY_HIDDEN:
-        return 1
+    return 1 if cfg.hidden_size < TINY_HIDDEN else cores_per_rank(num_local_ranks)
+
+
+def cores_per_rank(num_local_ranks: int) -> int:
+    """This process's cores (its affinity), shared among the ranks on them."""
     return max(1, len(os.sched_getaffinity(0)) // num_local_ranks)
 
 
@@ -148,7 +151,7 @@ def _set_threads(settings: ExecutorSettings, device: torch.device, cfg: ModelCon
         torch.set_num_threads(default_cpu_threads(cfg, local))
     elif local > 1:
         # GPU ranks sharing this node's cores would otherwise each take them all.
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
+        torch.set_num_threads(cores_per_rank(local))
 
 
 def load(settings: ExecutorSettings) -> LoadedModel:

@@ -34,6 +34,15 @@ class Client:
             last, n = resp, n + 1
         return tokens, text, last, n
 
+    def cancel_after(self, prompt: str, num_responses: int = 2) -> None:
+        """A long greedy stream of prompt, cancelled by the client once
+        num_responses have arrived (mid-decode)."""
+        call = self.stub.Generate(spb.GenerateRequest(prompt=prompt, sampling=spb.SamplingParams(
+            max_tokens=200, temperature=0)), timeout=60)
+        for _ in range(num_responses):
+            next(call)
+        call.cancel()
+
     def info(self) -> spb.ServerInfo:
         return self.stub.GetServerInfo(spb.GetServerInfoRequest(), timeout=10)
 

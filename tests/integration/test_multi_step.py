@@ -50,16 +50,9 @@ def test_greedy_multi_step_output_equals_hf_with_arrivals_cancels_and_stops(mult
         time.sleep(0.05 * i)  # arrivals while others decode
         return client.generate(prompt=prompt, sampling=sampling, timeout=120)[0]
 
-    def cancelled(prompt):
-        call = client.stub.Generate(spb.GenerateRequest(prompt=prompt, sampling=spb.SamplingParams(
-            max_tokens=200, temperature=0)), timeout=60)
-        next(call)
-        next(call)
-        call.cancel()
-
     with ThreadPoolExecutor(len(cases) + 2) as pool:
         results = pool.map(run, cases)
-        list(pool.map(cancelled, STORY_PROMPTS[:2]))
+        list(pool.map(client.cancel_after, STORY_PROMPTS[:2]))
         results = list(results)
     for (_, prompt, sampling), got in zip(cases, results):
         assert got == hf_greedy(client.model, ids[prompt], sampling["max_tokens"]), f"{prompt!r} ({sampling})"

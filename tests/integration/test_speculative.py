@@ -101,16 +101,9 @@ def test_greedy_output_with_ngram_speculation_equals_hf_under_chunking_preemptio
         prompt, sampling = case
         return client.generate(prompt=prompt, sampling=sampling, timeout=120)[0]
 
-    def cancelled(prompt):
-        call = client.stub.Generate(spb.GenerateRequest(prompt=prompt, sampling=spb.SamplingParams(
-            max_tokens=200, temperature=0)), timeout=60)
-        next(call)
-        next(call)
-        call.cancel()
-
     with ThreadPoolExecutor(len(cases) + 3) as pool:
         results = pool.map(run, cases)
-        list(pool.map(cancelled, STORY_PROMPTS[:3]))
+        list(pool.map(client.cancel_after, STORY_PROMPTS[:3]))
         results = list(results)
     for (prompt, sampling), got in zip(cases, results):
         assert got == hf_greedy(client.model, ids[prompt], 60), f"{prompt!r} ({sampling})"

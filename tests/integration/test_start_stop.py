@@ -38,21 +38,17 @@ def running():
     services.stop()
 
 
-def allowed_cpus(pid: int) -> set[int]:
-    return os.sched_getaffinity(pid)
-
-
 def test_launch_runs_the_scheduler_on_one_core_and_the_executor_on_the_rest(running):
     usable = cpus.usable_cpus()
     if len(usable) < 2:
         pytest.skip(f"one usable core ({cpus.format_cpu_list(usable)}): nothing to split")
-    executor, scheduler = allowed_cpus(running.executor.pid), allowed_cpus(running.scheduler.pid)
+    executor, scheduler = os.sched_getaffinity(running.executor.pid), os.sched_getaffinity(running.scheduler.pid)
     want = usable - scheduler if len(usable) > 2 else usable  # on two cores the executor keeps both
     assert scheduler == {min(usable)} and executor == want, (
         f"executor on {cpus.format_cpu_list(executor)}, scheduler on {cpus.format_cpu_list(scheduler)}, "
         f"of {cpus.format_cpu_list(usable)}")
     threads = {int(t) for t in os.listdir(f"/proc/{running.executor.pid}/task")}
-    strays = {t: allowed_cpus(t) for t in threads if allowed_cpus(t) != executor}
+    strays = {t: cores for t in threads if (cores := os.sched_getaffinity(t)) != executor}
     assert not strays, f"executor threads started before it was pinned: {strays}"
 
 

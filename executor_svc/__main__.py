@@ -30,6 +30,7 @@ from executor_svc.tensor_parallel import is_worker_rank  # noqa: E402
 from executor_svc.tp_worker import run_worker  # noqa: E402
 from llmsched import logs  # noqa: E402
 from llmsched import server as srv  # noqa: E402
+from llmsched import step_socket  # noqa: E402
 from llmsched.errors import load_settings  # noqa: E402
 from llmsched.security import server_credentials  # noqa: E402
 from llmsched.tracing import setup_tracing  # noqa: E402
@@ -56,6 +57,25 @@ def keepalive_options(interval_s: float) -> list[tuple[str, int]]:
     ]
 
 
+async def start_step_socket(settings: ExecutorSettings, service: ExecutorService) -> asyncio.AbstractServer | None:
+    """EXECUTOR_STEP_SOCKET: the step stream on a Unix socket too, for a
+    scheduler on this host; None when it is off, or TLS guards the stream."""
+    if settings.step_socket == "off":
+        return None
+    if settings.tls_cert:
+        log.info("step socket not offered: EXECUTOR_TLS_CERT is set, so every step goes through TLS")
+        return None
+    path = step_socket.socket_path(service.instance_id, settings.step_socket_dir)
+    try:
+        server = await step_socket.start_server(service.serve_step_socket, path)
+    except OSError as exc:
+        raise StartupError(f"EXECUTOR_STEP_SOCKET=auto: cannot listen at {path}: {exc.strerror or exc} "
+                           "(set EXECUTOR_STEP_SOCKET_DIR to a writable directory, or EXECUTOR_STEP_SOCKET=off)")
+    service.step_socket_path = path
+    log.info("step stream also offered on %s", path)
+    return server
+
+
 async def serve(settings: ExecutorSettings) -> None:
     # The metrics port first: a clash then shows before the model loads.
     srv.start_metrics_server(settings.metrics_port, settings.host, "EXECUTOR_METRICS_PORT")
@@ -74,6 +94,7 @@ async def serve(settings: ExecutorSettings) -> None:
     stop = asyncio.Event()
     srv.install_stop_signals(stop)
     await server.start()
+    socket_server = await start_step_socket(settings, service)
     await srv.set_serving(health, [SERVICE_NAME], True)
     log.info("executor listening on %s:%d", settings.host, port)
     heartbeats = asyncio.create_task(service.heartbeats()) if service.tp else None
@@ -83,6 +104,10 @@ async def serve(settings: ExecutorSettings) -> None:
     await srv.set_serving(health, [SERVICE_NAME], False)
     # The grace period lets the step in flight finish and reach the scheduler.
     await server.stop(grace=5.0)
+    if socket_server is not None:
+        socket_server.close()
+        await service.drain_step_sockets(grace_s=5.0)
+        service.step_socket_path.unlink(missing_ok=True)
     if heartbeats:
         heartbeats.cancel()  # only now: the other ranks wait on them until the shutdown message
     service.close()

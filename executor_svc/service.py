@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from executor_svc.chat_template import load_chat_template
 from executor_svc.config import ExecutorSettings
@@ -17,12 +21,14 @@ from executor_svc.model.model_config import SLIDING
 from executor_svc.step.step_loop import StepExecutor, StepLoop
 from executor_svc.telemetry import StepTelemetry
 from executor_svc.tensor_parallel import HEARTBEAT
-from llmsched import cpus
+from llmsched import cpus, step_socket
 from llmsched.tracing import Tracing
 from llmsched.v1 import executor_pb2 as pb
 from llmsched.v1 import executor_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+ANOTHER_SCHEDULER = "another scheduler holds this executor's step stream (one scheduler per executor)"
 
 
 class ExecutorService(pb_grpc.ExecutorServicer):
@@ -64,6 +70,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         # Set on SIGTERM: the step in flight finishes and its result is
         # sent, then the stream ends so the scheduler reconnects elsewhere.
         self.stopping = False
+        # Set by serve() once the socket listens (EXECUTOR_STEP_SOCKET).
+        self.step_socket_path: Path | None = None
+        self._socket_streams: set[asyncio.Task] = set()
         log.info(
             "executor %s: model=%s architecture=%s rope=%s sliding_window=%s device=%s dtype=%s kv_cache_dtype=%s "
             "kv_blocks=%d host_kv_blocks=%d block_size=%d max_model_len=%d tensor_parallel_size=%d torch_threads=%d "
@@ -115,6 +124,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             lora_adapters=self.lora_adapters,
             max_loras=self.max_loras,
             max_cpu_loras=self.max_cpu_loras,
+            step_socket=str(self.step_socket_path or ""),
         )
 
     async def heartbeats(self) -> None:
@@ -127,10 +137,75 @@ class ExecutorService(pb_grpc.ExecutorServicer):
 
     async def Step(self, request_iterator, context):
         if self._stream_open:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "another scheduler holds this executor's step stream (one scheduler per executor)",
-            )
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, ANOTHER_SCHEDULER)
+        async for result in self._step_stream(request_iterator, lambda: context.send_initial_metadata(())):
+            yield result
+
+    async def serve_step_socket(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The Step stream on the Unix socket (llmsched/step_socket.py)."""
+        task = asyncio.current_task()
+        self._socket_streams.add(task)
+        try:
+            if self._stream_open:
+                step_socket.write_frame(writer, step_socket.REFUSE, ANOTHER_SCHEDULER.encode())
+                return
+            max_bytes = self.settings.max_message_bytes
+            keepalive_s = self.settings.scheduler_keepalive_s
+            last_frame = time.monotonic()
+
+            async def plans():
+                nonlocal last_frame
+                while (frame := await step_socket.read_frame(reader, max_bytes)) is not None:
+                    last_frame = time.monotonic()
+                    kind, payload = frame
+                    if kind == step_socket.PLAN:
+                        yield pb.StepPlan.FromString(payload)
+                    elif kind != step_socket.KEEPALIVE:
+                        raise step_socket.FrameError(f"a frame of kind {kind!r} where plans come")
+
+            async def drop_if_silent():
+                # The scheduler sends a frame at least every keepalive_s / 2.
+                while True:
+                    await asyncio.sleep(keepalive_s / 2)  # a timer: it only judges elapsed time
+                    if time.monotonic() - last_frame > 2 * keepalive_s:
+                        log.warning("step socket: the scheduler sent nothing for %.1fs: dropping its stream",
+                                    time.monotonic() - last_frame)
+                        writer.transport.abort()  # the pending read ends, and with it the stream
+                        return
+
+            async def accept():
+                step_socket.write_frame(writer, step_socket.ACCEPT,
+                                        step_socket.accept_payload(self.instance_id, keepalive_s))
+                await writer.drain()
+
+            watchdog = asyncio.create_task(drop_if_silent())
+            try:
+                async for result in self._step_stream(plans(), accept):
+                    step_socket.write_frame(writer, step_socket.RESULT, result.SerializeToString())
+                    await writer.drain()
+            finally:
+                watchdog.cancel()
+        except (step_socket.FrameError, DecodeError) as exc:
+            log.warning("step socket: closing a stream that broke the protocol: %s", exc)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the scheduler went away: as a broken gRPC stream, the next one starts afresh
+        finally:
+            writer.close()
+            self._socket_streams.discard(task)
+
+    async def drain_step_sockets(self, grace_s: float) -> None:
+        """At shutdown, as gRPC's grace does for its streams: the step in
+        flight finishes and its result is sent (the stream then ends, see
+        `stopping`), or the scheduler closes the stream; after grace_s it
+        is cut."""
+        if self._socket_streams:
+            _, pending = await asyncio.wait(set(self._socket_streams), timeout=grace_s)
+            for task in pending:
+                task.cancel()
+
+    async def _step_stream(self, plans: AsyncIterator[pb.StepPlan], accept: Callable[[], Awaitable[None]]):
+        """One scheduler's stream, whatever carries it: each plan in gets
+        exactly one result out, in order."""
         self._stream_open = True
         # One task receives and decodes plans. It always has the next read
         # outstanding, so a plan arrives while earlier steps run, and the
@@ -139,9 +214,11 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         keep_wire = self.tp is not None
 
         async def receive_plans() -> None:
-            async for plan in request_iterator:
-                queue.put(receive_plan(plan, keep_wire))
-            queue.end()
+            try:
+                async for plan in plans:
+                    queue.put(receive_plan(plan, keep_wire))
+            finally:  # a broken stream too: the results end after the plans received
+                queue.end()
 
         receiver = None
         try:
@@ -149,7 +226,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             # previous stream, so no old step sees the fresh state.
             await asyncio.wrap_future(self.steps.on_thread(self.steps.executor.reset))
             self.steps.executor.telemetry.stream_started()
-            await context.send_initial_metadata(())  # accepted: see ExecutorClient.connect
+            await accept()  # see ExecutorClient.connect
             receiver = asyncio.create_task(receive_plans())
             async for result in queue.results():
                 yield result_to_proto(result)

@@ -27,6 +27,10 @@ class SchedulerSettings(BaseSettings):
     executor_reconnect_timeout_s: float = Field(
         default=30.0, gt=0, description="After the step channel breaks: how long to keep reconnecting before "
         "in-flight requests fail with UNAVAILABLE.")
+    executor_step_socket: Literal["auto", "off"] = Field(
+        default="auto", description="`auto`: when the executor offers its step stream on a Unix socket "
+        "(`EXECUTOR_STEP_SOCKET`) and the socket is reachable from here, plans and results go over it; gRPC "
+        "otherwise. `off`: always gRPC.")
     executor_keepalive_s: float = Field(
         default=10.0, gt=0, description="Keepalive ping interval to the executor, in seconds. An executor that dies "
         "or stops answering for as long again is noticed even when no step is in flight, and health turns "

@@ -1,6 +1,9 @@
 """The scheduler's side of the step channel: handshake, then one
 bidirectional stream on which each plan gets exactly one result, in order.
-Plans may be sent before earlier results are read (pipelining).
+Plans may be sent before earlier results are read (pipelining). The stream
+is gRPC's, or the executor's Unix socket when it offers one that can be
+reached from here (llmsched/step_socket.py): the same messages, a quarter
+of the round-trip cost.
 
 Plans go out and results come back as the plain dataclasses the engine
 core uses (StepPlan, StepResult), and the handshake as ModelFacts:
@@ -13,8 +16,10 @@ import logging
 from collections.abc import Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmsched import step_socket
 from llmsched.v1 import executor_pb2 as pb
 from llmsched.v1 import executor_pb2_grpc as pb_grpc
 from scheduler_svc import convert
@@ -29,11 +34,91 @@ class ExecutorUnavailable(Exception):
     """The executor cannot be reached or the step stream broke."""
 
 
+class GrpcStepStream:
+    """The step stream as a gRPC bidirectional call."""
+
+    transport = "grpc"
+
+    def __init__(self, call):
+        self.call = call
+
+    async def write(self, plan: pb.StepPlan) -> None:
+        try:
+            await self.call.write(plan)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            raise ExecutorUnavailable(f"step stream broke: {exc}") from exc
+
+    async def read(self) -> pb.StepResult | None:
+        try:
+            result = await self.call.read()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            raise ExecutorUnavailable(f"step stream broke: {exc}") from exc
+        return None if result is grpc.aio.EOF else result
+
+    async def close(self) -> None:
+        self.call.cancel()
+
+
+class SocketStepStream:
+    """The step stream as frames on the executor's Unix socket
+    (llmsched/step_socket.py). While it is open, a frame goes out at least
+    every half of the executor's keepalive interval (a KEEPALIVE when no
+    plan did), which is how the executor tells a live scheduler from a
+    frozen one on a socket (gRPC's own pings do it on gRPC)."""
+
+    transport = "unix socket"
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_bytes: int,
+                 keepalive_s: float, clock: Clock):
+        self.reader, self.writer, self.max_bytes = reader, writer, max_bytes
+        self.clock = clock
+        self._last_write = clock.monotonic()
+        self._keepalive = asyncio.create_task(self._keep_alive(max(0.01, keepalive_s / 2)),
+                                              name="step-socket-keepalive")
+
+    async def _keep_alive(self, interval_s: float) -> None:
+        while not self.writer.is_closing():
+            # A timer, not a poll for work: it only judges elapsed time.
+            await asyncio.sleep(max(0.0, self._last_write + interval_s - self.clock.monotonic()))
+            if self.clock.monotonic() - self._last_write >= interval_s and not self.writer.is_closing():
+                self._write(step_socket.KEEPALIVE, b"")
+
+    def _write(self, kind: bytes, payload: bytes) -> None:
+        step_socket.write_frame(self.writer, kind, payload)
+        self._last_write = self.clock.monotonic()
+
+    async def write(self, plan: pb.StepPlan) -> None:
+        try:
+            self._write(step_socket.PLAN, plan.SerializeToString())
+            await self.writer.drain()
+        except (ConnectionError, RuntimeError) as exc:  # RuntimeError: written after close
+            raise ExecutorUnavailable(f"step stream broke: {exc}") from exc
+
+    async def read(self) -> pb.StepResult | None:
+        try:
+            frame = await step_socket.read_frame(self.reader, self.max_bytes)
+            if frame is None:
+                return None
+            kind, payload = frame
+            if kind != step_socket.RESULT:
+                raise step_socket.FrameError(f"a frame of kind {kind!r} where results come")
+            return pb.StepResult.FromString(payload)
+        except (ConnectionError, asyncio.IncompleteReadError, step_socket.FrameError, DecodeError) as exc:
+            raise ExecutorUnavailable(f"step stream broke: {exc}") from exc
+
+    async def close(self) -> None:
+        self._keepalive.cancel()
+        self.writer.close()
+
+
 class ExecutorClient:
     def __init__(self, address: str, max_message_bytes: int, credentials: grpc.ChannelCredentials | None = None,
-                 keepalive_s: float = 10.0, clock: Clock = SYSTEM_CLOCK):
+                 keepalive_s: float = 10.0, clock: Clock = SYSTEM_CLOCK, step_socket: str = "auto"):
         self.address = address
         self.clock = clock
+        self.max_message_bytes = max_message_bytes
+        # SCHEDULER_EXECUTOR_STEP_SOCKET: whether to take the socket an executor offers.
+        self.use_step_socket = step_socket == "auto"
         self._credentials = credentials
         ms = int(keepalive_s * 1000)
         self._options = [
@@ -49,17 +134,26 @@ class ExecutorClient:
             ("grpc.http2.max_pings_without_data", 0),
         ]
         self._channel: grpc.aio.Channel | None = None
-        self._call = None
+        self._stream: GrpcStepStream | SocketStepStream | None = None
+        # The socket path a connect could not use, so that it is not tried
+        # again (and logged again) at every reconnect to the same executor.
+        self._unusable_socket = ""
+
+    @property
+    def transport(self) -> str:
+        """What carries the step stream: "grpc" or "unix socket" ("" when none is open)."""
+        return self._stream.transport if self._stream is not None else ""
 
     async def connect(self, timeout_s: float,
                       check: Callable[[ModelFacts], None] | None = None) -> ModelFacts:
         """Handshakes and opens a fresh step stream, retrying with capped
-        exponential backoff until timeout_s. The executor serves one
-        scheduler at a time and refuses a second stream with
-        FAILED_PRECONDITION; that is retried too, so a standby scheduler
-        takes over once the first one is gone. `check` sees the handshake
-        before the stream is asked for, and may refuse the executor by
-        raising."""
+        exponential backoff until timeout_s. The stream goes over the Unix
+        socket the executor offers when it can be reached from here, over
+        gRPC otherwise. The executor serves one scheduler at a time and
+        refuses a second stream with FAILED_PRECONDITION; that is retried
+        too, so a standby scheduler takes over once the first one is gone.
+        `check` sees the handshake before the stream is asked for, and may
+        refuse the executor by raising."""
         await self.close()
         deadline = self.clock.monotonic() + timeout_s
         delay = 0.05
@@ -81,21 +175,20 @@ class ExecutorClient:
                         await self._channel.close()
                         self._channel = None
                         raise
-                self._call = stub.Step()
-                # The executor sends initial metadata once it has accepted
-                # this stream as its only one.
-                await asyncio.wait_for(self._call.initial_metadata(), max(0.1, min(5.0, deadline - self.clock.monotonic())))
-                if self._call.done():  # ended before accepting: refused or broken
-                    code, details = await self._call.code(), await self._call.details()
-                else:
+                wait = max(0.1, min(5.0, deadline - self.clock.monotonic()))
+                refusal = None
+                if self.use_step_socket and handshake.step_socket and handshake.step_socket != self._unusable_socket:
+                    refusal = await self._open_socket(handshake.step_socket, handshake.instance_id, wait)
+                if self._stream is None and refusal is None:
+                    refusal = await self._open_grpc(stub, wait)
+                if refusal is None:
                     return info
+                code, details = refusal
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details()
-            except asyncio.TimeoutError:
-                code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "no answer"
-            if self._call is not None:
-                self._call.cancel()
-                self._call = None
+            if self._stream is not None:
+                await self._stream.close()
+                self._stream = None
             await self._channel.close()
             self._channel = None
             if code == grpc.StatusCode.FAILED_PRECONDITION and details != last_refusal:
@@ -107,6 +200,52 @@ class ExecutorClient:
             await asyncio.sleep(delay)  # backoff between connection attempts, not a poll for work
             delay = min(delay * 2, 1.0)
 
+    async def _open_grpc(self, stub: pb_grpc.ExecutorStub, wait_s: float) -> tuple[grpc.StatusCode, str] | None:
+        """Opens the gRPC step stream; None once the executor accepted it,
+        else why not."""
+        call = stub.Step()
+        self._stream = GrpcStepStream(call)
+        # The executor sends initial metadata once it has accepted this
+        # stream as its only one.
+        try:
+            await asyncio.wait_for(call.initial_metadata(), wait_s)
+        except asyncio.TimeoutError:
+            return grpc.StatusCode.DEADLINE_EXCEEDED, "no answer"
+        if call.done():  # ended before accepting: refused or broken
+            return await call.code(), await call.details()
+        return None
+
+    async def _open_socket(self, path: str, instance_id: str, wait_s: float) -> tuple[grpc.StatusCode, str] | None:
+        """Opens the step stream on the executor's Unix socket. None when
+        it is open or cannot be used from here (the caller then uses gRPC;
+        an executor in another container or on another host offers a path
+        that is not there); else the executor's refusal."""
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), wait_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            log.info("executor's step socket %s not usable from here (%s): using gRPC", path,
+                     getattr(exc, "strerror", None) or type(exc).__name__)
+            self._unusable_socket = path
+            return None
+        try:
+            frame = await asyncio.wait_for(step_socket.read_frame(reader, self.max_message_bytes), wait_s)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, step_socket.FrameError) as exc:
+            writer.close()
+            return grpc.StatusCode.UNAVAILABLE, f"step socket {path}: {str(exc) or type(exc).__name__}"
+        accepted = frame is not None and frame[0] == step_socket.ACCEPT and step_socket.parse_accept(frame[1])
+        if accepted and accepted[0] == instance_id:
+            self._stream = SocketStepStream(reader, writer, self.max_message_bytes, accepted[1], self.clock)
+            return None
+        writer.close()
+        if frame is None:  # closed before answering: the executor is going away
+            return grpc.StatusCode.UNAVAILABLE, f"step socket {path} closed before accepting the stream"
+        if frame[0] == step_socket.REFUSE:
+            return grpc.StatusCode.FAILED_PRECONDITION, frame[1].decode()
+        # Some other executor answers at that path, not the one handshaken with.
+        log.warning("step socket %s is not executor %s's: using gRPC", path, instance_id)
+        self._unusable_socket = path
+        return None
+
     async def send(self, out: StepPlan, after_idle: bool = False, traceparent: str = "") -> None:
         plan = convert.plan_to_proto(out)
         plan.after_idle = after_idle
@@ -115,31 +254,33 @@ class ExecutorClient:
         await self.send_plan(plan)
 
     async def send_plan(self, plan: pb.StepPlan) -> None:
-        if self._call is None:
+        if self._stream is None:
             raise ExecutorUnavailable("no step stream")
-        try:
-            await self._call.write(plan)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            raise ExecutorUnavailable(f"step stream broke: {exc}") from exc
+        await self._stream.write(plan)
 
     async def receive(self) -> StepResult:
         """The result of the oldest plan sent and not yet answered."""
         return convert.outcome_from_proto(await self.receive_result())
 
     async def receive_result(self) -> pb.StepResult:
-        if self._call is None:
+        if self._stream is None:
             raise ExecutorUnavailable("no step stream")
-        try:
-            result = await self._call.read()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            raise ExecutorUnavailable(f"step stream broke: {exc}") from exc
-        if result is grpc.aio.EOF:
+        result = await self._stream.read()
+        if result is None:
             raise ExecutorUnavailable("executor closed the step stream")
         return result
 
     async def watch_health(self) -> str:
         """Returns when the executor stops serving or the connection to it
         breaks, with the reason. Runs while connected, busy or idle."""
+        reason = await self._health_watch()
+        if isinstance(self._stream, SocketStepStream):
+            # gRPC's keepalive ends a gRPC step stream to a frozen executor;
+            # a socket stays open to one, so a read waiting on it is ended here.
+            await self._stream.close()
+        return reason
+
+    async def _health_watch(self) -> str:
         channel = self._channel
         if channel is None:
             return "not connected"
@@ -152,9 +293,9 @@ class ExecutorClient:
             return f"executor connection lost: {exc.code().name} {exc.details()}"
 
     async def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
+        if self._stream is not None:
+            await self._stream.close()
+            self._stream = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from llmsched.errors import StartupError
 from llmsched.llguidance_tokenizer import make_tokenizer
 from llmsched.security import channel_credentials
+from scheduler_svc import telemetry
 from scheduler_svc.config import SchedulerSettings
 from scheduler_svc.constraints import ConstraintCompiler
 from scheduler_svc.core.clock import SYSTEM_CLOCK, Clock
@@ -31,6 +32,7 @@ def make_executor_client(settings: SchedulerSettings, clock: Clock = SYSTEM_CLOC
         channel_credentials(settings.executor_tls_ca, settings.executor_tls_cert, settings.executor_tls_key),
         keepalive_s=settings.executor_keepalive_s,
         clock=clock,
+        step_socket=settings.executor_step_socket,
     )
 
 
@@ -76,13 +78,15 @@ class ExecutorLink:
             self.constraints = ConstraintCompiler(lltok, self.settings.constraint_compile_timeout_s,
                                                   self.settings.constraint_cache_size)
         self.connected = True
+        telemetry.STEP_SOCKET.set(self.client.transport == "unix socket")
         if watch:  # a reconnect that stop() overtook leaves no watch behind
             self._health_watch = asyncio.create_task(self._watch_executor(), name="executor-health-watch")
         self.progress()
         self.update_health()
-        log.info("connected to executor %s (%s): model=%s kv_blocks=%d host_kv_blocks=%d block_size=%d "
-                 "max_model_len=%d", facts.instance_id, self.settings.executor_address, facts.model,
-                 facts.num_kv_blocks, facts.num_host_kv_blocks, facts.block_size, facts.max_model_len)
+        log.info("connected to executor %s (%s, steps over %s): model=%s kv_blocks=%d host_kv_blocks=%d "
+                 "block_size=%d max_model_len=%d", facts.instance_id, self.settings.executor_address,
+                 self.client.transport, facts.model, facts.num_kv_blocks, facts.num_host_kv_blocks,
+                 facts.block_size, facts.max_model_len)
         return previous
 
     def refuse_unsupported(self, facts: ModelFacts) -> None:

@@ -47,6 +47,9 @@ LOOKAHEAD_STEPS = Counter("llmsched_multi_step_lookahead_steps",
                           "that plans granted, by whether the executor ran them or ended the run early (a stop "
                           "token, an arrival, a cancel) or the request finished first",
                           ["outcome"])
+STEP_SOCKET = Gauge("llmsched_executor_step_socket",
+                    "1 while the step stream runs on the executor's Unix socket (same host), 0 on gRPC "
+                    "(SCHEDULER_EXECUTOR_STEP_SOCKET)")
 NUM_RUNNING = Gauge("llmsched_num_requests_running", "Requests in the running set")
 NUM_WAITING = Gauge("llmsched_num_requests_waiting", "Requests waiting for admission")
 KV_USAGE = Gauge("llmsched_kv_cache_usage_ratio", "Share of KV blocks held by live requests")

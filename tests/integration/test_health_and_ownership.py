@@ -207,3 +207,33 @@ def test_abort_is_scoped_to_the_api_key_that_created_the_request():
         thread.join(60)
         channel.close()
         services.stop()
+
+
+def _step_socket_gauge(services) -> float:
+    from bench.server_metrics import scrape
+
+    return scrape(services.scheduler_metrics_port)["llmsched_executor_step_socket"]
+
+
+def test_the_step_stream_takes_the_executors_unix_socket_unless_told_not_to_with_the_same_tokens(tmp_path):
+    """A scheduler on the executor's host steps over the executor's Unix
+    socket (llmsched/step_socket.py); SCHEDULER_EXECUTOR_STEP_SOCKET=off
+    keeps gRPC. The socket is the executor's instance's and goes with it."""
+    sampling = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    socket_dir = tmp_path / "sockets"
+    socket_dir.mkdir()
+    on, on_client = start_services("tiny-random", executor_env={"EXECUTOR_STEP_SOCKET_DIR": str(socket_dir)})
+    off, off_client = start_services("tiny-random", executor_env={"EXECUTOR_STEP_SOCKET_DIR": str(socket_dir)},
+                                     scheduler_env={"SCHEDULER_EXECUTOR_STEP_SOCKET": "off"})
+    try:
+        assert len(list(socket_dir.glob("llmsched-step-*.sock"))) == 2, "each executor offers a socket of its own"
+        assert _step_socket_gauge(on) == 1, "the scheduler on the executor's host did not take its socket"
+        assert _step_socket_gauge(off) == 0, "SCHEDULER_EXECUTOR_STEP_SOCKET=off still took the socket"
+        for prompt in ("hi", "a longer prompt that spans more than one block of sixteen tokens, twice over"):
+            assert on_client.generate(prompt=prompt, sampling=sampling)[0] == \
+                off_client.generate(prompt=prompt, sampling=sampling)[0]
+    finally:
+        for services, client in ((on, on_client), (off, off_client)):
+            client.channel.close()
+            services.stop()
+    assert not list(socket_dir.glob("*.sock")), "a stopped executor left its socket behind"

@@ -153,6 +153,12 @@ class ExecutorSettings(BaseSettings):
         "alpha patterns, and any other adapter setting that would change the math. Under tensor parallelism each "
         "rank holds its share of each adapter (B's rows for q/k/v/gate/up, A's columns for o/down). Steps with "
         "adapter tokens run eagerly (no CUDA graph or compiled decode).")
+    runtime_lora_dir: str = Field(
+        default="", description="The directory runtime LoRA adapters are loaded from (the scheduler's "
+        "`LoadLoraAdapter`, the gateway's `/v1/load_lora_adapter`): a `lora_path`, absolute or relative to it, is "
+        "refused unless it lies inside it once symlinks and `..` are followed. Each is read and checked as an "
+        "`EXECUTOR_LORA_ADAPTERS` one. Empty = runtime loading off. With it set the executor has "
+        "`EXECUTOR_MAX_LORAS` slots even with no start-up adapters.")
     max_lora_rank: int = Field(
         default=64, ge=1, le=1024, description="Largest adapter rank `EXECUTOR_LORA_ADAPTERS` may hold; a larger "
         "one is refused at start-up.")
@@ -164,7 +170,7 @@ class ExecutorSettings(BaseSettings):
     max_cpu_loras: int = Field(
         default=0, ge=0, le=65536, description="Adapters kept in host memory, least recently loaded dropped "
         "first; a load of one that is not there reads it from disk again. 0 = every configured adapter; "
-        "below `EXECUTOR_MAX_LORAS` is refused at start-up.")
+        "below `EXECUTOR_MAX_LORAS` is refused at start-up. With `EXECUTOR_RUNTIME_LORA_DIR`, 0 keeps `EXECUTOR_MAX_LORAS` more.")
     max_logprobs: int = Field(
         default=20, ge=0, le=1024, description="Most top logprobs per token a request may ask for; capped at the "
         "vocabulary size.")

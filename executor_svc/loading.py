@@ -173,10 +173,11 @@ def load(settings: ExecutorSettings) -> LoadedModel:
                  "unquantized ones on the Triton GEMM)", make_batch_invariant(model), ROW_UNIT)
     generates = model.lm_head is not None
     lora = load_adapters(settings.lora_adapters, model, settings.max_lora_rank, settings.max_loras, device, dtype,
-                         settings.max_cpu_loras)
+                         settings.max_cpu_loras, settings.runtime_lora_dir)
     if lora is not None:
-        log.info("LoRA adapters served: %s (%d device slots, %d kept in host memory)", ", ".join(lora.names),
-                 lora.num_slots, lora.max_cpu)
+        log.info("LoRA adapters served: %s (%d device slots, %d kept in host memory; runtime loading from %s)",
+                 ", ".join(lora.static_names) or "none at start-up", lora.num_slots, lora.max_cpu,
+                 lora.runtime_dir or "off")
     if not generates:
         # Nothing is ever sampled, so no decode step is captured or compiled.
         log.info("the checkpoint ships no lm_head.weight (tie_word_embeddings is false): it serves embeddings only")
@@ -284,6 +285,9 @@ def check_batch_invariant(settings: ExecutorSettings) -> bool:
     if settings.lora_adapters:
         raise StartupError("EXECUTOR_BATCH_INVARIANT=on is not implemented with EXECUTOR_LORA_ADAPTERS (the adapters' "
                            "own products are not padded); supported: no adapters")
+    if settings.runtime_lora_dir:
+        raise StartupError("EXECUTOR_BATCH_INVARIANT=on is not implemented with EXECUTOR_RUNTIME_LORA_DIR (runtime "
+                           "adapters' products are not padded either); supported: no adapters")
     if settings.tensor_parallel_size > 2:
         raise StartupError(f"EXECUTOR_BATCH_INVARIANT=on supports EXECUTOR_TENSOR_PARALLEL_SIZE 1 or 2, not "
                            f"{settings.tensor_parallel_size}: with more ranks the all-reduce's order of summation "

@@ -17,10 +17,11 @@ from executor_svc.chat_template import load_chat_template
 from executor_svc.config import ExecutorSettings
 from executor_svc.convert import receive_plan, result_to_proto
 from executor_svc.loading import LoadedModel
+from executor_svc.model.lora import LoraRefused
 from executor_svc.model.model_config import SLIDING
 from executor_svc.step.step_loop import StepExecutor, StepLoop
 from executor_svc.telemetry import StepTelemetry
-from executor_svc.tensor_parallel import HEARTBEAT
+from executor_svc.tensor_parallel import HEARTBEAT, LORA_REGISTER, LORA_UNREGISTER
 from llmsched import cpus, step_socket
 from llmsched.tracing import Tracing
 from llmsched.v1 import executor_pb2 as pb
@@ -44,8 +45,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
         self.weight_bytes = loaded.weight_bytes
         self.pooling = loaded.ckpt.pooling.pooling
         self.generates = loaded.generates
-        lora = loaded.runner.lora
-        self.lora_adapters = [] if lora is None else list(lora.names)
+        lora = self.lora = loaded.runner.lora
+        self.lora_adapters = [] if lora is None else list(lora.static_names)
         self.max_loras, self.max_cpu_loras = (0, 0) if lora is None else (lora.num_slots, lora.max_cpu)
         log.info("embeddings: %s", f"pooled {self.pooling.describe()} (sentence-transformers config)"
                  if self.pooling else f"not served: {loaded.ckpt.pooling.why_not}")
@@ -125,7 +126,43 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             max_loras=self.max_loras,
             max_cpu_loras=self.max_cpu_loras,
             step_socket=str(self.step_socket_path or ""),
+            runtime_lora_dir=self.lora.runtime_dir if self.lora is not None else "",
         )
+
+    async def RegisterLoraAdapter(self, request, context):
+        # Read and checked off the step thread (a read takes a while), and
+        # registered on it, between steps, where the other ranks get it
+        # in order with the plans.
+        try:
+            if self.lora is None or not self.lora.runtime_dir:
+                raise LoraRefused("FAILED_PRECONDITION", "runtime LoRA adapters are off on this executor: "
+                                                         "EXECUTOR_RUNTIME_LORA_DIR is not set")
+            resolved, adapter = await asyncio.to_thread(self.lora.read_runtime, request.key, request.path)
+            await asyncio.wrap_future(self.steps.on_thread(self._register_on_ranks, request.key, resolved, adapter))
+        except LoraRefused as exc:
+            log.warning("runtime LoRA adapter %r refused: %s", request.key, exc)
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        log.info("runtime LoRA adapter %r registered: %s (rank %d)", request.key, resolved, adapter.rank)
+        return pb.RegisterLoraAdapterResponse(resolved_path=resolved, rank=adapter.rank)
+
+    def _register_on_ranks(self, key: str, path: str, adapter) -> None:
+        self.lora.register(key, path, adapter)  # ALREADY_EXISTS is raised before any rank hears of it
+        if self.tp:
+            self.tp.send(LORA_REGISTER, pb.RegisterLoraAdapterRequest(key=key, path=path).SerializeToString())
+
+    async def UnregisterLoraAdapter(self, request, context):
+        if self.lora is None:
+            return pb.UnregisterLoraAdapterResponse(found=False)
+        found = await asyncio.wrap_future(self.steps.on_thread(self._unregister_on_ranks, request.key))
+        if found:
+            log.info("runtime LoRA adapter %r unregistered", request.key)
+        return pb.UnregisterLoraAdapterResponse(found=found)
+
+    def _unregister_on_ranks(self, key: str) -> bool:
+        found = self.lora.unregister(key)
+        if found and self.tp:
+            self.tp.send(LORA_UNREGISTER, key.encode())
+        return found
 
     async def heartbeats(self) -> None:
         """Rank 0 of a tensor-parallel group: keeps the idle group checked

@@ -47,8 +47,10 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT
 SPAWNED_VAR = "LLMSCHED_TP_SPAWNED"
 FAIL_STOP_EXIT = 1
 
-# Control messages, rank 0 -> every rank.
-STEP, RESET, HEARTBEAT, SHUTDOWN = 1, 2, 3, 4
+# Control messages, rank 0 -> every rank. The LoRA ones register a runtime
+# adapter (payload: a RegisterLoraAdapterRequest), forget one (payload: its
+# key) or forget them all (a new step stream).
+STEP, RESET, HEARTBEAT, SHUTDOWN, LORA_REGISTER, LORA_UNREGISTER, LORA_FORGET = 1, 2, 3, 4, 5, 6, 7
 
 
 def fail_stop(what: str) -> NoReturn:

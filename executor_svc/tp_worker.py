@@ -8,7 +8,7 @@ from typing import NoReturn
 
 from executor_svc.convert import step_from_proto
 from executor_svc.loading import LoadedModel
-from executor_svc.tensor_parallel import RESET, SHUTDOWN, STEP
+from executor_svc.tensor_parallel import LORA_FORGET, LORA_REGISTER, LORA_UNREGISTER, RESET, SHUTDOWN, STEP
 from llmsched.v1 import executor_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,14 @@ def run_worker(loaded: LoadedModel) -> NoReturn:
                 runner.reset()
         elif kind == RESET:
             runner.reset()
+        elif kind == LORA_REGISTER:
+            # Rank 0 read and checked it; this rank reads it at its first load.
+            msg = pb.RegisterLoraAdapterRequest.FromString(payload)
+            runner.lora.register(msg.key, msg.path)
+        elif kind == LORA_UNREGISTER:
+            runner.lora.unregister(payload.decode())
+        elif kind == LORA_FORGET:
+            runner.lora.forget_runtime()
         elif kind == SHUTDOWN:
             log.info("rank %d stopping", tp.rank)
             tp.leave()

@@ -31,6 +31,7 @@ def model_facts(h: epb.HandshakeResponse) -> ModelFacts:
         embedding_only=h.embedding_only, speculative_method=h.speculative_method,
         speculative_tokens=h.speculative_tokens, batch_invariant=h.batch_invariant,
         lora_adapters=tuple(h.lora_adapters), max_loras=h.max_loras, max_cpu_loras=h.max_cpu_loras,
+        runtime_lora_dir=h.runtime_lora_dir,
     )
 
 

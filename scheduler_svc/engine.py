@@ -24,6 +24,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+import grpc
 from opentelemetry import trace
 
 from llmsched.tracing import Tracing, traceparent_of
@@ -32,6 +33,7 @@ from scheduler_svc.config import SchedulerSettings
 from scheduler_svc.core.clock import SYSTEM_CLOCK, Clock
 from scheduler_svc.core.engine_core import (CoreListener, EngineCore, InFlightStep, Tee, TurnKind, core_limits,
                                        scheduler_config)
+from scheduler_svc.core.lora_registry import AdapterRefused, LoraRegistry, RuntimeAdapter
 from scheduler_svc.core.model_facts import ModelFacts
 from scheduler_svc.core.plan import PromptOutput, SampledToken
 from scheduler_svc.core.policy import parse_weights
@@ -48,6 +50,16 @@ log = logging.getLogger(__name__)
 
 class Unavailable(Exception):
     """No executor can serve right now."""
+
+
+# An executor refusal that means it is gone, not that it refused the adapter.
+_GONE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+# Refusals of the path itself: the request's lora_path is at fault.
+_PATH_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.NOT_FOUND)
+
+
+def _executor_gone(exc: Exception) -> bool:
+    return isinstance(exc, ExecutorUnavailable) or exc.code() in _GONE_CODES
 
 
 class Engine(CoreListener):
@@ -68,6 +80,12 @@ class Engine(CoreListener):
         self.streams = Streams()
         self.telemetry = EngineTelemetry(tracing, clock, self.streams, settings.max_tenant_labels)
         self.core = EngineCore(core_limits(settings), Tee(self.telemetry, self))
+        # LoRA adapters by name, runtime ones included (lora_registry.py),
+        # and what each connect bumps: a load whose register raced a
+        # reconnect registers again on the new step stream.
+        self.lora_registry = LoraRegistry()
+        self._num_connects = 0
+        self._lora_tasks: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
         self._watchdog: asyncio.Task | None = None
         # Set by stop(): the loop ends at its next turn instead of recovering.
@@ -143,11 +161,112 @@ class Engine(CoreListener):
             scheduler = self.core.attach(scheduler_config(self.settings, facts.num_kv_blocks, facts.block_size,
                                                           facts.max_model_len, facts.num_host_kv_blocks,
                                                           facts.speculative_tokens, facts.batch_invariant,
-                                                          facts.lora_adapters, facts.max_loras))
+                                                          facts.lora_adapters, facts.max_loras,
+                                                          bool(facts.runtime_lora_dir)))
             self.telemetry.attach(scheduler)
             if previous is not None:
                 self.link.warn_swap_without_host()
+        self._num_connects += 1
+        self.lora_registry.static = facts.lora_adapters
+        await self._register_runtime_adapters()
         self.core.last_result_at = self.clock.perf_counter()
+
+    async def _register_runtime_adapters(self) -> None:
+        """The step stream is new, so the executor holds no runtime adapter
+        (a restart, or the same process: either forgets them): each one
+        loaded here, or unloaded and still in use, is registered again
+        before the first plan. One the executor will not take back (its
+        files changed, the directory setting did) is served no more, and
+        its live requests fail."""
+        self._release_adapters()
+        for adapter in self.lora_registry.registered():
+            try:
+                await self.link.client.register_lora(adapter.key, adapter.path)
+            except (grpc.aio.AioRpcError, ExecutorUnavailable) as exc:
+                if _executor_gone(exc):
+                    self.link.lost(f"could not register LoRA adapter {adapter.name!r} again: {exc}")
+                    return  # the next turn recovers, and registers them all again
+                message = (f"LoRA adapter {adapter.name!r} ({adapter.path}) could not be registered again with the "
+                           f"executor after it reconnected: {exc.details()}")
+                log.error("%s; its requests fail", message)
+                self.lora_registry.drop(adapter.key)
+                self.core.fail_adapter(adapter.key, "UNAVAILABLE", message)
+                if self.scheduler is not None and self.scheduler.lora is not None:
+                    self.scheduler.lora.forget(adapter.key)
+                continue
+            if self.scheduler is not None and self.scheduler.lora is not None:
+                self.scheduler.lora.register(adapter.key)
+
+    # ----- runtime LoRA adapters (lora_registry.py) -------------------------
+
+    async def load_lora(self, name: str, path: str) -> RuntimeAdapter:
+        """Registers the adapter with the executor, which reads and checks
+        it, then serves it under `name`. Raises AdapterRefused (with the
+        executor's reason) or Unavailable."""
+        facts = self.link.facts
+        if not self.link.connected or facts is None or self.scheduler is None:
+            raise Unavailable("no executor is connected")
+        if not facts.runtime_lora_dir:
+            raise AdapterRefused("FAILED_PRECONDITION", "runtime LoRA loading is off: the executor has no "
+                                                        "EXECUTOR_RUNTIME_LORA_DIR (the directory adapters are "
+                                                        "loaded from)")
+        adapter = self.lora_registry.begin_load(name, path)
+        try:
+            while True:
+                connects = self._num_connects
+                try:
+                    resp = await self.link.client.register_lora(adapter.key, path)
+                except (grpc.aio.AioRpcError, ExecutorUnavailable) as exc:
+                    if _executor_gone(exc):
+                        raise Unavailable(f"executor unavailable: {exc}") from None
+                    field = "lora_path" if exc.code() in _PATH_CODES else None
+                    raise AdapterRefused(exc.code().name, exc.details(), field) from None
+                if connects == self._num_connects:
+                    break  # else the register went to a step stream since replaced: again, on the new one
+        except BaseException:
+            self.lora_registry.abandon_load(adapter)
+            telemetry.LORA_RUNTIME_CHANGES.labels("load_refused").inc()
+            raise
+        self.lora_registry.finish_load(adapter, resp.resolved_path, resp.rank)
+        if self.scheduler is not None and self.scheduler.lora is not None:
+            self.scheduler.lora.register(adapter.key)
+        telemetry.LORA_RUNTIME_CHANGES.labels("load").inc()
+        log.info("LoRA adapter %r loaded at runtime from %s (rank %d, key %s)", name, resp.resolved_path, resp.rank,
+                 adapter.key)
+        return adapter
+
+    def unload_lora(self, name: str) -> int:
+        """New requests naming it are refused from now on; returns how many
+        live ones still run with it (it is freed after them)."""
+        adapter = self.lora_registry.unload(name)
+        num_live = len(self.core.adapter_users(adapter.key))
+        telemetry.LORA_RUNTIME_CHANGES.labels("unload").inc()
+        log.info("LoRA adapter %r unloaded (%d live requests finish with it first)", name, num_live)
+        self._release_adapters()
+        return num_live
+
+    def adapter_key(self, name: str) -> str | None:
+        """The key requests naming this adapter run with, None when not served."""
+        return self.lora_registry.key_of(name)
+
+    def _release_adapters(self) -> None:
+        """Frees each unloaded adapter that nothing uses any more: it leaves
+        the slots, and the executor forgets it."""
+        for key in list(self.lora_registry.retiring):
+            if self.core.release_adapter(key):
+                self.lora_registry.retired(key)
+                telemetry.LORA_RUNTIME_CHANGES.labels("freed").inc()
+                if self.link.connected:
+                    task = asyncio.create_task(self._unregister(key), name=f"lora-unregister-{key}")
+                    self._lora_tasks.add(task)
+                    task.add_done_callback(self._lora_tasks.discard)
+
+    async def _unregister(self, key: str) -> None:
+        try:
+            await self.link.client.unregister_lora(key)
+        except (grpc.aio.AioRpcError, ExecutorUnavailable) as exc:
+            # The executor keeps its copy until its next step stream, which forgets it.
+            log.warning("could not tell the executor to forget LoRA adapter %s: %s", key, exc)
 
     # ----- called by gRPC handlers ----------------------------------------
 
@@ -251,6 +370,8 @@ class Engine(CoreListener):
             self.link.lost(str(exc) or f"no step result within {timeout}s")
             return
         self.core.on_result(outcome, self.clock.perf_counter())
+        if self.lora_registry.retiring:
+            self._release_adapters()
 
     async def _recover(self, reason: str) -> None:
         """The executor is gone: keep every request, reconnect, recompute.

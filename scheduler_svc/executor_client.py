@@ -28,6 +28,8 @@ from scheduler_svc.core.model_facts import ModelFacts
 from scheduler_svc.core.plan import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
+# An adapter register reads it from disk and waits behind the step running.
+LORA_RPC_TIMEOUT_S = 120.0
 
 
 class ExecutorUnavailable(Exception):
@@ -269,6 +271,21 @@ class ExecutorClient:
         if result is None:
             raise ExecutorUnavailable("executor closed the step stream")
         return result
+
+    async def register_lora(self, key: str, path: str) -> pb.RegisterLoraAdapterResponse:
+        """Raises grpc.aio.AioRpcError with the executor's refusal, or
+        ExecutorUnavailable when not connected."""
+        if self._channel is None:
+            raise ExecutorUnavailable("not connected")
+        return await pb_grpc.ExecutorStub(self._channel).RegisterLoraAdapter(
+            pb.RegisterLoraAdapterRequest(key=key, path=path), timeout=LORA_RPC_TIMEOUT_S)
+
+    async def unregister_lora(self, key: str) -> bool:
+        if self._channel is None:
+            raise ExecutorUnavailable("not connected")
+        resp = await pb_grpc.ExecutorStub(self._channel).UnregisterLoraAdapter(
+            pb.UnregisterLoraAdapterRequest(key=key), timeout=LORA_RPC_TIMEOUT_S)
+        return resp.found
 
     async def watch_health(self) -> str:
         """Returns when the executor stops serving or the connection to it

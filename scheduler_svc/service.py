@@ -21,6 +21,7 @@ from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 from scheduler_svc import convert, telemetry
 from scheduler_svc.core.backpressure import Overloaded
 from scheduler_svc.core.clock import SYSTEM_CLOCK
+from scheduler_svc.core.lora_registry import AdapterRefused
 from scheduler_svc.core.request import Request, SamplingParams
 from scheduler_svc.detokenizer import token_text_decoder
 from scheduler_svc.engine import Engine, Unavailable
@@ -102,9 +103,9 @@ class SchedulerService(spb_grpc.SchedulerServicer):
         if engine.link.facts.embedding_only:
             raise NotServed(f"model {engine.link.facts.model!r} serves embeddings only: its checkpoint ships no "
                             "lm_head.weight (tie_word_embeddings is false), so it cannot generate")
-        if msg.adapter and msg.adapter not in engine.link.facts.lora_adapters:
-            served = ", ".join(engine.link.facts.lora_adapters) or "none"
-            raise NotFound(f"adapter {msg.adapter!r} is not served (LoRA adapters served: {served})")
+        # The adapter's key, not its name: a runtime one's is new at each
+        # load, and the prefix cache and slots know it by that (lora_registry.py).
+        adapter = self._adapter_key(msg.adapter) if msg.adapter else ""
         limits = self._limits()
         validate_prompt(msg, limits)
         cache_salt = msg.cache_salt if msg.HasField("cache_salt") else None
@@ -131,7 +132,7 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             constraint=constraint,
             tenant=tenant,
             prefix_salt=prefix_salt(tenant, cache_salt, engine.settings.prefix_cache_scope),
-            adapter=msg.adapter,
+            adapter=adapter,
             skip_prefix_cache=sampling.prompt_logprobs is not None,
         )
 
@@ -161,6 +162,13 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             # Last-token pooling reads only the last position, which is always computed.
             skip_prefix_cache=not facts.pooling.startswith("last"),
         )
+
+    def _adapter_key(self, name: str) -> str:
+        key = self.engine.adapter_key(name)
+        if key is None:
+            served = ", ".join(self.engine.lora_registry.names()) or "none"
+            raise NotFound(f"adapter {name!r} is not served (LoRA adapters served: {served})")
+        return key
 
     async def _prompt_ids(self, msg: spb.GenerateRequest | spb.EmbedRequest, limits: Limits,
                           request_id: str) -> list[int]:
@@ -232,6 +240,10 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             context.set_trailing_metadata(trailers)
             req = await build(request, req_tenant, outcome.request_id)
             outcome.prompt_tokens = req.num_prompt_tokens
+            if req.adapter and req.adapter != self._adapter_key(request.adapter):
+                # Unloaded while the prompt was tokenized: submit (no await
+                # between) is where an unload would see the request.
+                raise NotFound(f"adapter {request.adapter!r} was unloaded")
             owner = self._owner(context)
             return req, self.engine.submit(req, span, owner), owner
         except InvalidRequest as exc:
@@ -394,9 +406,33 @@ class SchedulerService(spb_grpc.SchedulerServicer):
             quantization=facts.quantization,
             pooling=facts.pooling,
             embedding_only=facts.embedding_only,
-            lora_adapters=list(facts.lora_adapters),
-            max_loras=(facts.max_loras or len(facts.lora_adapters)) if facts.lora_adapters else 0,
+            lora_adapters=self.engine.lora_registry.names(),
+            max_loras=(facts.max_loras or len(facts.lora_adapters))
+            if facts.lora_adapters or facts.runtime_lora_dir else 0,
+            runtime_lora=bool(facts.runtime_lora_dir),
         )
+
+    async def LoadLoraAdapter(self, request: spb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext):
+        try:
+            adapter = await self.engine.load_lora(request.lora_name, request.lora_path)
+        except AdapterRefused as exc:
+            await _abort_refused(context, exc)
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return spb.LoadLoraAdapterResponse(resolved_path=adapter.resolved_path, rank=adapter.rank)
+
+    async def UnloadLoraAdapter(self, request: spb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext):
+        try:
+            num_live = self.engine.unload_lora(request.lora_name)
+        except AdapterRefused as exc:
+            await _abort_refused(context, exc)
+        return spb.UnloadLoraAdapterResponse(num_live_requests=num_live)
+
+
+async def _abort_refused(context: grpc.aio.ServicerContext, exc: AdapterRefused) -> None:
+    """A refused load or unload, with the field at fault as Generate names one."""
+    trailers = ((metadata.FIELD, exc.field),) if exc.field else ()
+    await context.abort(getattr(grpc.StatusCode, exc.code), str(exc), trailing_metadata=trailers)
 
 
 class PermissionDenied(Exception):

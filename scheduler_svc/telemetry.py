@@ -78,6 +78,9 @@ LORA_WAITING = Gauge("llmsched_lora_requests_waiting_for_slot",
 LORA_LOADS = Counter("llmsched_lora_loads", "LoRA adapters loaded into a device slot, by where the executor read "
                      "them from (host: its host cache; disk)", ["source"])
 LORA_EVICTIONS = Counter("llmsched_lora_evictions", "LoRA adapters evicted from a device slot")
+LORA_RUNTIME_CHANGES = Counter("llmsched_lora_runtime_changes", "Runtime LoRA adapter loads and unloads "
+                               "(LoadLoraAdapter, UnloadLoraAdapter), by what was done: load, load_refused, unload, "
+                               "or freed (its last request ended and the executor forgot it)", ["change"])
 LORA_LOAD_SECONDS = Counter("llmsched_lora_load_seconds", "Time the executor spent on LoRA evictions and loads")
 REJECTED = Counter("llmsched_request_rejected", "Requests refused at admission, by reason", ["reason"])
 
@@ -93,6 +96,8 @@ for _tier in ("device", "host"):
     PREFIX_HITS.labels(_tier)
 for _source in ("host", "disk"):
     LORA_LOADS.labels(_source)
+for _change in ("load", "load_refused", "unload", "freed"):
+    LORA_RUNTIME_CHANGES.labels(_change)
 for _direction, _reason in (("out", "spill"), ("out", "preemption"), ("in", "prefix_hit"), ("in", "resume")):
     SWAPPED_BLOCKS.labels(_direction, _reason)
 

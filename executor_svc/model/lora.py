@@ -26,12 +26,19 @@ None).
 Anything in an adapter that would change the math beyond that (DoRA,
 modules_to_save, embedding or lm_head weights, a trained bias, per-module
 rank or alpha patterns, ...) is refused by name at start-up.
+
+Runtime adapters (RegisterLoraAdapter, EXECUTOR_RUNTIME_LORA_DIR) are read
+and checked by the same code, under a key the scheduler makes unique per
+load; their path must resolve (symlinks and `..` followed) inside the
+directory. Ids (indices in LoraSet.names) are never reused: an
+unregistered adapter leaves a None behind, so request rows keep theirs.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,11 +114,37 @@ def _refuse(where: str, why: str) -> StartupError:
                         "lora_alpha and use_rslora scaling")
 
 
-def read_adapter(name: str, path: str, max_rank: int, device: torch.device, dtype: torch.dtype) -> Adapter:
-    """Reads and checks one PEFT adapter directory."""
+class LoraRefused(Exception):
+    """A runtime adapter refused (RegisterLoraAdapter): `code` is the gRPC
+    status name the executor answers with."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def resolve_runtime_path(directory: str, path: str) -> str:
+    """A runtime adapter's path, absolute or relative to the runtime
+    directory (already resolved), with symlinks and `..` followed; refused
+    unless it lies inside the directory."""
+    if not path:
+        raise LoraRefused("INVALID_ARGUMENT", "lora_path: must not be empty")
+    resolved = os.path.realpath(os.path.join(directory, path))
+    if os.path.commonpath([resolved, directory]) != directory:
+        raise LoraRefused("PERMISSION_DENIED", f"lora_path: {path!r} resolves to {resolved}, outside "
+                                               f"EXECUTOR_RUNTIME_LORA_DIR ({directory})")
+    if not os.path.isdir(resolved):
+        raise LoraRefused("NOT_FOUND", f"lora_path: {resolved} is not a directory")
+    return resolved
+
+
+def read_adapter(name: str, path: str, max_rank: int, device: torch.device, dtype: torch.dtype,
+                 setting: str = "EXECUTOR_LORA_ADAPTERS") -> Adapter:
+    """Reads and checks one PEFT adapter directory; `setting` names where it
+    came from in a refusal."""
     from safetensors.torch import load_file
 
-    where = f"EXECUTOR_LORA_ADAPTERS: adapter {name!r} ({path})"
+    where = f"{setting}: adapter {name!r} ({path})"
     directory = Path(path)
     config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
     if not config_path.is_file() or not weights_path.is_file():
@@ -286,9 +319,15 @@ class LoraSet:
     device slots the scheduler fills, and a host cache of read adapters."""
 
     def __init__(self, pairs: list[tuple[str, str]], model: nn.Module, max_rank: int, num_slots: int,
-                 max_cpu: int, device: torch.device, dtype: torch.dtype):
-        self.names = [n for n, _ in pairs]
+                 max_cpu: int, device: torch.device, dtype: torch.dtype, runtime_dir: str = ""):
+        # [adapter id] -> its name (a runtime adapter's key), None once unregistered.
+        self.names: list[str | None] = [n for n, _ in pairs]
+        self.static_names = tuple(self.names)
         self.paths = dict(pairs)
+        # EXECUTOR_RUNTIME_LORA_DIR, resolved ("" = no runtime adapters), and
+        # the keys registered at runtime.
+        self.runtime_dir = runtime_dir
+        self.runtime: set[str] = set()
         self.max_rank, self.device, self.dtype = max_rank, device, dtype
         self.max_cpu = max_cpu
         self.batch, self.sites, self.refused = attach_sites(model, num_slots)
@@ -303,9 +342,65 @@ class LoraSet:
             self._keep(self._read(name))
 
     def _read(self, name: str) -> Adapter:
-        adapter = read_adapter(name, self.paths[name], self.max_rank, torch.device("cpu"), self.dtype)
-        self._check_fits(adapter)
+        setting = "lora_path" if name in self.runtime else "EXECUTOR_LORA_ADAPTERS"
+        adapter = read_adapter(name, self.paths[name], self.max_rank, torch.device("cpu"), self.dtype, setting)
+        self._check_fits(adapter, setting)
         return adapter
+
+    # ----- runtime adapters (RegisterLoraAdapter) ---------------------------
+
+    def read_runtime(self, key: str, path: str) -> tuple[str, Adapter]:
+        """Resolves and reads a runtime adapter and checks it exactly as a
+        start-up one; touches no state, so it may run off the step thread.
+        Raises LoraRefused."""
+        if not self.runtime_dir:
+            raise LoraRefused("FAILED_PRECONDITION", "runtime LoRA adapters are off on this executor: "
+                                                     "EXECUTOR_RUNTIME_LORA_DIR is not set")
+        resolved = resolve_runtime_path(self.runtime_dir, path)
+        try:
+            adapter = read_adapter(key, resolved, self.max_rank, torch.device("cpu"), self.dtype, "lora_path")
+            self._check_fits(adapter, "lora_path")
+        except StartupError as exc:
+            raise LoraRefused("INVALID_ARGUMENT", str(exc)) from None
+        except Exception as exc:  # unreadable JSON or safetensors, a missing key: not a PEFT adapter
+            raise LoraRefused("INVALID_ARGUMENT", f"lora_path: adapter at {resolved} could not be read "
+                                                  f"({type(exc).__name__}: {exc})") from None
+        return resolved, adapter
+
+    def register(self, key: str, path: str, adapter: Adapter | None = None) -> None:
+        """Serves a runtime adapter under `key` (a new id); `adapter`, read
+        by read_runtime, goes to the host cache (None: read at its first
+        load, as tensor-parallel ranks other than 0 do)."""
+        if key in self.paths:
+            if self.paths[key] != path:
+                raise LoraRefused("ALREADY_EXISTS", f"LoRA adapter key {key!r} is registered with "
+                                                    f"{self.paths[key]}, not {path}")
+            return  # the scheduler registering its adapters again
+        self.paths[key] = path
+        self.runtime.add(key)
+        self.slot_by_id = np.append(self.slot_by_id, -1)
+        self.names.append(key)
+        if adapter is not None:
+            self._keep(adapter)
+
+    def unregister(self, key: str) -> bool:
+        """Forgets a runtime adapter: its slot, host copy and key (its id
+        is not reused). The scheduler calls it once no plan names it."""
+        if key not in self.runtime:
+            return False
+        slot = self.slot_of(key)
+        if slot is not None:
+            self.evict(slot)
+        self.names[self.names.index(key)] = None
+        del self.paths[key]
+        self.host.pop(key, None)
+        self.runtime.discard(key)
+        return True
+
+    def forget_runtime(self) -> None:
+        """A new step stream: its scheduler registers its own adapters."""
+        for key in list(self.runtime):
+            self.unregister(key)
 
     def _keep(self, adapter: Adapter) -> None:
         self.host[adapter.name] = adapter
@@ -313,16 +408,16 @@ class LoraSet:
         while len(self.host) > self.max_cpu:
             self.host.popitem(last=False)
 
-    def _check_fits(self, a: Adapter) -> None:
+    def _check_fits(self, a: Adapter, setting: str = "EXECUTOR_LORA_ADAPTERS") -> None:
         for module, w in a.weights.items():
             if module in self.refused:
-                raise StartupError(f"EXECUTOR_LORA_ADAPTERS: {self.refused[module]}")
+                raise StartupError(f"{setting}: {self.refused[module]}")
             if module not in self._site_of:
-                raise StartupError(f"EXECUTOR_LORA_ADAPTERS: adapter {a.name!r} has weights for modules the base "
+                raise StartupError(f"{setting}: adapter {a.name!r} has weights for modules the base "
                                    f"model does not have: {sorted(set(a.weights) - set(self._site_of))[:3]}")
             site, part = self._site_of[module]
             if w.b.shape[0] != site.whole_out[part] or w.a.shape[1] != site.whole_in:
-                raise StartupError(f"EXECUTOR_LORA_ADAPTERS: adapter {a.name!r}: {module}: A {tuple(w.a.shape)} "
+                raise StartupError(f"{setting}: adapter {a.name!r}: {module}: A {tuple(w.a.shape)} "
                                    f"and B {tuple(w.b.shape)} do not fit the base layer ({site.whole_in} in, "
                                    f"{site.whole_out[part]} out)")
 
@@ -393,16 +488,24 @@ class LoraSet:
 
 
 def load_adapters(setting: str, model: nn.Module, max_rank: int, max_loras: int, device: torch.device,
-                  dtype: torch.dtype, max_cpu_loras: int = 0) -> LoraSet | None:
+                  dtype: torch.dtype, max_cpu_loras: int = 0, runtime_dir: str = "") -> LoraSet | None:
     """EXECUTOR_LORA_ADAPTERS, each read and checked against `model`, with
-    max_loras empty device slots attached to it; None when the setting is
-    empty (the model stays untouched). max_cpu_loras: adapters kept in host
-    memory (0: every configured one)."""
+    max_loras empty device slots attached to it; None when the setting and
+    runtime_dir (EXECUTOR_RUNTIME_LORA_DIR) are empty (the model stays
+    untouched). max_cpu_loras: adapters kept in host memory (0: every
+    configured one, and max_loras runtime ones beyond them)."""
     pairs = parse_adapters(setting)
-    if not pairs:
+    if runtime_dir:
+        resolved = os.path.realpath(runtime_dir)
+        if not os.path.isdir(resolved):
+            raise StartupError(f"EXECUTOR_RUNTIME_LORA_DIR={runtime_dir!r} is not a directory; it holds the "
+                               "adapters /v1/load_lora_adapter may load (empty = runtime loading off)")
+        runtime_dir = resolved
+    if not pairs and not runtime_dir:
         return None
     if max_cpu_loras and max_cpu_loras < max_loras:
         raise StartupError(f"EXECUTOR_MAX_CPU_LORAS={max_cpu_loras} is below EXECUTOR_MAX_LORAS={max_loras}: an "
                            "adapter loaded into a device slot is read through the host cache; supported: "
                            "EXECUTOR_MAX_CPU_LORAS >= EXECUTOR_MAX_LORAS, or 0 (every configured adapter)")
-    return LoraSet(pairs, model, max_rank, max_loras, max_cpu_loras or len(pairs), device, dtype)
+    max_cpu = max_cpu_loras or len(pairs) + (max_loras if runtime_dir else 0)
+    return LoraSet(pairs, model, max_rank, max_loras, max_cpu, device, dtype, runtime_dir)

@@ -22,7 +22,7 @@ from typing import AsyncIterator, Callable
 
 from executor_svc.step.runner import ModelRunner, StepPlan, StepResult
 from executor_svc.telemetry import StepTelemetry, SwapStats
-from executor_svc.tensor_parallel import RESET, STEP
+from executor_svc.tensor_parallel import LORA_FORGET, RESET, STEP
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +120,16 @@ class StepExecutor:
         self.failed_epoch: int | None = None
 
     def reset(self) -> None:
-        """Forgets every request on every rank: a new step stream starts."""
+        """Forgets every request on every rank, and every runtime LoRA
+        adapter: a new step stream starts, and its scheduler registers its
+        own (RegisterLoraAdapter)."""
         self._reset_ranks()
         self.failed_epoch = None
+        lora = self.runner.lora
+        if lora is not None and lora.runtime_dir:
+            lora.forget_runtime()
+            if self.tp:
+                self.tp.send(LORA_FORGET)
 
     def _reset_ranks(self) -> None:
         self.runner.reset()

@@ -6,12 +6,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RegisterLoraAdapterRequest(_message.Message):
+    __slots__ = ("key", "path")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    path: str
+    def __init__(self, key: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class RegisterLoraAdapterResponse(_message.Message):
+    __slots__ = ("resolved_path", "rank")
+    RESOLVED_PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    resolved_path: str
+    rank: int
+    def __init__(self, resolved_path: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class UnregisterLoraAdapterRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class UnregisterLoraAdapterResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
 class HandshakeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("model", "tokenizer_json", "block_size", "num_kv_blocks", "max_model_len", "instance_id", "vocab_size", "eos_token_ids", "max_logprobs", "device", "chat_template", "bos_token", "eos_token", "architecture", "rope_type", "tensor_parallel_size", "supports_constraints", "kv_bytes_per_token", "num_host_kv_blocks", "weight_bytes", "quantization", "pooling", "hidden_size", "embedding_only", "speculative_method", "speculative_tokens", "batch_invariant", "lora_adapters", "max_loras", "max_cpu_loras", "step_socket")
+    __slots__ = ("model", "tokenizer_json", "block_size", "num_kv_blocks", "max_model_len", "instance_id", "vocab_size", "eos_token_ids", "max_logprobs", "device", "chat_template", "bos_token", "eos_token", "architecture", "rope_type", "tensor_parallel_size", "supports_constraints", "kv_bytes_per_token", "num_host_kv_blocks", "weight_bytes", "quantization", "pooling", "hidden_size", "embedding_only", "speculative_method", "speculative_tokens", "batch_invariant", "lora_adapters", "max_loras", "max_cpu_loras", "step_socket", "runtime_lora_dir")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +71,7 @@ class HandshakeResponse(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
     STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_LORA_DIR_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer_json: str
     block_size: int
@@ -74,7 +103,8 @@ class HandshakeResponse(_message.Message):
     max_loras: int
     max_cpu_loras: int
     step_socket: str
-    def __init__(self, model: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., supports_constraints: _Optional[bool] = ..., kv_bytes_per_token: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., pooling: _Optional[str] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., step_socket: _Optional[str] = ...) -> None: ...
+    runtime_lora_dir: str
+    def __init__(self, model: _Optional[str] = ..., tokenizer_json: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., instance_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., device: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., architecture: _Optional[str] = ..., rope_type: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., supports_constraints: _Optional[bool] = ..., kv_bytes_per_token: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., pooling: _Optional[str] = ..., hidden_size: _Optional[int] = ..., embedding_only: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., batch_invariant: _Optional[bool] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., step_socket: _Optional[str] = ..., runtime_lora_dir: _Optional[str] = ...) -> None: ...
 
 class StepSampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "has_seed", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "min_tokens_held_ids", "logit_bias_ids", "logit_bias_values", "prompt_logprobs")

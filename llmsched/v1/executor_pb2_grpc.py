@@ -44,6 +44,16 @@ class ExecutorStub:
                 request_serializer=llmsched_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
                 response_deserializer=llmsched_dot_v1_dot_executor__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.RegisterLoraAdapter = channel.unary_unary(
+                '/llmsched.v1.Executor/RegisterLoraAdapter',
+                request_serializer=llmsched_dot_v1_dot_executor__pb2.RegisterLoraAdapterRequest.SerializeToString,
+                response_deserializer=llmsched_dot_v1_dot_executor__pb2.RegisterLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnregisterLoraAdapter = channel.unary_unary(
+                '/llmsched.v1.Executor/UnregisterLoraAdapter',
+                request_serializer=llmsched_dot_v1_dot_executor__pb2.UnregisterLoraAdapterRequest.SerializeToString,
+                response_deserializer=llmsched_dot_v1_dot_executor__pb2.UnregisterLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -63,6 +73,31 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterLoraAdapter(self, request, context):
+        """Adds a LoRA adapter at runtime (EXECUTOR_RUNTIME_LORA_DIR): read and
+        checked as an EXECUTOR_LORA_ADAPTERS one, then served under `key` once
+        a plan loads it into a slot. Every rank of a tensor-parallel group
+        gets it. Refusals: FAILED_PRECONDITION (no EXECUTOR_RUNTIME_LORA_DIR),
+        PERMISSION_DENIED (the path resolves outside it), NOT_FOUND (no such
+        directory), INVALID_ARGUMENT (not an adapter this executor can serve;
+        the message says why), ALREADY_EXISTS (the key is registered with
+        another path). Registering a key again with the same path succeeds.
+        A new step stream forgets every runtime adapter, as it empties the
+        slots: the scheduler registers its own again after opening it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterLoraAdapter(self, request, context):
+        """Forgets a runtime adapter: its slot, host copy and key. The scheduler
+        calls it only once no plan in flight names the adapter. Unknown keys
+        succeed (idempotent).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +110,16 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=llmsched_dot_v1_dot_executor__pb2.StepPlan.FromString,
                     response_serializer=llmsched_dot_v1_dot_executor__pb2.StepResult.SerializeToString,
+            ),
+            'RegisterLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterLoraAdapter,
+                    request_deserializer=llmsched_dot_v1_dot_executor__pb2.RegisterLoraAdapterRequest.FromString,
+                    response_serializer=llmsched_dot_v1_dot_executor__pb2.RegisterLoraAdapterResponse.SerializeToString,
+            ),
+            'UnregisterLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterLoraAdapter,
+                    request_deserializer=llmsched_dot_v1_dot_executor__pb2.UnregisterLoraAdapterRequest.FromString,
+                    response_serializer=llmsched_dot_v1_dot_executor__pb2.UnregisterLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +176,60 @@ class Executor:
             '/llmsched.v1.Executor/Step',
             llmsched_dot_v1_dot_executor__pb2.StepPlan.SerializeToString,
             llmsched_dot_v1_dot_executor__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmsched.v1.Executor/RegisterLoraAdapter',
+            llmsched_dot_v1_dot_executor__pb2.RegisterLoraAdapterRequest.SerializeToString,
+            llmsched_dot_v1_dot_executor__pb2.RegisterLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmsched.v1.Executor/UnregisterLoraAdapter',
+            llmsched_dot_v1_dot_executor__pb2.UnregisterLoraAdapterRequest.SerializeToString,
+            llmsched_dot_v1_dot_executor__pb2.UnregisterLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -65,6 +65,16 @@ class SchedulerStub:
                 request_serializer=llmsched_dot_v1_dot_scheduler__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=llmsched_dot_v1_dot_scheduler__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/llmsched.v1.Scheduler/LoadLoraAdapter',
+                request_serializer=llmsched_dot_v1_dot_scheduler__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=llmsched_dot_v1_dot_scheduler__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/llmsched.v1.Scheduler/UnloadLoraAdapter',
+                request_serializer=llmsched_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=llmsched_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -122,6 +132,30 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Loads a LoRA adapter at runtime under a new name (vLLM's
+        /v1/load_lora_adapter), once the executor has read and checked it as
+        a start-up one; then GenerateRequest.adapter may name it. Needs the
+        executor's EXECUTOR_RUNTIME_LORA_DIR (else FAILED_PRECONDITION), and
+        lora_path inside it after symlinks and `..` (else PERMISSION_DENIED).
+        A name already served is ALREADY_EXISTS; an adapter the executor
+        cannot serve is INVALID_ARGUMENT naming lora_path, with the reason.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Unloads a runtime-loaded adapter: new requests naming it get
+        NOT_FOUND at once; requests already queued or running finish with
+        it, and its slot and host copy are freed after their last step. An
+        unknown name is NOT_FOUND; a start-up adapter (EXECUTOR_LORA_ADAPTERS)
+        is FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +188,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=llmsched_dot_v1_dot_scheduler__pb2.EmbedRequest.FromString,
                     response_serializer=llmsched_dot_v1_dot_scheduler__pb2.EmbedResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=llmsched_dot_v1_dot_scheduler__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=llmsched_dot_v1_dot_scheduler__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=llmsched_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=llmsched_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +363,60 @@ class Scheduler:
             '/llmsched.v1.Scheduler/Embed',
             llmsched_dot_v1_dot_scheduler__pb2.EmbedRequest.SerializeToString,
             llmsched_dot_v1_dot_scheduler__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmsched.v1.Scheduler/LoadLoraAdapter',
+            llmsched_dot_v1_dot_scheduler__pb2.LoadLoraAdapterRequest.SerializeToString,
+            llmsched_dot_v1_dot_scheduler__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmsched.v1.Scheduler/UnloadLoraAdapter',
+            llmsched_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            llmsched_dot_v1_dot_scheduler__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

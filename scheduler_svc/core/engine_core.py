@@ -25,6 +25,7 @@ import enum
 import logging
 from collections import deque
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from scheduler_svc.core.backpressure import AdmissionLimits, Overloaded, StepTimeEstimator, check_admission
@@ -253,6 +254,33 @@ class EngineCore:
         self._pending_adds.clear()
         self._pending_aborts.clear()
 
+    # ----- runtime LoRA adapters (lora_registry.py), between turns -----------
+
+    def adapter_users(self, key: str) -> list[str]:
+        """Ids of the live requests that run with the adapter: queued,
+        running (parked ones too) or not yet added."""
+        live = self.scheduler.requests.values() if self.scheduler is not None else ()
+        return [r.request_id for r in chain(live, self._pending_adds) if r.adapter == key]
+
+    def release_adapter(self, key: str) -> bool:
+        """An unloaded adapter leaves the scheduler once no live request uses
+        it and no plan in flight names it (LoraSlots.forget); returns
+        whether it has, after which the executor may forget it."""
+        if self.adapter_users(key):
+            return False
+        lora = self.scheduler.lora if self.scheduler is not None else None
+        return lora is None or lora.forget(key)
+
+    def fail_adapter(self, key: str, code: str, message: str) -> None:
+        """Ends every live request of an adapter the executor no longer
+        serves (it would not take it back after a restart)."""
+        users = set(self.adapter_users(key))
+        self._pending_adds = [r for r in self._pending_adds if r.request_id not in users]
+        for request_id in users:
+            if self.scheduler is not None:
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+            self.listener.request_failed(request_id, code, message)
+
     # ----- the turn ---------------------------------------------------------
 
     def apply_pending(self) -> None:
@@ -419,7 +447,7 @@ def core_limits(settings: SchedulerSettings) -> CoreLimits:
 def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size: int,
                      max_model_len: int, num_host_blocks: int = 0, speculative_tokens: int = 0,
                      batch_invariant: bool = False, lora_adapters: tuple[str, ...] = (),
-                     max_loras: int = 0) -> SchedulerConfig:
+                     max_loras: int = 0, runtime_lora: bool = False) -> SchedulerConfig:
     """The scheduler's configuration: the executor's KV geometry (from its
     handshake: device pool, host tier) and the SCHEDULER_* settings."""
     return SchedulerConfig(
@@ -440,6 +468,7 @@ def scheduler_config(settings: SchedulerSettings, num_kv_blocks: int, block_size
         batch_invariant=batch_invariant,
         lora_adapters=tuple(lora_adapters),
         max_loras=max_loras,
+        runtime_lora=runtime_lora,
         lora_quantum_steps=settings.lora_quantum_steps,
         prompt_token_weight=settings.prompt_token_weight,
         output_token_weight=settings.output_token_weight,

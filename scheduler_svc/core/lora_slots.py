@@ -53,7 +53,9 @@ class LoraSlots:
         if num_slots < 1:
             raise ValueError(f"LoRA slots: {num_slots} slots; at least 1 is needed to serve adapters")
         self.num_slots = num_slots
-        self.adapters = frozenset(adapters)
+        # The adapters' keys (lora_registry.py): start-up ones, and runtime
+        # ones from register() to forget().
+        self.adapters = set(adapters)
         self.quantum = quantum
         self.names: list[str | None] = [None] * num_slots  # [slot] -> adapter
         self.slot_of: dict[str, int] = {}
@@ -160,6 +162,27 @@ class LoraSlots:
         ops = self.evicts, self.loads
         self.evicts, self.loads, self.in_plan = [], [], set()
         return ops
+
+    def register(self, adapter: str) -> None:
+        """A runtime adapter the executor now serves (lora_registry.py)."""
+        self.adapters.add(adapter)
+
+    def forget(self, adapter: str) -> bool:
+        """An unloaded adapter that no live request uses leaves the slots;
+        returns False while a plan in flight names it (try again after the
+        next result). Its slot counts as empty from then on: the executor
+        evicts it when told to forget the adapter, and a load into the slot
+        replaces it whatever it holds."""
+        slot = self.slot_of.get(adapter)
+        if slot is not None:
+            if not self._ready(slot):
+                return False
+            del self.slot_of[adapter]
+            self.names[slot] = None
+        self.reserved = {s: a for s, a in self.reserved.items() if a != adapter}
+        self.backoff.pop(adapter, None)
+        self.adapters.discard(adapter)
+        return True
 
     def complete(self, step_id: int) -> None:
         """The result of plan step_id has been applied (plans complete in order)."""

@@ -49,6 +49,8 @@ class ModelFacts:
     # field, which holds every adapter at once).
     max_loras: int = 0
     max_cpu_loras: int = 0
+    # EXECUTOR_RUNTIME_LORA_DIR, resolved: LoadLoraAdapter is served when set.
+    runtime_lora_dir: str = ""
 
     @property
     def geometry(self) -> tuple:
@@ -56,4 +58,5 @@ class ModelFacts:
         size: it comes back empty after a restart anyway. The LoRA adapters
         are: a live request's adapter must still be served."""
         return (self.model, self.block_size, self.num_kv_blocks, self.max_model_len, self.vocab_size,
-                self.speculative_tokens, self.batch_invariant, self.lora_adapters, self.max_loras)
+                self.speculative_tokens, self.batch_invariant, self.lora_adapters, self.max_loras,
+                self.runtime_lora_dir)

@@ -74,9 +74,10 @@ class Scheduler:
         self.policy = make_policy(config.policy, config.prompt_token_weight, config.output_token_weight,
                                   dict(config.tenant_weights))
         self.waiting = self.policy.make_queue()
-        # The executor's LoRA adapter slots (lora_slots.py); None without adapters.
+        # The executor's LoRA adapter slots (lora_slots.py); None without
+        # adapters, start-up or runtime.
         self.lora = LoraSlots(config.max_loras or len(config.lora_adapters), config.lora_adapters,
-                              config.lora_quantum_steps) if config.lora_adapters else None
+                              config.lora_quantum_steps) if config.lora_adapters or config.runtime_lora else None
         # Sorted by order_key: the last one is the first to be preempted.
         self.running: list[Request] = []
         self._next_arrival = 0
@@ -130,7 +131,7 @@ class Scheduler:
         reason = self.fits(request.num_prompt_tokens, request.sampling.max_tokens)
         if reason:
             raise ValueError(reason)
-        if request.adapter and request.adapter not in self.config.lora_adapters:
+        if request.adapter and (self.lora is None or request.adapter not in self.lora.adapters):
             raise ValueError(f"adapter {request.adapter!r} is not served")
         request.handle = self._alloc_handle()
         if (self.config.batch_invariant or self.config.speculative_tokens) and request.sampling.seed is None:

@@ -54,6 +54,9 @@ class SchedulerConfig:
     # (lora_slots.py; 0 = one per adapter).
     lora_adapters: tuple[str, ...] = ()
     max_loras: int = 0
+    # The executor takes LoRA adapters at runtime (EXECUTOR_RUNTIME_LORA_DIR):
+    # slots exist even with no start-up adapter.
+    runtime_lora: bool = False
     # Steps an adapter keeps its slot while another waits for one, before
     # its running requests are parked and the slot passes on.
     lora_quantum_steps: int = 4

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions,
 /v1/embeddings, /v1/models, /tokenize, /detokenize, /health and /metrics,
+vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter,
 Anthropic's /v1/messages and OpenAI's /v1/responses, all served by
 gateway.py's Gateway."""
 
@@ -14,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway_svc import anthropic_api, embeddings, metrics, responses_api
+from gateway_svc import anthropic_api, embeddings, lora_admin, metrics, responses_api
 from gateway_svc.config import GatewaySettings
 from gateway_svc.errors import error_body, error_response, from_rpc_error
 from gateway_svc.gateway import Gateway, _auth_metadata
@@ -125,6 +126,15 @@ def create_app(settings: GatewaySettings, client_interceptors: list | None = Non
     @app.post("/v1/embeddings")
     async def create_embeddings(request: Request):
         return await embeddings.embeddings(state["gw"], request)
+
+    # vLLM's runtime LoRA routes: 404 naming GATEWAY_ALLOW_RUNTIME_LORA while it is off.
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return await lora_admin.load(state["gw"], request)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return await lora_admin.unload(state["gw"], request)
 
     anthropic_api.add_routes(app, lambda: state["gw"])
     responses_api.register(app, settings, lambda: state["gw"])

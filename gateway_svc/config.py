@@ -70,6 +70,12 @@ class GatewaySettings(BaseSettings):
     responses_store_ttl_s: float = Field(
         default=3600.0, gt=0, description="Seconds a stored response is kept; then `GET` and "
         "`previous_response_id` answer 404 for it.")
+    allow_runtime_lora: bool = Field(
+        default=False, description="Serves vLLM's runtime LoRA routes, `POST /v1/load_lora_adapter` "
+        "(`{\"lora_name\", \"lora_path\"}`) and `POST /v1/unload_lora_adapter` (`{\"lora_name\"}`). Off: both "
+        "answer 404 naming this setting. Anyone who can reach the gateway (with an API key, any key) can then "
+        "load and unload adapters for every tenant; the files they may load are limited by the executor's "
+        "`EXECUTOR_RUNTIME_LORA_DIR`, which must be set too.")
     log_level: LogLevel = Field(default="INFO", description=LOG_LEVEL_HELP)
     log_format: LogFormat = Field(
         default="text", validation_alias=AliasChoices("GATEWAY_LOG_FORMAT", "LOG_FORMAT"),

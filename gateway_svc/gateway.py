@@ -170,9 +170,15 @@ class Gateway:
         self.settings = settings
         self.client = client
 
-    async def _info(self, metadata) -> ModelInfo:
+    async def _info(self, metadata, model: str | None = None) -> ModelInfo:
+        """The model facts; read again when they do not list `model`, which
+        may be a LoRA adapter loaded at runtime since they were cached
+        (through another gateway: the scheduler holds the list)."""
         try:
-            return await self.client.model_info(metadata)
+            info = await self.client.model_info(metadata)
+            if model is not None and model not in info.lora_adapters and model not in self.served_names(info):
+                info = await self.client.model_info(metadata, fresh=True)
+            return info
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
 
@@ -190,7 +196,7 @@ class Gateway:
             raise RequestError("n", f"n={body.n} exceeds the most this server allows ({self.settings.max_n})")
         constraint = constraints.from_request(body)
         metadata = _auth_metadata(request)
-        info = await self._info(metadata)
+        info = await self._info(metadata, body.model)
         # A LoRA adapter's name as `model` selects it ("" = the model itself).
         adapter = _check_model(body.model, self.served_names(info), info.lora_adapters)
         return body, constraint, metadata, info, adapter

@@ -71,14 +71,19 @@ class SchedulerClient:
     async def server_info(self, metadata) -> spb.ServerInfo:
         return await self.stub.GetServerInfo(spb.GetServerInfoRequest(), metadata=metadata, timeout=10.0)
 
-    async def model_info(self, metadata) -> ModelInfo:
+    async def model_info(self, metadata, fresh: bool = False) -> ModelInfo:
         """Raises grpc.aio.AioRpcError (UNAVAILABLE without executor,
-        UNAUTHENTICATED with a wrong key)."""
+        UNAUTHENTICATED with a wrong key). fresh: not from the cache (a
+        `model` it does not list may be a LoRA adapter loaded since)."""
         now = time.monotonic()
-        if self._info is None or now - self._info_at > MODEL_INFO_TTL_S:
+        if fresh or self._info is None or now - self._info_at > MODEL_INFO_TTL_S:
             self._info = ModelInfo.from_proto(await self.server_info(metadata))
             self._info_at = now
         return self._info
+
+    def forget_model_info(self) -> None:
+        """The LoRA adapters changed (runtime load or unload): read the facts again."""
+        self._info = None
 
     async def count_tokens(self, prompt: str, metadata) -> int:
         """Tokens of a rendered chat prompt (no special tokens added), as a

@@ -1,19 +1,25 @@
 """Multi-LoRA through the services: executor (EXECUTOR_LORA_ADAPTERS),
 scheduler and gateway, one stack for the module, on the tiny random Llama
 of tests/lora.py with four PEFT adapters (ranks 8, 16, 64) and two device
-slots (EXECUTOR_MAX_LORAS=2), so the scheduler loads and evicts them."""
+slots (EXECUTOR_MAX_LORAS=2), so the scheduler loads and evicts them; and
+adapters loaded at runtime from EXECUTOR_RUNTIME_LORA_DIR through vLLM's
+/v1/load_lora_adapter (GATEWAY_ALLOW_RUNTIME_LORA=on)."""
 
+import json
+import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import openai
 import pytest
 
 from llmsched.v1 import scheduler_pb2 as spb
 
 from tests.integration.conftest import scheduler_metric, start_gateway_stack
-from tests.lora import hf_peft_greedy, make_base_and_adapters
+from tests.lora import ADAPTERS, hf_peft_greedy, make_adapter, make_base_and_adapters
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +29,36 @@ MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
-def lora_stack(tmp_path_factory):
-    base, adapters = make_base_and_adapters(tmp_path_factory.mktemp("lora"), NAMES)
+def checkpoints(tmp_path_factory):
+    """The base, its start-up adapters, and the runtime directory: two
+    adapters of the same shape with other weights (v1 and v2, loaded in
+    turn under one name), one with DoRA set, and a symlink out of it."""
+    directory = tmp_path_factory.mktemp("lora")
+    base, adapters = make_base_and_adapters(directory, NAMES)
+    runtime = directory / "runtime"
+    runtime.mkdir()
+    versions = {v: make_adapter(base, runtime / v, *ADAPTERS["e16"], seed=seed) for v, seed in (("v1", 10), ("v2", 11))}
+    shutil.copytree(runtime / "v1", runtime / "dora")
+    cfg = json.loads((runtime / "dora" / "adapter_config.json").read_text())
+    (runtime / "dora" / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    os.symlink(adapters["a8"], runtime / "escape")
+    return base, adapters, runtime, versions
+
+
+@pytest.fixture(scope="module")
+def runtime_adapters(checkpoints) -> tuple[str, str]:
+    """v1 and v2, the two runtime adapters' paths."""
+    versions = checkpoints[3]
+    return versions["v1"], versions["v2"]
+
+
+@pytest.fixture(scope="module")
+def lora_stack(checkpoints):
+    base, adapters, runtime, _ = checkpoints
     stack = start_gateway_stack(base, executor_env={
         "EXECUTOR_LORA_ADAPTERS": ",".join(f"{n}={p}" for n, p in adapters.items()),
-        "EXECUTOR_MAX_LORAS": "2", "EXECUTOR_BLOCK_SIZE": "4", "EXECUTOR_DTYPE": "float32"})
+        "EXECUTOR_MAX_LORAS": "2", "EXECUTOR_BLOCK_SIZE": "4", "EXECUTOR_DTYPE": "float32",
+        "EXECUTOR_RUNTIME_LORA_DIR": str(runtime)}, gateway_env={"GATEWAY_ALLOW_RUNTIME_LORA": "on"})
     yield stack, base, adapters
     stack.stop()
 
@@ -129,3 +160,93 @@ def test_four_adapters_round_robin_in_two_slots_starve_nobody(lora_stack):
     assert min(ratios) <= 3.0, f"TTFT p99 under adapter thrash / all loaded: {ratios}"
     assert scheduler_metric(stack.services, "llmsched_lora_requests_waiting_for_slot") == 0
     stack.grpc.assert_no_leaked_blocks()
+
+
+def test_runtime_load_matches_hf_peft_and_a_reload_under_the_same_name_never_hits_the_old_cache(
+        lora_stack, runtime_adapters):
+    stack, base, _ = lora_stack
+    v1, v2 = runtime_adapters
+    http = httpx.Client(base_url=stack.services.gateway_url, timeout=120)
+    long_prompt = [1, *range(340, 368)]  # 7 whole blocks of 4
+
+    def cached(model):
+        r = stack.openai.completions.create(model=model, prompt=long_prompt, max_tokens=1, temperature=0)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    def tokens(adapter):
+        return stack.grpc.generate(prompt_token_ids=PROMPT, adapter=adapter,
+                                   sampling={"max_tokens": MAX_NEW, "temperature": 0})[0]
+
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": v1})
+    assert r.status_code == 200 and "'rt' added successfully" in r.text, r.text
+    listed = {m.id: m for m in stack.openai.models.list().data}
+    assert listed["rt"].parent == stack.model, "/v1/models does not list the runtime adapter"
+    assert "rt" in stack.grpc.info().lora_adapters and stack.grpc.info().runtime_lora
+    v1_tokens = tokens("rt")
+    assert v1_tokens == hf_peft_greedy(base, v1, PROMPT, MAX_NEW), "runtime adapter v1 differs from HF + PEFT"
+    assert cached("rt") == 0 and cached("rt") > 0, "the prefix cache does not serve a runtime adapter's own blocks"
+
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": "rt"})
+    assert r.status_code == 200 and "'rt' removed successfully" in r.text, r.text
+    assert "rt" not in {m.id for m in stack.openai.models.list().data}
+    with pytest.raises(openai.NotFoundError) as exc:
+        stack.openai.completions.create(model="rt", prompt=PROMPT, max_tokens=1)
+    assert exc.value.code == "model_not_found", "an unloaded adapter still serves"
+
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": "v2"})  # relative to the dir
+    assert r.status_code == 200, r.text
+    assert cached("rt") == 0, "a reload under the same name hit blocks cached under the old weights"
+    v2_tokens = tokens("rt")
+    assert v2_tokens == hf_peft_greedy(base, v2, PROMPT, MAX_NEW), "the reloaded name serves the old weights"
+    assert v2_tokens != v1_tokens
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "rt"}).status_code == 200
+    _wait_freed(stack)
+    stack.grpc.assert_no_leaked_blocks()
+
+
+def test_runtime_lora_refusals_say_why(lora_stack, runtime_adapters):
+    stack, _, adapters = lora_stack
+    v1, _ = runtime_adapters
+    http = httpx.Client(base_url=stack.services.gateway_url, timeout=120)
+
+    def load(name, path):
+        return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+    outside = load("out", adapters["a8"])
+    assert outside.status_code == 403 and outside.json()["error"]["param"] == "lora_path", outside.text
+    assert "outside EXECUTOR_RUNTIME_LORA_DIR" in outside.json()["error"]["message"]
+    symlink = load("out", "escape")
+    assert symlink.status_code == 403, f"a symlink out of the directory was loaded: {symlink.text}"
+    dotdot = load("out", "../a8")
+    assert dotdot.status_code == 403, f"a .. path out of the directory was loaded: {dotdot.text}"
+    dora = load("dora", "dora")
+    assert dora.status_code == 400 and "DoRA (use_dora) is not implemented" in dora.json()["error"]["message"]
+    assert load("a8", v1).status_code == 400, "a start-up adapter's name was loaded over"
+    assert load("dup", v1).status_code == 200
+    duplicate = load("dup", v1)
+    assert duplicate.status_code == 400 and "has already been loaded" in duplicate.json()["error"]["message"]
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "dup"}).status_code == 200
+    unknown = http.post("/v1/unload_lora_adapter", json={"lora_name": "never"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "lora_adapter_not_found", unknown.text
+    static = http.post("/v1/unload_lora_adapter", json={"lora_name": "a8"})
+    assert static.status_code == 400 and "EXECUTOR_LORA_ADAPTERS" in static.text
+    # gRPC: the same refusals, by status.
+    with pytest.raises(grpc.RpcError) as rpc:
+        stack.grpc.stub.UnloadLoraAdapter(spb.UnloadLoraAdapterRequest(lora_name="never"))
+    assert rpc.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as rpc:
+        stack.grpc.stub.LoadLoraAdapter(spb.LoadLoraAdapterRequest(lora_name="out", lora_path="escape"))
+    assert rpc.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # Serving goes on after every refusal.
+    assert stack.openai.completions.create(model="a8", prompt=PROMPT, max_tokens=1).choices[0].text is not None
+    _wait_freed(stack)
+    assert {m.id for m in stack.openai.models.list().data} == {stack.model, *NAMES}
+
+
+def _wait_freed(stack, timeout_s: float = 10.0) -> None:
+    """Unloaded adapters are freed after their last step's result."""
+    deadline = time.monotonic() + timeout_s
+    while scheduler_metric(stack.services, 'llmsched_lora_runtime_changes_total{change="freed"}') < \
+            scheduler_metric(stack.services, 'llmsched_lora_runtime_changes_total{change="unload"}'):
+        assert time.monotonic() < deadline, "an unloaded adapter was never freed"
+        time.sleep(0.05)

@@ -6,13 +6,15 @@ adapters loaded at runtime from EXECUTOR_RUNTIME_LORA_DIR through vLLM's
 /v1/load_lora_adapter (GATEWAY_ALLOW_RUNTIME_LORA=on)."""
 
 import json
+
 import os
 import shutil
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import httpx
 import openai
 import pytest
 
@@ -166,7 +168,7 @@ def test_runtime_load_matches_hf_peft_and_a_reload_under_the_same_name_never_hit
         lora_stack, runtime_adapters):
     stack, base, _ = lora_stack
     v1, v2 = runtime_adapters
-    http = httpx.Client(base_url=stack.services.gateway_url, timeout=120)
+    http = Http(stack.services.gateway_url)
     long_prompt = [1, *range(340, 368)]  # 7 whole blocks of 4
 
     def cached(model):
@@ -177,7 +179,7 @@ def test_runtime_load_matches_hf_peft_and_a_reload_under_the_same_name_never_hit
         return stack.grpc.generate(prompt_token_ids=PROMPT, adapter=adapter,
                                    sampling={"max_tokens": MAX_NEW, "temperature": 0})[0]
 
-    r = http.post("/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": v1})
+    r = http.post("/v1/load_lora_adapter", {"lora_name": "rt", "lora_path": v1})
     assert r.status_code == 200 and "'rt' added successfully" in r.text, r.text
     listed = {m.id: m for m in stack.openai.models.list().data}
     assert listed["rt"].parent == stack.model, "/v1/models does not list the runtime adapter"
@@ -186,20 +188,20 @@ def test_runtime_load_matches_hf_peft_and_a_reload_under_the_same_name_never_hit
     assert v1_tokens == hf_peft_greedy(base, v1, PROMPT, MAX_NEW), "runtime adapter v1 differs from HF + PEFT"
     assert cached("rt") == 0 and cached("rt") > 0, "the prefix cache does not serve a runtime adapter's own blocks"
 
-    r = http.post("/v1/unload_lora_adapter", json={"lora_name": "rt"})
+    r = http.post("/v1/unload_lora_adapter", {"lora_name": "rt"})
     assert r.status_code == 200 and "'rt' removed successfully" in r.text, r.text
     assert "rt" not in {m.id for m in stack.openai.models.list().data}
     with pytest.raises(openai.NotFoundError) as exc:
         stack.openai.completions.create(model="rt", prompt=PROMPT, max_tokens=1)
     assert exc.value.code == "model_not_found", "an unloaded adapter still serves"
 
-    r = http.post("/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": "v2"})  # relative to the dir
+    r = http.post("/v1/load_lora_adapter", {"lora_name": "rt", "lora_path": "v2"})  # relative to the dir
     assert r.status_code == 200, r.text
     assert cached("rt") == 0, "a reload under the same name hit blocks cached under the old weights"
     v2_tokens = tokens("rt")
     assert v2_tokens == hf_peft_greedy(base, v2, PROMPT, MAX_NEW), "the reloaded name serves the old weights"
     assert v2_tokens != v1_tokens
-    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "rt"}).status_code == 200
+    assert http.post("/v1/unload_lora_adapter", {"lora_name": "rt"}).status_code == 200
     _wait_freed(stack)
     stack.grpc.assert_no_leaked_blocks()
 
@@ -207,10 +209,10 @@ def test_runtime_load_matches_hf_peft_and_a_reload_under_the_same_name_never_hit
 def test_runtime_lora_refusals_say_why(lora_stack, runtime_adapters):
     stack, _, adapters = lora_stack
     v1, _ = runtime_adapters
-    http = httpx.Client(base_url=stack.services.gateway_url, timeout=120)
+    http = Http(stack.services.gateway_url)
 
     def load(name, path):
-        return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+        return http.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
 
     outside = load("out", adapters["a8"])
     assert outside.status_code == 403 and outside.json()["error"]["param"] == "lora_path", outside.text
@@ -225,10 +227,10 @@ def test_runtime_lora_refusals_say_why(lora_stack, runtime_adapters):
     assert load("dup", v1).status_code == 200
     duplicate = load("dup", v1)
     assert duplicate.status_code == 400 and "has already been loaded" in duplicate.json()["error"]["message"]
-    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "dup"}).status_code == 200
-    unknown = http.post("/v1/unload_lora_adapter", json={"lora_name": "never"})
+    assert http.post("/v1/unload_lora_adapter", {"lora_name": "dup"}).status_code == 200
+    unknown = http.post("/v1/unload_lora_adapter", {"lora_name": "never"})
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "lora_adapter_not_found", unknown.text
-    static = http.post("/v1/unload_lora_adapter", json={"lora_name": "a8"})
+    static = http.post("/v1/unload_lora_adapter", {"lora_name": "a8"})
     assert static.status_code == 400 and "EXECUTOR_LORA_ADAPTERS" in static.text
     # gRPC: the same refusals, by status.
     with pytest.raises(grpc.RpcError) as rpc:
@@ -241,6 +243,30 @@ def test_runtime_lora_refusals_say_why(lora_stack, runtime_adapters):
     assert stack.openai.completions.create(model="a8", prompt=PROMPT, max_tokens=1).choices[0].text is not None
     _wait_freed(stack)
     assert {m.id for m in stack.openai.models.list().data} == {stack.model, *NAMES}
+
+
+class Http:
+    """POSTs JSON to the gateway (urllib: the suite's HTTP client)."""
+
+    def __init__(self, base_url: str):
+        self.base_url = base_url
+
+    def post(self, path: str, body: dict) -> "Answer":
+        req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return Answer(resp.status, resp.read().decode())
+        except urllib.error.HTTPError as exc:
+            return Answer(exc.code, exc.read().decode())
+
+
+class Answer:
+    def __init__(self, status_code: int, text: str):
+        self.status_code, self.text = status_code, text
+
+    def json(self) -> dict:
+        return json.loads(self.text)
 
 
 def _wait_freed(stack, timeout_s: float = 10.0) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from executor_svc.model.checkpoint import load_checkpoint
 from executor_svc.model.families import build_model, read_config
-from executor_svc.model.lora import load_adapters
+from executor_svc.model.lora import LoraRefused, load_adapters
 from executor_svc.attention import make_backend
 from executor_svc.step.kv_cache import KVCachePool
 from executor_svc.step.runner import ModelRunner, NewRequestData, PlanError, StepPlan
@@ -25,11 +25,13 @@ def made(tmp_path_factory):
     return make_base_and_adapters(tmp_path_factory.mktemp("lora"), list(ADAPTERS))
 
 
-def _runner(base: str, setting: str, max_rank: int = 64, max_loras: int = 8, max_cpu_loras: int = 0) -> ModelRunner:
+def _runner(base: str, setting: str, max_rank: int = 64, max_loras: int = 8, max_cpu_loras: int = 0,
+            runtime_dir: str = "") -> ModelRunner:
     ckpt = load_checkpoint(base)
     cfg = read_config(ckpt.hf_config)
     model = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, torch.device("cpu"), torch.float32)
-    lora = load_adapters(setting, model, max_rank, max_loras, torch.device("cpu"), torch.float32, max_cpu_loras)
+    lora = load_adapters(setting, model, max_rank, max_loras, torch.device("cpu"), torch.float32, max_cpu_loras,
+                         runtime_dir)
     pool = KVCachePool(cfg, 64, BLOCK, torch.device("cpu"), torch.float32)
     return ModelRunner(model, pool, make_backend("torch"), torch.device("cpu"), lora=lora)
 
@@ -200,3 +202,48 @@ def test_a_request_s_adapter_may_move_to_another_slot_between_its_steps(made):
     (a8,) = _generate(runner, ["a8"], loads=[(0, "a8")], later={4: ([0], [(0, "b16"), (1, "a8")])})
     assert a8 == hf_peft_greedy(base, adapters["a8"], PROMPT, MAX_NEW)
     assert runner.lora.slots == ["b16", "a8"]
+
+
+def test_a_runtime_adapter_is_checked_as_a_start_up_one_and_matches_hf_peft(made, tmp_path):
+    """EXECUTOR_RUNTIME_LORA_DIR with no start-up adapter: slots exist; a
+    registered adapter generates as HF + PEFT; refusals carry the gRPC
+    code and the reason; an unregistered key leaves its slot, and a plan
+    naming it is refused."""
+    import os
+    import shutil
+
+    base, adapters = made
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    shutil.copytree(adapters["b16"], runtime / "b16")
+    shutil.copytree(adapters["c64"], runtime / "c64")
+    os.symlink(adapters["a8"], runtime / "escape")
+    runner = _runner(base, "", max_rank=16, runtime_dir=str(runtime))
+    lora = runner.lora
+    assert lora is not None and lora.static_names == () and lora.num_slots == 8
+    for path, code, why in [("c64", "INVALID_ARGUMENT", "rank 64 exceeds EXECUTOR_MAX_LORA_RANK=16"),
+                            (adapters["a8"], "PERMISSION_DENIED", "outside EXECUTOR_RUNTIME_LORA_DIR"),
+                            ("escape", "PERMISSION_DENIED", "outside EXECUTOR_RUNTIME_LORA_DIR"),
+                            ("../runtime/../..", "PERMISSION_DENIED", "outside"),
+                            ("missing", "NOT_FOUND", "is not a directory")]:
+        with pytest.raises(LoraRefused, match=why) as exc:
+            lora.read_runtime("k", path)
+        assert exc.value.code == code, path
+    resolved, adapter = lora.read_runtime("b16@s.1", "b16")
+    assert resolved == str((runtime / "b16").resolve())
+    lora.register("b16@s.1", resolved, adapter)
+    lora.register("b16@s.1", resolved, adapter)  # the scheduler registering again: a no-op
+    with pytest.raises(LoraRefused) as exc:
+        lora.register("b16@s.1", str(runtime / "c64"))
+    assert exc.value.code == "ALREADY_EXISTS"
+    assert _generate(runner, ["", "b16@s.1"]) == [hf_peft_greedy(base, None, PROMPT, MAX_NEW),
+                                                  hf_peft_greedy(base, adapters["b16"], PROMPT, MAX_NEW)]
+    assert lora.slot_of("b16@s.1") == 0
+    assert lora.unregister("b16@s.1") and lora.slot_of("b16@s.1") is None and not lora.unregister("b16@s.1")
+    assert all(w is None for site in lora.sites for w in site.lora.slots[0]), "an unregistered adapter's slot kept weights"
+    runner.reset()
+    with pytest.raises(PlanError, match="is not served"):
+        runner.execute(StepPlan(0, lora_load_slots=[0], lora_load_adapters=["b16@s.1"]))
+    lora.register("b16@s.2", resolved)  # read at its first load, as a rank other than 0 does
+    lora.forget_runtime()
+    assert lora.runtime == set() and lora.id_of("b16@s.2") is None

@@ -9,6 +9,7 @@ import json
 
 import os
 import shutil
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +19,7 @@ import grpc
 import openai
 import pytest
 
+from llmsched.launch import wait_serving
 from llmsched.v1 import scheduler_pb2 as spb
 
 from tests.integration.conftest import scheduler_metric, start_gateway_stack
@@ -243,6 +245,27 @@ def test_runtime_lora_refusals_say_why(lora_stack, runtime_adapters):
     assert stack.openai.completions.create(model="a8", prompt=PROMPT, max_tokens=1).choices[0].text is not None
     _wait_freed(stack)
     assert {m.id for m in stack.openai.models.list().data} == {stack.model, *NAMES}
+
+
+def test_a_restarted_executor_gets_the_runtime_adapters_again(lora_stack, runtime_adapters):
+    """The scheduler owns the runtime list: after an executor SIGKILL and
+    restart it registers them again, so the name serves the same weights."""
+    stack, base, _ = lora_stack
+    v1, _ = runtime_adapters
+    http = Http(stack.services.gateway_url)
+    assert http.post("/v1/load_lora_adapter", {"lora_name": "kept", "lora_path": v1}).status_code == 200
+    services = stack.services
+    services.executor.send_signal(signal.SIGKILL)
+    services.executor.wait(30)
+    services.start_executor()
+    wait_serving(services.scheduler_address, 60, services.scheduler)
+    tokens = stack.grpc.generate(prompt_token_ids=PROMPT, adapter="kept",
+                                 sampling={"max_tokens": MAX_NEW, "temperature": 0})[0]
+    assert tokens == hf_peft_greedy(base, v1, PROMPT, MAX_NEW), "the restarted executor lost the runtime adapter"
+    assert "kept" in {m.id for m in stack.openai.models.list().data}
+    assert http.post("/v1/unload_lora_adapter", {"lora_name": "kept"}).status_code == 200
+    _wait_freed(stack)
+    stack.grpc.assert_no_leaked_blocks()
 
 
 class Http:

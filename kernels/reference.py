@@ -50,6 +50,13 @@ GPTQ, AWQ and compressed-tensors checkpoints are converted to this at load):
 * MXFP4:            groups of 32, scales [N, groups] uint8 E8M0: W = value * 2^(scale - 127)
 * NVFP4:            groups of 16, scales [N, groups] float8_e4m3fn and one float32 global
                     scale: W = value * scale / global_scale
+
+Multi-LoRA (``lora_shrink``, ``lora_expand``; executor_svc/model/lora.py's slot buffers):
+
+* a:                [num_slots, num_parts, max_rank, K]  each slot's A per part, zero past its rank
+* b:                [num_slots, N, max_rank]             each slot's B, the parts' rows side by side
+* token_slots:      [num_tokens] int, -1 = no adapter; ranks: [num_slots] int; scales: [num_slots] float
+* part_rows:        the N columns of each part, in order
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ import torch.nn.functional as F
 
 __all__ = ["write_kv_cache", "paged_attention", "fused_moe", "mla_decode", "fp8_block_linear", "dequantize_fp8_block",
            "dequantize_mxfp4", "dequantize_nvfp4", "pack_int", "unpack_int", "dequantize_int", "int_weight_linear",
-           "quantize_kv", "dequantize_kv"]
+           "quantize_kv", "dequantize_kv", "lora_shrink", "lora_expand"]
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -351,3 +358,47 @@ def int_weight_linear(
     """x W^T (+ bias) with W = dequantize_int(...) in x's dtype."""
     w = dequantize_int(qweight, scales, zeros, group_size, bits, g_idx, x.shape[1], x.dtype)  # [N, K]
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [num_tokens, K]
+    a: torch.Tensor,  # [num_slots, num_parts, max_rank, K]
+    token_slots: torch.Tensor,  # [num_tokens]
+    ranks: torch.Tensor,  # [num_slots]
+) -> torch.Tensor:  # [num_tokens, num_parts, max_rank] in x's dtype
+    """s[t, p, :r] = x[t] A[slot, p, :r]^T in fp32, rounded to x's dtype, for each token of a
+    slot (r its rank); zero for base tokens (slot -1) and past the rank."""
+    num_slots, num_parts, max_rank, _ = a.shape
+    s = torch.zeros(x.shape[0], num_parts, max_rank, dtype=x.dtype, device=x.device)
+    for t in range(x.shape[0]):
+        slot = int(token_slots[t])
+        if slot < 0:
+            continue
+        r = int(ranks[slot])
+        s[t, :, :r] = (a[slot, :, :r].float() @ x[t].float()).to(x.dtype)  # [num_parts, r]
+    return s
+
+
+def lora_expand(
+    y: torch.Tensor,  # [num_tokens, N]
+    s: torch.Tensor,  # [num_tokens, num_parts, max_rank]
+    b: torch.Tensor,  # [num_slots, N, max_rank]
+    token_slots: torch.Tensor,  # [num_tokens]
+    ranks: torch.Tensor,  # [num_slots]
+    scales: torch.Tensor,  # [num_slots]
+    part_rows: tuple[int, ...],
+) -> torch.Tensor:  # [num_tokens, N], a new tensor
+    """y[t, part p] + scale * (s[t, p, :r] B[slot, part p, :r]^T), summed in fp32 and rounded
+    once to y's dtype, for each token of a slot; base tokens' rows unchanged."""
+    out = y.clone()
+    for t in range(y.shape[0]):
+        slot = int(token_slots[t])
+        if slot < 0:
+            continue
+        r, start = int(ranks[slot]), 0
+        for p, rows in enumerate(part_rows):
+            cols = slice(start, start + rows)
+            delta = b[slot, cols, :r].float() @ s[t, p, :r].float()  # [rows]
+            out[t, cols] = (y[t, cols].float() + float(scales[slot]) * delta).to(y.dtype)
+            start += rows
+    return out

@@ -47,6 +47,7 @@ from kernels import fused_moe as fm  # noqa: E402
 from kernels import int_linear as il  # noqa: E402
 from kernels import invariant_linear as inv  # noqa: E402
 from kernels import kv_write  # noqa: E402
+from kernels import lora as kl  # noqa: E402
 from kernels import mla_decode as mla  # noqa: E402
 from kernels import paged_attention as pa  # noqa: E402
 
@@ -173,6 +174,18 @@ def _int_linear_launch(m, n, k, group_size, bits, dtype, act_order=False, bias=F
                          torch.zeros(n, dtype=dtype) if bias else None)
 
 
+def _lora_launch(tokens, k, part_rows, num_slots, max_rank, dtype):
+    """Multi-LoRA shrink then expand on one fused projection: every slot at max_rank."""
+    token_slots = torch.arange(tokens) % num_slots
+    order, starts = kl.sort_by_slot(token_slots, num_slots)
+    ranks = torch.full((num_slots,), max_rank, dtype=torch.int32)
+    s = kl.lora_shrink(torch.zeros(tokens, k, dtype=dtype), torch.zeros(num_slots, len(part_rows), max_rank, k,
+                       dtype=dtype), order, starts, ranks)
+    kl.lora_expand(torch.zeros(tokens, sum(part_rows), dtype=dtype), s,
+                   torch.zeros(num_slots, sum(part_rows), max_rank, dtype=dtype), order, starts, ranks,
+                   torch.ones(num_slots), tuple(part_rows))
+
+
 def _record_all_launches(arch: int) -> list:
     launches: list = []
     pa._paged_attention_kernel = _Recorder(pa._paged_attention_kernel, launches, "attention")
@@ -183,6 +196,8 @@ def _record_all_launches(arch: int) -> list:
     fl._fp8_block_linear_kernel = _Recorder(fl._fp8_block_linear_kernel, launches, "fp8_linear")
     il._int_weight_linear_kernel = _Recorder(il._int_weight_linear_kernel, launches, "int_linear")
     inv._invariant_linear_kernel = _Recorder(inv._invariant_linear_kernel, launches, "invariant_linear")
+    kl._lora_shrink_kernel = _Recorder(kl._lora_shrink_kernel, launches, "lora_shrink")
+    kl._lora_expand_kernel = _Recorder(kl._lora_expand_kernel, launches, "lora_expand")
     pa._num_sms = lambda device: 132  # choose tiles as on an H100/H200
     pa._compute_capability = lambda device: divmod(arch, 10)
 
@@ -268,6 +283,13 @@ def _record_all_launches(arch: int) -> list:
         inv.invariant_linear(torch.zeros(3, 4096, dtype=dtype), torch.zeros(4096, 4096, dtype=dtype),
                              torch.zeros(4096, dtype=dtype))
     inv.invariant_linear(torch.zeros(3, 64, dtype=torch.float32), torch.zeros(192, 64, dtype=torch.float32))
+    # Multi-LoRA: Llama-3-8B's q/k/v (three parts) and down_proj (one), 8 slots of rank 64, decode and prefill;
+    # a small fp32 one.
+    for dtype in (torch.bfloat16, torch.float16):
+        for tokens in (1, 256):
+            _lora_launch(tokens, 4096, (4096, 1024, 1024), 8, 64, dtype)
+            _lora_launch(tokens, 14336, (4096,), 8, 64, dtype)
+    _lora_launch(4, 64, (48, 16, 16), 4, 64, torch.float32)
     return launches
 
 
@@ -276,7 +298,7 @@ def _describe(label: str, kwargs: dict, args: tuple) -> str:
     keys = ("BLOCK_M", "BLOCK_Q", "TILE_N", "HEAD_DIM", "GROUP", "NUM_SPLITS", "NUM_KV_HEADS", "num_warps")
     keys += ("USE_WINDOW", "USE_SOFTCAP", "USE_SINKS", "BLOCK_N", "BLOCK_K", "A_ROWS_PER", "HAS_BIAS", "MUL_WEIGHT")
     keys += ("BLOCK_H", "V_PAD", "R_PAD", "SCALE_K", "BITS", "GROUP_SIZE", "HAS_G_IDX", "GROUP_PER_TILE", "KV_FP8")
-    keys += ("FORMAT", "SCALE_PER_TILE")
+    keys += ("FORMAT", "SCALE_PER_TILE", "BLOCK_R")
     shape = ",".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
     return f"{label}[{str(dtype).removeprefix('torch.')}:{shape}]"
 

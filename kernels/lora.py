@@ -24,7 +24,8 @@ Shapes (see ``kernels.reference.lora_shrink`` / ``lora_expand`` for the semantic
 
 * x:            [num_tokens, K] float16, bfloat16 or float32 (unit column stride)
 * a:            [num_slots, num_parts, max_rank, K]  A of each slot and part, zero past its rank
-* b:            [num_slots, N, max_rank]             B of each slot, the parts' rows side by side
+* b:            [num_slots, max_rank, N]             B^T of each slot, the parts' columns side by side,
+                zero past its rank (N contiguous: expand's weight tiles load whole rows)
 * s:            [num_tokens, num_parts, max_rank]    shrink's output; rows of base tokens and
                 columns past their slot's rank are left unwritten, and never read
 * y:            [num_tokens, N]                      the base output, added to in place
@@ -107,7 +108,7 @@ def _lora_shrink_kernel(
 @triton.jit
 def _lora_expand_kernel(
     s_ptr,  # [num_tokens, num_parts, max_rank]
-    b_ptr,  # [num_slots, N, max_rank]
+    b_ptr,  # [num_slots, max_rank, N]
     y_ptr,  # [num_tokens, N], read and written
     order_ptr,  # [num_tokens] int32: token indices, slot by slot
     starts_ptr,  # [num_slots + 1] int32
@@ -120,7 +121,7 @@ def _lora_expand_kernel(
     stride_sm,
     stride_sp,
     stride_bs,
-    stride_bn,
+    stride_br,
     stride_ym,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -149,13 +150,14 @@ def _lora_expand_kernel(
     n_ok = offs_n < col_end
     offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     s_rows = s_ptr + tok[:, None] * stride_sm + part * stride_sp  # [BLOCK_M, 1]
-    b_cols = b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :].to(tl.int64) * stride_bn  # [1, BLOCK_N]
+    b_cols = b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :]  # [1, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         r = r0 + offs_r
         r_ok = r < rank
         st = tl.load(s_rows + r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
-        bt = tl.load(b_cols + r[:, None], mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+        bt = tl.load(b_cols + r[:, None] * stride_br, mask=r_ok[:, None] & n_ok[None, :],
+                     other=0.0)  # [BLOCK_R, BLOCK_N]
         if DOT_UPCAST:
             st = st.to(tl.float32)
             bt = bt.to(tl.float32)
@@ -219,10 +221,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, starts: t
 
 def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, order: torch.Tensor, starts: torch.Tensor,
                 ranks: torch.Tensor, scales: torch.Tensor, part_rows: tuple[int, ...]) -> torch.Tensor:
-    """y[t, part p's columns] += scale * (s[t, p, :r] B[slot(t), part p's rows, :r]^T) for the tokens
+    """y[t, part p's columns] += scale * (s[t, p, :r] b[slot(t), :r, part p's columns]) for the tokens
     of each slot, in place (float32 sum, rounded once); returns y."""
     num_tokens, n = y.shape
-    num_slots, b_n, max_rank = b.shape
+    num_slots, max_rank, b_n = b.shape
     num_parts = len(part_rows)
     assert 1 <= num_parts <= MAX_PARTS and sum(part_rows) == n == b_n, f"parts {part_rows} of y [.., {n}], b {b_n}"
     assert s.shape == (num_tokens, num_parts, max_rank) and s.dtype == y.dtype == b.dtype, (

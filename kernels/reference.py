@@ -54,7 +54,7 @@ GPTQ, AWQ and compressed-tensors checkpoints are converted to this at load):
 Multi-LoRA (``lora_shrink``, ``lora_expand``; executor_svc/model/lora.py's slot buffers):
 
 * a:                [num_slots, num_parts, max_rank, K]  each slot's A per part, zero past its rank
-* b:                [num_slots, N, max_rank]             each slot's B, the parts' rows side by side
+* b:                [num_slots, max_rank, N]             each slot's B^T, the parts' columns side by side
 * token_slots:      [num_tokens] int, -1 = no adapter; ranks: [num_slots] int; scales: [num_slots] float
 * part_rows:        the N columns of each part, in order
 """
@@ -382,13 +382,13 @@ def lora_shrink(
 def lora_expand(
     y: torch.Tensor,  # [num_tokens, N]
     s: torch.Tensor,  # [num_tokens, num_parts, max_rank]
-    b: torch.Tensor,  # [num_slots, N, max_rank]
+    b: torch.Tensor,  # [num_slots, max_rank, N]
     token_slots: torch.Tensor,  # [num_tokens]
     ranks: torch.Tensor,  # [num_slots]
     scales: torch.Tensor,  # [num_slots]
     part_rows: tuple[int, ...],
 ) -> torch.Tensor:  # [num_tokens, N], a new tensor
-    """y[t, part p] + scale * (s[t, p, :r] B[slot, part p, :r]^T), summed in fp32 and rounded
+    """y[t, part p] + scale * (s[t, p, :r] b[slot, :r, part p]), summed in fp32 and rounded
     once to y's dtype, for each token of a slot; base tokens' rows unchanged."""
     out = y.clone()
     for t in range(y.shape[0]):
@@ -398,7 +398,7 @@ def lora_expand(
         r, start = int(ranks[slot]), 0
         for p, rows in enumerate(part_rows):
             cols = slice(start, start + rows)
-            delta = b[slot, cols, :r].float() @ s[t, p, :r].float()  # [rows]
+            delta = s[t, p, :r].float() @ b[slot, :r, cols].float()  # [rows]
             out[t, cols] = (y[t, cols].float() + float(scales[slot]) * delta).to(y.dtype)
             start += rows
     return out

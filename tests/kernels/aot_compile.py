@@ -182,7 +182,7 @@ def _lora_launch(tokens, k, part_rows, num_slots, max_rank, dtype):
     s = kl.lora_shrink(torch.zeros(tokens, k, dtype=dtype), torch.zeros(num_slots, len(part_rows), max_rank, k,
                        dtype=dtype), order, starts, ranks)
     kl.lora_expand(torch.zeros(tokens, sum(part_rows), dtype=dtype), s,
-                   torch.zeros(num_slots, sum(part_rows), max_rank, dtype=dtype), order, starts, ranks,
+                   torch.zeros(num_slots, max_rank, sum(part_rows), dtype=dtype), order, starts, ranks,
                    torch.ones(num_slots), tuple(part_rows))
 
 

@@ -27,10 +27,10 @@ def make(num_tokens: int, k: int, part_rows: tuple[int, ...], ranks: list[int], 
     g = torch.Generator().manual_seed(seed)
     num_slots, max_rank, n = len(ranks), 64, sum(part_rows)
     a = torch.full((num_slots, len(part_rows), max_rank, k), NAN)
-    b = torch.full((num_slots, n, max_rank), NAN)
+    b = torch.full((num_slots, max_rank, n), NAN)
     for slot, r in enumerate(ranks):
         a[slot, :, :r] = torch.randn(len(part_rows), r, k, generator=g) / k**0.5
-        b[slot, :, :r] = torch.randn(n, r, generator=g) / max(r, 1)**0.5
+        b[slot, :r] = torch.randn(r, n, generator=g) / max(r, 1)**0.5
     used = [slot for slot, r in enumerate(ranks) if r]
     slots = torch.tensor([-1 if base_every and t % base_every == base_every - 1 else used[t % len(used)]
                           for t in range(num_tokens)])
@@ -123,7 +123,7 @@ def test_the_references_are_peft_s_shrink_expand_then_scale():
     got = reference.lora_expand(y, s, b, token_slots, ranks, scales, (16, 8))
     for t, slot in enumerate(token_slots.tolist()):
         want = y[t] if slot < 0 else y[t] + torch.cat(
-            [(x[t] @ a[slot, p].T) @ b[slot, rows].T for p, rows in enumerate((slice(0, 16), slice(16, 24)))]
+            [(x[t] @ a[slot, p].T) @ b[slot, :, cols] for p, cols in enumerate((slice(0, 16), slice(16, 24)))]
         ) * scales[slot]
         assert torch.allclose(got[t], want, atol=1e-5), t
 

@@ -223,6 +223,9 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     elif backend.name == "triton" and cfg.moe is not None:
         log.info("quantized experts run the torch loop through each expert's own quantized linears: the triton "
                  "fused-MoE kernel reads plain, FP8-block and MXFP4 experts only")
+    if lora is not None and backend.name == "triton":
+        lora.use_impl("triton")
+        log.info("LoRA deltas run the triton shrink and expand kernels (kernels/lora.py)")
     # Batch-invariant mode: one eager path for every batch size.
     cuda_graphs = generates and not invariant and use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
     # Rank 0 alone samples, so it alone keeps constraint matchers.

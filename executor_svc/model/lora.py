@@ -9,19 +9,26 @@ scale), so fp32 runs match it.
 The scheduler owns the adapter slots (scheduler_svc/core/lora_slots.py):
 EXECUTOR_MAX_LORAS device slots, each holding one adapter or none, and
 each plan's evictions and loads (StepPlan.lora_*) applied before its
-forward. A load replaces every weight of its slot (a part the adapter does
-not target becomes None), so a slot never serves its previous adapter's
-weights. Every configured adapter is read and checked at start-up;
-EXECUTOR_MAX_CPU_LORAS of them stay in host memory (least recently loaded
-dropped first) and the others are read from disk again when loaded. A
-token's slot (-1: the base model) comes from its request (LoraBatch, set
-by the runner before each forward).
+forward. A slot's weights live in buffers allocated once per base layer at
+start-up: A [slots, parts, max rank, in] and B^T [slots, max rank, out], zero
+past each adapter's rank, with its rank and scale beside them; nothing is
+allocated per step or per load, which CUDA graphs and the kernels need. A
+load zeroes every row of its slot before writing the adapter's (a part the
+adapter does not target stays zero), so a slot never serves its previous
+adapter's weights. Every configured adapter is read and checked at
+start-up; EXECUTOR_MAX_CPU_LORAS of them stay in host memory (least
+recently loaded dropped first) and the others are read from disk again
+when loaded. A token's slot (-1: the base model) comes from its request
+(LoraBatch, set by the runner before each forward).
 
-Compute: the tokens of each adapter present in the batch are gathered and
-run through that adapter's A and B, so the loop is over adapters, never
-over requests; a batch with no adapter tokens does nothing here, and a
-model with no adapters configured has no LoRA state at all (Linear.lora is
-None).
+Compute, either way a loop over adapters, never over requests; a batch
+with no adapter tokens does nothing here, and a model with no adapters
+configured has no LoRA state at all (Linear.lora is None):
+- torch (the CPU's): the tokens of each adapter present are gathered and
+  run through views of its slot's A and B cut at its rank;
+- triton (with the triton attention backend, as on CUDA): kernels/lora.py's
+  shrink and expand, one launch each per layer for every adapter, rank and
+  fused part at once; base tokens are in no adapter's run and cost nothing.
 
 Anything in an adapter that would change the math beyond that (DoRA,
 modules_to_save, embedding or lm_head weights, a trained bias, per-module
@@ -197,20 +204,37 @@ def read_adapter(name: str, path: str, max_rank: int, device: torch.device, dtyp
     return adapter
 
 
+IMPLS = ("torch", "triton")
+
+
 @dataclass(slots=True)
 class LoraBatch:
     """Which adapter each token of the running step uses: the runner sets it
     before each forward (the linear layers' call sites take no metadata).
-    groups: (slot, token indices) per adapter present; empty when the
-    batch is base-model only."""
+    groups (torch): (slot, token indices) per adapter present; order and
+    starts (triton): kernels.lora.sort_by_slot's. Both empty (None) when
+    the batch is base-model only."""
 
+    num_slots: int
+    impl: str = "torch"
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    order: torch.Tensor | None = None  # [num_tokens] int32: token indices slot by slot
+    starts: torch.Tensor | None = None  # [num_slots + 1] int32: where each slot's tokens start in order
+
+    @property
+    def has_adapters(self) -> bool:
+        return bool(self.groups) or self.order is not None
 
     def set(self, token_slots: np.ndarray | None, device: torch.device) -> None:
         # token_slots: [num_tokens] host int64, -1 = no adapter; None: no token has one.
-        # Grouped on the host, so the device never waits for a sync.
+        # Grouped on the host (torch) or sorted on the device (triton), so the device never waits for a sync.
+        self.groups, self.order, self.starts = [], None, None
         if token_slots is None:
-            self.groups = []
+            return
+        if self.impl == "triton":
+            from kernels.lora import sort_by_slot
+
+            self.order, self.starts = sort_by_slot(to_device(token_slots, device), self.num_slots)
             return
         self.groups = [(int(s), to_device(np.flatnonzero(token_slots == s), device))
                        for s in np.unique(token_slots) if s >= 0]
@@ -219,36 +243,72 @@ class LoraBatch:
 @dataclass(slots=True)
 class LoraLinear:
     """The adapters' deltas of one base linear layer (ColumnLinear with
-    fused parts, or RowLinear): per slot, per part, A and B or None. Not an
-    nn.Module: its tensors are made on the device, and the layer's `lora`
-    stays a plain attribute."""
+    fused parts, or RowLinear), in buffers made once on the device. Not an
+    nn.Module: the layer's `lora` stays a plain attribute."""
 
     batch: LoraBatch
     part_rows: list[int]  # the base output's columns per part (q, k, v; gate, up; or one)
-    slots: list[list[LoraWeights | None]]  # [slot][part]
-    scales: list[float]  # [slot]
+    a: torch.Tensor  # [num_slots, num_parts, max_rank, in], zero past each slot's rank
+    b: torch.Tensor  # [num_slots, max_rank, out]: B^T, the parts' columns side by side, zero past each slot's rank
+    ranks: torch.Tensor  # [num_slots] int32 on the device: 0 where the slot's adapter targets no part here
+    scales: torch.Tensor  # [num_slots] float32 on the device
+    # The same on the host, for the torch path: rank and scale per slot, and
+    # which parts its adapter targets ([slot][part]).
+    slot_ranks: list[int]
+    slot_scales: list[float]
+    targets: list[list[bool]]
+
+    @classmethod
+    def make_empty(cls, batch: LoraBatch, part_rows: list[int], in_features: int, max_rank: int,
+                   device: torch.device, dtype: torch.dtype) -> LoraLinear:
+        n = batch.num_slots
+        return cls(batch, part_rows, torch.zeros(n, len(part_rows), max_rank, in_features, device=device, dtype=dtype),
+                   torch.zeros(n, max_rank, sum(part_rows), device=device, dtype=dtype),
+                   torch.zeros(n, dtype=torch.int32, device=device), torch.ones(n, dtype=torch.float32, device=device),
+                   [0] * n, [1.0] * n, [[False] * len(part_rows) for _ in range(n)])
+
+    def write(self, slot: int, weights: list[LoraWeights | None], scale: float) -> None:
+        """The slot's weights, per part (None: a part the adapter does not
+        target): every row of the slot is zeroed first, so nothing of its
+        previous adapter stays, past the new rank or in an untargeted part."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        rank, offset = 0, 0
+        for part, (rows, w) in enumerate(zip(self.part_rows, weights)):
+            if w is not None:
+                rank = w.a.shape[0]
+                self.a[slot, part, :rank].copy_(w.a)  # [rank, in]
+                self.b[slot, :rank, offset:offset + rows].copy_(w.b.T)  # [rank, rows]
+            offset += rows
+        self.targets[slot] = [w is not None for w in weights]
+        self.slot_ranks[slot], self.slot_scales[slot] = rank, scale
+        self.ranks[slot], self.scales[slot] = rank, scale
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in]; y: [num_tokens, out] (the base output, parts side by side)
-        if not self.batch.groups:
+        batch = self.batch
+        if not batch.has_adapters:
             return y
-        for slot, idx in self.batch.groups:
-            xs = x[idx]  # [m, in]
-            deltas, any_part = [], False
-            for rows, w in zip(self.part_rows, self.slots[slot]):
-                if w is None:
-                    deltas.append(None)
-                    continue
-                any_part = True
-                deltas.append((xs @ w.a.T) @ w.b.T * self.scales[slot])  # [m, rows]
-            if not any_part:
+        if batch.impl == "triton":
+            from kernels.lora import lora_expand, lora_shrink
+
+            s = lora_shrink(x, self.a, batch.order, batch.starts, self.ranks)  # [num_tokens, parts, max_rank]
+            return lora_expand(y, s, self.b, batch.order, batch.starts, self.ranks, self.scales,
+                               tuple(self.part_rows))
+        for slot, idx in batch.groups:
+            rank = self.slot_ranks[slot]
+            if rank == 0:
                 continue
-            ys = y[idx]
-            offset = 0
-            parts = []
-            for rows, d in zip(self.part_rows, deltas):
-                part = ys[:, offset:offset + rows]
-                parts.append(part if d is None else part + d)
+            xs = x[idx]  # [m, in]
+            ys = y[idx]  # [m, out]
+            parts, offset = [], 0
+            for part, (rows, target) in enumerate(zip(self.part_rows, self.targets[slot])):
+                ys_part = ys[:, offset:offset + rows]
+                if target:
+                    a = self.a[slot, part, :rank]  # [rank, in]
+                    bt = self.b[slot, :rank, offset:offset + rows]  # [rank, rows]
+                    ys_part = ys_part + (xs @ a.T) @ bt * self.slot_scales[slot]  # PEFT's order
+                parts.append(ys_part)
                 offset += rows
             y = y.index_copy(0, idx, torch.cat(parts, dim=1))
         return y
@@ -266,7 +326,7 @@ class _Site:
     whole_in: int
     whole_out: list[int]  # per part
 
-    def shard(self, part: int, w: LoraWeights, device: torch.device) -> LoraWeights:
+    def shard(self, part: int, w: LoraWeights) -> LoraWeights:
         """This rank's share (layers.py): a ColumnLinear's rows of B (each
         part's [start, start + rows), so replicated KV heads come out
         right), a RowLinear's columns of A. A row-split layer's delta,
@@ -275,16 +335,17 @@ class _Site:
         linear = self.linear
         if isinstance(linear, ColumnLinear):
             p = linear.parts[part]
-            return LoraWeights(w.a.to(device), w.b[p.start:p.start + p.rows].to(device))
-        return LoraWeights(w.a[:, linear.start:linear.start + linear.cols].to(device), w.b.to(device))
+            return LoraWeights(w.a, w.b[p.start:p.start + p.rows])
+        return LoraWeights(w.a[:, linear.start:linear.start + linear.cols], w.b)
 
 
-def attach_sites(model: nn.Module, num_slots: int) -> tuple[LoraBatch, list[_Site], dict[str, str]]:
+def attach_sites(model: nn.Module, num_slots: int, max_rank: int, device: torch.device,
+                 dtype: torch.dtype) -> tuple[LoraBatch, list[_Site], dict[str, str]]:
     """Gives each dense projection the adapters may target its LoraLinear,
-    with num_slots empty slots; returns the LoraBatch the runner sets per
-    step, the sites, and why each module that cannot take LoRA cannot
-    (by PEFT module name)."""
-    batch = LoraBatch()
+    with num_slots empty slots of max_rank; returns the LoraBatch the runner
+    sets per step, the sites, and why each module that cannot take LoRA
+    cannot (by PEFT module name)."""
+    batch = LoraBatch(num_slots)
     sites: list[_Site] = []
     refused: dict[str, str] = {}
     for i, layer in enumerate(model.model.layers):
@@ -299,7 +360,7 @@ def attach_sites(model: nn.Module, num_slots: int) -> tuple[LoraBatch, list[_Sit
                 continue
             column = isinstance(linear, ColumnLinear)
             part_rows = [p.rows for p in linear.parts] if column else [linear.out_features]
-            lora = LoraLinear(batch, part_rows, [[None] * len(shorts) for _ in range(num_slots)], [1.0] * num_slots)
+            lora = LoraLinear.make_empty(batch, part_rows, linear.in_cols, max_rank, device, dtype)
             linear.lora = lora
             sites.append(_Site(linear, lora, modules, linear.in_features if column else linear.whole_in,
                                [p.whole for p in linear.parts] if column else [linear.out_features]))
@@ -330,7 +391,7 @@ class LoraSet:
         self.runtime: set[str] = set()
         self.max_rank, self.device, self.dtype = max_rank, device, dtype
         self.max_cpu = max_cpu
-        self.batch, self.sites, self.refused = attach_sites(model, num_slots)
+        self.batch, self.sites, self.refused = attach_sites(model, num_slots, max_rank, device, dtype)
         self._site_of = {m: (site, part) for site in self.sites for part, m in enumerate(site.modules)}
         self.slots: list[str | None] = [None] * num_slots
         # [adapter id] -> its slot, -1 when in none (ids: indices in names).
@@ -421,6 +482,17 @@ class LoraSet:
                                    f"and B {tuple(w.b.shape)} do not fit the base layer ({site.whole_in} in, "
                                    f"{site.whole_out[part]} out)")
 
+    def use_impl(self, impl: str) -> None:
+        """Computes the deltas with `impl`: torch, or triton (kernels/lora.py:
+        CUDA, or the CPU under TRITON_INTERPRET=1); anything else is refused."""
+        if impl not in IMPLS:
+            raise ValueError(f"LoRA compute {impl!r} is not implemented; supported: {', '.join(IMPLS)}")
+        self.batch.impl = impl
+
+    @property
+    def impl(self) -> str:
+        return self.batch.impl
+
     @property
     def num_slots(self) -> int:
         return len(self.slots)
@@ -440,10 +512,10 @@ class LoraSet:
             return None
 
     def evict(self, slot: int) -> None:
-        """Empties the slot: every part of every layer's delta goes."""
+        """Empties the slot: every part of every layer's delta goes (zeroed, rank 0)."""
         self._check_slot(slot)
         for site in self.sites:
-            site.lora.slots[slot] = [None] * len(site.modules)
+            site.lora.write(slot, [None] * len(site.modules), 1.0)
         if self.slots[slot] is not None:
             self.slot_by_id[self.names.index(self.slots[slot])] = -1
         self.slots[slot] = None
@@ -461,12 +533,9 @@ class LoraSet:
             self.num_disk_reads += 1
         self._keep(adapter)
         for site in self.sites:
-            row = []
-            for part, module in enumerate(site.modules):
-                w = adapter.weights.get(module)
-                row.append(None if w is None else site.shard(part, w, self.device))
-            site.lora.slots[slot] = row
-            site.lora.scales[slot] = adapter.scale
+            weights = [adapter.weights.get(module) for module in site.modules]
+            site.lora.write(slot, [None if w is None else site.shard(part, w) for part, w in enumerate(weights)],
+                            adapter.scale)
         # An adapter sits in one slot: a stale copy elsewhere (the scheduler
         # took the slots as empty after a reset) is dropped from the lookup.
         for s, held in enumerate(self.slots):

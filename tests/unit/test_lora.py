@@ -179,6 +179,37 @@ def test_a_slot_reused_by_another_adapter_serves_only_the_new_one(made, tmp_path
     assert lora.num_disk_reads == 3 and list(lora.host) == ["c64"]  # c64, q, c64: each missed the cache
 
 
+def test_a_reload_leaves_no_row_of_the_previous_adapter_in_the_slot_buffers(made, tmp_path):
+    """The slot buffers after c64 (rank 64, all seven projections) is
+    loaded over by an adapter of rank 8 on q_proj alone: q's rows past 8,
+    k's and v's, and every other layer's rows of the slot are zero, with
+    rank 0 where nothing is targeted; the other slot is untouched; an
+    eviction zeroes the slot."""
+    base, adapters = made
+    q_only = _only_q_proj(adapters["a8"], tmp_path / "q_only")
+    runner = _runner(base, f"c64={adapters['c64']},q={q_only},b16={adapters['b16']}", max_loras=2)
+    lora = runner.lora
+    lora.load(1, "b16")
+    kept = [(site.lora.a[1].clone(), site.lora.b[1].clone()) for site in lora.sites]
+    lora.load(0, "c64")
+    assert all(bool(site.lora.a[0].abs().sum()) and int(site.lora.ranks[0]) == 64 for site in lora.sites)
+    lora.load(0, "q")
+    for site, (a1, b1) in zip(lora.sites, kept):
+        a, b = site.lora.a[0], site.lora.b[0]  # [parts, max_rank, in], [max_rank, out]
+        if site.modules[0].endswith("q_proj"):
+            q = lora.host["q"].weights[site.modules[0]]
+            assert torch.equal(a[0, :8], q.a) and torch.equal(b[:8, :site.lora.part_rows[0]], q.b.T)
+            assert not a[0, 8:].any() and not a[1:].any()
+            assert not b[8:].any() and not b[:, site.lora.part_rows[0]:].any()
+            assert int(site.lora.ranks[0]) == 8 and site.lora.targets[0] == [True, False, False]
+        else:
+            assert not a.any() and not b.any() and int(site.lora.ranks[0]) == 0, site.modules
+        assert torch.equal(site.lora.a[1], a1) and torch.equal(site.lora.b[1], b1), "slot 1 changed"
+    lora.evict(0)
+    assert all(not site.lora.a[0].any() and not site.lora.b[0].any() and int(site.lora.ranks[0]) == 0
+               for site in lora.sites)
+
+
 def test_mixed_adapters_under_tensor_parallelism_match_hf_peft(made):
     """TP=2 over gloo: B split by rows for q/k/v/gate/up, A by columns for
     o/down (a share of the delta, summed by the base layer's all-reduce).

@@ -40,6 +40,11 @@
    gave every request the same tokens. Where this GPU's GEMMs or kernels
    do not keep the mode, its stack refuses to start (the start-up
    self-test) and the part fails with that line in its log.
+12. the multi-LoRA shrink and expand kernels (python -m bench.lora_kernels
+   --quick) through the model's LoRA layer at Llama-3-8B's q/k/v, ranks 8,
+   16 and 64 in 8 slots: agreement with the torch path, and the
+   milliseconds of a batch of base tokens only against the bare GEMM (what
+   a request with no adapter pays) and of a mixed-adapter batch.
 
 Each part has its own time limit, so one that hangs cannot eat the others'
 time; summary.json records what each part did. Exits 2 at once, saying so,
@@ -72,10 +77,13 @@ REPO = Path(__file__).resolve().parents[1]
 # each), both estimated, not measured, took 15 s from pytest_gpu, 15 s
 # from P8, 10 s from each bench-small end-to-end run, 5 s each from the
 # kernels, the calibration and the n-gram run, and 10 s from the FP8
-# DeepSeek run.
-LIMITS = {"pytest_gpu": 100, "kernels_p8": 60, "e2e_graphs_auto": 40, "e2e_graphs_off": 40,
+# DeepSeek run. The LoRA kernels' 20 s (compiling two kernels in a few
+# variants, 2 batch sizes; estimated, not measured) took 10 s from P8 and 5 s
+# from each bench-small end-to-end run.
+LIMITS = {"pytest_gpu": 100, "kernels_p8": 50, "e2e_graphs_auto": 35, "e2e_graphs_off": 35,
           "tensor_parallel_p13": 50, "moe_mla_kernels": 35, "calibrate_sim": 25, "quant_gemm": 30,
-          "fp8_deepseek_e2e": 45, "speculative_e2e": 40, "speculative_mtp_e2e": 35, "batch_invariant_e2e": 40}
+          "fp8_deepseek_e2e": 45, "speculative_e2e": 40, "speculative_mtp_e2e": 35, "batch_invariant_e2e": 40,
+          "lora_kernels": 20}
 CALIBRATED_PROFILE = "profile_bench-small.json"
 # P13 needs this many devices (one per rank).
 P13_DEVICES = 2
@@ -132,6 +140,8 @@ def parts(out: Path, num_requests: int) -> dict[str, list[str]]:
         "batch_invariant_e2e": [sys.executable, "-m", "bench.batch_invariant", "--model", "bench-small", "--rounds",
                                 "1", "--streams", str(num_requests), "--max-len", "2048", "--executor-env",
                                 "EXECUTOR_ATTENTION_BACKEND=triton", "--out", str(out / "batch_invariant_e2e.json")],
+        "lora_kernels": [sys.executable, "-m", "bench.lora_kernels", "--quick", "--out",
+                         str(out / "lora_kernels.json")],
     }
 
 
@@ -234,6 +244,16 @@ def main(argv: list[str] | None = None) -> int:
             on_over_off=r["median_ratio"], tokens_per_s=r["tokens_per_s"], stable_requests=r["stable_requests"])
         print(f"gpu-check: batch_invariant_e2e: on/off output tok/s {r['median_ratio']:.2f}x, requests with the "
               f"same tokens every round: on {r['stable_requests']['on']}")
+    lora = args.out_dir / "lora_kernels.json"
+    if summary["parts"]["lora_kernels"].get("returncode") in (0, 1) and lora.exists():
+        rows = json.loads(lora.read_text())["lora"]
+        summary["parts"]["lora_kernels"]["lora"] = [
+            {k: row[k] for k in ("tokens", "ms", "base_only_over_no_lora", "mixed_triton_over_base", "ok")}
+            for row in rows]
+        for row in rows:
+            print(f"gpu-check: lora_kernels {row['tokens']} tokens: base tokens only "
+                  f"{row['base_only_over_no_lora']:.2f}x the bare GEMM, mixed adapters "
+                  f"{row['mixed_triton_over_base']:.2f}x base; agree={row['ok']}")
     profile = args.out_dir / CALIBRATED_PROFILE
     if summary["parts"]["calibrate_sim"].get("returncode") == 0 and profile.exists():
         fit = json.loads(profile.read_text())["fit"]

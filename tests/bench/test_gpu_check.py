@@ -206,3 +206,36 @@ def test_a_gpu_measures_what_batch_invariant_mode_costs_and_summary_carries_the_
     assert "EXECUTOR_ATTENTION_BACKEND=triton" in cmd and cmd[cmd.index("--model") + 1] == "bench-small"
     part = json.loads((tmp_path / "summary.json").read_text())["parts"]["batch_invariant_e2e"]
     assert part["on_over_off"] == 0.93 and part["stable_requests"]["on"] == 64
+
+
+def test_the_lora_kernel_bench_imports_and_refuses_to_run_without_cuda(monkeypatch, capsys):
+    from bench import lora_kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert lora_kernels.main(["--quick"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+    # Its layer, on the CPU: adapters of ranks 8, 16 and 64 in slots 0-2, zero past each rank.
+    lora = lora_kernels.make_layer(torch.device("cpu"), torch.float32)
+    assert lora.slot_ranks[:4] == [8, 16, 64, 0] and lora.a.shape == (8, 3, 64, 4096)
+    assert lora.a[0, :, 8:].abs().sum() == 0 and lora.b[1, 16:].abs().sum() == 0 and lora.b[2].abs().sum() > 0
+
+
+def test_a_gpu_runs_the_lora_kernels_and_summary_carries_their_figures(monkeypatch, tmp_path):
+    ran = _fake_parts(monkeypatch, device_count=1)
+    real_run = gpu_check.subprocess.run
+
+    def run(cmd, **kwargs):
+        if "bench.lora_kernels" in cmd:
+            ms = {"no_lora_layer": 0.02, "base_only": 0.021, "mixed_triton": 0.03, "mixed_torch": 0.2}
+            Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({"lora": [
+                {"tokens": 1, "ms": ms, "base_only_over_no_lora": 1.05, "mixed_triton_over_base": 1.43,
+                 "max_abs_diff": 0.01, "scale": 4.0, "ok": True}]}))
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    assert gpu_check.main(["--out-dir", str(tmp_path)]) == 0
+    [cmd] = [cmd for cmd in ran if "bench.lora_kernels" in cmd]
+    assert "--quick" in cmd
+    part = json.loads((tmp_path / "summary.json").read_text())["parts"]["lora_kernels"]
+    assert part["returncode"] == 0 and part["lora"][0]["base_only_over_no_lora"] == 1.05
+    assert part["lora"][0]["ms"]["mixed_torch"] == 0.2 and "scale" not in part["lora"][0]

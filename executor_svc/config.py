@@ -152,7 +152,9 @@ class ExecutorSettings(BaseSettings):
         "`modules_to_save`, embedding or lm_head weights, DoRA, a `bias` other than `none`, per-module rank or "
         "alpha patterns, and any other adapter setting that would change the math. Under tensor parallelism each "
         "rank holds its share of each adapter (B's rows for q/k/v/gate/up, A's columns for o/down). Steps with "
-        "adapter tokens run eagerly (no CUDA graph or compiled decode).")
+        "adapter tokens run eagerly (no CUDA graph or compiled decode). The deltas run the Triton kernels of "
+        "`kernels/lora.py` with the `triton` attention backend (so on CUDA by default), else a torch loop over the "
+        "adapters present.")
     runtime_lora_dir: str = Field(
         default="", description="The directory runtime LoRA adapters are loaded from (the scheduler's "
         "`LoadLoraAdapter`, the gateway's `/v1/load_lora_adapter`): a `lora_path`, absolute or relative to it, is "
@@ -166,7 +168,8 @@ class ExecutorSettings(BaseSettings):
         default=8, ge=1, le=1024, description="LoRA slots on the device: adapters held there at once. The "
         "scheduler decides which adapter sits in which slot; a request whose adapter has no slot waits until one "
         "frees (an adapter that running requests use is never evicted). More adapters than slots may be "
-        "configured.")
+        "configured. Every slot's weights are allocated at start-up, at `EXECUTOR_MAX_LORA_RANK` for every "
+        "adapted layer, before the KV pool (whose check against free memory counts them).")
     max_cpu_loras: int = Field(
         default=0, ge=0, le=65536, description="Adapters kept in host memory, least recently loaded dropped "
         "first; a load of one that is not there reads it from disk again. 0 = every configured adapter; "

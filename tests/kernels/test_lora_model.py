@@ -49,6 +49,7 @@ def test_every_layer_s_delta_through_the_kernels_matches_the_torch_path(made, dt
         for impl in ("torch", "triton"):
             lora.use_impl(impl)
             lora.batch.set(token_slots, torch.device("cpu"))
+            assert (lora.batch.order is not None) == (impl == "triton") and bool(lora.batch.groups) == (impl == "torch")
             got[impl] = site.lora.add(x, y.clone())
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         assert torch.allclose(got["triton"].float(), got["torch"].float(), atol=tol, rtol=tol), site.modules

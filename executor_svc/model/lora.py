@@ -218,8 +218,14 @@ class LoraBatch:
     num_slots: int
     impl: str = "torch"
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    padded: PaddedGroups | None = None  # torch: the groups as one batch, when padding them costs little
     order: torch.Tensor | None = None  # [num_tokens] int32: token indices slot by slot
     starts: torch.Tensor | None = None  # [num_slots + 1] int32: where each slot's tokens start in order
+    # Each slot's adapter's scale (LoraLinear.write keeps it), for `padded`.
+    slot_scales: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.slot_scales = [1.0] * self.num_slots
 
     @property
     def has_adapters(self) -> bool:
@@ -228,7 +234,7 @@ class LoraBatch:
     def set(self, token_slots: np.ndarray | None, device: torch.device) -> None:
         # token_slots: [num_tokens] host int64, -1 = no adapter; None: no token has one.
         # Grouped on the host (torch) or sorted on the device (triton), so the device never waits for a sync.
-        self.groups, self.order, self.starts = [], None, None
+        self.groups, self.padded, self.order, self.starts = [], None, None, None
         if token_slots is None:
             return
         if self.impl == "triton":
@@ -236,8 +242,43 @@ class LoraBatch:
 
             self.order, self.starts = sort_by_slot(to_device(token_slots, device), self.num_slots)
             return
-        self.groups = [(int(s), to_device(np.flatnonzero(token_slots == s), device))
-                       for s in np.unique(token_slots) if s >= 0]
+        members = [(int(s), np.flatnonzero(token_slots == s)) for s in np.unique(token_slots) if s >= 0]
+        self.groups = [(s, to_device(idx, device)) for s, idx in members]
+        self.padded = PaddedGroups.of(members, self.slot_scales, device)
+
+
+@dataclass(slots=True)
+class PaddedGroups:
+    """The adapters' token groups as one [groups, longest group] batch, so
+    that a layer's deltas take a few batched matmuls instead of a handful
+    of ops per adapter (on a small model each op costs more than its
+    arithmetic: stories260K, 8 adapters, 64 streams). A group shorter than
+    the longest is padded with token 0 at scale 0, so its padding adds
+    exact zeros. Used only while padding at most doubles the rows, as in
+    decode batches; a long prompt beside a few decodes takes the per-adapter
+    loop instead."""
+
+    slots: torch.Tensor  # [groups] int64
+    tokens: torch.Tensor  # [groups * longest] int64: each group's token indices, then padding (0)
+    scales: torch.Tensor  # [groups, longest, 1]: the group's adapter's scale, 0 on padding
+    longest: int
+    slot_list: list[int]
+
+    @classmethod
+    def of(cls, members: list[tuple[int, np.ndarray]], slot_scales: list[float],
+           device: torch.device) -> PaddedGroups | None:
+        longest = max(len(idx) for _, idx in members)
+        num_tokens = sum(len(idx) for _, idx in members)
+        if len(members) < 2 or len(members) * longest > 2 * num_tokens:
+            return None
+        tokens = np.zeros((len(members), longest), dtype=np.int64)
+        scales = np.zeros((len(members), longest, 1), dtype=np.float32)
+        for g, (slot, idx) in enumerate(members):
+            tokens[g, :len(idx)] = idx
+            scales[g, :len(idx)] = slot_scales[slot]
+        slot_list = [s for s, _ in members]
+        return cls(to_device(np.array(slot_list, dtype=np.int64), device), to_device(tokens.reshape(-1), device),
+                   to_device(scales, device), longest, slot_list)
 
 
 @dataclass(slots=True)
@@ -283,6 +324,7 @@ class LoraLinear:
         self.targets[slot] = [w is not None for w in weights]
         self.slot_ranks[slot], self.slot_scales[slot] = rank, scale
         self.ranks[slot], self.scales[slot] = rank, scale
+        self.batch.slot_scales[slot] = scale
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in]; y: [num_tokens, out] (the base output, parts side by side)
@@ -295,6 +337,8 @@ class LoraLinear:
             s = lora_shrink(x, self.a, batch.order, batch.starts, self.ranks)  # [num_tokens, parts, max_rank]
             return lora_expand(y, s, self.b, batch.order, batch.starts, self.ranks, self.scales,
                                tuple(self.part_rows))
+        if batch.padded is not None:
+            return self._add_padded(x, y, batch.padded)
         for slot, idx in batch.groups:
             rank = self.slot_ranks[slot]
             if rank == 0:
@@ -312,6 +356,29 @@ class LoraLinear:
                 offset += rows
             y = y.index_copy(0, idx, torch.cat(parts, dim=1))
         return y
+
+    def _add_padded(self, x: torch.Tensor, y: torch.Tensor, g: PaddedGroups) -> torch.Tensor:
+        """The per-adapter loop's deltas in batched matmuls over the padded
+        groups, in PEFT's order (shrink, expand, then scale)."""
+        rank = max(self.slot_ranks[s] for s in g.slot_list)  # past it every group's rows are zero
+        if rank == 0:
+            return y
+        groups, parts = len(g.slot_list), len(self.part_rows)
+        a = self.a.index_select(0, g.slots)[:, :, :rank].reshape(groups, parts * rank, -1)  # [G, P*r, in]
+        bt = self.b.index_select(0, g.slots)[:, :rank]  # [G, r, out]
+        xs = x.index_select(0, g.tokens).view(groups, g.longest, -1)  # [G, M, in]
+        s = torch.bmm(xs, a.transpose(1, 2))  # [G, M, P*r]
+        if parts == 1:
+            delta = torch.bmm(s, bt)
+        else:
+            deltas, offset = [], 0
+            for part, rows in enumerate(self.part_rows):
+                deltas.append(torch.bmm(s[:, :, part * rank:(part + 1) * rank], bt[:, :, offset:offset + rows]))
+                offset += rows
+            delta = torch.cat(deltas, dim=2)  # [G, M, out]
+        # Padding rows have scale 0: they add exact zeros to token 0.
+        scales = g.scales if g.scales.dtype == delta.dtype else g.scales.to(delta.dtype)
+        return y.index_add_(0, g.tokens, (delta * scales).view(groups * g.longest, -1))
 
 
 @dataclass(slots=True)

@@ -35,17 +35,27 @@ PROMPT = [1, 403, 407, 261, 378]  # "Once upon a time" in stories260K's tokenize
 
 
 def ours_per_token_ms(model: str, in_flight: int, torch_compile: str, tokens: int, repeats: int,
-                      threads: int, multi_step: int | None = None) -> tuple[list[float], list[int]]:
+                      threads: int, multi_step: int | None = None,
+                      step_socket: str | None = None) -> tuple[list[float], list[int], float]:
+    """(ms/token of each run, the last run's tokens, the executor's mean
+    idle time between steps in µs, from its own counters)."""
+    from bench.server_metrics import scrape
     from llmsched.launch import launch
 
     services = launch(
         executor_env={"EXECUTOR_MODEL": model, "EXECUTOR_NUM_THREADS": str(threads),
                       "EXECUTOR_TORCH_COMPILE": torch_compile},
         scheduler_env={"SCHEDULER_MAX_PLANS_IN_FLIGHT": str(in_flight),
-                       **({} if multi_step is None else {"SCHEDULER_MULTI_STEP_DECODE": str(multi_step)})},
+                       **({} if multi_step is None else {"SCHEDULER_MULTI_STEP_DECODE": str(multi_step)}),
+                       **({} if step_socket is None else {"SCHEDULER_EXECUTOR_STEP_SOCKET": step_socket})},
     ).start()
     try:
-        return stream_per_token_ms(services.scheduler_address, tokens, repeats)
+        before = scrape(services.executor_metrics_port)
+        times, out = stream_per_token_ms(services.scheduler_address, tokens, repeats)
+        after = scrape(services.executor_metrics_port)
+        idle, plans = (after.get(k, 0.0) - before.get(k, 0.0) for k in (
+            "llmsched_executor_idle_between_steps_seconds_total", "llmsched_executor_forward_seconds_count"))
+        return times, out, idle * 1e6 / max(plans, 1)
     finally:
         services.stop()
 
@@ -110,31 +120,37 @@ def main(argv: list[str] | None = None) -> int:
                    help="EXECUTOR_TORCH_COMPILE values to run (default: off and on)")
     p.add_argument("--multi-step", type=int, action="append", default=None,
                    help="SCHEDULER_MULTI_STEP_DECODE values to run (default: the scheduler's default)")
+    p.add_argument("--step-socket", choices=["auto", "off"], action="append", default=None,
+                   help="SCHEDULER_EXECUTOR_STEP_SOCKET values to run (default: the scheduler's default)")
     p.add_argument("--out", type=Path, default=Path("bench_results") / "single_stream.json")
     args = p.parse_args(argv)
-    configs = [(k, c, m) for c in args.torch_compile or ["off", "on"] for k in args.plans_in_flight or [1, 2]
-               for m in args.multi_step or [None]]
+    configs = [(k, c, m, sock) for c in args.torch_compile or ["off", "on"] for k in args.plans_in_flight or [1, 2]
+               for m in args.multi_step or [None] for sock in args.step_socket or [None]]
 
     hf_times, hf_tokens = hf_per_token_ms(args.model, args.tokens, args.repeats, args.num_threads)
     hf_ms = statistics.median(hf_times)
     report = {"model": args.model, "tokens": args.tokens, "repeats": args.repeats,
               "hf_generate_ms_per_token": hf_ms, "hf_runs_ms": hf_times, "ours": {}}
     print(f"P12 single stream, {args.tokens} greedy tokens, {Path(args.model).name}, medians of {args.repeats}")
-    print(f"{'':44} {'ms/token':>9} {'vs HF generate':>15}")
-    print(f"{'HF generate':44} {hf_ms:9.3f} {'1.00x':>15}")
+    print(f"{'':58} {'ms/token':>9} {'vs HF generate':>15} {'executor idle/plan':>19}")
+    print(f"{'HF generate':58} {hf_ms:9.3f} {'1.00x':>15}")
     mismatch = False
-    for k, compiled, multi in configs:
-        times, tokens = ours_per_token_ms(args.model, k, compiled, args.tokens, args.repeats, args.num_threads,
-                                          multi)
+    for k, compiled, multi, sock in configs:
+        times, tokens, idle_us = ours_per_token_ms(args.model, k, compiled, args.tokens, args.repeats,
+                                                   args.num_threads, multi, sock)
         ms = statistics.median(times)
         same = tokens == hf_tokens
         mismatch |= not same
-        report["ours"][f"{k}-in-flight-compile-{compiled}" + (f"-multi-step-{multi}" if multi else "")] = {
-            "plans_in_flight": k, "torch_compile": compiled, "multi_step": multi, "ms_per_token": ms, "runs_ms": times,
-            "ratio_to_hf": ms / hf_ms, "tokens_equal_hf": same}
+        key = (f"{k}-in-flight-compile-{compiled}" + (f"-multi-step-{multi}" if multi else "")
+               + (f"-step-socket-{sock}" if sock else ""))
+        report["ours"][key] = {
+            "plans_in_flight": k, "torch_compile": compiled, "multi_step": multi, "step_socket": sock,
+            "ms_per_token": ms, "runs_ms": times, "ratio_to_hf": ms / hf_ms, "tokens_equal_hf": same,
+            "executor_idle_us_per_plan": idle_us}
         label = f"llmsched, {k} plan{'s' if k > 1 else ''} in flight, compile {compiled}" + (
-            f", multi-step {multi}" if multi else "")
-        print(f"{label:44} {ms:9.3f} {ms / hf_ms:14.2f}x{'' if same else '  (tokens differ from HF!)'}")
+            f", multi-step {multi}" if multi else "") + (f", step socket {sock}" if sock else "")
+        print(f"{label:58} {ms:9.3f} {ms / hf_ms:14.2f}x {idle_us:16.0f} µs"
+              f"{'' if same else '  (tokens differ from HF!)'}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"report: {args.out}")

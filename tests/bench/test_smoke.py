@@ -100,6 +100,7 @@ def test_single_stream_reports_each_configuration_against_hf_with_equal_tokens(t
     for name, run in report["ours"].items():
         assert run["tokens_equal_hf"], name
         assert run["ms_per_token"] > 0 and len(run["runs_ms"]) == 1, name
+        assert run["executor_idle_us_per_plan"] > 0, name
 
 
 @pytest.mark.slow

@@ -34,8 +34,8 @@ bf16's, so a near-tie can flip a token (reported, not asserted).
 
 What the ratio compares on CUDA with the triton backend: the FP8 run's
 attention projections, dense MLP and shared expert run the FP8 GEMM
-(kernels/fp8_linear.py), and its routed experts the fused-MoE kernel
-reading FP8 blocks (kernels/fused_moe.py); the dequantized run's the same
+(llmsched_kernels/fp8_linear.py), and its routed experts the fused-MoE kernel
+reading FP8 blocks (llmsched_kernels/fused_moe.py); the dequantized run's the same
 kernels on bf16 weights. Neither run captures CUDA graphs (`auto` leaves
 MoE and MLA models eager).
 

@@ -8,7 +8,7 @@
 * Prefill: causal attention TFLOP/s for a few prompt lengths (one request each).
 * Peers: "torch" gathers each request's K/V out of the paged cache with the block table
   and runs dense ``scaled_dot_product_attention`` (the vectorised form of
-  kernels/reference.py; the gather is part of its time). "flashinfer" is its paged
+  llmsched_kernels/reference.py; the gather is part of its time). "flashinfer" is its paged
   decode wrapper when the package is importable, otherwise reported as skipped.
 
 Shapes are Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128), block
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton  # noqa: PLC0415 - imported only when there is a GPU to run on
 
-    from kernels.paged_attention import paged_attention  # noqa: PLC0415
+    from llmsched_kernels.paged_attention import paged_attention  # noqa: PLC0415
 
     dtype = DTYPES[opts.dtype]
     name = torch.cuda.get_device_name()

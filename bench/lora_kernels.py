@@ -1,4 +1,4 @@
-"""The multi-LoRA kernels (kernels/lora.py) on a GPU, through the model's own
+"""The multi-LoRA kernels (llmsched_kernels/lora.py) on a GPU, through the model's own
 LoRA layer (executor_svc/model/lora.py's LoraLinear), at Llama-3-8B's fused
 q/k/v projection (4096 -> 4096 + 1024 + 1024, bf16), 8 slots of rank 64
 holding adapters of ranks 8, 16 and 64:

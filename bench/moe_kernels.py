@@ -92,7 +92,7 @@ def bench_mla(batch: int, context: int, repeats: int) -> dict:
     import torch
 
     from executor_svc.attention import AttentionMetadata, TorchAttentionBackend
-    from kernels.mla_decode import mla_decode
+    from llmsched_kernels.mla_decode import mla_decode
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     heads, lora, rope, bs = MLA["num_heads"], MLA["kv_lora_rank"], MLA["rope_dim"], MLA["block_size"]

@@ -1,6 +1,6 @@
 """The quantized-weight GEMMs on CUDA (part of make gpu-check): the FP8
-block-scaled kernel (kernels.fp8_linear, 128 x 128 blocks) and the int4
-weight-only kernel (kernels.int_linear, group 128, asymmetric zeros) against
+block-scaled kernel (llmsched_kernels.fp8_linear, 128 x 128 blocks) and the int4
+weight-only kernel (llmsched_kernels.int_linear, group 128, asymmetric zeros) against
 torch's bf16 GEMM (F.linear) of the same shape.
 
     python -m bench.quant_gemm [--out bench_results/gpu/quant_gemm.json] [--repeats 20]
@@ -59,9 +59,9 @@ def bench_shape(m: int, n: int, k: int, repeats: int, flush) -> dict:
     import torch.nn.functional as F
 
     from executor_svc.model.quantization import quantize_fp8_blocks
-    from kernels import reference
-    from kernels.fp8_linear import fp8_block_linear
-    from kernels.int_linear import int_weight_linear
+    from llmsched_kernels import reference
+    from llmsched_kernels.fp8_linear import fp8_block_linear
+    from llmsched_kernels.int_linear import int_weight_linear
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)

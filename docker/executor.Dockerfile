@@ -64,10 +64,10 @@ RUN cd /tmp/build \
 COPY pyproject.toml README.md /tmp/src/
 COPY llmsched /tmp/src/llmsched
 COPY executor_svc /tmp/src/executor_svc
-COPY kernels /tmp/src/kernels
+COPY llmsched_kernels /tmp/src/llmsched_kernels
 RUN python3 -m pip install --no-deps /tmp/src \
  && rm -rf /tmp/src /tmp/build \
- && python3 -c "import executor_svc.__main__, kernels"
+ && python3 -c "import executor_svc.__main__, llmsched_kernels"
 
 # An unprivileged user with a home, where Triton keeps its kernel cache.
 RUN useradd --create-home --uid 10001 llmsched

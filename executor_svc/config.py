@@ -66,7 +66,7 @@ class ExecutorSettings(BaseSettings):
         "`max_position_embeddings`.")
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         default="auto", description="`torch` (plain PyTorch, any device), `triton` (the Triton kernels in "
-        "`kernels/`; CUDA, or CPU only under `TRITON_INTERPRET=1`, for tests) or `auto` = triton on CUDA, else "
+        "`llmsched_kernels/`; CUDA, or CPU only under `TRITON_INTERPRET=1`, for tests) or `auto` = triton on CUDA, else "
         "torch.")
     # The torch backend splits batches on the host, which a graph cannot
     # replay; capturing NCCL all-reduces has not been tested on GPUs.
@@ -153,7 +153,7 @@ class ExecutorSettings(BaseSettings):
         "alpha patterns, and any other adapter setting that would change the math. Under tensor parallelism each "
         "rank holds its share of each adapter (B's rows for q/k/v/gate/up, A's columns for o/down). Steps with "
         "adapter tokens run eagerly (no CUDA graph or compiled decode). The deltas run the Triton kernels of "
-        "`kernels/lora.py` with the `triton` attention backend (so on CUDA by default), else a torch loop over the "
+        "`llmsched_kernels/lora.py` with the `triton` attention backend (so on CUDA by default), else a torch loop over the "
         "adapters present.")
     runtime_lora_dir: str = Field(
         default="", description="The directory runtime LoRA adapters are loaded from (the scheduler's "

@@ -218,14 +218,14 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     host_kv = HostKVPool(pool, num_host_blocks, device, settings.debug_fail_swap_every) if num_host_blocks else None
     backend = make_backend(settings.attention_backend, device, batch_invariant=invariant)
     if backend.name == "triton" and use_triton_moe(model):
-        log.info("mixture-of-experts layers run the triton fused-MoE kernel (kernels/fused_moe.py; plain, FP8 "
+        log.info("mixture-of-experts layers run the triton fused-MoE kernel (llmsched_kernels/fused_moe.py; plain, FP8 "
                  "blocks or MXFP4 experts)")
     elif backend.name == "triton" and cfg.moe is not None:
         log.info("quantized experts run the torch loop through each expert's own quantized linears: the triton "
                  "fused-MoE kernel reads plain, FP8-block and MXFP4 experts only")
     if lora is not None and backend.name == "triton":
         lora.use_impl("triton")
-        log.info("LoRA deltas run the triton shrink and expand kernels (kernels/lora.py)")
+        log.info("LoRA deltas run the triton shrink and expand kernels (llmsched_kernels/lora.py)")
     # Batch-invariant mode: one eager path for every batch size.
     cuda_graphs = generates and not invariant and use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
     # Rank 0 alone samples, so it alone keeps constraint matchers.

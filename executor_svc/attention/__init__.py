@@ -32,7 +32,7 @@ BACKEND_NAMES = ("auto", "torch", "triton")
 
 
 def _interpreting() -> bool:
-    # The exact test kernels/paged_attention.py uses to switch its bf16
+    # The exact test llmsched_kernels/paged_attention.py uses to switch its bf16
     # interpreter workaround on, so both agree on what "interpreting" means.
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

@@ -1,4 +1,4 @@
-"""The Triton attention backend: the kernels in kernels/, one launch per
+"""The Triton attention backend: the kernels in llmsched_kernels/, one launch per
 layer for the K/V write and one for the whole mixed batch."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import torch
 from executor_svc.attention.torch_backend import INVARIANT_SPLIT_TOKENS, TorchAttentionBackend
 
 class TritonAttentionBackend:
-    """The Triton kernels in kernels/: one launch writes a layer's K/V, one
+    """The Triton kernels in llmsched_kernels/: one launch writes a layer's K/V, one
     launch attends the whole mixed batch (decodes, prefills and chunks
     alike). Runs on CUDA, or on CPU under Triton's interpreter
     (TRITON_INTERPRET=1, slow: for tests only). An FP8 cache is encoded
-    and decoded inside the kernels, from its bits (kernels/fp8_kv.py).
+    and decoded inside the kernels, from its bits (llmsched_kernels/fp8_kv.py).
 
     kernels.* is imported here, not at module level, so the torch backend
     never imports triton.
@@ -23,13 +23,13 @@ class TritonAttentionBackend:
 
     def __init__(self, batch_invariant: bool = False) -> None:
         # EXECUTOR_BATCH_INVARIANT: every launch takes the same tile shape
-        # and no split-KV, whatever the batch (kernels/paged_attention.py
+        # and no split-KV, whatever the batch (llmsched_kernels/paged_attention.py
         # fixed_split); MLA runs every query token as one decode (_mla_per_token).
         self.batch_invariant = batch_invariant
         try:
-            from kernels.kv_write import write_kv_cache
-            from kernels.mla_decode import mla_decode
-            from kernels.paged_attention import paged_attention
+            from llmsched_kernels.kv_write import write_kv_cache
+            from llmsched_kernels.mla_decode import mla_decode
+            from llmsched_kernels.paged_attention import paged_attention
         except ImportError as exc:
             raise RuntimeError(
                 f"attention backend 'triton' needs the triton package, which failed to import: {exc}"

@@ -68,7 +68,7 @@ def _plain_linear(module: nn.Module) -> bool:
 
 
 def _triton_forward(module: nn.Module):
-    from kernels.invariant_linear import invariant_linear
+    from llmsched_kernels.invariant_linear import invariant_linear
 
     return lambda x: invariant_linear(x, module.weight, module.bias)
 
@@ -80,7 +80,7 @@ def make_batch_invariant(model: nn.Module, unit: int = ROW_UNIT, triton_gemm: bo
     On the CPU every GEMM's rows are padded to a multiple of unit. On CUDA
     (triton_gemm; None: whether the model's weights are on CUDA) padding
     does not do it, since cuBLAS picks its algorithm and split-K from the
-    whole shape: unquantized linear layers run kernels/invariant_linear.py,
+    whole shape: unquantized linear layers run llmsched_kernels/invariant_linear.py,
     whose tiles never depend on the rows; the others (quantized layers'
     kernels, the router, MLA's batched products) keep the padding and are
     left to the start-up self-test.

@@ -23,7 +23,7 @@ A linear layer of a quantized checkpoint (use_scheme) keeps the weight
 quantized, as quant_formats.py holds it whatever the checkpoint's layout:
 FP8 with its scales, or packed integers with group scales and zero points,
 each rank its part of each. On CUDA it runs a Triton GEMM that decodes the
-weight as it loads it (kernels/fp8_linear.py, kernels/int_linear.py);
+weight as it loads it (llmsched_kernels/fp8_linear.py, llmsched_kernels/int_linear.py);
 elsewhere it dequantizes its weight for each matmul and drops it after.
 """
 
@@ -44,7 +44,7 @@ from executor_svc.model.quantization import (
     FP8, BlockSplitError, cdiv, dequantize_fp8_blocks, fake_quantize_activations,
 )
 from executor_svc.model.sharding import valid_sizes
-from kernels.reference import dequantize_int
+from llmsched_kernels.reference import dequantize_int
 
 
 def materialize(module: nn.Module, leaf: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -196,11 +196,11 @@ class _Linear(nn.Module):
             # dequantized weight is ever written. Imported here: the CPU
             # path never loads Triton.
             if scheme.kind == "fp8":
-                from kernels.fp8_linear import fp8_block_linear
+                from llmsched_kernels.fp8_linear import fp8_block_linear
 
                 y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1])
             else:
-                from kernels.int_linear import int_weight_linear
+                from llmsched_kernels.int_linear import int_weight_linear
 
                 y = int_weight_linear(x, self.qweight, self.scales, self.zeros, scheme.group_size or self.in_cols,
                                       scheme.bits, self.g_idx)

@@ -26,7 +26,7 @@ with no adapter tokens does nothing here, and a model with no adapters
 configured has no LoRA state at all (Linear.lora is None):
 - torch (the CPU's): the tokens of each adapter present are gathered and
   run through views of its slot's A and B cut at its rank;
-- triton (with the triton attention backend, as on CUDA): kernels/lora.py's
+- triton (with the triton attention backend, as on CUDA): llmsched_kernels/lora.py's
   shrink and expand, one launch each per layer for every adapter, rank and
   fused part at once; base tokens are in no adapter's run and cost nothing.
 
@@ -212,7 +212,7 @@ class LoraBatch:
     """Which adapter each token of the running step uses: the runner sets it
     before each forward (the linear layers' call sites take no metadata).
     groups (torch): (slot, token indices) per adapter present; order and
-    starts (triton): kernels.lora.sort_by_slot's. Both empty (None) when
+    starts (triton): llmsched_kernels.lora.sort_by_slot's. Both empty (None) when
     the batch is base-model only."""
 
     num_slots: int
@@ -238,7 +238,7 @@ class LoraBatch:
         if token_slots is None:
             return
         if self.impl == "triton":
-            from kernels.lora import sort_by_slot
+            from llmsched_kernels.lora import sort_by_slot
 
             self.order, self.starts = sort_by_slot(to_device(token_slots, device), self.num_slots)
             return
@@ -332,7 +332,7 @@ class LoraLinear:
         if not batch.has_adapters:
             return y
         if batch.impl == "triton":
-            from kernels.lora import lora_expand, lora_shrink
+            from llmsched_kernels.lora import lora_expand, lora_shrink
 
             s = lora_shrink(x, self.a, batch.order, batch.starts, self.ranks)  # [num_tokens, parts, max_rank]
             return lora_expand(y, s, self.b, batch.order, batch.starts, self.ranks, self.scales,
@@ -550,7 +550,7 @@ class LoraSet:
                                    f"{site.whole_out[part]} out)")
 
     def use_impl(self, impl: str) -> None:
-        """Computes the deltas with `impl`: torch, or triton (kernels/lora.py:
+        """Computes the deltas with `impl`: torch, or triton (llmsched_kernels/lora.py:
         CUDA, or the CPU under TRITON_INTERPRET=1); anything else is refused."""
         if impl not in IMPLS:
             raise ValueError(f"LoRA compute {impl!r} is not implemented; supported: {', '.join(IMPLS)}")

@@ -22,7 +22,7 @@ their intermediate dim like a dense MLP; each rank sums its partial
 output with the shared expert's and all-reduces once. The torch path sorts
 the (token, expert) pairs by expert and runs one matmul per expert that
 has tokens (a loop over experts, never over tokens); the triton path
-(kernels/fused_moe.py) runs one grouped GEMM per projection, and reads
+(llmsched_kernels/fused_moe.py) runs one grouped GEMM per projection, and reads
 FP8 and MXFP4 experts as they are held, decoding them in its load loop.
 """
 
@@ -43,7 +43,7 @@ from executor_svc.model.quantization import FP8, BlockSplitError, cdiv, dequanti
 from executor_svc.model.sharding import Shard
 
 if TYPE_CHECKING:  # kernels import triton, which the CPU executor does without
-    from kernels.fused_moe import QuantizedExperts
+    from llmsched_kernels.fused_moe import QuantizedExperts
 
 
 class Router(nn.Module):
@@ -131,7 +131,7 @@ class FusedExperts(nn.Module):
         else:
             self.b13 = self.b2 = None
         self.act = ACTIVATIONS[cfg.hidden_act]
-        self.impl = "torch"  # or "triton": kernels/fused_moe.py (set by use_triton_moe)
+        self.impl = "torch"  # or "triton": llmsched_kernels/fused_moe.py (set by use_triton_moe)
         # (block_n, block_k) once use_fp8 made the experts FP8; the grid row
         # of each w13 / w2 row once loaded.
         self.fp8_block: tuple[int, int] | None = None
@@ -152,11 +152,11 @@ class FusedExperts(nn.Module):
         return self.fp8_block is not None or self.per_expert is not None
 
     def kernel_weights(self) -> tuple[torch.Tensor | QuantizedExperts, torch.Tensor | QuantizedExperts]:
-        """w13 and w2 as kernels/fused_moe.py reads them: plain tensors, or
+        """w13 and w2 as llmsched_kernels/fused_moe.py reads them: plain tensors, or
         the FP8 weights with their block scales."""
         if self.fp8_block is None:
             return self.w13, self.w2
-        from kernels.fused_moe import QuantizedExperts
+        from llmsched_kernels.fused_moe import QuantizedExperts
 
         bk = self.fp8_block[1]
         return (QuantizedExperts.fp8_blocks(self.w13, self.w13_scale, self.grid13, bk),
@@ -292,7 +292,7 @@ class FusedExperts(nn.Module):
         """x: [num_tokens, hidden]; weights, ids: [num_tokens, top_k] ->
         [num_tokens, hidden], this rank's partial sum."""
         if self.impl == "triton":
-            from kernels.fused_moe import fused_moe
+            from llmsched_kernels.fused_moe import fused_moe
 
             w13, w2 = self.kernel_weights()
             return fused_moe(x, w13, w2, weights, ids, self.activation, self.b13, self.b2,
@@ -384,7 +384,7 @@ class MoECausalLM(CausalLM):
 
 
 def use_triton_moe(model: nn.Module, on: bool = True) -> int:
-    """Experts run kernels/fused_moe.py (the triton attention backend's
+    """Experts run llmsched_kernels/fused_moe.py (the triton attention backend's
     choice), plain, FP8 blocks or MXFP4; returns how many expert layers
     switched. Experts of any other scheme (per_expert: one quantized linear
     per expert) stay on the torch loop, whose linears dequantize or run

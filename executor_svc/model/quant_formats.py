@@ -21,7 +21,7 @@ What a layer holds, for a weight of N rows (outputs) by K columns (inputs):
 
   W[n, k] = (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)], computed in the
   scales' dtype as compressed-tensors, GPTQ and AWQ dequantize, then cast
-  (kernels.reference.dequantize_int; kernels/int_linear.py on CUDA).
+  (llmsched_kernels.reference.dequantize_int; llmsched_kernels/int_linear.py on CUDA).
 
 Checkpoint layouts (`LinearScheme.layout`):
 
@@ -53,7 +53,7 @@ import torch
 from executor_svc.model.model_config import LinearScheme
 from executor_svc.model.mxfp4 import FP4_VALUES
 from executor_svc.model.quantization import cdiv
-from kernels.reference import pack_int, unpack_int
+from llmsched_kernels.reference import pack_int, unpack_int
 
 # AWQ's GEMM layout puts output n of each group of 8 in nibble AWQ_NIBBLE[n % 8].
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)

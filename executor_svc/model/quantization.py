@@ -16,8 +16,8 @@ FP8 with block scales (quant_method "fp8" and weight_block_size: DeepSeek-V3
 and R1, Kimi K2, the Qwen3 -FP8 releases): each linear weight is
 float8_e4m3fn, and `weight_scale_inv` holds one float32 scale per block of
 block_n rows by block_k columns, blocks at the edges included. The weights
-stay FP8 in memory. On CUDA a linear layer runs kernels/fp8_linear.py and
-experts kernels/fused_moe.py, which decode FP8 in their load loops;
+stay FP8 in memory. On CUDA a linear layer runs llmsched_kernels/fp8_linear.py and
+experts llmsched_kernels/fused_moe.py, which decode FP8 in their load loops;
 elsewhere a layer dequantizes its own weight for each matmul
 (`dequantize_fp8_blocks`) and drops it after, so at most one layer's weight
 is ever held at the compute dtype. Activations stay in the compute dtype

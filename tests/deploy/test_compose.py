@@ -62,7 +62,7 @@ def _load(files: tuple[Path, ...]) -> dict | Exception:
 MODELS = {name: _load(files) for name, files in VARIANTS.items()}
 PARSED = [v for v, m in MODELS.items() if isinstance(m, dict)]
 SETTINGS = {"scheduler": SchedulerSettings, "executor": ExecutorSettings, "gateway": GatewaySettings}
-PROJECT_PACKAGES = {"llmsched", "scheduler_svc", "executor_svc", "gateway_svc", "kernels", "bench"}
+PROJECT_PACKAGES = {"llmsched", "scheduler_svc", "executor_svc", "gateway_svc", "llmsched_kernels", "bench"}
 
 
 def role(svc_name: str) -> str:
@@ -445,7 +445,7 @@ def test_scheduler_image_installs_no_torch_and_no_executor_extra():
     assert "torch" not in " ".join(installs), f"scheduler Dockerfile pip-installs torch: {installs}"
     assert not re.search(r"\[[^\]]*executor|--extra", text), "scheduler Dockerfile installs the executor extra"
     copied = {Path(src).parts[0] for s in stages for c in copies(s) for src in c.sources}
-    assert not copied & {"executor_svc", "kernels"}, f"scheduler image copies executor code: {copied}"
+    assert not copied & {"executor_svc", "llmsched_kernels"}, f"scheduler image copies executor code: {copied}"
 
 
 def test_executor_cuda_image_starts_from_pytorch_cuda_base_with_the_pinned_torch():

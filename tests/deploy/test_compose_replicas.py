@@ -157,7 +157,7 @@ def test_gateway_image_installs_no_torch_and_copies_no_executor_code():
     stages, _ = dockerfile.chain(args, target)
     assert "torch" not in " ".join(pip_installs(stages))
     copied = {src.split("/")[0] for s in stages for c in copies(s) for src in c.sources}
-    assert "gateway_svc" in copied and not copied & {"executor_svc", "kernels", "scheduler_svc"}, copied
+    assert "gateway_svc" in copied and not copied & {"executor_svc", "llmsched_kernels", "scheduler_svc"}, copied
 
 
 def test_every_dockerfile_parses():

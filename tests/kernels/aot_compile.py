@@ -42,14 +42,14 @@ except ImportError as exc:  # pragma: no cover - depends on the Triton version
     print(f"unsupported triton {triton.__version__}: {exc}", file=sys.stderr)
     sys.exit(EXIT_UNSUPPORTED)
 
-from kernels import fp8_linear as fl  # noqa: E402
-from kernels import fused_moe as fm  # noqa: E402
-from kernels import int_linear as il  # noqa: E402
-from kernels import invariant_linear as inv  # noqa: E402
-from kernels import kv_write  # noqa: E402
-from kernels import lora as kl  # noqa: E402
-from kernels import mla_decode as mla  # noqa: E402
-from kernels import paged_attention as pa  # noqa: E402
+from llmsched_kernels import fp8_linear as fl  # noqa: E402
+from llmsched_kernels import fused_moe as fm  # noqa: E402
+from llmsched_kernels import int_linear as il  # noqa: E402
+from llmsched_kernels import invariant_linear as inv  # noqa: E402
+from llmsched_kernels import kv_write  # noqa: E402
+from llmsched_kernels import lora as kl  # noqa: E402
+from llmsched_kernels import mla_decode as mla  # noqa: E402
+from llmsched_kernels import paged_attention as pa  # noqa: E402
 
 
 class _Recorder:

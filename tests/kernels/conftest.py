@@ -2,7 +2,7 @@
 
 Without CUDA the Triton kernels run under Triton's CPU interpreter. TRITON_INTERPRET is
 read when ``triton`` is first imported, so it is set here, before any test module (or
-``kernels.*``) imports triton.
+``llmsched_kernels.*``) imports triton.
 """
 
 import os

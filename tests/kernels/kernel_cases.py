@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from kernels import reference
+from llmsched_kernels import reference
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 

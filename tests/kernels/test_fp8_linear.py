@@ -1,5 +1,5 @@
-"""kernels.fp8_linear (FP8 weights with block scales, decoded in the load
-loop) against kernels.reference.fp8_block_linear and the executor's torch
+"""llmsched_kernels.fp8_linear (FP8 weights with block scales, decoded in the load
+loop) against llmsched_kernels.reference.fp8_block_linear and the executor's torch
 path, through the Triton interpreter without CUDA: edge blocks in both
 dimensions, stacked scale grids (fused q/k/v), decode- and prefill-sized
 batches, fp32 and bf16."""
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from llmsched_kernels import reference
 from tests.quantized import quantize
 
-fl = pytest.importorskip("kernels.fp8_linear")
+fl = pytest.importorskip("llmsched_kernels.fp8_linear")
 
 
 def make(m: int, parts: list[int], k: int, block: tuple[int, int], dtype: torch.dtype, seed: int = 0):

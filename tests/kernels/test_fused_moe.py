@@ -1,5 +1,5 @@
-"""kernels.fused_moe (two grouped GEMMs over tokens sorted by expert) against
-kernels.reference.fused_moe, through the Triton interpreter without CUDA:
+"""llmsched_kernels.fused_moe (two grouped GEMMs over tokens sorted by expert) against
+llmsched_kernels.reference.fused_moe, through the Triton interpreter without CUDA:
 tiny shapes, decode-sized and prefill-sized batches, experts with no tokens,
 biases and the clamped SwiGLU, and the torch path the executor runs on CPU."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from llmsched_kernels import reference
 
-fm = pytest.importorskip("kernels.fused_moe")
+fm = pytest.importorskip("llmsched_kernels.fused_moe")
 
 
 def silu_glu(h: torch.Tensor) -> torch.Tensor:

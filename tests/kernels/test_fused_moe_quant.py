@@ -1,5 +1,5 @@
-"""kernels.fused_moe on quantized experts (FP8 blocks, MXFP4, NVFP4), decoded
-in the kernel's load loop, against kernels.reference.fused_moe on the
+"""llmsched_kernels.fused_moe on quantized experts (FP8 blocks, MXFP4, NVFP4), decoded
+in the kernel's load loop, against llmsched_kernels.reference.fused_moe on the
 reference's dequantized weights, through the Triton interpreter without CUDA:
 ragged N and K (FP8 edge blocks, a scale column per tile or per element),
 top_k > 1 with idle experts, bf16 and fp32, biases, a tensor-parallel down
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from llmsched_kernels import reference
 from test_fused_moe import TOLERANCE, clamped_glu, silu_glu
 
-fm = pytest.importorskip("kernels.fused_moe")
+fm = pytest.importorskip("llmsched_kernels.fused_moe")
 
 
 def _fp8(e: int, n: int, k: int, block: tuple[int, int], grid_rows: torch.Tensor, g: torch.Generator):

@@ -1,5 +1,5 @@
-"""kernels.int_linear (4- and 8-bit integer weights, group scales and zero points,
-decoded in the load loop) against kernels.reference.int_weight_linear, through
+"""llmsched_kernels.int_linear (4- and 8-bit integer weights, group scales and zero points,
+decoded in the load loop) against llmsched_kernels.reference.int_weight_linear, through
 the Triton interpreter without CUDA: edge tiles in both dimensions, odd K for
 4 bits, groups within, across and wider than a tile, per-channel, act-order
 g_idx, a bias, decode and small prefill batches, fp16, bf16 and fp32; and the
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from llmsched_kernels import reference
 
-il = pytest.importorskip("kernels.int_linear")
+il = pytest.importorskip("llmsched_kernels.int_linear")
 
 
 def make(m: int, n: int, k: int, bits: int, group_size: int, dtype: torch.dtype, act_order: bool = False,

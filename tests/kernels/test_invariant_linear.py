@@ -1,4 +1,4 @@
-"""kernels.invariant_linear (batch-invariant mode's GEMM on CUDA) against
+"""llmsched_kernels.invariant_linear (batch-invariant mode's GEMM on CUDA) against
 F.linear, and its promise: a row's bits do not depend on the rows beside
 it. Without CUDA through the Triton interpreter, whose dots are fixed-shape
 numpy products: the tiles, not the batch, decide each row's sums there too."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-il = pytest.importorskip("kernels.invariant_linear")
+il = pytest.importorskip("llmsched_kernels.invariant_linear")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

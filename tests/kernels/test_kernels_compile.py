@@ -33,7 +33,7 @@ SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 def inputs_key(triton_version: str) -> str:
     """What determines the compile's result: every kernel source, the script, Triton."""
     digest = hashlib.sha256(f"triton {triton_version}\n".encode())
-    for path in sorted((REPO / "kernels").rglob("*.py")) + [SCRIPT]:
+    for path in sorted((REPO / "llmsched_kernels").rglob("*.py")) + [SCRIPT]:
         digest.update(path.relative_to(REPO).as_posix().encode() + b"\n" + path.read_bytes())
     return digest.hexdigest()
 

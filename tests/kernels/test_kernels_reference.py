@@ -17,7 +17,7 @@ from kernel_cases import (
     poison_outside_window,
 )
 
-from kernels import reference
+from llmsched_kernels import reference
 
 
 def dense_causal_attention(

@@ -1,4 +1,4 @@
-"""Each Triton kernel against kernels.reference.
+"""Each Triton kernel against llmsched_kernels.reference.
 
 Without CUDA these run under the Triton interpreter (see conftest.py), so batches are
 small. Parameters are a pairwise cover rather than the full cross product: every pair of
@@ -28,10 +28,10 @@ from kernel_cases import (
     poison_outside_window,
 )
 
-from kernels import reference
+from llmsched_kernels import reference
 
-pa = pytest.importorskip("kernels.paged_attention")
-kv_write = pytest.importorskip("kernels.kv_write")
+pa = pytest.importorskip("llmsched_kernels.paged_attention")
+kv_write = pytest.importorskip("llmsched_kernels.kv_write")
 import triton  # noqa: E402  (after the importorskips: kernels.* import it first)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -1,5 +1,5 @@
-"""kernels.lora (multi-LoRA shrink and expand over tokens of mixed adapters)
-against kernels.reference.lora_shrink / lora_expand, through the Triton
+"""llmsched_kernels.lora (multi-LoRA shrink and expand over tokens of mixed adapters)
+against llmsched_kernels.reference.lora_shrink / lora_expand, through the Triton
 interpreter without CUDA: ranks 8, 16 and 64 in one launch, base-model tokens
 interleaved, a batch of base tokens only, token counts that are not a multiple
 of the tile, one, two and three parts, fp32, fp16 and bf16. The slot buffers
@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from llmsched_kernels import reference
 
-kl = pytest.importorskip("kernels.lora")
+kl = pytest.importorskip("llmsched_kernels.lora")
 
 NAN = float("nan")
 

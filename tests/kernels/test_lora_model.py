@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("kernels.lora")
+pytest.importorskip("llmsched_kernels.lora")
 pytest.importorskip("peft")
 
 from executor_svc.model.checkpoint import load_checkpoint  # noqa: E402

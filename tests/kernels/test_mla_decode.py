@@ -1,5 +1,5 @@
-"""kernels.mla_decode (paged multi-head latent attention decode) against
-kernels.reference.mla_decode, through the Triton interpreter without CUDA:
+"""llmsched_kernels.mla_decode (paged multi-head latent attention decode) against
+llmsched_kernels.reference.mla_decode, through the Triton interpreter without CUDA:
 tiny latents, many heads against one shared latent, contexts spanning many
 blocks, and DeepSeek-V3's real head dims on one short request."""
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from llmsched_kernels import reference
 
-mla = pytest.importorskip("kernels.mla_decode")
+mla = pytest.importorskip("llmsched_kernels.mla_decode")
 
 
 def make_batch(seq_lens, num_heads, value_dim, rope_dim, block_size, dtype, device, seed=0):

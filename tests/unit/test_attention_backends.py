@@ -163,7 +163,7 @@ def test_torch_backend_never_imports_triton():
         "from executor_svc.attention import make_backend\n"
         "assert make_backend('auto', torch.device('cpu')).name == 'torch'\n"
         "assert make_backend('torch', torch.device('cpu')).name == 'torch'\n"
-        "assert 'triton' not in sys.modules and 'kernels.paged_attention' not in sys.modules\n"
+        "assert 'triton' not in sys.modules and 'llmsched_kernels.paged_attention' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=120)
 

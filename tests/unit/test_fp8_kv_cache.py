@@ -20,7 +20,7 @@ from executor_svc.model.families import build_model, family_of, read_config
 from executor_svc.model.model import build_model as build_decoder
 from executor_svc.step.host_kv import HostKVPool
 from executor_svc.step.kv_cache import KVCachePool, num_blocks_for_budget, resolve_kv_cache_dtype
-from kernels import reference
+from llmsched_kernels import reference
 from llmsched.errors import StartupError, load_settings
 from tests.families import CASES, make_checkpoint
 from tests.integration.test_fp8_kv_cache import run

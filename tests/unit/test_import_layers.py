@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 # other (they talk over gRPC and HTTP).
 FLOORS = [
     {"llmsched"},
-    {"kernels"},
+    {"llmsched_kernels"},
     {"scheduler_svc", "executor_svc", "gateway_svc"},
     {"bench"},
     {"simulator"},

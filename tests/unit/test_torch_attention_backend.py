@@ -1,10 +1,10 @@
-"""The executor's vectorised torch backend against kernels/reference.py."""
+"""The executor's vectorised torch backend against llmsched_kernels/reference.py."""
 
 import pytest
 import torch
 
 from executor_svc.attention import AttentionMetadata, TorchAttentionBackend
-from kernels import reference
+from llmsched_kernels import reference
 
 
 def make_batch(query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=64, seed=0):

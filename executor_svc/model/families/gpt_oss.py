@@ -89,7 +89,7 @@ class GptOssExperts(FusedExperts):
         columns start w2_offset into the groups this rank keeps."""
         if not self.mxfp4:
             return super().kernel_weights()
-        from kernels.fused_moe import QuantizedExperts
+        from llmsched_kernels.fused_moe import QuantizedExperts
 
         return (QuantizedExperts.mxfp4(self.w13_blocks, self.w13_scales),
                 QuantizedExperts.mxfp4(self.w2_blocks, self.w2_scales, col0=self.w2_offset, k=self.inter))

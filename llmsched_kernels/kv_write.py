@@ -1,7 +1,7 @@
 """Triton kernel: scatter this step's K/V into the paged cache (``write_kv_cache``).
 
 An FP8 cache gets value / scale, saturated to its finite range and encoded
-from the float32 bits (kernels/fp8_kv.py), as ``kernels.reference.write_kv_cache``
+from the float32 bits (llmsched_kernels/fp8_kv.py), as ``llmsched_kernels.reference.write_kv_cache``
 casts it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_kv import as_kernel_cache, encode_fp8, fp8_kind, max_finite
+from llmsched_kernels.fp8_kv import as_kernel_cache, encode_fp8, fp8_kind, max_finite
 
 __all__ = ["write_kv_cache"]
 
@@ -91,7 +91,7 @@ def write_kv_cache(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    """Triton version of ``kernels.reference.write_kv_cache`` (in place); an FP8
+    """Triton version of ``llmsched_kernels.reference.write_kv_cache`` (in place); an FP8
     cache (float8_e4m3fn or float8_e5m2) stores key / k_scale and value / v_scale."""
     assert key.dim() == 3 and value.shape == key.shape, f"key {tuple(key.shape)} value {tuple(value.shape)}"
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape, (

@@ -20,7 +20,7 @@ float32 and rounded once. Fused projections (q/k/v, gate/up) are one launch
 each way: shrink's grid has an axis over parts, and expand's tiles each lie in
 one part's columns.
 
-Shapes (see ``kernels.reference.lora_shrink`` / ``lora_expand`` for the semantics):
+Shapes (see ``llmsched_kernels.reference.lora_shrink`` / ``lora_expand`` for the semantics):
 
 * x:            [num_tokens, K] float16, bfloat16 or float32 (unit column stride)
 * a:            [num_slots, num_parts, max_rank, K]  A of each slot and part, zero past its rank
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_bits import interpreting, round_to_bf16
+from llmsched_kernels.triton_bits import interpreting, round_to_bf16
 
 __all__ = ["sort_by_slot", "lora_shrink", "lora_expand", "MAX_PARTS"]
 

@@ -10,7 +10,7 @@ the factor 256. Each tile of the weight is scaled in float32 and cast to
 the activations' dtype before the dot, as the torch path dequantizes it, so
 both compute with the same weights (W8A16; accumulation in float32).
 
-Shapes (see ``kernels.reference.fp8_block_linear`` for the semantics):
+Shapes (see ``llmsched_kernels.reference.fp8_block_linear`` for the semantics):
 
 * x:         [M, K] float16, bfloat16 or float32
 * weight:    [N, K] float8_e4m3fn
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_bits import e4m3_over_256, interpreting, round_to_bf16
+from llmsched_kernels.triton_bits import e4m3_over_256, interpreting, round_to_bf16
 
 __all__ = ["fp8_block_linear"]
 
@@ -87,7 +87,7 @@ def _fp8_block_linear_kernel(
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grid_rows: torch.Tensor,
                      block_k: int) -> torch.Tensor:
-    """Triton version of ``kernels.reference.fp8_block_linear``: [M, N] in x's dtype."""
+    """Triton version of ``llmsched_kernels.reference.fp8_block_linear``: [M, N] in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and weight.dtype == torch.float8_e4m3fn, f"weight {tuple(weight.shape)} {weight.dtype}"

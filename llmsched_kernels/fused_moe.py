@@ -8,7 +8,7 @@ by its expert's weight: gate/up (``x W13[e]^T``), the activation in torch, then 
 (``h W2[e]^T``) times the routing weight. Each (token, slot) row is written to its own
 output row, and the k slots of a token are summed at the end.
 
-Shapes (see ``kernels.reference.fused_moe`` for the semantics):
+Shapes (see ``llmsched_kernels.reference.fused_moe`` for the semantics):
 
 * x:        [num_tokens, hidden]
 * w13:      [num_experts, 2 * inter, hidden]  gate rows, then up rows
@@ -22,7 +22,7 @@ is dequantized in float32 as the torch path does it, then cast to the
 activations' dtype before the dot (W8A16 / W4A16; accumulation in float32):
 
 * fp8:   [num_experts, N, K] float8_e4m3fn, read as int8 and decoded with integer
-         ops only (kernels/fp8_linear.py: it runs on sm_80, where Triton has no
+         ops only (llmsched_kernels/fp8_linear.py: it runs on sm_80, where Triton has no
          FP8 type), times float32 block scales [num_experts, grid rows,
          cdiv(K, block_k)], one grid row per weight row (DeepSeek-V3, Qwen3-FP8)
 * mxfp4: E2M1 nibbles [num_experts, N, K / 32, 16] uint8 (value 2j in byte j's
@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_bits import e4m3_over_256, interpreting, round_to_bf16
+from llmsched_kernels.triton_bits import e4m3_over_256, interpreting, round_to_bf16
 
 __all__ = ["fused_moe", "align_by_expert", "grouped_gemm", "QuantizedExperts"]
 
@@ -313,7 +313,7 @@ def fused_moe(
     block_m: int = 16,
     ordered_combine: bool = False,
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    """Triton version of ``kernels.reference.fused_moe``; w13 and w2 are plain
+    """Triton version of ``llmsched_kernels.reference.fused_moe``; w13 and w2 are plain
     tensors in x's dtype or QuantizedExperts (on the dequantized weights).
     ordered_combine (batch-invariant mode): each token's experts add one
     after another in top-k slot order, rather than by a reduction whose

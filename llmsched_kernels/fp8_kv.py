@@ -7,7 +7,7 @@ type (sm_80, the A100) and under the interpreter alike:
 
 * decode: e5m2 is the high byte of a float16; e4m3 / 256 is exactly the
   float16 whose bits are e4m3's sign, a zero, then its exponent and
-  mantissa bits (the trick kernels/fp8_linear.py uses for weights).
+  mantissa bits (the trick llmsched_kernels/fp8_linear.py uses for weights).
 * encode: round to nearest even from the float32 bits, as torch's cast
   does; values below the smallest normal go through a float add that
   rounds them to the subnormal grid. Callers saturate first (clamp to
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_bits import e4m3_over_256
+from llmsched_kernels.triton_bits import e4m3_over_256
 
 __all__ = ["fp8_kind", "as_kernel_cache", "max_finite", "encode_fp8", "decode_fp8"]
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_bits import interpreting
+from llmsched_kernels.triton_bits import interpreting
 
 __all__ = ["invariant_linear"]
 

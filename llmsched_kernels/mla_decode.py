@@ -8,7 +8,7 @@ BLOCK_H heads, so each latent tile loaded from the cache feeds every head of the
 the score is split into its two parts (c with the absorbed query, k_pe with the RoPE'd
 query), each a power-of-two wide tl.dot, with an online softmax in fp32.
 
-Shapes (see ``kernels.reference.mla_decode``):
+Shapes (see ``llmsched_kernels.reference.mla_decode``):
 
 * query:        [num_reqs, num_heads, latent_dim]  one decode token per request
 * cache:        [num_blocks, block_size, 1, latent_dim]
@@ -17,7 +17,7 @@ Shapes (see ``kernels.reference.mla_decode``):
 * output:       [num_reqs, num_heads, value_dim]
 
 An FP8 latent cache (float8_e4m3fn or float8_e5m2) is loaded as int8 bits and decoded
-with integer ops (kernels/fp8_kv.py), times k_scale, in the query's dtype.
+with integer ops (llmsched_kernels/fp8_kv.py), times k_scale, in the query's dtype.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_kv import as_kernel_cache, decode_fp8, fp8_kind
-from kernels.triton_bits import interpreting
+from llmsched_kernels.fp8_kv import as_kernel_cache, decode_fp8, fp8_kind
+from llmsched_kernels.triton_bits import interpreting
 
 __all__ = ["mla_decode"]
 
@@ -122,7 +122,7 @@ def mla_decode(
     value_dim: int,
     k_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_reqs, num_heads, value_dim]
-    """Triton version of ``kernels.reference.mla_decode``; the cache may be
+    """Triton version of ``llmsched_kernels.reference.mla_decode``; the cache may be
     float8_e4m3fn or float8_e5m2, read as stored * k_scale."""
     num_reqs, num_heads, latent_dim = query.shape
     assert cache.dim() == 4 and cache.shape[2] == 1 and cache.shape[3] == latent_dim, (

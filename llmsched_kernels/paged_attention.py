@@ -36,7 +36,7 @@ compiled without them:
   denominator and weighs no value (gpt-oss); added once, after the KV loop (or in the
   split-KV merge).
 * An FP8 cache (KV_FP8): K and V tiles are loaded as int8 bits, decoded with integer
-  ops (kernels/fp8_kv.py: no Triton FP8 type, so sm_80 too), times k_scale / v_scale,
+  ops (llmsched_kernels/fp8_kv.py: no Triton FP8 type, so sm_80 too), times k_scale / v_scale,
   and cast to the query's dtype before the dots.
 
 tl.dot needs every dimension >= 16, so rows are padded to BLOCK_M >= 16, the head dim
@@ -51,8 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_kv import as_kernel_cache, decode_fp8, fp8_kind
-from kernels.triton_bits import interpreting
+from llmsched_kernels.fp8_kv import as_kernel_cache, decode_fp8, fp8_kind
+from llmsched_kernels.triton_bits import interpreting
 
 __all__ = ["paged_attention"]
 
@@ -492,7 +492,7 @@ def paged_attention(
     v_scale: float = 1.0,
     fixed_split: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Triton version of ``kernels.reference.paged_attention`` (same arguments); the
+    """Triton version of ``llmsched_kernels.reference.paged_attention`` (same arguments); the
     caches may be float8_e4m3fn or float8_e5m2, read as stored * k_scale / v_scale.
     fixed_split: one tile shape and no split-KV for every batch (batch-invariant
     mode, see _pick_config)."""

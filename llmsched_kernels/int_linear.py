@@ -14,7 +14,7 @@ Groups: without g_idx a column's group is k // group_size; when a group spans
 whole BLOCK_K tiles (or the whole row) each tile loads one scale and zero per row
 (GROUP_PER_TILE). With g_idx (GPTQ act-order) each column gathers its own.
 
-Shapes (see ``kernels.reference.int_weight_linear`` for the semantics):
+Shapes (see ``llmsched_kernels.reference.int_weight_linear`` for the semantics):
 
 * x:       [M, K] float16, bfloat16 or float32 (unit column stride)
 * qweight: [N, cdiv(K, 2)] uint8 (bits 4) or [N, K] uint8 (bits 8)
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_bits import interpreting, round_to_bf16
+from llmsched_kernels.triton_bits import interpreting, round_to_bf16
 
 __all__ = ["int_weight_linear"]
 
@@ -126,7 +126,7 @@ def _int_weight_linear_kernel(
 def int_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       group_size: int, bits: int, g_idx: torch.Tensor | None = None,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of ``kernels.reference.int_weight_linear``: [M, N] in x's dtype."""
+    """Triton version of ``llmsched_kernels.reference.int_weight_linear``: [M, N] in x's dtype."""
     m, k = x.shape
     n = qweight.shape[0]
     n_groups = triton.cdiv(k, group_size)

@@ -68,9 +68,12 @@ async def start_step_socket(settings: ExecutorSettings, service: ExecutorService
     path = step_socket.socket_path(service.instance_id, settings.step_socket_dir)
     try:
         server = await step_socket.start_server(service.serve_step_socket, path)
-    except OSError as exc:
-        raise StartupError(f"EXECUTOR_STEP_SOCKET=auto: cannot listen at {path}: {exc.strerror or exc} "
-                           "(set EXECUTOR_STEP_SOCKET_DIR to a writable directory, or EXECUTOR_STEP_SOCKET=off)")
+    except (OSError, ValueError) as exc:  # ValueError: a path past a Unix socket's 107 bytes
+        # `auto` offers what it can: the step stream stays on gRPC, which serves the same.
+        log.warning("step socket not offered: cannot listen at %s: %s (set EXECUTOR_STEP_SOCKET_DIR to a short, "
+                    "writable directory, or EXECUTOR_STEP_SOCKET=off); steps go over gRPC",
+                    path, getattr(exc, "strerror", None) or exc)
+        return None
     service.step_socket_path = path
     log.info("step stream also offered on %s", path)
     return server

@@ -184,7 +184,8 @@ class ExecutorSettings(BaseSettings):
         "(`llmsched-step-<instance>.sock` in `EXECUTOR_STEP_SOCKET_DIR`), which a scheduler on this host uses "
         "instead of gRPC's stream: a plan's round trip costs about a quarter as much (`llmsched/step_socket.py`). "
         "Not offered with `EXECUTOR_TLS_CERT` set, so that TLS and client certificates keep guarding every "
-        "step. `off`: gRPC only.")
+        "step. A socket that cannot be made (an unwritable directory, a path over 107 bytes) is logged and "
+        "the stream stays on gRPC. `off`: gRPC only.")
     step_socket_dir: str = Field(
         default="", description="Directory of `EXECUTOR_STEP_SOCKET`'s socket; empty = the system's temporary "
         "directory. A scheduler in another container reaches the socket only if this directory is shared with "

@@ -8,8 +8,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -220,8 +222,8 @@ def test_the_step_stream_takes_the_executors_unix_socket_unless_told_not_to_with
     socket (llmsched/step_socket.py); SCHEDULER_EXECUTOR_STEP_SOCKET=off
     keeps gRPC. The socket is the executor's instance's and goes with it."""
     sampling = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    socket_dir = tmp_path / "sockets"
-    socket_dir.mkdir()
+    # Short: a Unix socket's path has at most 107 bytes, and pytest's tmp_path under xdist can pass that.
+    socket_dir = Path(tempfile.mkdtemp(prefix="llmsched-t-", dir="/tmp"))
     on, on_client = start_services("tiny-random", executor_env={"EXECUTOR_STEP_SOCKET_DIR": str(socket_dir)})
     off, off_client = start_services("tiny-random", executor_env={"EXECUTOR_STEP_SOCKET_DIR": str(socket_dir)},
                                      scheduler_env={"SCHEDULER_EXECUTOR_STEP_SOCKET": "off"})
@@ -237,3 +239,18 @@ def test_the_step_stream_takes_the_executors_unix_socket_unless_told_not_to_with
             client.channel.close()
             services.stop()
     assert not list(socket_dir.glob("*.sock")), "a stopped executor left its socket behind"
+    socket_dir.rmdir()
+
+
+def test_a_step_socket_that_cannot_be_made_leaves_the_stream_on_grpc(tmp_path):
+    """EXECUTOR_STEP_SOCKET=auto offers what it can: a directory whose
+    socket path passes 107 bytes is logged, and steps go over gRPC."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    services, client = start_services("tiny-random", executor_env={"EXECUTOR_STEP_SOCKET_DIR": str(deep)})
+    try:
+        assert _step_socket_gauge(services) == 0
+        assert len(client.generate(prompt="hi", sampling={"max_tokens": 3, "ignore_eos": True})[0]) == 3
+    finally:
+        client.channel.close()
+        services.stop()

@@ -39,19 +39,16 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 import torch
 from safetensors.torch import save_file
 
 from bench.server_metrics import scrape
+from bench.speculative import Stack, run_mixed
 from bench.stack_pair import start_pair, stop_pair
 from bench.workloads import MIXED_OUTPUT, MIXED_PROMPT, mixed
 from llmsched.launch import launch
-from llmsched.v1 import scheduler_pb2 as spb
-from llmsched.v1 import scheduler_pb2_grpc as spb_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "assets" / "models" / "stories260K"
@@ -92,24 +89,6 @@ def disk_read_ms(name: str, path: Path, max_rank: int) -> float:
     return (time.perf_counter() - started) * 1000
 
 
-class Client:
-    def __init__(self, address: str):
-        self.channel = grpc.insecure_channel(address)
-        self.stub = spb_grpc.SchedulerStub(self.channel)
-
-    def generate(self, prompt: list[int], max_tokens: int, adapter: str) -> list[int]:
-        req = spb.GenerateRequest(prompt_token_ids=prompt, adapter=adapter, sampling=spb.SamplingParams(
-            max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        return [t for resp in self.stub.Generate(req, timeout=600) for t in resp.token_ids]
-
-    def run(self, requests: list[tuple[list[int], int, str]]) -> tuple[float, list[list[int]]]:
-        """Output tokens per second with every request sent at once."""
-        started = time.perf_counter()
-        with ThreadPoolExecutor(len(requests)) as pool:
-            outputs = list(pool.map(lambda r: self.generate(*r), requests))
-        return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=str(STORIES))
@@ -140,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     pair = {False: launch(executor_env=common, scheduler_env=sched),
             True: launch(executor_env={**common, **lora_env}, scheduler_env=sched)}
     start_pair(pair)
-    clients = {lora: Client(services.scheduler_address) for lora, services in pair.items()}
+    stacks = {lora: Stack(services) for lora, services in pair.items()}
     scale = args.max_len / 2048
     work = mixed(args.streams, config["vocab_size"], seed=0, prompt=MIXED_PROMPT.scaled(scale),
                  output=MIXED_OUTPUT.scaled(2 * scale))
@@ -156,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
             order = RUNS if r % 2 == 0 else RUNS[::-1]
             for run in order:
                 lora, requests = runs[run]
-                rate, out = clients[lora].run(requests)
+                rate, out = run_mixed(stacks[lora], requests)
                 tps[run].append(rate)
                 outputs.setdefault(run, out)
                 print(f"round {r} {run}: x{args.streams} {rate:.0f} tok/s", file=sys.stderr, flush=True)
         metrics = scrape(pair[True].scheduler_metrics_port)
     finally:
-        for client in clients.values():
-            client.channel.close()
+        for stack in stacks.values():
+            stack.channel.close()
         stop_pair(pair)
 
     med = {run: statistics.median(v) for run, v in tps.items()}

@@ -61,8 +61,8 @@ class Stack:
         self.channel = grpc.insecure_channel(services.scheduler_address)
         self.stub = spb_grpc.SchedulerStub(self.channel)
 
-    def generate(self, prompt: list[int], max_tokens: int) -> list[int]:
-        req = spb.GenerateRequest(prompt_token_ids=prompt, sampling=spb.SamplingParams(
+    def generate(self, prompt: list[int], max_tokens: int, adapter: str = "") -> list[int]:
+        req = spb.GenerateRequest(prompt_token_ids=prompt, adapter=adapter, sampling=spb.SamplingParams(
             max_tokens=max_tokens, temperature=0, ignore_eos=True))
         return [t for resp in self.stub.Generate(req, timeout=600) for t in resp.token_ids]
 
@@ -75,8 +75,9 @@ def run_copy(stack: Stack, prompts: list[list[int]], max_tokens: int) -> tuple[f
     return (time.perf_counter() - started) * 1000 / sum(map(len, outputs)), outputs
 
 
-def run_mixed(stack: Stack, requests: list[tuple[list[int], int]]) -> tuple[float, list[list[int]]]:
-    """Output tokens per second with every request sent at once."""
+def run_mixed(stack: Stack, requests: list[tuple]) -> tuple[float, list[list[int]]]:
+    """Output tokens per second with every request sent at once; each
+    request is Stack.generate's arguments (prompt, max_tokens[, adapter])."""
     started = time.perf_counter()
     with ThreadPoolExecutor(len(requests)) as pool:
         outputs = list(pool.map(lambda r: stack.generate(*r), requests))

@@ -92,6 +92,7 @@ def _child(directory: str, dtype: str) -> None:
 
     from executor_svc.model.checkpoint import load_checkpoint
     from executor_svc.config import ExecutorSettings
+    from executor_svc.model.cpu_int_linear import use_cpu_int_kernels
     from executor_svc.model.families import build_model, family_of, read_config
     from executor_svc.model.model import CausalLM
     from executor_svc.model.sharding import Shard
@@ -117,6 +118,8 @@ def _child(directory: str, dtype: str) -> None:
     whole_bytes = sum(p.numel() for p in whole.parameters()) * element_size
     before_kb = _status_kb("VmRSS")
     model = build_model(cfg, ckpt.lazy_tensors(), 64, torch.device("cpu"), getattr(torch, dtype), shard, tp)
+    if cfg.quantization is not None:  # as executor_svc.loading does, EXECUTOR_CPU_INT_KERNELS at its default
+        use_cpu_int_kernels(model, getattr(torch, dtype))
     peak_kb, after_kb = _status_kb("VmHWM"), _status_kb("VmRSS")
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(json.dumps({"rank": shard.rank, "size": shard.size, "rss_imports_mb": imports_kb / 1024,

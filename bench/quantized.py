@@ -1,14 +1,19 @@
-"""P20: quantized checkpoints (FP8 with block scales, int4 W4A16) against the
-same model in bf16, measured in the same run (docs/performance.md, P20).
+"""P20: quantized checkpoints (FP8 with block scales, int4 W4A16, int8 W8A16)
+against the same model in bf16, measured in the same run (docs/performance.md, P20).
 
     python -m bench.quantized                       # ~150M-parameter Llama, 3 rounds
     python -m bench.quantized --hidden 256 --layers 2 --vocab 2048 --rounds 1 --tokens 8 --streams 4
+    python -m bench.quantized --dequantizing        # + the int formats with EXECUTOR_CPU_INT_KERNELS=off
 
 The model is a random LlamaForCausalLM saved by transformers in bf16
 (bench/load_memory.py), a copy with every decoder linear in FP8 blocks of
 128 x 128 (quantization.quantize_fp8_blocks), and one in compressed-tensors'
-W4A16 (symmetric int4, groups of 128, bf16 scales; write_w4a16). All are
-served in bf16 (EXECUTOR_DTYPE=bfloat16), each keeping its quantized weights.
+W4A16 (symmetric int4, groups of 128, bf16 scales; write_w4a16), and one in
+its int-quantized W8A16 (symmetric int8, one bf16 scale per row;
+peer_models.write_int8). All are served in bf16 (EXECUTOR_DTYPE=bfloat16),
+each keeping its quantized weights; on the CPU the int formats run torch's
+int4/int8 kernels (executor_svc/model/cpu_int_linear.py), and
+`--dequantizing` adds them again dequantizing per matmul, as before those.
 
 - **Memory:** each checkpoint is loaded in a fresh interpreter as the
   executor loads it. The figures are the loaded weight bytes, and the
@@ -135,13 +140,14 @@ def linear_bytes(checkpoint: Path) -> int:
     return total
 
 
-def decode_figures(model: str, tokens: int, streams: int, threads: int, vocab: int) -> dict:
+def decode_figures(model: str, tokens: int, streams: int, threads: int, vocab: int, env: dict[str, str]) -> dict:
     """Launches both services on `model` in bf16; one stream's ms per token
     and `streams` streams' output tok/s."""
     from llmsched.launch import launch
 
     services = launch(executor_env={"EXECUTOR_MODEL": model, "EXECUTOR_DTYPE": "bfloat16",
-                                    "EXECUTOR_NUM_THREADS": str(threads), "EXECUTOR_NUM_KV_BLOCKS": "2048"}).start()
+                                    "EXECUTOR_NUM_THREADS": str(threads), "EXECUTOR_NUM_KV_BLOCKS": "2048",
+                                    **env}).start()
     try:
         with grpc.insecure_channel(services.scheduler_address) as channel:
             stub = spb_grpc.SchedulerStub(channel)
@@ -179,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="output tokens per stream")
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--dequantizing", action="store_true",
+                   help="also serve the int formats with EXECUTOR_CPU_INT_KERNELS=off (w4a16-deq, w8a16-deq)")
     p.add_argument("--out", type=Path, default=Path("bench_results") / "quantized.json")
     args = p.parse_args(argv)
+    from bench.peer_models import write_int8
 
     with tempfile.TemporaryDirectory() as tmp:
         bf16 = make_checkpoint(Path(tmp) / "bf16", hidden=args.hidden, layers=args.layers, vocab=args.vocab,
@@ -189,16 +198,21 @@ def main(argv: list[str] | None = None) -> int:
         # matchers'); requests send token ids, so any will do.
         shutil.copy(STORIES260K / "tokenizer.json", bf16 / "tokenizer.json")
         paths = {"bf16": bf16, "fp8": write_fp8(bf16, Path(tmp) / "fp8"),
-                 "w4a16": write_w4a16(bf16, Path(tmp) / "w4a16")}
+                 "w4a16": write_w4a16(bf16, Path(tmp) / "w4a16"), "w8a16": write_int8(bf16, Path(tmp) / "w8a16")}
         memory = {name: measure(path, "bfloat16") for name, path in paths.items()}
         for name, path in paths.items():
             memory[name]["linears_mb"] = linear_bytes(path) / 2**20
+        envs = dict.fromkeys(paths, {})
+        if args.dequantizing:
+            for name in ("w4a16", "w8a16"):
+                paths[f"{name}-deq"], envs[f"{name}-deq"] = paths[name], {"EXECUTOR_CPU_INT_KERNELS": "off"}
+                memory[f"{name}-deq"] = memory[name]
         runs: dict[str, list[dict]] = {name: [] for name in paths}
         for r in range(args.rounds):
             order = list(paths) if r % 2 == 0 else list(reversed(paths))  # interleaved, order alternating
             for name in order:
                 runs[name].append(decode_figures(str(paths[name]), args.tokens, args.streams, args.num_threads,
-                                                 args.vocab))
+                                                 args.vocab, envs[name]))
 
     def median(name: str, key: str) -> float:
         return statistics.median(run[key] for run in runs[name])
@@ -218,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
             "many_streams_tok_per_s": median(n, "many_streams_tok_per_s") / median("bf16", "many_streams_tok_per_s"),
         }
     params = weights["bf16"] * 2**20 / 2
-    print(f"P20: Llama of {params / 1e6:.0f}M parameters, FP8 blocks {list(BLOCK)} and W4A16 (int4 groups) "
-          f"against bf16, all served in bf16; {args.rounds} rounds, medians; ratios to bf16 in brackets")
+    print(f"P20: Llama of {params / 1e6:.0f}M parameters, FP8 blocks {list(BLOCK)}, W4A16 (int4 groups) and W8A16 "
+          f"(int8 rows) against bf16, all served in bf16 (-deq: EXECUTOR_CPU_INT_KERNELS=off); {args.rounds} "
+          "rounds, medians; ratios to bf16 in brackets")
     print(f"{'':34} {'bf16':>10} " + " ".join(f"{n:>18}" for n in formats))
 
     def row(label: str, values: dict, digits: int = 1) -> None:

@@ -84,6 +84,14 @@ class ExecutorSettings(BaseSettings):
         "5 s with inductor's on-disk cache warm); other steps run eagerly. Needs a C++ compiler: if compiling "
         "fails the executor logs why and serves eagerly. Refused on CUDA (use `EXECUTOR_CUDA_GRAPHS`) and under "
         "tensor parallelism.")
+    cpu_int_kernels: Literal["auto", "off"] = Field(
+        default="auto", description="On the CPU, integer-quantized linears (int8 with one scale per row; int4 in "
+        "groups of 32-256 columns or per row: compressed-tensors, GPTQ without act-order, AWQ) run torch's "
+        "weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) when the compute dtype is "
+        "bfloat16, instead of dequantizing their weight for every matmul (`executor_svc/model/cpu_int_linear.py`). "
+        "`auto` = on where a layer fits (the start-up log counts the layers and says why others do not; not in "
+        "batch-invariant mode); `off` = always dequantize. With `EXECUTOR_DTYPE=auto` (float32) on the CPU they "
+        "are not used: set `bfloat16`.")
     tensor_parallel_size: int = Field(
         default=1, ge=1, le=512, description="Ranks (one device each) one executor's model is split over, with "
         "torch.distributed: NCCL on CUDA, gloo on CPU. Without torchrun's variables rank 0 starts the other ranks "

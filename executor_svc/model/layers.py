@@ -24,7 +24,9 @@ quantized, as quant_formats.py holds it whatever the checkpoint's layout:
 FP8 with its scales, or packed integers with group scales and zero points,
 each rank its part of each. On CUDA it runs a Triton GEMM that decodes the
 weight as it loads it (llmsched_kernels/fp8_linear.py, llmsched_kernels/int_linear.py);
-elsewhere it dequantizes its weight for each matmul and drops it after.
+on the CPU an integer one that fits runs torch's int8/int4 kernel
+(cpu_int_linear.py); elsewhere it dequantizes its weight for each matmul
+and drops it after.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
+from executor_svc.model.cpu_int_linear import CpuIntWeights
 from executor_svc.model.model_config import LinearScheme, QuantSpec, UnsupportedConfig
 from executor_svc.model.quant_formats import (
     canonical, checkpoint_leaves, dequantize_fp4, num_groups, symmetric_zeros,
@@ -101,6 +104,8 @@ class _Linear(nn.Module):
         self.fp8_block: tuple[int, int] | None = None
         self.grid_rows: torch.Tensor | None = None
         self.g_idx: torch.Tensor | None = None
+        # An integer weight moved onto a CPU kernel's form (hold_cpu_int).
+        self.cpu_int: CpuIntWeights | None = None
 
     def _use_scheme(self, scheme: LinearScheme, rows: int, cols: int, grid_rows: int, parts: int = 1) -> None:
         """Declares the held leaves of a quantized weight of [rows, cols]
@@ -147,11 +152,21 @@ class _Linear(nn.Module):
                              "(q/k/v or gate/up), which one matmul cannot serve")
         self.g_idx = nn.Parameter(value, requires_grad=False)  # a parameter: counted and moved with the weights
 
+    def hold_cpu_int(self, weights: CpuIntWeights) -> None:
+        """Serves from a CPU kernel's form of the weight, dropping the
+        checkpoint's (qweight, scales, zeros): the layer holds one copy."""
+        del self.qweight, self.scales, self.zeros
+        self.cpu_int = weights
+        for i, t in enumerate(weights.tensors()):  # parameters: counted by weight_bytes like the others
+            self.register_parameter(f"cpu_int_{i}", nn.Parameter(t, requires_grad=False))
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight at the compute dtype: itself, or dequantized for this
         use (latent attention reads kv_b_proj's weight directly)."""
         if self.scheme is None:
             return self.weight
+        if self.cpu_int is not None:
+            return self.cpu_int.dense(dtype)
         if self.scheme.kind == "fp8":
             return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1], dtype)
         if self.scheme.kind == "fp4":
@@ -191,6 +206,9 @@ class _Linear(nn.Module):
             x = fake_quantize_activations(x, act, scales[0])
         elif act is not None:
             x = fake_quantize_activations(x, act)
+        if self.cpu_int is not None:
+            y = self.cpu_int.linear(x)
+            return y if self.bias is None else y + self.bias
         if x.is_cuda and scheme.kind != "fp4":  # no FP4 GEMM yet: FP4 dequantizes per matmul as on the CPU
             # Triton GEMMs that decode the weight in their load loops, so no
             # dequantized weight is ever written. Imported here: the CPU

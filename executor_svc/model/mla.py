@@ -67,6 +67,9 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = ColumnLinear.split(m.kv_lora_rank, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), rank,
                                             size)
+        # Its weight is read whole every step (dense_weight below), so it
+        # keeps a layout that dequantizes cheaply (cpu_int_linear.py).
+        self.kv_b_proj.cpu_kernel_ok = False
         self.o_proj = RowLinear.split(cfg.num_heads * m.v_head_dim, h, rank, size)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,31 @@ def test_every_integer_layer_moves_onto_a_kernel_and_computes_its_dequantized_we
         assert (dense - w).abs().max().item() <= 0.01 * w.abs().max().item(), f"{layer_name}: dense_weight"
 
 
+def test_moe_experts_quantized_linears_move_onto_the_kernel_with_the_same_outputs(tmp_path):
+    """Qwen3-MoE: each expert's own quantized gate_up and down (the torch
+    loop's per-expert layers) and the attention's move, compute what the
+    dequantizing path does, and the model serves steps on them."""
+    plain = make_checkpoint(CASES["qwen3-moe"], tmp_path / "moe")
+    path = write_compressed_tensors(plain, tmp_path / "q", int_args(4, "group", False, 32),
+                                    ignore=("lm_head", "re:.*mlp.gate$"))
+    _, before = build(path, kernels=False)
+    cfg, after = build(path)
+    moved = [n for n, m in int_layers(after) if m.cpu_int is not None]
+    assert len(moved) == len(int_layers(after)) and any(".experts." in n for n in moved), moved
+    dequantizing = dict(int_layers(before))
+    g = torch.Generator().manual_seed(1)
+    for name, layer in int_layers(after):
+        x = torch.randn(3, layer.in_cols, generator=g).to(BF16)
+        with torch.no_grad():
+            got, want = layer(x).float(), dequantizing[name](x).float()
+        assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item() + 1e-3, name
+    runner = ModelRunner(after, KVCachePool(cfg, 128, BLOCK, torch.device("cpu"), BF16), make_backend("torch"),
+                         torch.device("cpu"))
+    greedy = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=0)
+    out = runner.execute(StepPlan(0, new_requests=[NewRequestData(1, prompts(1)[0], [0, 1], 0, 5, greedy, 0)]))
+    assert out.error is None and len(out.sampled_token_ids) == 1
+
+
 def test_weights_stay_at_their_quantized_size_on_the_kernels(checkpoints):
     for name in ("ct-w4a16-group32", "ct-w8a16-channel"):
         path, _ = checkpoints[name]

@@ -184,9 +184,9 @@ def use_cpu_int_kernels(model: nn.Module, dtype: torch.dtype, setting: str = "au
     """EXECUTOR_CPU_INT_KERNELS: moves every integer-quantized linear that
     fits a kernel onto it, dropping its dequantizing form (the memory stays
     the quantized size), and logs what it did. Returns the layers moved."""
-    from executor_svc.model.layers import _Linear
-
-    layers = [m for m in model.modules() if isinstance(m, _Linear) and m.scheme is not None and m.scheme.kind == "int"]
+    # Integer-quantized layers.py linears (not imported: layers.py imports this module).
+    layers = [m for m in model.modules() if hasattr(m, "hold_cpu_int") and m.scheme is not None
+              and m.scheme.kind == "int"]
     if not layers:
         return 0
     if setting == "off" or batch_invariant:

@@ -92,6 +92,13 @@ class ExecutorSettings(BaseSettings):
         "`auto` = on where a layer fits (the start-up log counts the layers and says why others do not; not in "
         "batch-invariant mode); `off` = always dequantize. With `EXECUTOR_DTYPE=auto` (float32) on the CPU they "
         "are not used: set `bfloat16`.")
+    cpu_gemv: Literal["auto", "off"] = Field(
+        default="auto", description="On the CPU, a step with one row (a single stream's decode) multiplies it by each "
+        "large unquantized weight (at least 2^20 values over 512 or more columns, bfloat16 or float32: the layers "
+        "and head of models from about 0.5B parameters) with an inductor-compiled GEMV, which streams the weights "
+        "faster than torch's GEMM (`executor_svc/model/cpu_gemv.py`), compiled once at start-up (about 2 s, then "
+        "inductor's on-disk cache). `auto` = on where a weight fits and a C++ compiler is found, not in "
+        "batch-invariant mode; `off` = always the GEMM.")
     tensor_parallel_size: int = Field(
         default=1, ge=1, le=512, description="Ranks (one device each) one executor's model is split over, with "
         "torch.distributed: NCCL on CUDA, gloo on CPU. Without torchrun's variables rank 0 starts the other ranks "

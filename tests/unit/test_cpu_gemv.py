@@ -1,0 +1,94 @@
+"""One-row CPU linears through the inductor GEMV (executor_svc/model/cpu_gemv.py).
+
+Oracles: F.linear on the same weights (within the dtype's rounding: the
+GEMV sums in another order), and HF's greedy tokens on a random Llama
+whose layers and head are large enough to take the GEMV (hidden 512,
+intermediate 2048, vocabulary 2048), one request at a time so that every
+decode step has one row.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor_svc.attention import make_backend
+from executor_svc.model import cpu_gemv
+from executor_svc.model import layers as layers_module
+from executor_svc.model.checkpoint import load_checkpoint
+from executor_svc.model.families import build_model, read_config
+from executor_svc.step.kv_cache import KVCachePool
+from executor_svc.step.runner import ModelRunner
+from llmsched.assets import STORIES260K
+from tests.families import hf_greedy, prompts
+from tests.unit.test_runner_vs_hf import BLOCK, generate
+
+
+@pytest.fixture(scope="module")
+def medium(tmp_path_factory) -> Path:
+    """A random Llama whose MLP weights and head hold 2^20 values or more."""
+    import transformers
+
+    directory = tmp_path_factory.mktemp("medium")
+    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    shutil.copy(STORIES260K / "tokenizer.json", directory / "tokenizer.json")
+    return directory
+
+
+def build(path: Path, dtype: torch.dtype = torch.float32):
+    ckpt = load_checkpoint(str(path))
+    cfg = read_config(ckpt.hf_config)
+    return cfg, build_model(cfg, ckpt.lazy_tensors(), 256, torch.device("cpu"), dtype)
+
+
+def marked(model) -> list[str]:
+    return sorted(n for n, m in model.named_modules() if getattr(m, "use_cpu_gemv", False))
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_gemv_computes_what_f_linear_does_for_one_row(dtype, rtol):
+    g = torch.Generator().manual_seed(0)
+    for n, k in [(1536, 1024), (1000, 2048)]:
+        w = torch.randn(n, k, generator=g).to(dtype)
+        x = torch.randn(1, k, generator=g).to(dtype)
+        got, want = cpu_gemv.gemv(x, w), torch.nn.functional.linear(x, w)
+        assert got.shape == want.shape and got.dtype == dtype
+        assert (got.float() - want.float()).abs().max().item() <= rtol * want.float().abs().max().item(), (n, k)
+
+
+def test_only_large_unquantized_weights_take_the_gemv_and_off_or_invariant_turn_it_off(medium):
+    _, model = build(medium)
+    assert cpu_gemv.use_cpu_gemv(model) == 5
+    # gate_up (4096 x 512), down (512 x 2048) and the head (2048 x 512); q/k/v (1024 x 512) and o
+    # (512 x 512) hold fewer than 2^20 values.
+    assert marked(model) == ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.0.mlp.gate_up_proj",
+                             "model.layers.1.mlp.down_proj", "model.layers.1.mlp.gate_up_proj"]
+    for setting, invariant in (("off", False), ("auto", True)):
+        _, fresh = build(medium)
+        assert cpu_gemv.use_cpu_gemv(fresh, setting, invariant) == 0 and not marked(fresh)
+
+
+def test_one_request_on_the_gemv_serves_hfs_greedy_tokens(medium, monkeypatch):
+    calls = []
+
+    def counted(x, w):
+        calls.append(tuple(w.shape))
+        return cpu_gemv.gemv(x, w)
+
+    monkeypatch.setattr(layers_module, "gemv", counted)
+    cfg, model = build(medium)
+    assert cpu_gemv.use_cpu_gemv(model) > 0
+    runner = ModelRunner(model, KVCachePool(cfg, 64, BLOCK, torch.device("cpu"), torch.float32),
+                         make_backend("torch"), torch.device("cpu"))
+    for prompt in prompts(3):
+        want = hf_greedy(str(medium), prompt, 12)
+        assert want.min_margin > 1e-3, "the oracle's own greedy path is too close to a tie to compare"
+        assert generate(runner, [prompt], 12, 7) == [want.tokens], f"prompt {prompt}"
+    assert (2048, 512) in calls and (4096, 512) in calls, "the head and gate_up never took the GEMV"

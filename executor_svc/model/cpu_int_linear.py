@@ -34,8 +34,9 @@ whose output rows are not a multiple of 16.
 
 Numerics. The kernels multiply the integer weight by its scale in
 float32 inside the dot product, where transformers rounds each
-dequantized weight to bf16 first; int4's zero point enters as an offset
-(8 - zero) * scale held in bf16. Both differ from the dequantized GEMM by
+dequantized weight to bf16 first; the scales are held in bf16 (the
+kernels take them in the activations' dtype), and int4's zero point
+enters as an offset (8 - zero) * scale, also in bf16. Both differ from the dequantized GEMM by
 bf16 rounding, as any two bf16 GEMMs of different blocking do; greedy
 tokens can part on near-ties. Batch-invariant mode does not use them
 (the path depends on the row count).

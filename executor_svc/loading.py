@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from executor_svc.config import ExecutorSettings
 from executor_svc.step.constraints import ConstraintMatchers
 from executor_svc.step.host_kv import HostKVPool, host_pool_num_blocks
 from executor_svc.step.kv_cache import KVCachePool, pool_num_blocks, resolve_kv_cache_dtype
-from executor_svc.model.cpu_gemv import use_cpu_gemv
+from executor_svc.model.cpu_gemv import has_cxx_compiler, use_cpu_gemv
 from executor_svc.model.cpu_int_linear import use_cpu_int_kernels
 from executor_svc.model.families import build_model, family_of, read_config
 from executor_svc.model.model import build_model as build_model_as
@@ -109,7 +108,7 @@ def compile_pays(device: torch.device, tp_size: int, cfg: ModelConfig | None, kv
         why_not = f"hidden size {cfg.hidden_size} >= {TINY_HIDDEN}: compute, not dispatch, dominates"
     elif kv_cache_dtype != "auto" or batch_invariant:
         why_not = "EXECUTOR_KV_CACHE_DTYPE or EXECUTOR_BATCH_INVARIANT rules it out"
-    elif not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
+    elif not has_cxx_compiler():
         why_not = "no C++ compiler for inductor"
     log.info("EXECUTOR_TORCH_COMPILE=auto: %s", f"off ({why_not})" if why_not else "compiling CPU decode steps")
     return why_not is None

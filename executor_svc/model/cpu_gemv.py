@@ -56,6 +56,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _compiled(x, weight)
 
 
+def has_cxx_compiler() -> bool:
+    """Whether inductor can build its C++ kernels here (CXX, c++ or g++)."""
+    return bool(os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++"))
+
+
 def fits(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 2
             and weight.shape[1] >= GEMV_MIN_COLUMNS and weight.numel() >= GEMV_MIN_ELEMENTS)
@@ -74,7 +79,7 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
         log.info("CPU GEMV: off (%s); %d linears keep the GEMM for one-row steps",
                  "EXECUTOR_CPU_GEMV=off" if setting == "off" else "batch-invariant mode", len(layers))
         return 0
-    if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
+    if not has_cxx_compiler():
         log.info("CPU GEMV: off (no C++ compiler for inductor); %d linears keep the GEMM", len(layers))
         return 0
     started = time.perf_counter()

@@ -439,7 +439,10 @@ class VocabParallel:
 
 class VocabEmbedding(VocabParallel, nn.Embedding):
     def __init__(self, vocab_size: int, hidden: int, first: int, end: int):
-        nn.Embedding.__init__(self, end - first, hidden)
+        # An empty weight, not nn.Embedding's random one: on the meta device
+        # that initialisation runs torch's Python reference of normal_, which
+        # imports torch._dynamo, 1.8 s of every executor's start.
+        nn.Embedding.__init__(self, end - first, hidden, _weight=torch.empty(end - first, hidden))
         self._init_vocab(vocab_size, first, end)
 
 

@@ -21,6 +21,7 @@ except StartupError as exc:
 
 import asyncio  # noqa: E402
 import logging  # noqa: E402
+import sys  # noqa: E402
 
 from executor_svc.config import ExecutorSettings  # noqa: E402
 from executor_svc.loading import load  # noqa: E402
@@ -132,6 +133,20 @@ def main() -> None:
         # Refusing to start beats serving a checkpoint with wrong tokens.
         log.error("cannot serve %s: %s", settings.model, exc)
         raise SystemExit(2) from None
+    exit_now()
+
+
+def exit_now() -> None:
+    """After a clean shutdown, exits without the interpreter's teardown.
+    Everything the executor owes anyone is done by then (the last step
+    answered, sockets removed, traces flushed); what is left is Python
+    unloading torch's thousands of objects, about 0.5-0.9 s a process on
+    two cores, that a restart or an orchestrator's rolling update would
+    wait for."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

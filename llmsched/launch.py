@@ -35,13 +35,20 @@ from llmsched.server import free_port
 
 DEFAULT_START_TIMEOUT_S = 120.0
 START_TIMEOUT_SETTING = "LLMSCHED_START_TIMEOUT_S"
+# A channel to a port nobody listens on yet backs off before it tries again,
+# by gRPC's default from 1 s up to 2 minutes, so a probe sharing one channel
+# would see a service up to seconds after it listens. Probes of a local
+# start-up retry within a tenth of a second instead.
+PROBE_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+                         ("grpc.max_reconnect_backoff_ms", 100)]
 
 
 def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
                  credentials: grpc.ChannelCredentials | None = None) -> None:
     """Blocks until the health service at address reports SERVING."""
     deadline = time.monotonic() + timeout_s
-    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    channel = (grpc.secure_channel(address, credentials, options=PROBE_CHANNEL_OPTIONS) if credentials
+               else grpc.insecure_channel(address, options=PROBE_CHANNEL_OPTIONS))
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:

@@ -30,6 +30,11 @@ from scheduler_svc.core.plan import StepPlan, StepResult
 log = logging.getLogger(__name__)
 # An adapter register reads it from disk and waits behind the step running.
 LORA_RPC_TIMEOUT_S = 120.0
+# The longest wait between connection attempts. An attempt is a handshake
+# on loopback or a LAN, so a few a second cost nothing, and an executor
+# that comes up (or back) is found within a quarter of a second, not a
+# second later.
+RETRY_CAP_S = 0.25
 
 
 class ExecutorUnavailable(Exception):
@@ -200,7 +205,7 @@ class ExecutorClient:
                 raise ExecutorUnavailable(f"executor at {self.address} unavailable: {details}")
             log.debug("executor not ready (%s); retrying in %.2fs", code, delay)
             await asyncio.sleep(delay)  # backoff between connection attempts, not a poll for work
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, RETRY_CAP_S)
 
     async def _open_grpc(self, stub: pb_grpc.ExecutorStub, wait_s: float) -> tuple[grpc.StatusCode, str] | None:
         """Opens the gRPC step stream; None once the executor accepted it,

@@ -127,7 +127,9 @@ class ExecutorSettings(BaseSettings):
         "`draft` proposes with a smaller model (`EXECUTOR_SPECULATIVE_DRAFT_MODEL`) that shares the target's "
         "tokenizer, with its own KV pool of as many blocks; `mtp` with the checkpoint's own multi-token-prediction "
         "layer (DeepSeek-V3 and Kimi K2's `num_nextn_predict_layers`); `eagle3` with an EAGLE-3 head in the "
-        "speculators format (`EXECUTOR_SPECULATIVE_DRAFT_MODEL`), which reads three of the target's layers.")
+        "speculators format (`EXECUTOR_SPECULATIVE_DRAFT_MODEL`), which reads three of the target's layers. "
+        "Steps with drafts run eagerly, outside `EXECUTOR_TORCH_COMPILE`'s graph and CUDA graphs: where decode "
+        "steps are compiled (a tiny model on the CPU), drafts can cost more than they save (docs/performance.md, P21).")
     speculative_tokens: int = Field(
         default=4, ge=1, le=16, description="Most drafts per request per step (the scheduler chooses fewer, or "
         "none, as the batch grows: `SCHEDULER_SPECULATIVE_MAX_BATCH`).")

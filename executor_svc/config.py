@@ -81,7 +81,8 @@ class ExecutorSettings(BaseSettings):
         "compiled step instead of compiling it again. `on`: decode-only steps on CPU whose gathered K fits 4 MiB per layer (e.g. 64 "
         "requests x 512 tokens on stories260K) run as one `torch.compile`d graph "
         "(`executor_svc/step/compiled_decode.py`), compiled at start-up (about 22 s cold on the development machine, "
-        "5 s with inductor's on-disk cache warm); other steps run eagerly. Needs a C++ compiler: if compiling "
+        "5 s with inductor's on-disk cache warm), and in an executor that speculates (`ngram`, `draft`) a verify "
+        "step too (about 2 s warm); other steps run eagerly. Needs a C++ compiler: if compiling "
         "fails the executor logs why and serves eagerly. Refused on CUDA (use `EXECUTOR_CUDA_GRAPHS`) and under "
         "tensor parallelism.")
     cpu_int_kernels: Literal["auto", "off"] = Field(
@@ -128,8 +129,10 @@ class ExecutorSettings(BaseSettings):
         "tokenizer, with its own KV pool of as many blocks; `mtp` with the checkpoint's own multi-token-prediction "
         "layer (DeepSeek-V3 and Kimi K2's `num_nextn_predict_layers`); `eagle3` with an EAGLE-3 head in the "
         "speculators format (`EXECUTOR_SPECULATIVE_DRAFT_MODEL`), which reads three of the target's layers. "
-        "Steps with drafts run eagerly, outside `EXECUTOR_TORCH_COMPILE`'s graph and CUDA graphs: where decode "
-        "steps are compiled (a tiny model on the CPU), drafts can cost more than they save (docs/performance.md, P21).")
+        "With `EXECUTOR_TORCH_COMPILE` on the CPU, `ngram` and `draft` verify drafts in a compiled graph of their own; "
+        "`mtp` and `eagle3` steps, and steps with drafts on CUDA (no CUDA graphs), run eagerly. Rows with drafts "
+        "run one step per plan, so where decode steps are compiled and run several to a plan (a tiny model on the "
+        "CPU), drafts can cost more than they save (docs/performance.md, P21).")
     speculative_tokens: int = Field(
         default=4, ge=1, le=16, description="Most drafts per request per step (the scheduler chooses fewer, or "
         "none, as the batch grows: `SCHEDULER_SPECULATIVE_MAX_BATCH`).")

@@ -1,5 +1,6 @@
 """EXECUTOR_TORCH_COMPILE=on: decode steps of small batches on CPU run as
-one torch.compile'd graph, the CPU counterpart of cuda_graphs.py.
+one torch.compile'd graph, the CPU counterpart of cuda_graphs.py; an
+executor that speculates verifies drafts in a second one.
 
 On a small model a decode step is mostly per-op overhead: some twenty ops
 a layer, each paying Python and the dispatcher. Inductor fuses the
@@ -23,6 +24,11 @@ are dropped), and tables are at least two blocks wide (extra blocks are
 masked). One graph then serves every step; it is compiled at start-up, not
 on a user's first request.
 
+A verify step's rows hold a request's last known token and its drafts, or
+one token for a row that decodes; the graph pads them to the longest (Q),
+masks each row's new keys causally, and returns every token's logits for
+the runner to verify as it does after an eager forward.
+
 Inductor reorders floating-point sums (the RMSNorm reduction, for one), so
 logits can differ from eager ones in the last bits; greedy tokens are
 checked against HF's in tests/unit/test_compiled_decode.py.
@@ -34,6 +40,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from prometheus_client import Counter
 
@@ -44,7 +51,7 @@ from executor_svc.model.model import CausalLM
 
 log = logging.getLogger(__name__)
 
-STEPS = Counter("llmsched_executor_compiled_decode_steps", "Decode steps run by the compiled CPU graph")
+STEPS = Counter("llmsched_executor_compiled_decode_steps", "Decode steps, and verify steps of drafts, run by the compiled CPU graphs")
 
 # Largest K gathered per layer (as much again of V) for a compiled step.
 MAX_GATHER_BYTES = 4 << 20
@@ -55,8 +62,11 @@ class DecodeMeta:
     """What the graph's attention reads; built inside the graph from its inputs."""
 
     block_ids: torch.Tensor  # [n * width] int64, row by row
-    masks: dict[int | None, torch.Tensor]  # sliding window -> [n, 1, 1, width * block_size + 1] additive
-    new_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer so far: [n, kvh, d] x2
+    # sliding window -> additive mask: [n, 1, 1, width * block_size + 1] with
+    # one token a row; [n, Q, width * block_size + Q] with Q (verify steps)
+    masks: dict[int | None, torch.Tensor]
+    new_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per layer so far: [n * Q, kvh, d] x2
+    tokens_per_row: int = 1  # Q: 1 in decode steps, 1 + the most drafts in verify steps
 
 
 class DenseDecodeAttention:
@@ -78,6 +88,8 @@ class DenseDecodeAttention:
 
     def attend(self, query, k_cache, v_cache, meta: DecodeMeta, scale, sliding_window=None, softcap=None,
                k_scale=1.0, v_scale=1.0):
+        if meta.tokens_per_row != 1:
+            return self._attend_rows(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
         n, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         new_k, new_v = meta.new_kv[-1]  # this layer's, from write_kv just before
@@ -88,9 +100,34 @@ class DenseDecodeAttention:
         o = dense_attention(q, k.transpose(1, 2), v.transpose(1, 2), meta.masks[sliding_window], False, scale, softcap)
         return o.reshape(n, num_heads, head_dim)
 
+    def _attend_rows(self, query, k_cache, v_cache, meta: DecodeMeta, scale, sliding_window, softcap):
+        """Q query tokens a row (a verify step's last known token and its
+        drafts, padded to one length): each row's gathered keys, then its Q
+        new ones, which its own mask orders causally."""
+        tokens, num_heads, head_dim = query.shape
+        q_len = meta.tokens_per_row
+        n = tokens // q_len
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        new_k, new_v = meta.new_kv[-1]
+        # [n, ctx + Q, kvh, d] -> [n, kvh, ctx + Q, d]
+        k = torch.cat([k_cache.index_select(0, meta.block_ids).view(n, -1, num_kv_heads, head_dim),
+                       new_k.view(n, q_len, num_kv_heads, head_dim)], 1)
+        v = torch.cat([v_cache.index_select(0, meta.block_ids).view(n, -1, num_kv_heads, head_dim),
+                       new_v.view(n, q_len, num_kv_heads, head_dim)], 1)
+        # The query axis is (token, group member): [n, kvh, Q * group, d].
+        q = query.view(n, q_len, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4).reshape(
+            n, num_kv_heads, q_len * group, head_dim)
+        mask = meta.masks[sliding_window]  # [n, Q, ctx + Q]
+        mask = mask[:, None, :, None, :].expand(n, 1, q_len, group, mask.shape[-1]).reshape(
+            n, 1, q_len * group, mask.shape[-1])
+        o = dense_attention(q, k.transpose(1, 2), v.transpose(1, 2), mask, False, scale, softcap)
+        return o.view(n, num_kv_heads, q_len, group, head_dim).permute(0, 2, 1, 3, 4).reshape(
+            tokens, num_heads, head_dim)
+
 
 class CompiledDecode:
-    def __init__(self, model: CausalLM, pool: KVCachePool):
+    def __init__(self, model: CausalLM, pool: KVCachePool, verifies: bool = False):
         self.storage = pool.storage  # [layers, 2, blocks, block_size, kvh, d]
         self.slots = self.storage.flatten(2, 3)  # [layers, 2, slots, kvh, d], a view
         if self.storage.device.type != "cpu":
@@ -112,6 +149,23 @@ class CompiledDecode:
         t = time.perf_counter()
         self._warm_up()
         log.info("compiled the CPU decode step in %.1f s", time.perf_counter() - t)
+        # An executor that speculates also verifies drafts in a graph of its
+        # own: run eagerly, a verify step cost several compiled decode steps,
+        # more than its drafts saved (docs/performance.md, P21).
+        self._verify_graph = None
+        if verifies:
+            self._verify_graph = torch.compile(self._verify_step, fullgraph=True, options={"cpp_wrapper": True})
+            t = time.perf_counter()
+            self._warm_up_verify()
+            log.info("compiled the CPU verify step in %.1f s", time.perf_counter() - t)
+
+    @property
+    def verifies(self) -> bool:
+        return self._verify_graph is not None
+
+    def stop_verifying(self) -> None:
+        """After a failed verify step: verify steps run eagerly from now on."""
+        self._verify_graph = None
 
     def fits(self, rows: int, width: int) -> bool:
         """Whether a decode step of `rows` rows reading up to `width` blocks each runs compiled."""
@@ -134,6 +188,43 @@ class CompiledDecode:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self._backend)
         new_kv = torch.stack([torch.stack(kv) for kv in meta.new_kv])  # [layers, 2, n, kvh, d]
         return self.model.compute_logits(hidden), new_kv
+
+    def _verify_step(self, input_ids, positions, block_ids, starts):
+        """input_ids, positions: [n, Q]; starts: [n], each row's first new
+        position (its tokens before it are in the pool). Logits [n * Q,
+        vocab] and the new K/V, as _step's."""
+        n, q_len = input_ids.shape
+        ctx = block_ids.shape[0] // n * self.block_size
+        keys = torch.arange(ctx, device=input_ids.device)[None, None, :]  # [1, 1, ctx]
+        at = positions[:, :, None]  # [n, Q, 1]: each query token's position
+        # Gathered keys from the row's first new position on are not written
+        # yet (the new keys come after them); a new key after the query is
+        # in its future. A window also hides keys at or before at - window.
+        unwritten = keys >= starts[:, None, None]  # [n, 1, ctx]
+        index = torch.arange(q_len, device=input_ids.device)
+        future = (index[None, :] > index[:, None])[None]  # [1, Q, Q]
+        new_at = positions[:, None, :]  # [n, 1, Q]: each new key's position
+        masks = {}
+        for window in self.windows:
+            hide_old = unwritten if window is None else unwritten | (keys <= at - window)
+            hide_new = future if window is None else future | (new_at <= at - window)
+            mask = torch.cat([torch.where(hide_old.expand(n, q_len, ctx), float("-inf"), 0.0),
+                              torch.where(hide_new.expand(n, q_len, q_len), float("-inf"), 0.0)], -1)
+            masks[window] = mask.to(self.dtype)
+        meta = DecodeMeta(block_ids, masks, tokens_per_row=q_len)
+        hidden = self.model(input_ids.reshape(-1), positions.reshape(-1), self.kv_caches, meta, self._backend)
+        new_kv = torch.stack([torch.stack(kv) for kv in meta.new_kv])  # [layers, 2, n * Q, kvh, d]
+        return self.model.compute_logits(hidden), new_kv
+
+    @torch.inference_mode()
+    def _warm_up_verify(self) -> None:
+        # Two rows of three tokens at positions 0-2, four blocks wide: rows,
+        # tokens a row and blocks differ in number, or dynamo would give two
+        # of them one symbol (as in _warm_up).
+        ids = torch.zeros(6, dtype=torch.long)
+        positions = torch.arange(3).repeat(2)
+        self.run_verify(ids, positions, torch.zeros(6, dtype=torch.long), torch.zeros(2, 4, dtype=torch.int32),
+                        np.array([3, 3]), stance="default")
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -180,3 +271,42 @@ class CompiledDecode:
                 logits, new_kv = self._graph(*inputs)
         self.slots[:, :, slot_mapping] = new_kv[:, :, :n]
         return logits[:n]
+
+    def run_verify(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                   block_tables: torch.Tensor, tokens_per_row: np.ndarray,
+                   stance: str = "fail_on_recompile") -> torch.Tensor:
+        """Logits [num_tokens, vocab] of a step whose rows hold
+        tokens_per_row[i] tokens each (1 for a decode row, 1 + drafts for a
+        speculating one), laid out row after row as the runner's batch is;
+        it writes their K/V at slot_mapping (rejected drafts' too, as an
+        eager step does: they are overwritten later)."""
+        n, width = block_tables.shape
+        q_len = int(tokens_per_row.max())
+        first = np.concatenate([[0], np.cumsum(tokens_per_row)[:-1]])
+        within = np.arange(int(tokens_per_row.sum())) - np.repeat(first, tokens_per_row)
+        padded = torch.from_numpy(np.repeat(np.arange(n) * q_len, tokens_per_row) + within)  # batch -> [n * Q]
+        starts = positions[torch.from_numpy(first)]
+        # Padding repeats each row's last token at its position: its outputs
+        # are dropped, and causally no real token sees it.
+        last = positions[torch.from_numpy(first + tokens_per_row - 1)]
+        ids_p = input_ids[torch.from_numpy(first + tokens_per_row - 1)].repeat_interleave(q_len)
+        pos_p = last.repeat_interleave(q_len)
+        ids_p[padded], pos_p[padded] = input_ids, positions
+        ids_p, pos_p = ids_p.view(n, q_len), pos_p.view(n, q_len)
+        if width < 2:
+            block_tables = torch.cat([block_tables, block_tables], dim=1)
+        if n == 1:
+            ids_p, pos_p, block_tables, starts = (torch.cat([t, t]) for t in (ids_p, pos_p, block_tables, starts))
+        inputs = (ids_p, pos_p, block_tables.reshape(-1).long(), starts)
+        if stance == "default":
+            for t in inputs:
+                torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(ids_p, 1)
+            torch._dynamo.mark_dynamic(pos_p, 1)
+            with torch.compiler.set_stance(stance):
+                logits, new_kv = self._verify_graph(*inputs)
+        else:  # as run()'s: one graph, one caller, guards fixed here
+            with torch.compiler.set_stance(stance, skip_guard_eval_unsafe=True):
+                logits, new_kv = self._verify_graph(*inputs)
+        self.slots[:, :, slot_mapping] = new_kv[:, :, padded]
+        return logits[padded]

@@ -209,7 +209,11 @@ class ModelRunner:
         # decides whether the device and backend allow it.
         self.graphs = DecodeGraphs(model, self.kv_caches, backend, device, self.rows.max_blocks) if cuda_graphs else None
         # Small decode steps on CPU run one compiled graph (compiled_decode.py).
-        self.compiled = CompiledDecode(model, pool) if torch_compile else None
+        # So do verify steps of an executor that speculates, unless its
+        # proposer reads each step's hidden states (MTP), which the graph
+        # does not return.
+        self.compiled = (CompiledDecode(model, pool, verifies=proposer is not None and not self.observes)
+                         if torch_compile else None)
         if device.type == "cpu":
             retain_freed_memory()
         # Multi-step decode: what plans received since bring (step_loop.
@@ -529,20 +533,34 @@ class ModelRunner:
         # Captured graphs and compiled steps hold no LoRA deltas: adapter steps run eagerly.
         decode_only = (num_tokens == len(sample_rows) == len(rows) and not reads_prompt.any()
                        and not self.observes and not with_adapters)
+        # A verify step: every row either decodes one token or verifies its
+        # drafts (compiled_decode.py runs those too).
+        verify_only = (speculates.any() and not reads_prompt.any() and not with_adapters
+                       and len(sample_rows) == len(rows) - int(speculates.sum()) and bool((q[~speculates] == 1).all()))
         hidden = None
+        token_logits = None  # a compiled verify step's, every token's: [num_tokens, vocab]
         if self.graphs is not None and decode_only and len(rows) <= self.graphs.max_batch:
             logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
         elif self.compiled is not None and decode_only and self.compiled.fits(len(rows), max_blocks):
             logits = self._run_compiled(ids_t, positions_t, meta)  # [n, vocab], or None: run eagerly
-        if logits is None:
+        elif (self.compiled is not None and self.compiled.verifies and verify_only
+              and self.compiled.fits(len(rows), max_blocks)):
+            token_logits = self._run_compiled_verify(ids_t, positions_t, meta, q)  # or None: run eagerly
+        if token_logits is not None:
+            verified, verify_errors = self._verify(lambda index: token_logits[index], rows[speculates],
+                                                   cu[:-1][speculates], drafts[speculates], verify_masks)
+            if len(sample_rows):
+                logits = token_logits[to_device(sample_tokens, dev)]
+        elif logits is None:
             hidden = self.model(ids_t, positions_t, self.kv_caches, meta, self.backend)  # [num_tokens, hidden]
             if reads_prompt.any():
                 prompt_logprobs = self._prompt_logprobs(hidden, rows, cu, start, end)
                 embeddings = self._pool(hidden, rows[embeds], cu[:-1][embeds], cu[1:][embeds], start[embeds],
                                         end[embeds])
             if speculates.any():
-                verified, verify_errors = self._verify(hidden, rows[speculates], cu[:-1][speculates],
-                                                       drafts[speculates], verify_masks)
+                verified, verify_errors = self._verify(lambda index: self.model.compute_logits(hidden[index]),
+                                                       rows[speculates], cu[:-1][speculates], drafts[speculates],
+                                                       verify_masks)
             if len(sample_rows):
                 last = hidden if len(sample_rows) == num_tokens else hidden[to_device(sample_tokens, dev)]
                 logits = self.model.compute_logits(last)  # [num_sampled, vocab]
@@ -597,10 +615,11 @@ class ModelRunner:
                           verified_drafts=list(zip(r.handle[rows[allowed]].tolist(), drafts[allowed].tolist())),
                           lora_load_ns=lora_ns, lora_disk_reads=lora_disk)
 
-    def _verify(self, hidden: torch.Tensor, rows: np.ndarray, first: np.ndarray, drafts: np.ndarray,
-                masks: MaskJob | None) -> tuple[list[Verified], list[tuple[int, str]]]:
-        """hidden[first[i]:first[i] + 1 + drafts[i]] are rows[i]'s last known
-        token and its drafts. At each of those positions the row's token is
+    def _verify(self, logits_at: Callable[[torch.Tensor], torch.Tensor], rows: np.ndarray, first: np.ndarray,
+                drafts: np.ndarray, masks: MaskJob | None) -> tuple[list[Verified], list[tuple[int, str]]]:
+        """The batch's tokens first[i]:first[i] + 1 + drafts[i] are rows[i]'s
+        last known token and its drafts; logits_at(index) gives the logits at
+        the batch's tokens `index`. At each of those positions the row's token is
         sampled as plain decoding would sample it there: the argmax for a
         greedy row; for a sampled one the same draw, its uniform keyed by the
         seed and the output position (sampler.py). Where a draft equals that
@@ -623,7 +642,7 @@ class ModelRunner:
         # [positions, vocab]; under tensor parallelism only rank 0 gets them,
         # draws, and shares what it drew: every rank then accepts the same
         # drafts (theirs are the same: each proposed from the same tokens).
-        logits = self.model.compute_logits(hidden[to_device(index, self.device)])
+        logits = logits_at(to_device(index, self.device))
         errors: list[tuple[int, str]] = []
         if self.tp is not None and self.tp.rank != 0:
             out = SampleOutput(self.tp.share_tokens(None, len(index)), None)
@@ -730,6 +749,19 @@ class ModelRunner:
         except Exception:
             log.exception("the compiled decode step failed; decode steps run eagerly from now on")
             self.compiled = None
+            return None
+        COMPILED_STEPS.inc()
+        return logits
+
+    def _run_compiled_verify(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                             tokens_per_row: np.ndarray) -> torch.Tensor | None:
+        """Every token's logits from the compiled verify graph; None (and
+        eager verify steps from now on) if it would have to compile again."""
+        try:
+            logits = self.compiled.run_verify(ids, positions, meta.slot_mapping, meta.block_tables, tokens_per_row)
+        except Exception:
+            log.exception("the compiled verify step failed; verify steps run eagerly from now on")
+            self.compiled.stop_verifying()
             return None
         COMPILED_STEPS.inc()
         return logits

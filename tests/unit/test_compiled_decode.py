@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from executor_svc.step.compiled_decode import STEPS
+from executor_svc.step.ngram import NgramProposer
 from executor_svc.loading import check_torch_compile
 from llmsched.errors import StartupError
 from tests.unit.test_families_vs_hf import assert_matches_hf, checkpoints, runner_for  # noqa: F401 (a fixture)
@@ -57,6 +58,35 @@ def test_compiled_decode_matches_hf_greedy_on_stories_one_and_five_rows(stories_
     assert runner.compiled is not None, "the compiled step failed and the runner fell back to eager"
     # Every decode step after the first prefill ran compiled.
     assert STEPS._value.get() - before >= 59 + 30
+
+
+def test_compiled_verify_steps_match_hf_greedy_with_drafts_alone_and_among_decoding_rows(stories_path, monkeypatch):
+    """An executor that speculates verifies drafts in a second compiled
+    graph: rows of 1 + drafts tokens padded to one length, beside rows that
+    decode one token (five rows) and alone (one row, which the graph runs
+    as two)."""
+    runner = make_runner(str(stories_path), torch_compile=True, proposer=NgramProposer(1, 4))
+    assert runner.compiled is not None and runner.compiled.verifies
+    ran = {"verify": 0}
+    run_verify = runner.compiled.run_verify
+
+    def counting(*args, **kwargs):
+        ran["verify"] += 1
+        return run_verify(*args, **kwargs)
+
+    monkeypatch.setattr(runner.compiled, "run_verify", counting)
+    # Repeats, so the n-gram proposer drafts from the first decode step on,
+    # and prompts without one, which draft only once their output repeats.
+    prompts = [[1, 403, 407, 261, 378, 403, 407, 261], [1, 403], [1, 263, 403, 418, 263, 403, 418, 263],
+               [1, 500], [1, 42, 42, 42]]
+    assert generate(runner, prompts[:1], 60, 16, drafts=4) == [hf_greedy(str(stories_path), prompts[0], 60)]
+    alone = ran["verify"]
+    assert alone > 0, "no verify step ran compiled"
+    got = generate(runner, prompts, 40, 3, drafts=4)
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy(str(stories_path), p, 40), f"prompt {p}"
+    assert ran["verify"] > alone, "no verify step of several rows ran compiled"
+    assert runner.compiled is not None and runner.compiled.verifies, "a compiled step failed and fell back to eager"
 
 
 def test_a_failing_compiled_step_falls_back_to_eager_with_the_same_tokens(stories_path, monkeypatch):

@@ -15,12 +15,13 @@ GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, seed=None, logpro
 BLOCK = 4
 
 
-def make_runner(model: str, num_blocks=128, torch_compile=False):
+def make_runner(model: str, num_blocks=128, torch_compile=False, proposer=None):
     ckpt = load_checkpoint(model)
     cfg = read_config(ckpt.hf_config)
     m = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, torch.device("cpu"), torch.float32)
     pool = KVCachePool(cfg, num_blocks, BLOCK, torch.device("cpu"), torch.float32)
-    return ModelRunner(m, pool, make_backend("torch"), torch.device("cpu"), torch_compile=torch_compile)
+    return ModelRunner(m, pool, make_backend("torch"), torch.device("cpu"), torch_compile=torch_compile,
+                       proposer=proposer)
 
 
 def generate(runner, prompts, max_new, chunk, settings=None, drafts=0, stats=None, adapters=None):

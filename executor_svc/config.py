@@ -130,9 +130,8 @@ class ExecutorSettings(BaseSettings):
         "layer (DeepSeek-V3 and Kimi K2's `num_nextn_predict_layers`); `eagle3` with an EAGLE-3 head in the "
         "speculators format (`EXECUTOR_SPECULATIVE_DRAFT_MODEL`), which reads three of the target's layers. "
         "With `EXECUTOR_TORCH_COMPILE` on the CPU, `ngram` and `draft` verify drafts in a compiled graph of their own; "
-        "`mtp` and `eagle3` steps, and steps with drafts on CUDA (no CUDA graphs), run eagerly. Rows with drafts "
-        "run one step per plan, so where decode steps are compiled and run several to a plan (a tiny model on the "
-        "CPU), drafts can cost more than they save (docs/performance.md, P21).")
+        "`mtp` and `eagle3` steps, and steps with drafts on CUDA (no CUDA graphs), run eagerly. At low load, "
+        "steps with drafts run several to a plan, as decode steps do (`SCHEDULER_MULTI_STEP_DECODE`).")
     speculative_tokens: int = Field(
         default=4, ge=1, le=16, description="Most drafts per request per step (the scheduler chooses fewer, or "
         "none, as the batch grows: `SCHEDULER_SPECULATIVE_MAX_BATCH`).")

@@ -64,6 +64,7 @@ def step_from_proto(plan: pb.StepPlan, keep_wire: bool = False) -> StepPlan:
         lora_load_adapters=list(plan.lora_load_adapters),
         multi_step=plan.multi_step,
         stop_token_ids=list(plan.stop_token_ids),
+        multi_step_drafts=plan.multi_step_drafts,
         epoch=plan.epoch,
         after_idle=plan.after_idle,
         traceparent=plan.traceparent,
@@ -102,9 +103,10 @@ def result_to_proto(out: StepResult) -> pb.StepResult:
                                    top_token_ids=p.top_token_ids, top_logprobs=p.top_logprobs)
     for handle, values in out.embeddings:
         result.embeddings.add(handle=handle, values=values)
-    for handle, count in out.verified_drafts:
+    for handle, verified, accepted in out.verified_drafts:
         result.verified_handles.append(handle)
-        result.verified_draft_counts.append(count)
+        result.verified_draft_counts.append(verified)
+        result.accepted_draft_counts.append(accepted)
     for handle, message in out.request_errors:
         result.request_errors.add(handle=handle, message=message)
     if out.swaps is not None:

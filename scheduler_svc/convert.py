@@ -84,6 +84,7 @@ def plan_to_proto(out: StepPlan) -> epb.StepPlan:
         draft_counts=out.lookahead_counts,
         multi_step=out.multi_step,
         stop_token_ids=out.stop_token_ids,
+        multi_step_drafts=out.multi_step_drafts,
         lora_evict_slots=out.lora_evicts,
         lora_load_slots=[s for s, _ in out.lora_loads],
         lora_load_adapters=[a for _, a in out.lora_loads],
@@ -131,7 +132,8 @@ def outcome_from_proto(result: epb.StepResult) -> StepResult:
                                                              list(p.top_token_ids), list(p.top_logprobs))
                                         for p in result.prompt_logprobs],
                        embeddings=[(e.handle, list(e.values)) for e in result.embeddings],
-                       verified_drafts=dict(zip(result.verified_handles, result.verified_draft_counts)),
+                       verified_drafts=list(zip(result.verified_handles, result.verified_draft_counts,
+                                                result.accepted_draft_counts, strict=True)),
                        lora_load_ns=result.lora_load_ns, lora_disk_reads=result.lora_disk_reads)
 
 

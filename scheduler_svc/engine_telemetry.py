@@ -125,9 +125,10 @@ class EngineTelemetry(CoreListener):
             entries = out.entries.values()
             decode = sum(1 for e in entries if e.num_tokens - e.num_lookahead == 1 and e.start >= e.request.num_prompt_tokens)
             lookahead = sum(e.num_lookahead for e in entries)
-            planned_drafts = 0 if out.multi_step else lookahead
-            yielded = Counter(handle for handle, _, _ in outcome.sampled)
-            verified = {h: n for h, n in outcome.verified_drafts.items() if n}
+            verified = [(n, a) for _, n, a in outcome.verified_drafts if n]
+            # A multi-step plan fixes no draft count: its steps draft into
+            # the slots they have left, so its drafts are those verified.
+            planned_drafts = sum(n for n, _ in verified) if out.multi_step else lookahead
             step_span.set_attributes({
                 "llmsched.step_id": out.step_id,
                 "llmsched.num_requests": len(entries),
@@ -139,8 +140,8 @@ class EngineTelemetry(CoreListener):
                 # Speculation: drafts the plan allowed, those the executor
                 # verified, and how many of those were accepted.
                 "llmsched.spec.drafts_planned": planned_drafts,
-                "llmsched.spec.drafts_verified": sum(verified.values()),
-                "llmsched.spec.drafts_accepted": sum(yielded[h] - 1 for h in verified),
+                "llmsched.spec.drafts_verified": sum(n for n, _ in verified),
+                "llmsched.spec.drafts_accepted": sum(a for _, a in verified),
                 "llmsched.num_preempted": out.num_preempted,
                 "llmsched.blocks_allocated": step.blocks_allocated,
                 "llmsched.blocks_freed": step.blocks_freed,

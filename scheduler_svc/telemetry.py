@@ -43,9 +43,10 @@ SPEC_MEAN_ACCEPTANCE = Gauge("llmsched_spec_decode_mean_acceptance_length",
                              "Tokens a speculative step of one request yields on average since start: 1 + the mean "
                              "of drafts accepted")
 LOOKAHEAD_STEPS = Counter("llmsched_multi_step_lookahead_steps",
-                          "Multi-step decode (SCHEDULER_MULTI_STEP_DECODE): decode steps past each request's first "
-                          "that plans granted, by whether the executor ran them or ended the run early (a stop "
-                          "token, an arrival, a cancel) or the request finished first",
+                          "Multi-step decode (SCHEDULER_MULTI_STEP_DECODE): lookahead slots past each request's "
+                          "first token that plans granted (each a decode step, or with speculation a token its "
+                          "steps may yield), by whether a token filled them or not (the run ended early at a stop "
+                          "token, an arrival or a cancel, drafts were rejected, or the request finished first)",
                           ["outcome"])
 STEP_SOCKET = Gauge("llmsched_executor_step_socket",
                     "1 while the step stream runs on the executor's Unix socket (same host), 0 on gRPC "

@@ -82,9 +82,11 @@ class StepPlan:
     lora_evict_slots: list[int] = field(default_factory=list)
     lora_load_slots: list[int] = field(default_factory=list)
     lora_load_adapters: list[str] = field(default_factory=list)
-    # StepPlan.multi_step and stop_token_ids (ModelRunner._execute_multi_step).
+    # StepPlan.multi_step, stop_token_ids and multi_step_drafts
+    # (ModelRunner._execute_multi_step).
     multi_step: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    multi_step_drafts: int = 0
     # What the step stream needs beside the step itself (step_loop.py): the
     # scheduler's epoch, whether an idle wait came before (telemetry), the
     # trace to join, and the message as received, for the other
@@ -149,8 +151,9 @@ class StepResult:
     # pooled vectors of embedding requests it completed, as (handle, values).
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     embeddings: list[tuple[int, list[float]]] = field(default_factory=list)
-    # (handle, drafts verified) of each request the plan let speculate.
-    verified_drafts: list[tuple[int, int]] = field(default_factory=list)
+    # (handle, drafts verified, drafts accepted) of each request the plan
+    # let speculate, per verifying forward (a multi-step plan's repeat).
+    verified_drafts: list[tuple[int, int, int]] = field(default_factory=list)
     # Time the plan's LoRA evictions and loads took, and how many of its
     # loads read the adapter from disk (not in the host cache).
     lora_load_ns: int = 0
@@ -399,46 +402,69 @@ class ModelRunner:
 
     def _execute_multi_step(self, step: StepPlan) -> StepResult:
         """A multi-step plan: its lookahead rows (draft_handles, each
-        scheduled its next token and k slots after it) run up to 1 + k
-        decode steps, one after another. The first step is the plan with
-        the slots taken off (its diffs, new requests and every other row
-        run there); each later one is a plain decode step of the rows with
-        slots left, the token sampled before as its input. Each step is
+        scheduled its next token and k slots after it) run steps one after
+        another until each has yielded 1 + k tokens. The first step is the
+        plan with the slots taken off (its diffs, new requests and every
+        other row run there); each later one is a step of the rows with
+        slots left, the tokens yielded before as their input. Without
+        multi_step_drafts each step is a decode step (one token); with it,
+        each verifies up to that many of the proposer's drafts, never past
+        the row's slots, and yields 1 + the drafts it accepts. Each step is
         the single-step path itself, so sampling (greedy, per-position
-        seeded draws, penalties, logprobs) is what one step per plan gives.
-        A row stops after a stop token or once a plan received meanwhile
-        finishes it, and every row stops once one brings a new request
-        (run_interrupts). Tokens
-        come back grouped by request, in step order; slots not run count
-        as not computed, as rejected drafts' do."""
+        seeded draws, penalties, logprobs, verification) is what one step
+        per plan gives. A row stops after a stop token or once a plan
+        received meanwhile finishes it, and every row stops once one brings
+        a new request (run_interrupts). Tokens come back grouped by
+        request, in step order; slots not run count as not computed, as
+        rejected drafts' do."""
         lookahead = dict(zip(step.draft_handles, step.draft_counts))
         scheduled = dict(zip(step.cached_handles, step.cached_num_scheduled_tokens))
         for h, k in lookahead.items():
             if k <= 0 or scheduled.get(h) != 1 + k:
                 raise PlanError(f"handle {h}: {k} lookahead slots, but the plan schedules it {scheduled.get(h)} "
                                 f"tokens as running, not {1 + k}")
-        first = replace(step, cached_num_scheduled_tokens=[n - lookahead.get(h, 0) for h, n in zip(
-                            step.cached_handles, step.cached_num_scheduled_tokens)],
-                        draft_handles=[], draft_counts=[], multi_step=False)
-        result = self._execute_step(first)
+        most = step.multi_step_drafts
+        if most and self.proposer is None:
+            raise PlanError("plan verifies drafts in its steps, but this executor does not speculate")
         tokens: dict[int, list[int]] = {}
         logprobs: dict[int, list] = {}
         with_logprobs = False
 
-        def collect(res: StepResult) -> None:
+        def step_drafts(left: dict[int, int]) -> dict[int, int]:
+            """Drafts each row may verify with left[h] slots still to fill."""
+            return {h: d for h, k in left.items() if (d := min(most, k - 1)) > 0}
+
+        def collect(res: StepResult) -> dict[int, list[int]]:
+            """Adds a step's tokens to the run's; returns the step's own."""
             nonlocal with_logprobs
             with_logprobs |= res.logprobs is not None
+            new: dict[int, list[int]] = {}
             for i, (h, t) in enumerate(zip(res.sampled_handles, res.sampled_token_ids)):
+                new.setdefault(h, []).append(t)
                 tokens.setdefault(h, []).append(t)
                 logprobs.setdefault(h, []).append(res.logprobs[i] if res.logprobs is not None else NO_LOGPROBS)
+            return new
 
-        collect(result)
         stops = set(step.stop_token_ids)
+
+        def still_running(left: dict[int, int], new: dict[int, list[int]], failed: set[int]) -> dict[int, int]:
+            """The rows that run another step: slots to fill, none failed,
+            and no stop token among this step's tokens."""
+            return {h: lookahead[h] + 1 - len(tokens[h]) for h in left
+                    if h not in failed and len(tokens[h]) <= lookahead[h] and stops.isdisjoint(new.get(h, ()))}
+
+        drafts = step_drafts({h: k + 1 for h, k in lookahead.items()})
+        first = replace(step, cached_num_scheduled_tokens=[n - lookahead.get(h, 0) + drafts.get(h, 0) for h, n in zip(
+                            step.cached_handles, step.cached_num_scheduled_tokens)],
+                        draft_handles=list(drafts), draft_counts=list(drafts.values()), multi_step=False,
+                        multi_step_drafts=0)
+        result = self._execute_step(first)
+        new = collect(result)
         failed = {h for h, _ in result.request_errors}
         for h in lookahead:
             if h not in tokens and h not in failed:
                 raise PlanError(f"handle {h}: lookahead slots, but its step does not sample (not a decode)")
-        left = {h: k for h, k in lookahead.items() if h not in failed and tokens[h][-1] not in stops}
+        left = still_running(lookahead, new, failed)
         while left:
             if self.tp is None and self.run_interrupts is not None:
                 arrival, finished = self.run_interrupts()
@@ -447,15 +473,17 @@ class ModelRunner:
                 left = {h: k for h, k in left.items() if h not in finished}
                 if not left:
                     break
+            drafts = step_drafts(left)
             sub = self._execute_step(StepPlan(step.step_id, cached_handles=list(left),
-                                              cached_num_scheduled_tokens=[1] * len(left)))
-            collect(sub)
+                                              cached_num_scheduled_tokens=[1 + drafts.get(h, 0) for h in left],
+                                              draft_handles=list(drafts), draft_counts=list(drafts.values())))
+            new = collect(sub)
             result.prepare_ns += sub.prepare_ns
             result.forward_ns += sub.forward_ns
             result.sample_ns += sub.sample_ns
             result.request_errors += sub.request_errors
-            failed = {h for h, _ in sub.request_errors}
-            left = {h: k - 1 for h, k in left.items() if k > 1 and h not in failed and tokens[h][-1] not in stops}
+            result.verified_drafts += sub.verified_drafts
+            left = still_running(left, new, {h for h, _ in sub.request_errors})
         result.sampled_handles = [h for h in tokens for _ in tokens[h]]
         result.sampled_token_ids = [t for h in tokens for t in tokens[h]]
         result.logprobs = [lp for h in tokens for lp in logprobs[h]] if with_logprobs else None
@@ -587,8 +615,10 @@ class ModelRunner:
             counted = slots >= 0
             if counted.any():
                 r.counts.record(slots[counted], np.asarray(tokens, dtype=np.int64)[counted])
+        num_accepted: dict[int, int] = {}  # by row: drafts each verifying row accepted
         for row, accepted, accepted_logprobs in verified:
             n, m = int(r.num_tokens[row]), len(accepted)
+            num_accepted[int(row)] = m - 1
             r.token_ids[row, n:n + m] = accepted
             r.num_tokens[row] = n + m
             r.num_output[row] += m
@@ -612,7 +642,8 @@ class ModelRunner:
         t3 = time.perf_counter_ns()
         return StepResult(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2,
                           errors + verify_errors, swaps, prompt_logprobs=prompt_logprobs, embeddings=embeddings,
-                          verified_drafts=list(zip(r.handle[rows[allowed]].tolist(), drafts[allowed].tolist())),
+                          verified_drafts=[(int(r.handle[row]), int(d), num_accepted.get(int(row), 0))
+                                           for row, d in zip(rows[allowed], drafts[allowed])],
                           lora_load_ns=lora_ns, lora_disk_reads=lora_disk)
 
     def _verify(self, logits_at: Callable[[torch.Tensor], torch.Tensor], rows: np.ndarray, first: np.ndarray,

@@ -173,7 +173,7 @@ class Constraint(_message.Message):
     def __init__(self, grammar: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_handles", "cached_num_scheduled_tokens", "new_block_handles", "new_block_ids", "finished_handles", "traceparent", "epoch", "after_idle", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks", "draft_handles", "draft_counts", "multi_step", "stop_token_ids", "lora_evict_slots", "lora_load_slots", "lora_load_adapters")
+    __slots__ = ("step_id", "new_requests", "cached_handles", "cached_num_scheduled_tokens", "new_block_handles", "new_block_ids", "finished_handles", "traceparent", "epoch", "after_idle", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks", "draft_handles", "draft_counts", "multi_step", "stop_token_ids", "multi_step_drafts", "lora_evict_slots", "lora_load_slots", "lora_load_adapters")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_HANDLES_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,7 @@ class StepPlan(_message.Message):
     DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     MULTI_STEP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MULTI_STEP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     LORA_EVICT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LORA_LOAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LORA_LOAD_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
@@ -213,10 +214,11 @@ class StepPlan(_message.Message):
     draft_counts: _containers.RepeatedScalarFieldContainer[int]
     multi_step: bool
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    multi_step_drafts: int
     lora_evict_slots: _containers.RepeatedScalarFieldContainer[int]
     lora_load_slots: _containers.RepeatedScalarFieldContainer[int]
     lora_load_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_handles: _Optional[_Iterable[int]] = ..., cached_num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_handles: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_handles: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ..., epoch: _Optional[int] = ..., after_idle: _Optional[bool] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., draft_handles: _Optional[_Iterable[int]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., multi_step: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., lora_evict_slots: _Optional[_Iterable[int]] = ..., lora_load_slots: _Optional[_Iterable[int]] = ..., lora_load_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_handles: _Optional[_Iterable[int]] = ..., cached_num_scheduled_tokens: _Optional[_Iterable[int]] = ..., new_block_handles: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., finished_handles: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ..., epoch: _Optional[int] = ..., after_idle: _Optional[bool] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., draft_handles: _Optional[_Iterable[int]] = ..., draft_counts: _Optional[_Iterable[int]] = ..., multi_step: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., multi_step_drafts: _Optional[int] = ..., lora_evict_slots: _Optional[_Iterable[int]] = ..., lora_load_slots: _Optional[_Iterable[int]] = ..., lora_load_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SampledLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -253,7 +255,7 @@ class Embedding(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_handles", "sampled_token_ids", "logprobs", "prepare_ns", "forward_ns", "sample_ns", "error", "discarded", "request_errors", "swap_ns", "failed_swap_outs", "failed_swap_ins", "prompt_logprobs", "embeddings", "verified_handles", "verified_draft_counts", "lora_load_ns", "lora_disk_reads")
+    __slots__ = ("step_id", "sampled_handles", "sampled_token_ids", "logprobs", "prepare_ns", "forward_ns", "sample_ns", "error", "discarded", "request_errors", "swap_ns", "failed_swap_outs", "failed_swap_ins", "prompt_logprobs", "embeddings", "verified_handles", "verified_draft_counts", "accepted_draft_counts", "lora_load_ns", "lora_disk_reads")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_HANDLES_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +273,7 @@ class StepResult(_message.Message):
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_HANDLES_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     LORA_LOAD_NS_FIELD_NUMBER: _ClassVar[int]
     LORA_DISK_READS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
@@ -290,9 +293,10 @@ class StepResult(_message.Message):
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
     verified_handles: _containers.RepeatedScalarFieldContainer[int]
     verified_draft_counts: _containers.RepeatedScalarFieldContainer[int]
+    accepted_draft_counts: _containers.RepeatedScalarFieldContainer[int]
     lora_load_ns: int
     lora_disk_reads: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled_handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., error: _Optional[str] = ..., discarded: _Optional[bool] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., swap_ns: _Optional[int] = ..., failed_swap_outs: _Optional[_Iterable[int]] = ..., failed_swap_ins: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., verified_handles: _Optional[_Iterable[int]] = ..., verified_draft_counts: _Optional[_Iterable[int]] = ..., lora_load_ns: _Optional[int] = ..., lora_disk_reads: _Optional[int] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., sampled_handles: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., prepare_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., error: _Optional[str] = ..., discarded: _Optional[bool] = ..., request_errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., swap_ns: _Optional[int] = ..., failed_swap_outs: _Optional[_Iterable[int]] = ..., failed_swap_ins: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., verified_handles: _Optional[_Iterable[int]] = ..., verified_draft_counts: _Optional[_Iterable[int]] = ..., accepted_draft_counts: _Optional[_Iterable[int]] = ..., lora_load_ns: _Optional[int] = ..., lora_disk_reads: _Optional[int] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("handle", "message")

@@ -53,8 +53,9 @@ class ScheduledRequest:
     # Lookahead slots: positions past the next token that this step may
     # fill (num_tokens includes them). They are speculative drafts verified
     # in one forward, or, in a multi-step plan (StepPlan.multi_step), more
-    # decode steps run one after another. Either way the step yields 1 to
-    # 1 + num_lookahead tokens, and the rest roll back
+    # steps run one after another (decode steps, or steps that verify up to
+    # StepPlan.multi_step_drafts drafts each). Either way the step yields 1
+    # to 1 + num_lookahead tokens, and the rest roll back
     # (Scheduler.update_from_output).
     num_lookahead: int = 0
 
@@ -80,10 +81,13 @@ class StepPlan:
     # and draft_counts.
     lookahead_handles: list[int] = field(default_factory=list)
     lookahead_counts: list[int] = field(default_factory=list)
-    # The lookahead slots are decode steps the executor runs one after
-    # another (multi-step decode), not drafts to verify. A plan is one or
-    # the other (Scheduler._multi_step_lookahead).
+    # The lookahead slots are steps the executor runs one after another
+    # (multi-step decode), not drafts verified in one forward. A plan is
+    # one or the other (Scheduler._multi_step_lookahead).
     multi_step: bool = False
+    # Multi-step on an executor that speculates: the most drafts each of a
+    # row's steps verifies (0: plain decode steps).
+    multi_step_drafts: int = 0
     # Multi-step only: a row that samples one of these ends its run early
     # (every scheduled row's stop token ids and, unless it ignores EOS, its
     # EOS ids): the scheduler would finish it there anyway.
@@ -186,9 +190,10 @@ class StepResult:
     # PromptLogprobs and Embedding).
     prompt_logprobs: list[PromptLogprobsResult] = field(default_factory=list)
     embeddings: list[tuple[int, list[float]]] = field(default_factory=list)
-    # Drafts each speculating request verified, by handle (the plan allowed
-    # up to ScheduledRequest.num_lookahead).
-    verified_drafts: dict[int, int] = field(default_factory=dict)
+    # (handle, drafts verified, drafts accepted) per verifying forward of a
+    # speculating request: once per step, several times in a multi-step
+    # plan (the plan allowed up to ScheduledRequest.num_lookahead in all).
+    verified_drafts: list[tuple[int, int, int]] = field(default_factory=list)
     # Time the plan's LoRA evictions and loads took on the executor, and
     # how many loads read their adapter from disk.
     lora_load_ns: int = 0

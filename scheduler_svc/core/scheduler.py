@@ -192,7 +192,7 @@ class Scheduler:
 
         # Multi-step decode: each decode row's lookahead slots this plan
         # (0: none), and whether the plan runs them as decode steps.
-        steps_ahead = self._multi_step_lookahead()
+        steps_ahead, out.multi_step_drafts = self._multi_step_lookahead()
         out.multi_step = steps_ahead > 0
         i = 0
         while i < len(self.running) and budget > 0:
@@ -347,59 +347,68 @@ class Scheduler:
 
     def _num_lookahead(self, req: Request, n: int, budget: int, steps_ahead: int) -> int:
         """Lookahead slots for a decode step of a running request: in a
-        multi-step plan steps_ahead more decode steps; else its speculative
-        drafts, the executor's most while at most half of
-        speculative_max_batch run, half as many (at least 1) up to
-        speculative_max_batch, none above it. Never past max_tokens or
-        max_model_len (the step yields up to 1 + lookahead tokens), nor
-        past the step's budget."""
+        multi-step plan its steps_ahead slots; else its speculative drafts
+        (_num_drafts). Never past max_tokens or max_model_len (the step
+        yields up to 1 + lookahead tokens), nor past the step's budget."""
         cfg = self.config
-        running = len(self.running)
         decoding = req.num_tokens_with_placeholders - req.num_computed_tokens == 1  # not a prompt's chunk of 1
         if n != 1 or not decoding or not req.on_executor:
             return 0
-        if steps_ahead:
-            most = steps_ahead
-        elif cfg.speculative_tokens and running <= cfg.speculative_max_batch and req.can_speculate:
-            most = cfg.speculative_tokens if 2 * running <= cfg.speculative_max_batch else max(1, cfg.speculative_tokens // 2)
-        else:
+        most = steps_ahead or (self._num_drafts() if req.can_speculate else 0)
+        if not most:
             return 0
         left = req.sampling.max_tokens - len(req.output_token_ids) - req.num_output_placeholders - 1
         room = cfg.max_model_len - req.num_tokens_with_placeholders - 1
         return max(0, min(most, left, room, budget - 1))
 
-    def _multi_step_lookahead(self) -> int:
-        """Multi-step decode: how many decode steps past the first this plan
-        grants each decode row (0: a plain plan). Only while at most
-        multi_step_max_batch requests run (a larger batch spreads the
-        per-step cost it saves over more tokens already, and measured no
-        faster), and when nothing needs the scheduler between steps: nobody waits (a new arrival, or a
-        preempted or swapped-out request to resume), every running request
-        is a plain decode (no prompt chunk, no embedding), none is
-        constrained (its grammar is advanced by the executor one token per
-        step; such a batch steps one at a time), speculation drafts for
-        nobody (it takes the slots when it can: speculative_tokens with at
-        most speculative_max_batch running), and the pool has a free block
-        for every slot granted (a full pool would only preempt for tokens
-        that may never be needed). Stop strings need nothing: a result's
-        tokens past one are cut (stop_by_string), as a speculative step's
-        are; the plan names the stop token ids, where the executor ends a
-        row's run early."""
+    def _num_drafts(self) -> int:
+        """Drafts a speculating request verifies per step at today's load:
+        the executor's most while at most half of speculative_max_batch
+        run, half as many (at least 1) up to speculative_max_batch, none
+        above it."""
+        cfg, running = self.config, len(self.running)
+        if not cfg.speculative_tokens or running > cfg.speculative_max_batch:
+            return 0
+        return cfg.speculative_tokens if 2 * running <= cfg.speculative_max_batch else max(1, cfg.speculative_tokens // 2)
+
+    def _multi_step_lookahead(self) -> tuple[int, int]:
+        """Multi-step decode: how many lookahead slots this plan grants each
+        decode row (0: a plain plan), and the most drafts each of its steps
+        verifies. Without speculation a row runs up to multi_step_decode
+        decode steps (multi_step_decode - 1 slots). With it (_num_drafts),
+        each step verifies up to that many drafts, and the row gets the
+        slots of those drafts on top: one plan yields up to
+        multi_step_decode + drafts tokens, in as many steps as the drafts'
+        acceptance needs, at most as many as without speculation plus
+        drafts (every step accepting none).
+        Only while at most multi_step_max_batch requests run (a larger batch
+        spreads the per-step cost it saves over more tokens already, and
+        measured no faster), and when nothing needs the scheduler between
+        steps: nobody waits (a new arrival, or a preempted or swapped-out
+        request to resume), every running request is a plain decode (no
+        prompt chunk, no embedding), none is constrained (its grammar is
+        advanced by the executor as its tokens come; such a batch steps one
+        plan at a time, speculating in single steps if it may), and the
+        pool has a free block for every slot granted (a full pool would
+        only preempt for tokens that may never be needed). Stop strings
+        need nothing: a result's tokens past one are cut (stop_by_string),
+        as a speculative step's are; the plan names the stop token ids,
+        where the executor ends a row's run early."""
         cfg = self.config
         ahead = cfg.multi_step_decode - 1
         if ahead <= 0 or self.waiting or not self.running or len(self.running) > cfg.multi_step_max_batch:
-            return 0
+            return 0, 0
         if self.lora is not None and self.lora.num_parked:
-            return 0  # their adapter's turn comes in plans (lora_slots.py): they would wait k times as long
-        if cfg.speculative_tokens and len(self.running) <= cfg.speculative_max_batch:
-            return 0
+            return 0, 0  # their adapter's turn comes in plans (lora_slots.py): they would wait k times as long
+        drafts = self._num_drafts()
+        ahead += drafts
         need = 0
         for req in self.running:
             if (req.embed or not req.on_executor or req.constraint is not None
                     or req.num_tokens_with_placeholders - req.num_computed_tokens > 1):
-                return 0
+                return 0, 0
             need += self.kv.num_blocks_to_take(req, 1 + ahead)
-        return ahead if self.kv.pool.can_allocate(need) else 0
+        return (ahead, drafts) if self.kv.pool.can_allocate(need) else (0, 0)
 
     def _record(self, out: StepPlan, req: Request, n: int, new_blocks: list[int], lookahead: int = 0) -> None:
         if req.on_executor:
@@ -500,14 +509,14 @@ class Scheduler:
 
     def update_from_output(self, out: StepPlan, sampled: list[tuple[int, int, tuple | None]],
                            failed_swap_outs: list[int] = (), failed_swap_ins: list[int] = (),
-                           verified_drafts: dict[int, int] | None = None) -> list[SampledToken]:
+                           verified_drafts: list[tuple[int, int, int]] | None = None) -> list[SampledToken]:
         """Applies a step's result, in step order: confirms its swaps,
         turns placeholders into the sampled tokens, makes newly computed
         full blocks findable, and finishes requests that hit a token-level
         stop (EOS, stop token, max_tokens, max_model_len). Tokens of stale
-        entries are dropped. verified_drafts: how many drafts each
-        speculating request verified (by handle; without it, the plan's
-        count), for the acceptance figures."""
+        entries are dropped. verified_drafts: (handle, drafts verified,
+        drafts accepted) per verifying forward (without it, a speculating
+        step verified the plan's count), for the acceptance figures."""
         self.confirm_swaps(out, failed_swap_outs, failed_swap_ins)
         if self.lora is not None:
             self.lora.complete(out.step_id)
@@ -517,6 +526,9 @@ class Scheduler:
                 # Every input of this step is known by now (the step before
                 # it has been applied), so its blocks can be named.
                 self.kv.cache_computed_blocks(e.request, e.start + e.num_tokens)
+        verifying: dict[int, list[tuple[int, int]]] = {}
+        for handle, verified, accepted in verified_drafts or ():
+            verifying.setdefault(handle, []).append((verified, accepted))
         results: list[SampledToken] = []
         for handle, tokens in _by_handle(sampled):
             e = out.entries.get(handle)
@@ -542,14 +554,15 @@ class Scheduler:
                 if out.multi_step:
                     self.num_lookahead_steps += e.num_lookahead
                     self.num_lookahead_steps_run += len(tokens) - 1
-                    verified = 0
-                else:
-                    verified = (e.num_lookahead if verified_drafts is None
-                                else verified_drafts.get(handle, e.num_lookahead))
-                if verified:  # else the proposer found nothing: a plain decode step
-                    self.num_draft_tokens += verified
-                    self.num_accepted_tokens += len(tokens) - 1
-                    self.accepted_lengths[len(tokens) - 1] += 1
+                if verified_drafts is not None:
+                    verifications = verifying.get(handle, ())
+                else:  # one forward verified every slot, or none did
+                    verifications = () if out.multi_step else ((e.num_lookahead, len(tokens) - 1),)
+                for verified, accepted in verifications:
+                    if verified:  # else the proposer found nothing: a plain decode step
+                        self.num_draft_tokens += verified
+                        self.num_accepted_tokens += accepted
+                        self.accepted_lengths[accepted] += 1
                 if len(tokens) > 1:
                     self.policy.charge_accepted_drafts(req, len(tokens) - 1)
             for token, logprobs in tokens:

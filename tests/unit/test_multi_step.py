@@ -66,13 +66,35 @@ def test_a_batch_above_multi_step_max_batch_steps_one_token_per_plan():
     assert sched.schedule().multi_step
 
 
-def test_speculation_takes_the_slots_while_it_drafts():
+def test_speculating_rows_get_the_steps_slots_plus_their_drafts():
     sched, reqs = decoding(speculative_tokens=2, speculative_max_batch=16)
     out = sched.schedule()
-    assert not out.multi_step and out.lookahead_counts == [2] * 3
+    assert out.multi_step and out.multi_step_drafts == 2 and out.lookahead_counts == [3 + 2] * 3
+    sched, reqs = decoding(speculative_tokens=4, speculative_max_batch=4)  # 3 running: above half, half the drafts
+    out = sched.schedule()
+    assert out.multi_step and out.multi_step_drafts == 2 and out.lookahead_counts == [3 + 2] * 3
     sched, reqs = decoding(speculative_tokens=2, speculative_max_batch=2)  # 3 running: nobody drafts
     out = sched.schedule()
-    assert out.multi_step and out.lookahead_counts == [3] * 3
+    assert out.multi_step and out.multi_step_drafts == 0 and out.lookahead_counts == [3] * 3
+
+
+def test_a_constrained_request_speculates_one_step_per_plan():
+    sched, reqs = decoding(speculative_tokens=2, speculative_max_batch=16)
+    reqs[1].constraint = CompiledConstraint("regex", "a+")
+    out = sched.schedule()
+    assert not out.multi_step and out.multi_step_drafts == 0 and out.lookahead_counts == [2] * 3
+
+
+def test_a_speculating_run_counts_each_verifying_step_for_the_acceptance_figures():
+    sched, (req,) = decoding(num_requests=1, speculative_tokens=2, speculative_max_batch=16)
+    out = sched.schedule()
+    # Its 5 slots filled by four steps yielding 1 + 3 + 1 + 1 tokens: no
+    # draft found, 2 drafts both accepted, 1 (the slots left) rejected, none.
+    sched.update_from_output(out, yields(out, {req.handle: 6}), verified_drafts=[
+        (req.handle, 0, 0), (req.handle, 2, 2), (req.handle, 1, 0), (req.handle, 0, 0)])
+    assert (sched.num_draft_tokens, sched.num_accepted_tokens) == (3, 2)
+    assert sched.accepted_lengths == {2: 1, 0: 1}, "steps without drafts are not verifications"
+    assert len(req.output_token_ids) == 1 + 6 and req.num_computed_tokens == req.num_tokens - 1
 
 
 def test_a_pool_too_short_for_every_slot_grants_none():

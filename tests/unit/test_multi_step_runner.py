@@ -1,13 +1,15 @@
 """Multi-step decode on the executor (ModelRunner._execute_multi_step): a
-plan whose rows hold lookahead slots runs that many more decode steps and
-returns every step's tokens, the same tokens and logprobs as one step per
-plan (greedy: HF's), and ends a row's run at a stop token, every row's
-when a plan waiting needs the scheduler. Scheduling: test_multi_step.py."""
+plan whose rows hold lookahead slots runs that many more decode steps (or,
+with multi_step_drafts, steps that verify drafts) and returns every step's
+tokens, the same tokens and logprobs as one step per plan (greedy: HF's),
+and ends a row's run at a stop token, every row's when a plan waiting
+needs the scheduler. Scheduling: test_multi_step.py."""
 
 from __future__ import annotations
 
 import pytest
 
+from executor_svc.step.ngram import NgramProposer
 from executor_svc.step.runner import NewRequestData, PlanError, StepPlan
 from executor_svc.step.sampler import SamplingSettings
 from tests.oracle import hf_greedy
@@ -18,11 +20,12 @@ SAMPLED = SamplingSettings(temperature=1.0, top_p=0.9, top_k=0, seed=1234, logpr
 
 
 def decode(runner, sampling: list[SamplingSettings], num_tokens: int, lookahead: list[int],
-           stop_token_ids: list[int] = ()) -> tuple[dict, dict, int]:
+           stop_token_ids: list[int] = (), drafts: int = 0) -> tuple[dict, dict, int]:
     """Each prompt decoded to num_tokens tokens by plans that grant
     request h lookahead[h] slots (all 0: one step per plan), the way the
-    scheduler plans them: 1 + slots tokens each, blocks for all. Returns
-    each request's tokens, logprobs and the plans run."""
+    scheduler plans them: 1 + slots tokens each, blocks for all, each step
+    verifying up to drafts drafts. Returns each request's tokens, logprobs
+    and the plans run."""
     news = [NewRequestData(h, p, list(range(16 * h, 16 * h + 16)), 0, len(p), s, 0)
             for h, (p, s) in enumerate(zip(PROMPTS, sampling))]
     out = runner.execute(StepPlan(0, news))
@@ -40,7 +43,7 @@ def decode(runner, sampling: list[SamplingSettings], num_tokens: int, lookahead:
         out = runner.execute(StepPlan(steps, cached_handles=left, cached_num_scheduled_tokens=[1 + n for n in k],
                                       draft_handles=[h for h, n in zip(left, k) if n],
                                       draft_counts=[n for n in k if n], multi_step=any(k),
-                                      stop_token_ids=list(stop_token_ids)))
+                                      stop_token_ids=list(stop_token_ids), multi_step_drafts=drafts if any(k) else 0))
         steps += 1
     runner.execute(StepPlan(steps, finished_handles=list(tokens)))
     return tokens, logprobs, steps
@@ -71,6 +74,45 @@ def test_seeded_sampling_with_penalties_and_logprobs_is_the_same_per_step_or_per
         assert ids == ids2 and lp == pytest.approx(lp2, abs=1e-4) and top == pytest.approx(top2, abs=1e-4)
     other, _, _ = decode(runner, [SamplingSettings(1.0, 0.9, 0, seed=99, logprobs=0), GREEDY], 30, [4, 2])
     assert other[0] != plain[0], "another seed draws other tokens (else the test could not fail)"
+
+
+@pytest.fixture(scope="module")
+def speculating(stories_path):
+    return make_runner(str(stories_path), proposer=NgramProposer(1, 3))
+
+
+def counting_verifications(runner) -> list[tuple[int, int, int]]:
+    """Every (handle, verified, accepted) the runner's plans report from now on."""
+    seen, execute = [], runner.execute
+
+    def counting(plan):
+        result = execute(plan)
+        seen.extend(result.verified_drafts)
+        return result
+
+    runner.execute = counting
+    return seen
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "seeded-penalties-logprobs"])
+def test_steps_that_verify_drafts_in_one_plan_yield_one_step_per_plan_s_tokens(runner, speculating, sampling):
+    """Each step of the run verifies up to 3 n-gram drafts within the row's
+    slots; tokens (greedy: HF's, shown above) and logprobs are plain
+    decoding's, in fewer plans than multi-step decode alone needs."""
+    plain, plain_lps, plain_plans = decode(runner, [sampling, GREEDY], 40, [0, 0])
+    multi, _, multi_plans = decode(runner, [sampling, GREEDY], 40, [3, 3])
+    seen = counting_verifications(speculating)
+    try:
+        spec, spec_lps, spec_plans = decode(speculating, [sampling, GREEDY], 40, [3 + 3, 3 + 3], drafts=3)
+    finally:
+        del speculating.execute
+    assert spec == plain
+    for got, want in zip(spec_lps[0], plain_lps[0]):
+        assert got == want or (got[1] == want[1] and got[0] == pytest.approx(want[0], abs=1e-4))
+    verified, accepted = sum(v for _, v, _ in seen), sum(a for _, _, a in seen)
+    assert 0 < accepted <= verified and all(v <= 3 for _, v, _ in seen), (verified, accepted)
+    assert sum(h == 0 for h, _, _ in seen) > spec_plans, "a verifying step's report for each step of a plan"
+    assert spec_plans < multi_plans < plain_plans
 
 
 def test_a_stop_token_ends_the_row_s_run_and_the_next_plan_goes_on_from_there(runner):

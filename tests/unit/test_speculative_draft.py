@@ -70,9 +70,10 @@ def accepted(runner, prompts, settings=None):
         yielded = {}
         for h in result.sampled_handles:
             yielded[h] = yielded.get(h, 0) + 1
-        for h, verified in result.verified_drafts:
+        for h, verified, accepted in result.verified_drafts:
+            assert not verified or accepted == yielded[h] - 1, "the accepted count is the tokens past the first"
             counts["verified"] += verified
-            counts["accepted"] += yielded.get(h, 1) - 1
+            counts["accepted"] += accepted
         return result
 
     runner.execute = counting

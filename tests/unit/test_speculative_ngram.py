@@ -192,7 +192,7 @@ def test_the_first_token_of_a_verify_step_is_drawn_from_the_model_s_distribution
         runner.execute(StepPlan(step, news))
         out = runner.execute(StepPlan(step + 1, cached_handles=list(range(rows)), cached_num_scheduled_tokens=[2] * rows,
                                       draft_handles=list(range(rows)), draft_counts=[1] * rows))
-        assert set(out.verified_drafts) == {(h, 1) for h in range(rows)}, "every request verified its draft"
+        assert {(h, v) for h, v, _ in out.verified_drafts} == {(h, 1) for h in range(rows)}, "every request verified its draft"
         first = {}
         for h, t in zip(out.sampled_handles, out.sampled_token_ids):
             first.setdefault(h, t)
@@ -328,7 +328,7 @@ def test_drafts_the_grammar_refuses_are_cut_before_the_forward(constrained_runne
     assert 0 < takes < len(proposal), f"the proposal {proposal} should hold a token the grammar refuses"
     out = runner.execute(StepPlan(1, cached_handles=[0], cached_num_scheduled_tokens=[5], draft_handles=[0],
                                   draft_counts=[4]))
-    assert out.verified_drafts == [(0, takes)] and not out.request_errors
+    assert [(h, v) for h, v, _ in out.verified_drafts] == [(0, takes)] and not out.request_errors
     runner.execute(StepPlan(2, finished_handles=[0]))
 
 
@@ -380,7 +380,7 @@ def test_penalties_count_the_drafts_before_each_verified_position(stories_path):
     out = runner.execute(StepPlan(1, cached_handles=[0], cached_num_scheduled_tokens=[3], draft_handles=[0],
                                   draft_counts=[2]))
     [(rows, output_pos, drafts_before)] = [c for c in calls if len(c) == 3]
-    verified = 1 + dict(out.verified_drafts)[0]
+    verified = 1 + {h: v for h, v, _ in out.verified_drafts}[0]
     assert drafts_before.tolist() == list(range(verified)) and output_pos.tolist() == list(range(1, 1 + verified))
     generated = np.zeros(runner.vocab_size)
     np.add.at(generated, [first] + out.sampled_token_ids, 1)

@@ -41,3 +41,29 @@ def pytest_collection_modifyitems(config, items):
 def device() -> torch.device:
     """Where the kernels run: the GPU when there is one, else CPU (Triton interpreter)."""
     return torch.device("cuda") if _HAS_CUDA else torch.device("cpu")
+
+
+@pytest.fixture
+def row_invariant_dot(monkeypatch):
+    """For tests that compare a token's bits alone and among others: under the
+    interpreter, tl.dot becomes a sum over k in one order for every output
+    element, as a GPU's MMA computes a row the same wherever it sits in a tile.
+    The interpreter's own dot is numpy's matmul, whose OpenBLAS kernels sum a
+    row in an order that depends on its position in their register tile on
+    some CPUs (AMD EPYC, OpenBLAS 0.3.31's Haswell kernels: rows 6-15 of a
+    16-row tile differ from row 0 in the last bits), which would fail such a
+    test for a reason that is not the kernel's. Nothing on a GPU."""
+    if _HAS_CUDA:
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        out = np.einsum("...mk,...kn->...mn", a.data.astype(d.data.dtype), b.data.astype(d.data.dtype))
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

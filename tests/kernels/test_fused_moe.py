@@ -84,7 +84,7 @@ def test_executor_experts_torch_and_triton_paths_agree(device):
     assert torch.allclose(experts(x, weights, ids), want, atol=1e-4)
 
 
-def test_ordered_combine_gives_a_token_the_same_bits_alone_and_among_others(device):
+def test_ordered_combine_gives_a_token_the_same_bits_alone_and_among_others(device, row_invariant_dot):
     """Batch-invariant mode's fused MoE: the grouped GEMMs' tiles depend on the
     weights' shapes only and the experts add in top-k slot order, so a token's
     output is the same bits alone and among 37 tokens (its experts shared with others).

@@ -31,6 +31,7 @@ def fresh_dynamo():
 def compiled_runner(path: str):
     runner = runner_for(path, torch_compile=True)
     assert runner.compiled is not None
+    assert runner.compiled.direct[0], "decode steps call the compiled graph through dynamo (DirectCall did not bind)"
     return runner
 
 
@@ -49,6 +50,7 @@ def test_compiled_decode_matches_hf_greedy_per_family(case, checkpoints):
 
 def test_compiled_decode_matches_hf_greedy_on_stories_one_and_five_rows(stories_path):
     runner = make_runner(str(stories_path), torch_compile=True)
+    assert runner.compiled.direct[0], "decode steps call the compiled graph through dynamo (DirectCall did not bind)"
     prompts = [[1, 403, 407, 261, 378], [1, 403], [1, 263, 403, 418, 395, 261, 378, 310, 412, 280], [1, 500], [1, 42]]
     before = STEPS._value.get()
     assert generate(runner, prompts[:1], 60, 16) == [hf_greedy(str(stories_path), prompts[0], 60)]
@@ -67,6 +69,7 @@ def test_compiled_verify_steps_match_hf_greedy_with_drafts_alone_and_among_decod
     as two)."""
     runner = make_runner(str(stories_path), torch_compile=True, proposer=NgramProposer(1, 4))
     assert runner.compiled is not None and runner.compiled.verifies
+    assert runner.compiled.direct == (True, True), "a graph is called through dynamo (DirectCall did not bind)"
     ran = {"verify": 0}
     run_verify = runner.compiled.run_verify
 

@@ -16,7 +16,8 @@ them), so only one-row products take this path.
 Where: CPU layers without quantization whose weight holds at least
 GEMV_MIN_ELEMENTS values over at least GEMV_MIN_COLUMNS columns, in
 bfloat16 or float32 (smaller weights sit in cache, where the call's
-overhead, about 20 us through dynamo, outweighs the gain). One compile
+overhead, about 20 us through dynamo, outweighs the gain; the GEMV is
+called without dynamo once compiled, direct_call.py). One compile
 with dynamic shapes serves every layer (about 2 s at start-up, then
 inductor's on-disk cache). Not in batch-invariant mode (a row's result
 would depend on whether it shares the step). The product accumulates in
@@ -30,9 +31,12 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from executor_svc.direct_call import DirectCall
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +44,9 @@ GEMV_MIN_ELEMENTS = 1 << 20
 GEMV_MIN_COLUMNS = 512
 DTYPES = (torch.bfloat16, torch.float32)
 
-_compiled = None
+# One compiled GEMV per dtype, each called without dynamo (direct_call.py)
+# once its first call has bound it, for contiguous operands of its dtype.
+_compiled: dict[torch.dtype, tuple[Callable, DirectCall]] = {}
 
 
 def _gemv_body(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -50,10 +56,24 @@ def _gemv_body(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [1, K] times weight [N, K] transposed: F.linear(x, weight) for one row."""
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(_gemv_body, dynamic=True)
-    return _compiled(x, weight)
+    entry = _compiled.get(weight.dtype)
+    plain = x.dtype == weight.dtype and x.is_contiguous() and weight.is_contiguous()
+    if entry is not None and entry[1].bound and plain:
+        return entry[1].call((x, weight))[0]
+    if entry is None:
+        direct = DirectCall(f"CPU GEMV ({weight.dtype})")
+        entry = _compiled[weight.dtype] = (torch.compile(_gemv_body, dynamic=True, backend=direct.backend), direct)
+        out = entry[0](x, weight)
+        if plain:
+            direct.bind((x, weight), out)
+        return out
+    return entry[0](x, weight)
+
+
+def calls_direct(dtype: torch.dtype) -> bool:
+    """Whether the GEMV of this dtype is compiled and called without dynamo."""
+    entry = _compiled.get(dtype)
+    return entry is not None and entry[1].bound
 
 
 def has_cxx_compiler() -> bool:
@@ -85,8 +105,11 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
     started = time.perf_counter()
     try:
         weight = layers[0].weight
+        # Random, not zeros: the first call's output is what the direct call
+        # is checked against (direct_call.py).
+        x = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         with torch.inference_mode():
-            gemv(torch.zeros(1, weight.shape[1], dtype=weight.dtype), weight)
+            gemv(x, weight)
     except Exception:  # a broken toolchain: serve on the GEMM rather than not at all
         log.exception("CPU GEMV: compiling failed; one-row steps keep the GEMM")
         return 0

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +46,7 @@ from prometheus_client import Counter
 
 from executor_svc.attention import dense_attention
 from executor_svc.attention.kv_quant import is_fp8
+from executor_svc.direct_call import DirectCall
 from executor_svc.step.kv_cache import KVCachePool
 from executor_svc.model.model import CausalLM
 
@@ -127,101 +127,6 @@ class DenseDecodeAttention:
             tokens, num_heads, head_dim)
 
 
-class DirectCall:
-    """One of CompiledDecode's graphs, called without dynamo once compiled.
-
-    Through torch.compile's frame hook each call pays dynamo's cache lookup,
-    the compile stance and argument handling: on stories260K a decode step's
-    graph took 0.51-0.52 ms called directly against 0.68-0.74 through
-    dynamo (one thread, interleaved), and a verify step's of 2 tokens a row
-    0.75 against 1.07-1.22. This backend compiles with
-    inductor as torch.compile would and keeps what it compiled; bind() then
-    works out, from the warm-up call, the argument list dynamo passes it:
-    the step's own inputs, the sizes of their dynamic dims, and the tensors
-    the graph reads from the model (weights, buffers, the KV pool), which
-    stay the same objects for the executor's life. Guards are skipped
-    either way (CompiledDecode.run's stance says why that is safe here).
-    bind() checks the direct call against dynamo's on the warm-up inputs
-    and leaves calls to dynamo unless they agree bitwise."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self._compiled = None  # inductor's function, as dynamo calls it
-        self._placeholders: list = []
-        self._examples: list = []
-        self._template: list = []
-        self._inputs_at: list[tuple[int, int]] = []  # (argument position, input index)
-        self._sizes_at: list[tuple[int, int, int]] = []  # (argument position, input index, dim)
-        self.bound = False
-
-    def backend(self, gm: torch.fx.GraphModule, example_inputs: list):
-        from torch._inductor.compile_fx import compile_fx
-
-        # The C++ wrapper calls the kernels without a Python line per op: a
-        # further 0.1 ms a step on stories260K, for about the same compile time.
-        compiled = compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": True})
-        if self._compiled is None:
-            self._compiled = compiled
-            self._placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            self._examples = list(example_inputs)
-        return compiled
-
-    def bind(self, inputs: tuple[torch.Tensor, ...], through_dynamo: tuple) -> None:
-        """inputs: the warm-up call's; through_dynamo: what it returned."""
-        if self._compiled is None or len(self._placeholders) != len(self._examples):
-            log.info("compiled %s step: calls go through dynamo (nothing captured)", self.name)
-            return
-        # Which of the step's inputs each argument is (None: not one), and
-        # where each dynamic size's symbol can be read: (input, dim).
-        input_of = [next((i for i, t in enumerate(inputs) if t is example), None) for example in self._examples]
-        symbol_at = {}
-        for node, at in zip(self._placeholders, input_of):
-            fake = node.meta.get("example_value")
-            if at is not None and fake is not None:
-                for dim, size in enumerate(fake.shape):
-                    if isinstance(size, torch.SymInt):
-                        symbol_at.setdefault(str(size.node.expr), (at, dim))
-        template, inputs_at, sizes_at = [], [], []
-        for pos, (node, example, at) in enumerate(zip(self._placeholders, self._examples, input_of)):
-            fake = node.meta.get("example_value")
-            if at is not None:
-                inputs_at.append((pos, at))
-            elif isinstance(example, torch.Tensor):
-                pass  # a weight, buffer or the pool: the same object on every call
-            elif isinstance(fake, torch.SymInt) and str(fake.node.expr) in symbol_at:
-                sizes_at.append((pos, *symbol_at[str(fake.node.expr)]))
-            else:
-                log.info("compiled %s step: calls go through dynamo (argument %s is %r)", self.name, node.name,
-                         type(example).__name__)
-                return
-            template.append(example)
-        self._template, self._inputs_at, self._sizes_at = template, inputs_at, sizes_at
-        direct = self._call(inputs)
-        if len(direct) != len(through_dynamo) or not all(
-                torch.equal(a, b) for a, b in zip(direct, through_dynamo)):
-            log.warning("compiled %s step: the direct call disagrees with dynamo's; calls go through dynamo",
-                        self.name)
-            return
-        self.bound = True
-
-    def _call(self, inputs: tuple[torch.Tensor, ...]) -> tuple:
-        args = list(self._template)
-        for pos, at in self._inputs_at:
-            args[pos] = inputs[at]
-        for pos, at, dim in self._sizes_at:
-            args[pos] = inputs[at].shape[dim]
-        return tuple(self._compiled(*args))
-
-    def __call__(self, graph: Callable, inputs: tuple[torch.Tensor, ...]) -> tuple:
-        if self.bound:
-            return self._call(inputs)
-        # After the warm-up, a guard that fails would mean compiling again
-        # for seconds while requests wait: raise instead (the runner then
-        # runs eagerly). Guards are not evaluated (see CompiledDecode.run).
-        with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
-            return graph(*inputs)
-
-
 class CompiledDecode:
     def __init__(self, model: CausalLM, pool: KVCachePool, verifies: bool = False):
         self.storage = pool.storage  # [layers, 2, blocks, block_size, kvh, d]
@@ -239,7 +144,9 @@ class CompiledDecode:
         cfg = model.cfg
         self.windows = sorted({cfg.layer_window(i) for i in range(cfg.num_layers)}, key=lambda w: (w is not None, w))
         self._backend = DenseDecodeAttention()
-        self._direct = DirectCall("decode")
+        # The C++ wrapper calls the kernels without a Python line per op: a
+        # further 0.1 ms a step on stories260K, for about the same compile time.
+        self._direct = DirectCall("compiled decode step", {"cpp_wrapper": True})
         self._graph = torch.compile(self._step, fullgraph=True, backend=self._direct.backend)
         t = time.perf_counter()
         self._warm_up()
@@ -248,12 +155,22 @@ class CompiledDecode:
         # own: run eagerly, a verify step cost several compiled decode steps,
         # more than its drafts saved (docs/performance.md, P21).
         self._verify_graph = None
-        self._direct_verify = DirectCall("verify")
+        self._direct_verify = DirectCall("compiled verify step", {"cpp_wrapper": True})
         if verifies:
             self._verify_graph = torch.compile(self._verify_step, fullgraph=True, backend=self._direct_verify.backend)
             t = time.perf_counter()
             self._warm_up_verify()
             log.info("compiled the CPU verify step in %.1f s", time.perf_counter() - t)
+
+    @staticmethod
+    def _call(direct: DirectCall, graph, inputs: tuple[torch.Tensor, ...]) -> tuple:
+        if direct.bound:
+            return direct.call(inputs)
+        # After the warm-up, a guard that fails would mean compiling again
+        # for seconds while requests wait: raise instead (the runner then
+        # runs eagerly). Guards are not evaluated (see run()).
+        with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
+            return graph(*inputs)
 
     @property
     def direct(self) -> tuple[bool, bool]:
@@ -368,7 +285,7 @@ class CompiledDecode:
             # the same pool and weights; a step with LoRA adapter tokens
             # never comes here, runner.py). Evaluating them cost about 35 µs
             # a step on stories260K, a tenth of the compiled step.
-            logits, new_kv = self._direct(self._graph, inputs)
+            logits, new_kv = self._call(self._direct, self._graph, inputs)
         self.slots[:, :, slot_mapping] = new_kv[:, :, :n]
         return logits[:n]
 
@@ -407,6 +324,6 @@ class CompiledDecode:
                 logits, new_kv = self._verify_graph(*inputs)
             self._direct_verify.bind(inputs, (logits, new_kv))
         else:  # as run()'s: one graph, one caller, guards fixed here
-            logits, new_kv = self._direct_verify(self._verify_graph, inputs)
+            logits, new_kv = self._call(self._direct_verify, self._verify_graph, inputs)
         self.slots[:, :, slot_mapping] = new_kv[:, :, padded]
         return logits[padded]

@@ -61,6 +61,8 @@ def test_gemv_computes_what_f_linear_does_for_one_row(dtype, rtol):
         got, want = cpu_gemv.gemv(x, w), torch.nn.functional.linear(x, w)
         assert got.shape == want.shape and got.dtype == dtype
         assert (got.float() - want.float()).abs().max().item() <= rtol * want.float().abs().max().item(), (n, k)
+        # The first call bound the compiled GEMV: later ones skip dynamo.
+        assert cpu_gemv.calls_direct(dtype), "the GEMV is called through dynamo (DirectCall did not bind)"
 
 
 def test_only_large_unquantized_weights_take_the_gemv_and_off_or_invariant_turn_it_off(medium):

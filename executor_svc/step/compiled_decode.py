@@ -320,8 +320,9 @@ class CompiledDecode:
             # Guards are not evaluated at all (DirectCall, or
             # skip_guard_eval_unsafe): there is one compiled graph, this is
             # its only caller, and what its guards check is fixed here (the
-            # inputs' dtypes and ranks, sizes of at least 2, inference mode,
-            # the same pool and weights; a step with LoRA adapter tokens
+            # inputs' dtypes and ranks, sizes of at least 2 unless the
+            # warm-up cleared one row, _runs_one_row; inference mode, the
+            # same pool and weights; a step with LoRA adapter tokens
             # never comes here, runner.py). Evaluating them cost about 35 µs
             # a step on stories260K, a tenth of the compiled step.
             logits, new_kv = self._call(self._direct, self._graph, inputs)

@@ -10,8 +10,10 @@ token is (last token's arrival - first token's arrival) / (tokens - 1), so
 the prefill is left out. It runs once per SCHEDULER_MAX_PLANS_IN_FLIGHT
 and EXECUTOR_TORCH_COMPILE value given (and SCHEDULER_MULTI_STEP_DECODE
 with --multi-step; without it, the scheduler's default). HF: `generate` with max_new_tokens
-= tokens and = 1 on the same prompt (one thread, KV cache on); time per
-token = (T(tokens) - T(1)) / (tokens - 1). The greedy tokens of both sides are compared. Medians over
+= tokens on the same prompt (one thread, KV cache on), timed the same way:
+a stopping criterion stamps each token as it is produced, and time per
+token = (last stamp - first stamp) / (tokens - 1). (Subtracting a separate
+one-token run's time, as before, went negative on a contended host.) The greedy tokens of both sides are compared. Medians over
 --repeats runs; the JSON report goes to bench_results/.
 """
 
@@ -86,25 +88,36 @@ def stream_per_token_ms(address: str, tokens: int, repeats: int) -> tuple[list[f
 
 def hf_per_token_ms(model: str, tokens: int, repeats: int, threads: int) -> tuple[list[float], list[int]]:
     import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
 
     from bench.baselines import load_hf_model
 
     hf = load_hf_model(model, threads).model
     ids = torch.tensor([PROMPT])
 
-    def run(n: int) -> tuple[float, list[int]]:
-        started = time.perf_counter()
-        with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, pad_token_id=0)
-        return time.perf_counter() - started, out[0, len(PROMPT):].tolist()
+    class Stamps(StoppingCriteria):
+        """Records when each new token is produced; never stops generation."""
 
-    run(tokens)  # warm-up
+        def __init__(self) -> None:
+            self.at: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.at.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    def run() -> tuple[float, list[int]]:
+        stamps = Stamps()
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                              do_sample=False, pad_token_id=0, stopping_criteria=StoppingCriteriaList([stamps]))
+        assert len(stamps.at) == tokens, f"{len(stamps.at)} stamps for {tokens} tokens"
+        return (stamps.at[-1] - stamps.at[0]) * 1000 / (tokens - 1), out[0, len(PROMPT):].tolist()
+
+    run()  # warm-up
     times, out = [], []
     for _ in range(repeats):
-        t_all, out = run(tokens)
-        t_one, _ = run(1)
-        times.append((t_all - t_one) * 1000 / (tokens - 1))
+        ms, out = run()
+        times.append(ms)
     return times, out
 
 

@@ -25,7 +25,7 @@ import torch
 
 from executor_svc.step.host_memory import to_device
 from executor_svc.step.logits_processors import TokenCounts
-from executor_svc.step.sampler import SamplingSettings, signed_seed
+from executor_svc.step.sampler import GREEDY_BELOW_TEMPERATURE, SamplingSettings, signed_seed
 
 INITIAL_ROWS = 16
 
@@ -91,6 +91,9 @@ class RequestRows:
         self.min_p = grow(get("min_p"), (rows,), np.float32)
         self.min_tokens = grow(get("min_tokens"), (rows,), np.int64)
         self.has_bias = grow(get("has_bias"), (rows,), bool)
+        # Greedy with nothing else to apply (no logprobs, penalties,
+        # logit_bias or min_tokens): its token is the argmax, no more.
+        self.plain_greedy = grow(get("plain_greedy"), (rows,), bool)
         self.prompt_logprobs = grow(get("prompt_logprobs"), (rows,), np.int64)  # top alternatives; -1 = none
         self.embed = grow(get("embed"), (rows,), bool)  # prefill only: pooled, never sampled
         # The LoRA adapter's id (its index in LoraSet.names, model/lora.py),
@@ -181,6 +184,9 @@ class RequestRows:
         else:
             self.held_ids.pop(row, None)
             self.min_tokens[row] = 0  # nothing to hold back
+        self.plain_greedy[row] = (sampling.temperature < GREEDY_BELOW_TEMPERATURE and not sampling.logprobs
+                                  and self.penalty_slot[row] < 0 and not sampling.logit_bias
+                                  and not self.min_tokens[row])
         return row, row * self.max_blocks + np.arange(nb)
 
     def append_block(self, handle: int, block_id: int) -> int:

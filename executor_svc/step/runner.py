@@ -31,7 +31,7 @@ from executor_svc.model.model import CausalLM
 from executor_svc.model.lora import LoraSet
 from executor_svc.model.pooling import Pooling
 from executor_svc.step.request_rows import PlanError, RequestRows
-from executor_svc.step.sampler import SampleOutput, SamplingBatch, SamplingSettings, sample
+from executor_svc.step.sampler import SampleOutput, SamplingBatch, SamplingSettings, argmax, sample
 
 log = logging.getLogger(__name__)
 
@@ -834,6 +834,13 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, rows: np.ndarray, handles: list[int],
                 masks: MaskJob | None) -> tuple[list[int], list | None, list[tuple[int, str]]]:
         r = self.rows
+        if masks is None and r.plain_greedy[rows].all():
+            # The common greedy step: its argmax, without a SamplingBatch
+            # (about 40 µs a step on a CPU, next to a 0.3 ms forward).
+            tokens = argmax(logits).tolist()
+            if self.tp is not None:
+                self.tp.share_tokens(tokens, len(logits))
+            return tokens, None, []
         out, errors = self._draw(logits, lambda: SamplingBatch.from_arrays(
             r.temperature[rows], r.top_p[rows], r.top_k[rows], r.seed[rows], r.seeded[rows], r.num_output[rows],
             r.num_logprobs[rows], self.device, self.vocab_size, min_p=r.min_p[rows],

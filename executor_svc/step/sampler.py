@@ -256,7 +256,7 @@ def _finish_draws(probs: torch.Tensor, b: SamplingBatch, ids: torch.Tensor, pivo
     return ids
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor) -> torch.Tensor:
     # [n, vocab] -> [n]. numpy's argmax is several times faster than
     # torch's on CPU; both return the first maximum.
     if logits.device.type == "cpu":
@@ -297,7 +297,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, logprob_logits: torch.Tensor 
         logits = b.processors.apply(logits)
     done = None
     if b.all_greedy:
-        tokens = _argmax(logits)  # [n]
+        tokens = argmax(logits)  # [n]
     else:
         is_greedy = b.temperature < GREEDY_BELOW_TEMPERATURE
         scaled = logits / torch.where(is_greedy, 1.0, b.temperature)[:, None]
@@ -308,7 +308,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, logprob_logits: torch.Tensor 
         probs = scaled.softmax(-1)  # [n, vocab]
         tokens, done, pivot, uniforms = _draw(probs, b)
         if b.any_greedy:
-            tokens = torch.where(is_greedy, _argmax(logits), tokens)
+            tokens = torch.where(is_greedy, argmax(logits), tokens)
             if done is not None:
                 done = done | is_greedy
     max_lp = min(max(b.num_logprobs, default=0), logits.shape[-1])

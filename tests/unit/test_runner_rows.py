@@ -168,3 +168,30 @@ def test_seeded_request_resent_after_preemption_continues_its_stream(stories_pat
     resent = NewRequestData(2, prompt + head, blocks, 0, len(prompt) + len(head), seeded, len(head))
     tail = b.execute(StepPlan(0, [resent])).sampled_token_ids + decode(b, 2, 4)
     assert head + tail == uninterrupted
+
+
+def test_plain_greedy_steps_take_the_argmax_without_a_sampling_batch(stories_path, monkeypatch):
+    """Greedy rows with nothing else to apply skip SamplingBatch; a row that
+    wants logprobs (or penalties) in the step sends the whole step through it."""
+    from executor_svc.step import sampler
+    from tests.oracle import hf_greedy
+
+    built = []
+    from_arrays = sampler.SamplingBatch.from_arrays.__func__
+    monkeypatch.setattr(sampler.SamplingBatch, "from_arrays",
+                        classmethod(lambda cls, *a, **k: built.append(1) or from_arrays(cls, *a, **k)))
+    runner = make_runner(str(stories_path))
+    prompt = [1, 403, 407, 261, 378]
+    out = runner.execute(StepPlan(step_id=0, new_requests=[NewRequestData(0, prompt, list(range(8)), 0, 5, GREEDY, 0)]))
+    tokens = list(out.sampled_token_ids)
+    for step in range(1, 10):
+        out = runner.execute(StepPlan(step_id=step, cached_handles=[0], cached_num_scheduled_tokens=[1]))
+        tokens += out.sampled_token_ids
+    assert tokens == hf_greedy(str(stories_path), prompt, 10)
+    assert built == [], "a plain greedy step built a SamplingBatch"
+    assert out.logprobs is None
+    wants = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=2)
+    out = runner.execute(StepPlan(step_id=10, new_requests=[NewRequestData(1, prompt, list(range(8, 16)), 0, 5, wants, 0)],
+                                  cached_handles=[0], cached_num_scheduled_tokens=[1]))
+    assert built, "a step with a logprobs row did not go through SamplingBatch"
+    assert out.logprobs is not None and len(out.logprobs) == 2

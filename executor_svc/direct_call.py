@@ -45,6 +45,12 @@ class DirectCall:
         self._template: list = []
         self._inputs_at: list[tuple[int, int]] = []  # (argument position, input index)
         self._sizes_at: list[tuple[int, int, int]] = []  # (argument position, input index, dim)
+        # Below the wrappers (see _bind_inductor): inductor's own callable
+        # and, for each of its arguments, the position in ours.
+        self._inner = None
+        self._inner_from: list[int] = []
+        self._size_tensors: dict[int, torch.Tensor] = {}
+        self._sizes_as_tensors = bool((config_patches or {}).get("cpp_wrapper"))
         self.bound = False
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list):
@@ -96,19 +102,107 @@ class DirectCall:
         except Exception:  # an argument list dynamo would not have passed: keep dynamo's
             log.exception("%s: the direct call failed; calls go through dynamo", self.name)
             return
-        if len(direct) != len(through_dynamo) or not all(
-                torch.equal(a, b) for a, b in zip(direct, through_dynamo)):
+        if not _same(direct, through_dynamo):
             log.warning("%s: the direct call disagrees with dynamo's; calls go through dynamo", self.name)
             return
         self.bound = True
+        self._bind_inductor(self._args(inputs), through_dynamo)
 
-    def call(self, inputs: tuple[torch.Tensor, ...]) -> tuple:
-        """The compiled function's outputs, as a tuple; only once bound, and
-        only for inputs of the bound call's dtypes, layouts and static sizes
-        (nothing checks them: the caller does, or calls only such)."""
+    def _bind_inductor(self, args: list, through_dynamo: tuple) -> None:
+        """Skips the layers between the compiled function and inductor's
+        generated code (AOT autograd's runtime wrappers, the compiled
+        graph's bookkeeping: about 25 µs a call on stories260K's decode
+        step), where they have nothing to do: an inference graph that
+        mutates nothing and returns fresh tensors. It records the argument
+        list those layers hand inductor in one call and keeps the direct
+        route only if each of its arguments is one of ours (a tensor by
+        identity, sizes in order) and the outputs
+        agree bit for bit; else calls keep going through the wrappers."""
+        from torch._inductor.output_code import CompiledFxGraph
+
+        seen = []
+        wrapped = CompiledFxGraph.__call__
+
+        def spy(graph, inner_args):
+            seen.append((graph, list(inner_args)))
+            return wrapped(graph, inner_args)
+
+        CompiledFxGraph.__call__ = spy
+        try:
+            outer = tuple(self._compiled(*args))
+        except Exception:
+            log.exception("%s: a call to record inductor's arguments failed; calls keep the wrappers", self.name)
+            return
+        finally:
+            CompiledFxGraph.__call__ = wrapped
+        if len(seen) != 1 or seen[0][0].current_callable is None:
+            return
+        graph, inner_args = seen[0]
+        # Sizes are plain ints: they are matched in order, and only if inductor
+        # gets the same ones in the same order as the wrappers did.
+        sizes_at = [i for i, a in enumerate(args) if isinstance(a, int)]
+        if [a for a in inner_args if isinstance(a, int)] != [args[i] for i in sizes_at]:
+            log.info("%s: inductor gets other sizes than ours; calls keep the wrappers", self.name)
+            return
+        next_size = iter(sizes_at)
+        inner_from = []
+        for a in inner_args:
+            if isinstance(a, torch.Tensor):
+                at = next((i for i, b in enumerate(args) if b is a), None)
+            elif isinstance(a, int):
+                at = next(next_size)
+            else:
+                at = None
+            if at is None:
+                log.info("%s: inductor gets an argument of its own (%s); calls keep the wrappers", self.name,
+                         type(a).__name__)
+                return
+            inner_from.append(at)
+        try:
+            inner = tuple(graph.current_callable([args[i] for i in inner_from]))
+        except Exception:
+            log.exception("%s: calling inductor's code directly failed; calls keep the wrappers", self.name)
+            return
+        if not (_same(inner, outer) and _same(inner, through_dynamo)):
+            log.warning("%s: inductor's direct outputs disagree; calls keep the wrappers", self.name)
+            return
+        self._inner, self._inner_from = graph.current_callable, inner_from
+
+    @property
+    def below_wrappers(self) -> bool:
+        """Whether calls go straight to inductor's generated code."""
+        return self._inner is not None
+
+    def _args(self, inputs: tuple[torch.Tensor, ...]) -> list:
         args = list(self._template)
         for pos, at in self._inputs_at:
             args[pos] = inputs[at]
         for pos, at, dim in self._sizes_at:
             args[pos] = inputs[at].shape[dim]
+        return args
+
+    def call(self, inputs: tuple[torch.Tensor, ...]) -> tuple:
+        """The compiled function's outputs, as a tuple; only once bound, and
+        only for inputs of the bound call's dtypes, layouts and static sizes
+        (nothing checks them: the caller does, or calls only such)."""
+        args = self._args(inputs)
+        if self._inner is not None:
+            inner_args = [args[i] for i in self._inner_from]
+            for i, a in enumerate(inner_args):
+                if type(a) is int and self._sizes_as_tensors:
+                    # The generated C++ wrapper takes sizes as 0-dim tensors
+                    # and would make one for each (a few µs apiece).
+                    t = self._size_tensors.get(a)
+                    if t is None:
+                        t = torch.tensor(a)
+                        if len(self._size_tensors) < 4096:
+                            self._size_tensors[a] = t
+                    inner_args[i] = t
+            return tuple(self._inner(inner_args))
         return tuple(self._compiled(*args))
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(
+        isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        for x, y in zip(a, b))

@@ -52,6 +52,7 @@ def test_compiled_decode_matches_hf_greedy_on_stories_one_and_five_rows(stories_
     runner = make_runner(str(stories_path), torch_compile=True)
     assert runner.compiled.direct[0], "decode steps call the compiled graph through dynamo (DirectCall did not bind)"
     assert runner.compiled.runs_one_row[0], "a one-row decode step runs as two rows"
+    assert runner.compiled.below_wrappers[0], "decode steps go through AOT autograd's wrappers"
     prompts = [[1, 403, 407, 261, 378], [1, 403], [1, 263, 403, 418, 395, 261, 378, 310, 412, 280], [1, 500], [1, 42]]
     before = STEPS._value.get()
     assert generate(runner, prompts[:1], 60, 16) == [hf_greedy(str(stories_path), prompts[0], 60)]
@@ -72,6 +73,7 @@ def test_compiled_verify_steps_match_hf_greedy_with_drafts_alone_and_among_decod
     assert runner.compiled is not None and runner.compiled.verifies
     assert runner.compiled.direct == (True, True), "a graph is called through dynamo (DirectCall did not bind)"
     assert runner.compiled.runs_one_row == (True, True), "a one-row step runs as two rows"
+    assert runner.compiled.below_wrappers == (True, True), "a graph is called through AOT autograd's wrappers"
     ran = {"verify": 0}
     run_verify = runner.compiled.run_verify
 

@@ -116,8 +116,8 @@ class DirectCall:
         mutates nothing and returns fresh tensors. It records the argument
         list those layers hand inductor in one call and keeps the direct
         route only if each of its arguments is one of ours (a tensor by
-        identity, sizes in order) and the outputs
-        agree bit for bit; else calls keep going through the wrappers."""
+        identity, sizes in order) and the outputs agree bit for bit; else
+        calls keep going through the wrappers."""
         from torch._inductor.output_code import CompiledFxGraph
 
         seen = []

@@ -58,13 +58,14 @@ class SchedulerSettings(BaseSettings):
         "one) up to this many, and none above it, so a loaded server does not pay for verifying drafts it cannot "
         "use. 0 = never speculate.")
     multi_step_decode: int = Field(
-        default=4, ge=1, le=64, description="Multi-step decode: when nothing needs the scheduler between steps "
+        default=8, ge=1, le=64, description="Multi-step decode: when nothing needs the scheduler between steps "
         "(no request waiting, every running request decoding, none constrained, room in the KV pool), one plan "
         "runs up to this many decode steps on the executor, which returns each step's tokens. With speculation "
         "(`EXECUTOR_SPECULATIVE_METHOD`), each step verifies drafts instead, and a request may take as many more "
         "tokens a plan as it may draft per step. "
-        "A new request or a cancel arriving on the executor, or a stop token, ends the run early; tokens past a "
-        "stop string are cut. Output is the same as one step per plan. 1 = off; the default, 4, is chosen by "
+        "A new request or a cancel arriving on the executor, or a stop token, ends the run early (a CPU executor "
+        "running it on its event loop, where nothing arrives meanwhile, ends it after five milliseconds "
+        "instead); tokens past a stop string are cut. Output is the same as one step per plan. 1 = off; the default, 8, is chosen by "
         "measurement (docs/performance.md, P12).")
     multi_step_max_batch: int = Field(
         default=8, ge=0, description="Multi-step decode (`SCHEDULER_MULTI_STEP_DECODE`) only while at most this "

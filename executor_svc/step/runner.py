@@ -414,7 +414,8 @@ class ModelRunner:
         seeded draws, penalties, logprobs, verification) is what one step
         per plan gives. A row stops after a stop token or once a plan
         received meanwhile finishes it, and every row stops once one brings
-        a new request (run_interrupts). Tokens come back grouped by
+        a new request or, run on the event loop, at the run's deadline
+        (run_interrupts). Tokens come back grouped by
         request, in step order; slots not run count as not computed, as
         rejected drafts' do."""
         lookahead = dict(zip(step.draft_handles, step.draft_counts))

@@ -77,9 +77,9 @@ def run_stream(service: ExecutorService, lockstep: bool = False) -> tuple[list[p
     steps = service.steps
     run_step = steps.run
 
-    def recording(plan):
+    def recording(plan, inline=False):
         threads[plan.step_id] = threading.current_thread().name
-        return run_step(plan)
+        return run_step(plan, inline)
 
     answered: asyncio.Queue = asyncio.Queue()
 

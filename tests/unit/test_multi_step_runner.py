@@ -7,6 +7,8 @@ needs the scheduler. Scheduling: test_multi_step.py."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from executor_svc.step.ngram import NgramProposer
@@ -167,6 +169,38 @@ def test_the_step_loop_tells_a_run_what_plans_received_bring():
     assert interrupts.pending()[0] and not interrupts.pending()[1]
     interrupts.started(arrival)
     assert interrupts.pending() == (False, {})
+
+
+def test_a_run_on_the_event_loop_ends_at_its_deadline_and_one_on_the_thread_has_none():
+    """Inline, no plan is received during the run: a deadline
+    (INLINE_RUN_MAX_S) ends it instead, so a waiting arrival is not held
+    for the whole run."""
+    from executor_svc.step import step_loop
+
+    class Clocked:
+        """Runs a multi-step plan's steps, asking pending() before each later one."""
+
+        def __init__(self, loop):
+            self.loop, self.steps = loop, []
+
+        def run(self, plan):
+            self.steps.append(time.perf_counter())
+            while self.loop.interrupts.pending()[0] is False and len(self.steps) < 50:
+                time.sleep(0.002)
+                self.steps.append(time.perf_counter())
+            return plan
+
+    loop = step_loop.StepLoop.__new__(step_loop.StepLoop)
+    loop.interrupts, loop.last_decode_s = step_loop.RunInterrupts(), 0.0
+    loop.executor = Clocked(loop)
+    plan = StepPlan(1, cached_handles=[0], cached_num_scheduled_tokens=[2], draft_handles=[0], draft_counts=[1],
+                    multi_step=True)
+    loop.run(plan, inline=True)
+    took = loop.executor.steps[-1] - loop.executor.steps[0]
+    assert step_loop.INLINE_RUN_MAX_S <= took < step_loop.INLINE_RUN_MAX_S + 0.05, took
+    loop.executor.steps = []
+    loop.run(plan)
+    assert len(loop.executor.steps) == 50, "a run on the step thread got a deadline"
 
 
 def test_lookahead_slots_that_are_not_the_row_s_next_decode_are_refused(runner):

@@ -77,12 +77,16 @@ def restart_executor(services, sig: int = signal.SIGKILL, **env: str) -> None:
 @pytest.fixture(scope="module")
 def gateway_stack(stories_path):
     # A short step timeout: should a restarted executor leave a step
-    # unanswered, the scheduler reconnects instead of waiting 120 s.
+    # unanswered, the scheduler reconnects instead of waiting 120 s. One
+    # step a plan: a request whose multi-step run is in flight when it is
+    # preempted is recomputed, not swapped (Scheduler._should_swap: which of
+    # its slots hold tokens is unknown until the result), so with multi-step
+    # decode how many victims swap depends on timing, and these tests count.
     gs = start_gateway_stack(
         str(stories_path),
         executor_env={"EXECUTOR_NUM_KV_BLOCKS": str(DEVICE_BLOCKS), "EXECUTOR_HOST_KV_CACHE_MEMORY_MB": "4"},
         scheduler_env={"SCHEDULER_PREEMPTION_MODE": "swap", "SCHEDULER_EXECUTOR_RECONNECT_TIMEOUT_S": "60",
-                       "SCHEDULER_STEP_TIMEOUT_S": "10"})
+                       "SCHEDULER_STEP_TIMEOUT_S": "10", "SCHEDULER_MULTI_STEP_DECODE": "1"})
     yield gs
     gs.stop()
 

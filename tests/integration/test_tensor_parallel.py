@@ -37,10 +37,12 @@ def ranks_of(executor: subprocess.Popen) -> list[int]:
 @pytest.fixture(scope="module")
 def tp2(stories_path):
     # With a device pool too small for the 32 concurrent requests and a host
-    # tier, they are preempted by swap: each rank copies its slice.
+    # tier, they are preempted by swap: each rank copies its slice. One step
+    # a plan, as in test_host_kv_tier.py: a victim with a multi-step run in
+    # flight is recomputed, and the swap test counts recomputed tokens.
     services, client = start_services(
         str(stories_path), executor_env={**TP2, "EXECUTOR_NUM_KV_BLOCKS": "64", "EXECUTOR_HOST_KV_CACHE_MEMORY_MB": "2"},
-        scheduler_env={"SCHEDULER_PREEMPTION_MODE": "swap"})
+        scheduler_env={"SCHEDULER_PREEMPTION_MODE": "swap", "SCHEDULER_MULTI_STEP_DECODE": "1"})
     yield services, client
     client.channel.close()
     services.stop()

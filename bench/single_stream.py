@@ -13,8 +13,9 @@ with --multi-step; without it, the scheduler's default). HF: `generate` with max
 = tokens on the same prompt (one thread, KV cache on), timed the same way:
 a stopping criterion stamps each token as it is produced, and time per
 token = (last stamp - first stamp) / (tokens - 1). (Subtracting a separate
-one-token run's time, as before, went negative on a contended host.) The greedy tokens of both sides are compared. Medians over
---repeats runs; the JSON report goes to bench_results/.
+one-token run's time, as before, went negative on a contended host.) The
+greedy tokens of both sides are compared. Medians over --repeats runs; the
+JSON report goes to bench_results/.
 """
 
 from __future__ import annotations

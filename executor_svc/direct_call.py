@@ -49,8 +49,11 @@ class DirectCall:
         # and, for each of its arguments, the position in ours.
         self._inner = None
         self._inner_from: list[int] = []
+        # Where inductor's C++ wrapper takes a size, which it would turn
+        # into a 0-dim tensor on every call (a few µs apiece): those
+        # arguments' positions, filled from a cache of such tensors.
+        self._inner_sizes: list[int] = []
         self._size_tensors: dict[int, torch.Tensor] = {}
-        self._sizes_as_tensors = bool((config_patches or {}).get("cpp_wrapper"))
         self.bound = False
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list):
@@ -167,6 +170,8 @@ class DirectCall:
             log.warning("%s: inductor's direct outputs disagree; calls keep the wrappers", self.name)
             return
         self._inner, self._inner_from = graph.current_callable, inner_from
+        if (self.config_patches or {}).get("cpp_wrapper"):
+            self._inner_sizes = [i for i, a in enumerate(inner_args) if isinstance(a, int)]
 
     @property
     def below_wrappers(self) -> bool:
@@ -188,16 +193,14 @@ class DirectCall:
         args = self._args(inputs)
         if self._inner is not None:
             inner_args = [args[i] for i in self._inner_from]
-            for i, a in enumerate(inner_args):
-                if type(a) is int and self._sizes_as_tensors:
-                    # The generated C++ wrapper takes sizes as 0-dim tensors
-                    # and would make one for each (a few µs apiece).
-                    t = self._size_tensors.get(a)
-                    if t is None:
-                        t = torch.tensor(a)
-                        if len(self._size_tensors) < 4096:
-                            self._size_tensors[a] = t
-                    inner_args[i] = t
+            for i in self._inner_sizes:
+                size = inner_args[i]
+                t = self._size_tensors.get(size)
+                if t is None:
+                    t = torch.tensor(size)
+                    if len(self._size_tensors) < 4096:
+                        self._size_tensors[size] = t
+                inner_args[i] = t
             return tuple(self._inner(inner_args))
         return tuple(self._compiled(*args))
 

@@ -65,8 +65,8 @@ class SchedulerSettings(BaseSettings):
         "tokens a plan as it may draft per step. "
         "A new request or a cancel arriving on the executor, or a stop token, ends the run early (a CPU executor "
         "running it on its event loop, where nothing arrives meanwhile, ends it after five milliseconds "
-        "instead); tokens past a stop string are cut. Output is the same as one step per plan. 1 = off; the default, 8, is chosen by "
-        "measurement (docs/performance.md, P12).")
+        "instead); tokens past a stop string are cut. Output is the same as one step per plan. 1 = off; the "
+        "default, 8, is chosen by measurement (docs/performance.md, P12).")
     multi_step_max_batch: int = Field(
         default=8, ge=0, description="Multi-step decode (`SCHEDULER_MULTI_STEP_DECODE`) only while at most this "
         "many requests run: a larger batch already spreads each step's fixed cost over its rows.")

@@ -191,7 +191,8 @@ def test_plain_greedy_steps_take_the_argmax_without_a_sampling_batch(stories_pat
     assert built == [], "a plain greedy step built a SamplingBatch"
     assert out.logprobs is None
     wants = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=2)
-    out = runner.execute(StepPlan(step_id=10, new_requests=[NewRequestData(1, prompt, list(range(8, 16)), 0, 5, wants, 0)],
-                                  cached_handles=[0], cached_num_scheduled_tokens=[1]))
+    wanting = NewRequestData(1, prompt, list(range(8, 16)), 0, 5, wants, 0)
+    out = runner.execute(StepPlan(step_id=10, new_requests=[wanting], cached_handles=[0],
+                                  cached_num_scheduled_tokens=[1]))
     assert built, "a step with a logprobs row did not go through SamplingBatch"
     assert out.logprobs is not None and len(out.logprobs) == 2

@@ -65,3 +65,24 @@ def step_inputs(r: RequestRows, rows: np.ndarray, start: np.ndarray, q: np.ndarr
     )
     return StepInputs(cu, input_ids, to_device(input_ids.astype(np.int64), device), to_device(positions, device),
                       meta, max_blocks)
+
+
+def decode_inputs(r: RequestRows, rows: np.ndarray, start: np.ndarray
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A CPU decode step's inputs for the compiled graph (compiled_decode.py),
+    rows[i] (ascending) computing its token at position start[i]: token ids,
+    positions, KV slots (int64, [n] each), the block table ([n, blocks
+    read], int64, as the graph indexes with it) and the rows' lengths (int32,
+    [n]). Host arrays, shared with the tensors: no attention metadata, whose
+    host lists and device copies only the eager backends read."""
+    block_size = r.block_size
+    input_ids = r.token_ids[rows, start].astype(np.int64)
+    slot_mapping = r.block_table_host[rows, start // block_size].astype(np.int64) * block_size + start % block_size
+    width = -(-(int(start.max()) + 1) // block_size)
+    first = int(rows[0])
+    if int(rows[-1]) - first + 1 == len(rows):
+        block_ids = r.block_table_host[first : first + len(rows), :width]
+    else:
+        block_ids = r.block_table_host[rows, :width]
+    return (torch.from_numpy(input_ids), torch.from_numpy(start), torch.from_numpy(slot_mapping),
+            torch.from_numpy(block_ids.astype(np.int64)), torch.from_numpy((start + 1).astype(np.int32)))

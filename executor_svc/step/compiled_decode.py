@@ -316,9 +316,9 @@ class CompiledDecode:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             block_tables: torch.Tensor, seq_lens: torch.Tensor, stance: str = "fail_on_recompile") -> torch.Tensor:
         """Logits [n, vocab] of a decode step, one token per row, whose K/V
-        it writes at slot_mapping. block_tables: [n, width] (entries past a
-        row's blocks may be any valid block id: they are masked); seq_lens:
-        [n], each row's length with its new token."""
+        it writes at slot_mapping (int64). block_tables: [n, width], int32 or
+        int64 (entries past a row's blocks may be any valid block id: they
+        are masked); seq_lens: [n], each row's length with its new token."""
         n, width = block_tables.shape
         if width < 2:
             block_tables = torch.cat([block_tables, block_tables], dim=1)
@@ -346,7 +346,7 @@ class CompiledDecode:
             # never comes here, runner.py). Evaluating them cost about 35 µs
             # a step on stories260K, a tenth of the compiled step.
             logits, new_kv = self._call(self._direct, self._graph, inputs)
-        self.slots[:, :, slot_mapping] = new_kv[:, :, :n]
+        self.slots.index_copy_(2, slot_mapping, new_kv[:, :, :n])
         return logits[:n]
 
     def run_verify(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -386,5 +386,5 @@ class CompiledDecode:
             self._one_row[1] = self._runs_one_row(self._direct_verify, inputs, (logits, new_kv), q_len)
         else:  # as run()'s: one graph, one caller, guards fixed here
             logits, new_kv = self._call(self._direct_verify, self._verify_graph, inputs)
-        self.slots[:, :, slot_mapping] = new_kv[:, :, padded]
+        self.slots.index_copy_(2, slot_mapping, new_kv[:, :, padded])
         return logits[padded]

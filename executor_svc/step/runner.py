@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from executor_svc.attention import AttentionBackend, AttentionMetadata
-from executor_svc.step.batch import step_inputs
+from executor_svc.step.batch import decode_inputs, step_inputs
 from executor_svc.step.compiled_decode import STEPS as COMPILED_STEPS
 from executor_svc.step.compiled_decode import CompiledDecode
 from executor_svc.step.constraints import ConstraintMatchers, MaskJob
@@ -343,7 +343,9 @@ class ModelRunner:
             r.token_ids[row, n:n + len(f)] = f
             drafts[i] = len(f)
 
-    def _check(self, rows: np.ndarray, q: np.ndarray, start: np.ndarray, end: np.ndarray, drafts: np.ndarray) -> None:
+    def _check(self, rows: np.ndarray, q: np.ndarray, start: np.ndarray, end: np.ndarray,
+               drafts: np.ndarray) -> np.ndarray:
+        """Refuses counts the rows cannot take; returns the rows' known token counts."""
         r = self.rows
         n_known = r.num_tokens[rows]
         # One combined test of the counts, which a valid plan passes; only
@@ -371,6 +373,7 @@ class ModelRunner:
                 i = int(bad.argmax())
                 raise PlanError(f"handle {r.handle[rows[i]]}: {drafts[i]} drafts, but the step is not its next "
                                 "token and the drafts after it")
+        return n_known
 
     def _swap(self, step: StepPlan) -> SwapResult | None:
         """The plan's copies between the tiers, before anything reads or
@@ -472,6 +475,7 @@ class ModelRunner:
             if h not in tokens and h not in failed:
                 raise PlanError(f"handle {h}: lookahead slots, but its step does not sample (not a decode)")
         left = still_running(lookahead, new, failed)
+        rows_of = {h: self.rows.row_of(h) for h in left}
         while left:
             if self.tp is None and self.run_interrupts is not None:
                 arrival, finished = self.run_interrupts()
@@ -481,9 +485,13 @@ class ModelRunner:
                 if not left:
                     break
             drafts = step_drafts(left)
-            sub = self._execute_step(StepPlan(step.step_id, cached_handles=list(left),
-                                              cached_num_scheduled_tokens=[1 + drafts.get(h, 0) for h in left],
-                                              draft_handles=list(drafts), draft_counts=list(drafts.values())))
+            # A step of rows the first one already placed: no diffs to apply,
+            # nothing to swap or load (the plan's own step did that).
+            t0 = time.perf_counter_ns()
+            order = sorted(left, key=rows_of.__getitem__)
+            sub = self._step_rows(step.step_id, np.array([rows_of[h] for h in order], dtype=np.int64),
+                                  np.array([1 + drafts.get(h, 0) for h in order], dtype=np.int64),
+                                  np.array([drafts.get(h, 0) for h in order], dtype=np.int64), t0)
             new = collect(sub)
             result.prepare_ns += sub.prepare_ns
             result.forward_ns += sub.forward_ns
@@ -510,12 +518,23 @@ class ModelRunner:
                               lora_load_ns=lora_ns, lora_disk_reads=lora_disk)
         # The batch runs in row order: when its rows are contiguous, as in a
         # steady decode, the block table is a view of the persistent one.
-        order = np.argsort(rows, kind="stable")
-        rows, q, drafts = rows[order], q[order], drafts[order]
+        if len(rows) > 1:
+            order = np.argsort(rows, kind="stable")
+            rows, q, drafts = rows[order], q[order], drafts[order]
+        return self._step_rows(step.step_id, rows, q, drafts, t0, swaps, lora_ns, lora_disk)
+
+    def _step_rows(self, step_id: int, rows: np.ndarray, q: np.ndarray, drafts: np.ndarray, t0: int,
+                   swaps: SwapResult | None = None, lora_ns: int = 0, lora_disk: int = 0) -> StepResult:
+        """One forward of rows (ascending, at least one) computing q[i]
+        tokens each from where they stand, rows[i] allowed drafts[i] drafts:
+        the step once the plan's diffs, swaps and adapter loads are applied.
+        t0: when the step's preparation began."""
         r, dev = self.rows, self.device
         start = r.num_computed[rows]
         end = start + q
-        self._check(rows, q, start, end, drafts)
+        n_known = self._check(rows, q, start, end, drafts)
+        if self._decodes_compiled(rows, q, end, n_known, drafts):
+            return self._compiled_decode_step(step_id, rows, start, t0, swaps, lora_ns, lora_disk)
         allowed = np.flatnonzero(drafts)
         if len(allowed):
             # The plan allows drafts[i]; the row verifies what the proposer
@@ -577,7 +596,8 @@ class ModelRunner:
         if self.graphs is not None and decode_only and len(rows) <= self.graphs.max_batch:
             logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
         elif self.compiled is not None and decode_only and self.compiled.fits(len(rows), max_blocks):
-            logits = self._run_compiled(ids_t, positions_t, meta)  # [n, vocab], or None: run eagerly
+            logits = self._run_compiled(ids_t, positions_t, meta.slot_mapping, meta.block_tables,
+                                        meta.seq_lens)  # [n, vocab], or None: run eagerly
         elif (self.compiled is not None and self.compiled.verifies and verify_only
               and self.compiled.fits(len(rows), max_blocks)):
             token_logits = self._run_compiled_verify(ids_t, positions_t, meta, q)  # or None: run eagerly
@@ -609,19 +629,7 @@ class ModelRunner:
         logprobs = None
         errors: list[tuple[int, str]] = []
         if len(sample_rows):
-            handles = r.handle[sample_rows].tolist()
-            if self.tp is not None and self.tp.rank != 0:
-                tokens = self.tp.share_tokens(None, len(sample_rows))
-            else:
-                tokens, logprobs, errors = self._sample(logits, sample_rows, handles, masks)
-            n_known = r.num_tokens[sample_rows]
-            r.token_ids[sample_rows, n_known] = tokens
-            r.num_tokens[sample_rows] = n_known + 1
-            r.num_output[sample_rows] += 1
-            slots = r.penalty_slot[sample_rows]  # [n], -1 = no penalties
-            counted = slots >= 0
-            if counted.any():
-                r.counts.record(slots[counted], np.asarray(tokens, dtype=np.int64)[counted])
+            handles, tokens, logprobs, errors = self._take_samples(logits, sample_rows, masks)
         num_accepted: dict[int, int] = {}  # by row: drafts each verifying row accepted
         for row, accepted, accepted_logprobs in verified:
             n, m = int(r.num_tokens[row]), len(accepted)
@@ -647,11 +655,74 @@ class ModelRunner:
         if swaps is not None:
             self.host_kv.finish(swaps)  # long done: the forward waited for them
         t3 = time.perf_counter_ns()
-        return StepResult(step.step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2,
+        return StepResult(step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, t3 - t2,
                           errors + verify_errors, swaps, prompt_logprobs=prompt_logprobs, embeddings=embeddings,
                           verified_drafts=[(int(r.handle[row]), int(d), num_accepted.get(int(row), 0))
                                            for row, d in zip(rows[allowed], drafts[allowed])],
                           lora_load_ns=lora_ns, lora_disk_reads=lora_disk)
+
+    def _take_samples(self, logits: torch.Tensor, rows: np.ndarray, masks: MaskJob | None
+                      ) -> tuple[list[int], list[int], list | None, list[tuple[int, str]]]:
+        """Draws each of rows' next token from its logits and appends it to
+        the row. Returns the rows' handles, their tokens, logprobs (or None)
+        and the rows whose constraint failed."""
+        r = self.rows
+        handles = r.handle[rows].tolist()
+        logprobs, errors = None, []
+        if self.tp is not None and self.tp.rank != 0:
+            tokens = self.tp.share_tokens(None, len(rows))
+        else:
+            tokens, logprobs, errors = self._sample(logits, rows, handles, masks)
+        n_known = r.num_tokens[rows]
+        r.token_ids[rows, n_known] = tokens
+        r.num_tokens[rows] = n_known + 1
+        r.num_output[rows] += 1
+        slots = r.penalty_slot[rows]  # [n], -1 = no penalties
+        counted = slots >= 0
+        if counted.any():
+            r.counts.record(slots[counted], np.asarray(tokens, dtype=np.int64)[counted])
+        return handles, tokens, logprobs, errors
+
+    def _decodes_compiled(self, rows: np.ndarray, q: np.ndarray, end: np.ndarray, n_known: np.ndarray,
+                          drafts: np.ndarray) -> bool:
+        """Whether the step is a plain decode of the compiled CPU graph: each
+        row computes its last known token and samples the next, none drafts,
+        reads prompt positions (prompt logprobs, pooling) or has an adapter,
+        and no proposer reads the hidden states. _step_rows' general path
+        would take the same graph; this one only builds less on the way."""
+        r = self.rows
+        if (self.compiled is None or self.graphs is not None or self.observes or self.fail_on_token >= 0
+                or not self.compiled.fits(len(rows), -(-int(end.max()) // r.block_size))):
+            return False
+        plain = (q == 1) & (end == n_known) & (drafts == 0) & ~r.embed[rows] & (r.prompt_logprobs[rows] < 0)
+        if self.lora is not None:
+            plain &= r.adapter[rows] < 0
+        return bool(plain.all())
+
+    def _compiled_decode_step(self, step_id: int, rows: np.ndarray, start: np.ndarray, t0: int,
+                              swaps: SwapResult | None, lora_ns: int, lora_disk: int) -> StepResult:
+        """_step_rows for a step _decodes_compiled accepts: its inputs come
+        straight from the rows' host arrays (batch.decode_inputs), without
+        the attention metadata the eager backends need. If the graph fails,
+        the step runs on the general path (eagerly, from then on)."""
+        r = self.rows
+        ids, positions, slot_mapping, block_ids, seq_lens = decode_inputs(r, rows, start)
+        # Constrained rows' masks are computed while the forward runs, as on the general path.
+        masks = None if self.constraints is None else self.constraints.begin(r.handle[rows].tolist())
+        t1 = time.perf_counter_ns()
+        logits = self._run_compiled(ids, positions, slot_mapping, block_ids, seq_lens)
+        if logits is None:
+            if masks is not None:
+                masks.future.result()  # the general path starts its own
+            return self._step_rows(step_id, rows, np.ones(len(rows), dtype=np.int64), np.zeros(len(rows), np.int64),
+                                   t0, swaps, lora_ns, lora_disk)
+        t2 = time.perf_counter_ns()
+        r.num_computed[rows] = start + 1
+        handles, tokens, logprobs, errors = self._take_samples(logits, rows, masks)
+        if swaps is not None:
+            self.host_kv.finish(swaps)  # long done: the forward waited for them
+        return StepResult(step_id, handles, tokens, logprobs, t1 - t0, t2 - t1, time.perf_counter_ns() - t2, errors,
+                          swaps, lora_load_ns=lora_ns, lora_disk_reads=lora_disk)
 
     def _verify(self, logits_at: Callable[[torch.Tensor], torch.Tensor], rows: np.ndarray, first: np.ndarray,
                 drafts: np.ndarray, masks: MaskJob | None) -> tuple[list[Verified], list[tuple[int, str]]]:
@@ -779,11 +850,12 @@ class ModelRunner:
                 out.append((int(r.handle[row]), self.pooling.finish(vector)))
         return out
 
-    def _run_compiled(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+    def _run_compiled(self, ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:
         """Logits from the compiled decode graph; None (and eager from now on)
         if it would have to compile again."""
         try:
-            logits = self.compiled.run(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+            logits = self.compiled.run(ids, positions, slot_mapping, block_tables, seq_lens)
         except Exception:
             log.exception("the compiled decode step failed; decode steps run eagerly from now on")
             self.compiled = None

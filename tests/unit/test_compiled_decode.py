@@ -6,6 +6,8 @@ each generation mixes both paths over one KV cache."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -138,3 +140,44 @@ def test_auto_compiles_only_a_tiny_dense_model_on_one_cpu_rank(stories_path, mon
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)
     assert check_torch_compile("auto", cpu, 1, tiny) is False, "no C++ compiler: eager"
+
+
+def test_the_compiled_decode_fast_path_samples_as_the_general_path_does(stories_path, monkeypatch):
+    """Plain decode steps of the compiled graph build their inputs straight
+    from the request rows (ModelRunner._compiled_decode_step); constrained,
+    seeded, penalised and logprob-wanting rows must come out of it exactly
+    as out of the general path, which runs the same graph."""
+    from llguidance import LLMatcher
+
+    from executor_svc.step.constraints import ConstraintMatchers
+    from executor_svc.step.sampler import SamplingSettings
+    from tests.unit.test_constraints import EOS, VOCAB, run, text_of
+
+    runner = make_runner(str(stories_path), num_blocks=128, torch_compile=True)
+    runner.constraints = ConstraintMatchers((stories_path / "tokenizer.json").read_text(), VOCAB, [EOS])
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 1, "maximum": 99}},
+              "required": ["age"], "additionalProperties": False}
+    grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+    greedy = SamplingSettings(0.0, 1.0, 0, None, 0)
+    penalised = SamplingSettings(0.8, 0.9, 0, 7, 2, presence_penalty=0.5, frequency_penalty=0.3,
+                                 repetition_penalty=1.2, logit_bias=((400, 2.0),))
+    requests = {0: ([1, 403, 407, 261, 378], grammar, greedy), 1: ([1, 300, 301, 302], None, penalised),
+                2: ([1, 403, 407], None, greedy), 3: ([1, 50], None, SamplingSettings(0.0, 1.0, 0, None, 3))}
+    fast = {"steps": 0}
+    step = runner._compiled_decode_step
+
+    def counting(*args, **kwargs):
+        fast["steps"] += 1
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_compiled_decode_step", counting)
+    got, got_logprobs = run(runner, requests, max_new=30)
+    assert fast["steps"] > 0, "no decode step took the fast path"
+    monkeypatch.setattr(runner, "_decodes_compiled", lambda *args: False)
+    compiled_before = STEPS._value.get()
+    want, want_logprobs = run(runner, requests, max_new=30)
+    assert STEPS._value.get() > compiled_before, "the general path ran no decode step compiled"
+    assert got == want, "tokens differ between the fast path and the general path"
+    assert got_logprobs == want_logprobs, "logprobs differ between the fast path and the general path"
+    assert got[0][-1] == EOS and json.loads(text_of(runner, got[0])).keys() == {"age"}
+    assert runner.compiled is not None, "the compiled step failed and the runner fell back to eager"

@@ -85,6 +85,7 @@ async def serve(settings: ExecutorSettings) -> None:
     srv.start_metrics_server(settings.metrics_port, settings.host, "EXECUTOR_METRICS_PORT")
     tracing = setup_tracing("executor")
     service = ExecutorService(settings, tracing, load(settings))
+    log.info("start-up done: %d objects moved out of the garbage collector's reach", srv.freeze_start_up_objects())
     server, port, health = srv.create_server(
         f"{settings.host}:{settings.port}",
         "EXECUTOR_PORT",
@@ -124,7 +125,9 @@ def main() -> None:
         settings = load_settings(ExecutorSettings)
         logs.setup("executor", settings.log_level, settings.log_format)
         if is_worker_rank(settings):
-            run_worker(load(settings))  # tensor-parallel rank > 0: no gRPC, no metrics
+            loaded = load(settings)
+            srv.freeze_start_up_objects()
+            run_worker(loaded)  # tensor-parallel rank > 0: no gRPC, no metrics
         else:
             asyncio.run(serve(settings))
     except StartupError as exc:

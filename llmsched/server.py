@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -181,3 +182,18 @@ def exit_now(code: int) -> NoReturn:
     for handler in logging.getLogger().handlers:
         handler.flush()
     os._exit(code)
+
+
+def freeze_start_up_objects() -> int:
+    """Collects once, then moves every object alive after start-up (the
+    model's modules, compiled graphs, tokenizers, imported libraries) into
+    the collector's permanent generation: its collections then walk only
+    what serving allocates, not the hundreds of thousands of objects that
+    live as long as the process. Each step allocates Python objects, so
+    collections run during steps; on stories260K's compiled decode graph,
+    called in a loop in process, they took about a tenth of each call
+    (perf: gc_collect_main and its visits), and freezing cut the call from
+    189-228 to 174-181 µs. Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -59,7 +59,8 @@ async def serve(settings: SchedulerSettings) -> int:
     stop = asyncio.Event()
     srv.install_stop_signals(stop)
     await server.start()
-    log.info("scheduler listening on %s:%d; connecting to executor at %s", settings.host, port, settings.executor_address)
+    log.info("scheduler listening on %s:%d; connecting to executor at %s (%d start-up objects moved out of the "
+             "garbage collector's reach)", settings.host, port, settings.executor_address, srv.freeze_start_up_objects())
     start = asyncio.create_task(engine.start())
     stop_wait = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)

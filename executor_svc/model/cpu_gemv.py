@@ -56,6 +56,12 @@ def _gemv_body(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [1, K] times weight [N, K] transposed: F.linear(x, weight) for one row."""
+    if isinstance(weight, nn.Parameter):
+        # Dynamo gives a parameter static sizes (its config's
+        # force_parameter_static_shapes): a GEMV first traced with a layer's
+        # weight would serve that layer's shape only, and every other layer
+        # would fail its size check. A detached view is a plain tensor.
+        weight = weight.detach()
     entry = _compiled.get(weight.dtype)
     plain = x.dtype == weight.dtype and x.is_contiguous() and weight.is_contiguous()
     if entry is not None and entry[1].bound and plain:

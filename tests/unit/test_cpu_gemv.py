@@ -42,6 +42,16 @@ def medium(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.fixture(autouse=True)
+def fresh_gemv():
+    """Each test compiles the GEMV afresh: what the first call passes
+    decides the graph, and a graph left by another test would hide that."""
+    cpu_gemv._compiled.clear()
+    yield
+    cpu_gemv._compiled.clear()
+    torch._dynamo.reset()
+
+
 def build(path: Path, dtype: torch.dtype = torch.float32):
     ckpt = load_checkpoint(str(path))
     cfg = read_config(ckpt.hf_config)
@@ -63,6 +73,23 @@ def test_gemv_computes_what_f_linear_does_for_one_row(dtype, rtol):
         assert (got.float() - want.float()).abs().max().item() <= rtol * want.float().abs().max().item(), (n, k)
         # The first call bound the compiled GEMV: later ones skip dynamo.
         assert cpu_gemv.calls_direct(dtype), "the GEMV is called through dynamo (DirectCall did not bind)"
+
+
+def test_one_gemv_first_called_with_a_layer_s_parameter_serves_every_other_shape():
+    """Layers hold their weights as parameters, to which dynamo gives
+    static sizes; the graph must still serve every layer's shape (it
+    served only the first one's, and every other layer's step failed)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1024, generator=g).bfloat16()
+    for n in (4096, 3072, 151936 // 8):
+        w = torch.nn.Parameter(torch.randn(n, 1024, generator=g).bfloat16(), requires_grad=False)
+        got, want = cpu_gemv.gemv(x, w).float(), torch.nn.functional.linear(x, w).float()
+        assert got.shape == want.shape, n
+        assert (got - want).abs().max().item() <= 1e-2 * want.abs().max().item(), n
+        assert cpu_gemv.calls_direct(torch.bfloat16), "the GEMV is called through dynamo (DirectCall did not bind)"
+    k = torch.nn.Parameter(torch.randn(512, 3072, generator=g).bfloat16(), requires_grad=False)
+    xk = torch.randn(1, 3072, generator=g).bfloat16()
+    assert torch.allclose(cpu_gemv.gemv(xk, k).float(), torch.nn.functional.linear(xk, k).float(), rtol=1e-2, atol=0.5)
 
 
 def test_only_large_unquantized_weights_take_the_gemv_and_off_or_invariant_turn_it_off(medium):

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
-from executor_svc.model.cpu_gemv import gemv
+from executor_svc.model.cpu_gemv import linear as cpu_gemv_linear
 from executor_svc.model.cpu_int_linear import CpuIntWeights
 from executor_svc.model.model_config import LinearScheme, QuantSpec, UnsupportedConfig
 from executor_svc.model.quant_formats import (
@@ -187,8 +187,10 @@ class _Linear(nn.Module):
     # The LoRA adapters' deltas on this layer (lora.LoraLinear), or None:
     # a model without adapters runs exactly the base layer.
     lora = None
-    # One-row products through cpu_gemv.gemv (set by cpu_gemv.use_cpu_gemv).
+    # Products of up to cpu_gemv_rows rows through cpu_gemv.linear (both set
+    # by cpu_gemv.use_cpu_gemv).
     use_cpu_gemv = False
+    cpu_gemv_rows = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
@@ -197,8 +199,8 @@ class _Linear(nn.Module):
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         scheme = self.scheme
         if scheme is None:
-            if self.use_cpu_gemv and x.dim() == 2 and x.shape[0] == 1:
-                y = gemv(x, self.weight)
+            if self.use_cpu_gemv and x.dim() == 2 and x.shape[0] <= self.cpu_gemv_rows:
+                y = cpu_gemv_linear(x, self.weight)
                 return y if self.bias is None else y + self.bias
             return F.linear(x, self.weight, self.bias)
         act = scheme.activations
@@ -448,14 +450,15 @@ class VocabEmbedding(VocabParallel, nn.Embedding):
 
 class VocabHead(VocabParallel, nn.Linear):
     use_cpu_gemv = False  # as _Linear's
+    cpu_gemv_rows = 1
 
     def __init__(self, vocab_size: int, hidden: int, first: int, end: int):
         nn.Linear.__init__(self, hidden, end - first, bias=False)
         self._init_vocab(vocab_size, first, end)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_cpu_gemv and x.dim() == 2 and x.shape[0] == 1:
-            return gemv(x, self.weight)
+        if self.use_cpu_gemv and x.dim() == 2 and x.shape[0] <= self.cpu_gemv_rows:
+            return cpu_gemv_linear(x, self.weight)
         return super().forward(x)
 
 

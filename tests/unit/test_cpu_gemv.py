@@ -109,9 +109,9 @@ def test_one_request_on_the_gemv_serves_hfs_greedy_tokens(medium, monkeypatch):
 
     def counted(x, w):
         calls.append(tuple(w.shape))
-        return cpu_gemv.gemv(x, w)
+        return cpu_gemv.linear(x, w)
 
-    monkeypatch.setattr(layers_module, "gemv", counted)
+    monkeypatch.setattr(layers_module, "cpu_gemv_linear", counted)
     cfg, model = build(medium)
     assert cpu_gemv.use_cpu_gemv(model) > 0
     runner = ModelRunner(model, KVCachePool(cfg, 64, BLOCK, torch.device("cpu"), torch.float32),
@@ -121,3 +121,55 @@ def test_one_request_on_the_gemv_serves_hfs_greedy_tokens(medium, monkeypatch):
         assert want.min_margin > 1e-3, "the oracle's own greedy path is too close to a tie to compare"
         assert generate(runner, [prompt], 12, 7) == [want.tokens], f"prompt {prompt}"
     assert (2048, 512) in calls and (4096, 512) in calls, "the head and gate_up never took the GEMV"
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 16, 17, 40, 64, 65, 130])
+def test_several_rows_in_bf16_compute_what_f_linear_does(rows, monkeypatch):
+    """cpu_gemv.linear past one row: passes of 8 rows (4 for a last pass of
+    4 or fewer, padded with zero rows) up to ROWS_MAX rows, float32 blocks of
+    the weight past it (made small here, so that a weight spans several),
+    over weights of several shapes held as parameters."""
+    monkeypatch.setattr(cpu_gemv, "F32_BLOCK_ELEMENTS", 300 * 1024)
+    g = torch.Generator().manual_seed(rows)
+    for n, k in [(1536, 1024), (1000, 2048)]:
+        w = torch.nn.Parameter(torch.randn(n, k, generator=g).bfloat16(), requires_grad=False)
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        got, want = cpu_gemv.linear(x, w), torch.nn.functional.linear(x, w)
+        assert got.shape == want.shape and got.dtype == torch.bfloat16, (rows, n, k)
+        # Both sum bf16 products in float32, in another order: the outputs differ by bf16's rounding.
+        assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2 * want.float().abs().max().item()), \
+            (rows, n, k)
+    for passed in cpu_gemv.ROWS_PER_PASS:
+        entry = cpu_gemv._compiled_rows.get((torch.bfloat16, passed))
+        assert entry is None or entry[1].bound, f"the {passed}-row pass is called through dynamo (DirectCall did not bind)"
+
+
+def test_without_a_native_bf16_gemm_bf16_layers_take_several_row_passes_and_compute_the_same(medium, monkeypatch):
+    """On a CPU whose bf16 GEMM is not native (AVX2: each row costs a
+    GEMV's time), steps of up to ROWS_MAX rows go through the passes; the
+    layer's outputs stay those of torch's GEMM within bf16's rounding."""
+    monkeypatch.setattr(cpu_gemv, "native_bf16_gemm", lambda: False)
+    _, model = build(medium, torch.bfloat16)
+    assert cpu_gemv.use_cpu_gemv(model) == 5
+    mlp = model.model.layers[0].mlp
+    assert mlp.gate_up_proj.cpu_gemv_rows == mlp.down_proj.cpu_gemv_rows > cpu_gemv.ROWS_MAX
+    assert model.model.layers[0].self_attn.qkv_proj.cpu_gemv_rows == 1, "a layer too small for the GEMV was marked"
+    calls = []
+
+    def counted(x, w):
+        calls.append(x.shape[0])
+        return cpu_gemv.linear(x, w)
+
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.inference_mode():
+        monkeypatch.setattr(layers_module, "cpu_gemv_linear", counted)
+        got = mlp(x)
+        for layer in (mlp.gate_up_proj, mlp.down_proj):
+            layer.use_cpu_gemv = False
+        want = mlp(x)
+    assert calls == [6, 6], "the MLP's two linears did not take the several-row passes"
+    assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.float().abs().max().item())
+    monkeypatch.setattr(cpu_gemv, "native_bf16_gemm", lambda: True)
+    _, native = build(medium, torch.bfloat16)
+    cpu_gemv.use_cpu_gemv(native)
+    assert native.model.layers[0].mlp.gate_up_proj.cpu_gemv_rows == 1, "a native bf16 GEMM was passed over"

@@ -1,4 +1,5 @@
-"""One-row CPU linears through the inductor GEMV (executor_svc/model/cpu_gemv.py).
+"""CPU linears through the inductor GEMV (executor_svc/model/cpu_gemv.py):
+one row, and in bf16 without a native bf16 GEMM several rows.
 
 Oracles: F.linear on the same weights (within the dtype's rounding: the
 GEMV sums in another order), and HF's greedy tokens on a random Llama
@@ -47,8 +48,10 @@ def fresh_gemv():
     """Each test compiles the GEMV afresh: what the first call passes
     decides the graph, and a graph left by another test would hide that."""
     cpu_gemv._compiled.clear()
+    cpu_gemv._compiled_rows.clear()
     yield
     cpu_gemv._compiled.clear()
+    cpu_gemv._compiled_rows.clear()
     torch._dynamo.reset()
 
 

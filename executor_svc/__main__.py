@@ -85,7 +85,8 @@ async def serve(settings: ExecutorSettings) -> None:
     srv.start_metrics_server(settings.metrics_port, settings.host, "EXECUTOR_METRICS_PORT")
     tracing = setup_tracing("executor")
     service = ExecutorService(settings, tracing, load(settings))
-    log.info("start-up done: %d objects moved out of the garbage collector's reach", srv.freeze_start_up_objects())
+    frozen = srv.freeze_start_up_objects()
+    log.info("start-up done: %d objects moved out of the garbage collector's reach", frozen)
     server, port, health = srv.create_server(
         f"{settings.host}:{settings.port}",
         "EXECUTOR_PORT",

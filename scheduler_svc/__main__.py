@@ -59,8 +59,9 @@ async def serve(settings: SchedulerSettings) -> int:
     stop = asyncio.Event()
     srv.install_stop_signals(stop)
     await server.start()
+    frozen = srv.freeze_start_up_objects()
     log.info("scheduler listening on %s:%d; connecting to executor at %s (%d start-up objects moved out of the "
-             "garbage collector's reach)", settings.host, port, settings.executor_address, srv.freeze_start_up_objects())
+             "garbage collector's reach)", settings.host, port, settings.executor_address, frozen)
     start = asyncio.create_task(engine.start())
     stop_wait = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)

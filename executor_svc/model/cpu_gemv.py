@@ -76,26 +76,34 @@ def _gemv_body(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x[:, None, :].float() * weight[None].float()).sum(-1).to(x.dtype)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, K] times weight [N, K] transposed: F.linear(x, weight) for one row."""
+def _call(cache: dict, key, name: str, body: Callable, x: torch.Tensor, weight: torch.Tensor,
+          plain: bool) -> torch.Tensor:
+    """body(x, weight), compiled once per key with dynamic shapes and, once
+    its first plain call (operands of the bound dtypes, contiguous) has
+    bound it, called without dynamo for plain operands."""
     if isinstance(weight, nn.Parameter):
         # Dynamo gives a parameter static sizes (its config's
-        # force_parameter_static_shapes): a GEMV first traced with a layer's
+        # force_parameter_static_shapes): a graph first traced with a layer's
         # weight would serve that layer's shape only, and every other layer
         # would fail its size check. A detached view is a plain tensor.
         weight = weight.detach()
-    entry = _compiled.get(weight.dtype)
-    plain = x.dtype == weight.dtype and x.is_contiguous() and weight.is_contiguous()
+    entry = cache.get(key)
     if entry is not None and entry[1].bound and plain:
         return entry[1].call((x, weight))[0]
     if entry is None:
-        direct = DirectCall(f"CPU GEMV ({weight.dtype})")
-        entry = _compiled[weight.dtype] = (torch.compile(_gemv_body, dynamic=True, backend=direct.backend), direct)
+        direct = DirectCall(name)
+        entry = cache[key] = (torch.compile(body, dynamic=True, backend=direct.backend), direct)
         out = entry[0](x, weight)
         if plain:
             direct.bind((x, weight), out)
         return out
     return entry[0](x, weight)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [1, K] times weight [N, K] transposed: F.linear(x, weight) for one row."""
+    plain = x.dtype == weight.dtype and x.is_contiguous() and weight.is_contiguous()
+    return _call(_compiled, weight.dtype, f"CPU GEMV ({weight.dtype})", _gemv_body, x, weight, plain)
 
 
 def _rows_body(rows: int) -> Callable:
@@ -110,29 +118,13 @@ def _rows_body(rows: int) -> Callable:
     return body
 
 
-def _rows_pass(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] float32 (rows in ROWS_PER_PASS) times weight transposed: one pass over the weight."""
-    key = (weight.dtype, x.shape[0])
-    entry = _compiled_rows.get(key)
-    if entry is not None and entry[1].bound:
-        return entry[1].call((x, weight))[0]
-    if entry is None:
-        direct = DirectCall(f"CPU {x.shape[0]}-row GEMM ({weight.dtype})")
-        entry = _compiled_rows[key] = (torch.compile(_rows_body(x.shape[0]), dynamic=True, backend=direct.backend),
-                                       direct)
-        out = entry[0](x, weight)
-        direct.bind((x, weight), out)
-        return out
-    return entry[0](x, weight)
-
-
 def gemm_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) for x [M, K] of 2 to ROWS_MAX rows: passes of 8
     rows over the weight (4 for a last pass of 4 or fewer), a short one
-    padded with zero rows whose outputs are dropped."""
-    if isinstance(weight, nn.Parameter):
-        weight = weight.detach()  # as in gemv: a parameter would get static sizes
+    padded with zero rows whose outputs are dropped. Each pass is one
+    compiled _rows_body per (dtype, rows); its rows are contiguous float32."""
     m = x.shape[0]
+    plain = weight.is_contiguous()
     x32 = x.float().contiguous()
     outs = []
     for start in range(0, m, ROWS_PER_PASS[-1]):
@@ -140,7 +132,8 @@ def gemm_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = next(r for r in ROWS_PER_PASS if r >= len(chunk))
         if len(chunk) < rows:
             chunk = torch.cat([chunk, chunk.new_zeros(rows - len(chunk), chunk.shape[1])])
-        outs.append(_rows_pass(chunk, weight))
+        outs.append(_call(_compiled_rows, (weight.dtype, rows), f"CPU {rows}-row GEMM ({weight.dtype})",
+                          _rows_body(rows), chunk, weight, plain))
     return torch.cat(outs)[:m].to(x.dtype)
 
 
@@ -163,8 +156,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return gemv(x, weight)
     if x.shape[0] > ROWS_MAX:
         return gemm_f32(x, weight)
-    if not weight.is_contiguous():  # the compiled passes are called without guards: for their layout only
-        return torch.nn.functional.linear(x, weight)
     return gemm_rows(x, weight)
 
 

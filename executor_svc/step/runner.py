@@ -691,7 +691,7 @@ class ModelRunner:
         and no proposer reads the hidden states. _step_rows' general path
         would take the same graph; this one only builds less on the way."""
         r = self.rows
-        if (self.compiled is None or self.graphs is not None or self.observes or self.fail_on_token >= 0
+        if (self.compiled is None or self.observes or self.fail_on_token >= 0
                 or not self.compiled.fits(len(rows), -(-int(end.max()) // r.block_size))):
             return False
         plain = (q == 1) & (end == n_known) & (drafts == 0) & ~r.embed[rows] & (r.prompt_logprobs[rows] < 0)

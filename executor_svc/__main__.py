@@ -7,13 +7,12 @@ import os
 from llmsched import cpus
 from llmsched.errors import StartupError, exit_with
 
-# Before anything loads torch: libgomp reads its wait policy once, and the
-# threads torch starts inherit this process's cores (llmsched/cpus.py).
-cpus.sleeping_openmp()
 # Compiled decode steps (EXECUTOR_TORCH_COMPILE) are cached across restarts
 # in a directory of our own, not in /tmp where inductor puts them.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmsched", "inductor"))
+# Before anything loads torch: the threads torch starts inherit this
+# process's cores (llmsched/cpus.py).
 try:
     cpus.apply_from_env("executor")
 except StartupError as exc:
@@ -27,6 +26,7 @@ from executor_svc.config import ExecutorSettings  # noqa: E402
 from executor_svc.loading import load  # noqa: E402
 from executor_svc.model.model_config import UnsupportedConfig  # noqa: E402
 from executor_svc.service import ExecutorService  # noqa: E402
+from executor_svc.step.step_loop import load_on_step_thread  # noqa: E402
 from executor_svc.tensor_parallel import is_worker_rank  # noqa: E402
 from executor_svc.tp_worker import run_worker  # noqa: E402
 from llmsched import logs  # noqa: E402
@@ -84,7 +84,8 @@ async def serve(settings: ExecutorSettings) -> None:
     # The metrics port first: a clash then shows before the model loads.
     srv.start_metrics_server(settings.metrics_port, settings.host, "EXECUTOR_METRICS_PORT")
     tracing = setup_tracing("executor")
-    service = ExecutorService(settings, tracing, load(settings))
+    loaded, step_thread = await load_on_step_thread(lambda: load(settings))
+    service = ExecutorService(settings, tracing, loaded, step_thread)
     frozen = srv.freeze_start_up_objects()
     log.info("start-up done: %d objects moved out of the garbage collector's reach", frozen)
     server, port, health = srv.create_server(

@@ -120,7 +120,8 @@ class ExecutorSettings(BaseSettings):
         "run on (its CPU affinity: `llmsched.launch` leaves it every core but the scheduler's from three cores up, see "
         "`LLMSCHED_PIN_CPUS`), divided among the ranks sharing them under tensor parallelism, and 1 for models "
         "whose hidden size is under 512, whose products are too small for a second thread to pay; torch's "
-        "default on CUDA. Idle OpenMP threads sleep (`OMP_WAIT_POLICY=PASSIVE` unless set).")
+        "default on CUDA. Idle OpenMP threads spin for a few milliseconds, then sleep (libgomp's default; "
+        "`OMP_WAIT_POLICY` and `GOMP_SPINCOUNT` change it).")
     speculative_method: Literal["off", "ngram", "draft", "mtp", "eagle3"] = Field(
         default="off", description="Speculative decoding: `ngram` proposes each request's next tokens from the "
         "last place its own prompt and output repeat their last few tokens, and verifies them in one forward, "

@@ -129,6 +129,9 @@ class LoadedModel:
     tp: TPGroup | None
     weight_bytes: int  # this rank's, as loaded (weight_bytes())
     generates: bool = True  # False: no lm_head in the checkpoint, embeddings only
+    # torch's intra-op threads, as set on the loading thread (OpenMP keeps
+    # the count per thread: ask the thread that loaded, not another).
+    torch_threads: int = 1
 
 
 def default_cpu_threads(cfg: ModelConfig, num_local_ranks: int) -> int:
@@ -274,7 +277,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     if invariant and generates:
         check_invariance(runner, tp)
     return LoadedModel(ckpt, cfg, device, dtype, max_model_len, pool, host_kv, runner, cuda_graphs, torch_compile, tp,
-                       loaded_bytes, generates)
+                       loaded_bytes, generates, torch.get_num_threads())
 
 
 def check_batch_invariant(settings: ExecutorSettings) -> bool:

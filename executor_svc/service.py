@@ -7,10 +7,10 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import torch
 from google.protobuf.message import DecodeError
 
 from executor_svc.chat_template import load_chat_template
@@ -33,7 +33,8 @@ ANOTHER_SCHEDULER = "another scheduler holds this executor's step stream (one sc
 
 
 class ExecutorService(pb_grpc.ExecutorServicer):
-    def __init__(self, settings: ExecutorSettings, tracing: Tracing, loaded: LoadedModel):
+    def __init__(self, settings: ExecutorSettings, tracing: Tracing, loaded: LoadedModel,
+                 step_thread: ThreadPoolExecutor | None = None):
         self.settings = settings
         self.device, self.dtype, self.cfg = loaded.device, loaded.dtype, loaded.cfg
         self.model_name = loaded.ckpt.name
@@ -59,8 +60,9 @@ class ExecutorService(pb_grpc.ExecutorServicer):
                      "on" if loaded.torch_compile else "off", settings.torch_compile)
         executor = StepExecutor(loaded.runner, StepTelemetry(tracing), self.tp,
                                 self.host_kv.block_bytes if self.host_kv is not None else 0)
-        # Decode steps run inline on CPU alone: see StepLoop.
-        self.steps = StepLoop(executor, inline_decode=self.device.type == "cpu" and self.tp is None)
+        # Decode steps run inline on CPU with one torch thread alone: see StepLoop.
+        self.steps = StepLoop(executor, thread=step_thread, inline_decode=(
+            self.device.type == "cpu" and self.tp is None and loaded.torch_threads == 1))
         loaded.runner.run_interrupts = self.steps.interrupts.pending
         self.instance_id = uuid.uuid4().hex
         # One scheduler drives the executor at a time: a second step stream
@@ -81,7 +83,7 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             self.instance_id, self.model_name, self.cfg.architecture, self.cfg.rope_description(),
             self.cfg.sliding_window if SLIDING in self.cfg.layer_types else None, self.device, self.dtype,
             f"{settings.kv_cache_dtype} ({self.pool.dtype})", self.pool.num_blocks, self.num_host_kv_blocks,
-            settings.block_size, self.max_model_len, self.tp_size, torch.get_num_threads(),
+            settings.block_size, self.max_model_len, self.tp_size, loaded.torch_threads,
             cpus.format_cpu_list(cpus.usable_cpus()),
         )
         log.info("config.json keys ignored: %s", "; ".join(f"{k} ({why})" for k, why in self.cfg.ignored.items()))
@@ -277,6 +279,8 @@ class ExecutorService(pb_grpc.ExecutorServicer):
             self._stream_open = False
 
     def close(self) -> None:
-        self.steps.close()
         if self.tp:
-            self.tp.shutdown()
+            # On the step thread, as every collective: it started the other
+            # ranks (serve() loads there), which die with it (PDEATHSIG).
+            self.steps.on_thread(self.tp.shutdown).result()
+        self.steps.close()

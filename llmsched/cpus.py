@@ -96,10 +96,3 @@ def apply_from_env(service: str) -> set[int] | None:
     return cpus
 
 
-def sleeping_openmp() -> None:
-    """Makes idle OpenMP threads sleep instead of spinning (unless the
-    operator chose otherwise): between steps, and while one thread runs
-    Python, spinning threads take cores that the scheduler, the gRPC
-    threads and other processes need. Read by libgomp when torch loads it,
-    so call before importing torch."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

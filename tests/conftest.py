@@ -22,9 +22,12 @@ from tests.xdist_scheduling import (  # noqa: F401 (pytest hooks, registered by 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STORIES = STORIES260K
 
-# Before torch loads below: the test processes' own OpenMP threads (the HF
-# oracles) sleep when idle, as the executor's do.
-cpus.sleeping_openmp()
+# Before torch loads below: the test processes' OpenMP threads (the HF
+# oracles', and those of the services they start, which inherit it) sleep
+# as soon as they are idle. The suite runs many processes on few cores,
+# where threads spinning for libgomp's default few milliseconds would take
+# cores the others need.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The suite runs many stacks at once on few cores, where pinning every
 # executor to all cores but one would leave that one to the schedulers
 # alone; tests/unit/test_cpus.py starts a stack with pinning on.

@@ -158,6 +158,8 @@ class StepResult:
     # loads read the adapter from disk (not in the host cache).
     lora_load_ns: int = 0
     lora_disk_reads: int = 0
+    # Forwards the plan ran: more than one in a multi-step run.
+    num_forwards: int = 1
 
     @classmethod
     def failed(cls, step_id: int, error: str) -> "StepResult":
@@ -498,6 +500,7 @@ class ModelRunner:
             result.sample_ns += sub.sample_ns
             result.request_errors += sub.request_errors
             result.verified_drafts += sub.verified_drafts
+            result.num_forwards += 1
             left = still_running(left, new, {h for h, _ in sub.request_errors})
         result.sampled_handles = [h for h in tokens for _ in tokens[h]]
         result.sampled_token_ids = [t for h in tokens for t in tokens[h]]

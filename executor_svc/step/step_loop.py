@@ -18,13 +18,15 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, TypeVar
 
 from executor_svc.step.runner import ModelRunner, StepPlan, StepResult
 from executor_svc.telemetry import StepTelemetry, SwapStats
 from executor_svc.tensor_parallel import LORA_FORGET, RESET, STEP
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A CPU decode step runs on the event loop only while the last decode step
 # took less than this. Against a longer step the thread's hand-off (a few
@@ -64,14 +66,6 @@ def decode_only(plan: Plan) -> bool:
         return False
     drafts = dict(zip(plan.draft_handles, plan.draft_counts))
     return all(n == 1 + drafts.get(h, 0) for h, n in zip(plan.cached_handles, plan.cached_num_scheduled_tokens))
-
-
-def num_steps(plan: Plan) -> int:
-    """Decode steps the plan runs at most: 1 + its most lookahead slots
-    when multi-step, else 1."""
-    if isinstance(plan, StepPlan) and plan.multi_step and plan.draft_counts:
-        return 1 + max(plan.draft_counts)
-    return 1
 
 
 class RunInterrupts:
@@ -185,26 +179,49 @@ class StepExecutor:
                          result.swaps.swap_ns if result.swaps else 0)
 
 
+def new_step_thread() -> ThreadPoolExecutor:
+    """The thread that loads the model and runs its steps (StepLoop)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+
+
+async def load_on_step_thread(load: Callable[[], T]) -> tuple[T, ThreadPoolExecutor]:
+    """load() run on a new step thread; its result and the thread, for the
+    StepLoop that runs the steps: one thread starts every OpenMP parallel
+    region (StepLoop says why)."""
+    thread = new_step_thread()
+    return await asyncio.get_running_loop().run_in_executor(thread, load), thread
+
+
 class StepLoop:
     """One thread runs steps, in plan order, so the event loop stays free to
     receive and decode the next plan, and to answer health checks, while
     the model computes.
 
-    Except decode steps on CPU, which run on the event loop itself. A CPU
-    forward keeps the CPU busy, so the thread would overlap only the next
-    plan's decoding (microseconds), while the hand-off costs hundreds: the
-    two threads pass the GIL back and forth, often across cores. Prefill and
-    chunks, which on CPU can take seconds, and decode steps once they take
-    INLINE_DECODE_MAX_S or more, keep the thread so that health checks are
-    answered meanwhile. On CUDA the host waits on the device with the GIL
-    released, and under tensor parallelism heartbeats share the thread:
-    both keep it for every step. (Measured: docs/architecture.md, "The
-    executor's step".)"""
+    Except decode steps on CPU with one torch thread, which run on the
+    event loop itself. A CPU forward keeps the CPU busy, so the thread
+    would overlap only the next plan's decoding (microseconds), while the
+    hand-off costs hundreds: the two threads pass the GIL back and forth,
+    often across cores. Prefill and chunks, which on CPU can take seconds,
+    and decode steps once they take INLINE_DECODE_MAX_S or more, keep the
+    thread so that health checks are answered meanwhile. On CUDA the host
+    waits on the device with the GIL released, and under tensor parallelism
+    heartbeats share the thread: both keep it for every step. (Measured:
+    docs/architecture.md, "The executor's step".)
 
-    def __init__(self, executor: StepExecutor, inline_decode: bool):
+    With more than one torch thread, every step keeps the thread (which
+    should be the thread that loaded the model: serve() loads there). Each
+    thread that starts an OpenMP parallel region gets a team of its own,
+    and libgomp, seeing more of its threads than cores, then cuts every
+    thread's spin before sleeping from about 300,000 turns to 1,000: each
+    of a step's hundred-odd parallel regions then waits for a sleeping
+    thread to wake. A Qwen3-0.6B-shaped decode step on two cores: 63 ms
+    with one thread starting regions, 107-122 ms with two
+    (docs/performance.md, P24)."""
+
+    def __init__(self, executor: StepExecutor, inline_decode: bool, thread: ThreadPoolExecutor | None = None):
         self.executor = executor
         self.inline_decode = inline_decode
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        self._thread = thread or new_step_thread()
         # Seconds the last decode step took, wherever it ran. Written by
         # whichever runs steps; a float, so the event loop may read it
         # meanwhile.
@@ -225,8 +242,11 @@ class StepLoop:
         if decode_only(plan):
             # Per decode step: a multi-step plan's run keeps the loop for a
             # few of them, still far below what a health check waits, and
-            # to the thread it would pay the hand-off again.
-            self.last_decode_s = (time.perf_counter() - started) / num_steps(plan)
+            # to the thread it would pay the hand-off again. Per forward it
+            # ran, not per step it might have: an inline run ends at its
+            # deadline, often after one long step, which divided by the
+            # plan's most would look short enough to run inline again.
+            self.last_decode_s = (time.perf_counter() - started) / max(1, result.num_forwards)
         return result
 
     def on_thread(self, fn: Callable, *args) -> Future:

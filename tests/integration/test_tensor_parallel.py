@@ -29,9 +29,10 @@ TP2 = {"EXECUTOR_TENSOR_PARALLEL_SIZE": "2"}
 
 
 def ranks_of(executor: subprocess.Popen) -> list[int]:
-    """pids of the ranks rank 0 started (its children)."""
-    children = Path(f"/proc/{executor.pid}/task/{executor.pid}/children").read_text().split()
-    return [int(pid) for pid in children]
+    """pids of the ranks rank 0 started (its children, from whichever of its
+    threads started them: the step thread, which loads the model)."""
+    return [int(pid) for task in Path(f"/proc/{executor.pid}/task").iterdir()
+            for pid in (task / "children").read_text().split()]
 
 
 @pytest.fixture(scope="module")

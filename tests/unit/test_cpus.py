@@ -55,12 +55,3 @@ def test_launch_gives_each_child_its_cores_unless_told_otherwise():
 def test_an_unknown_pin_mode_is_refused_by_name():
     with pytest.raises(StartupError, match="LLMSCHED_PIN_CPUS='always' is not supported; use auto or off"):
         cpus.pin_mode({cpus.PIN_SETTING: "always"})
-
-
-def test_idle_openmp_threads_sleep_unless_the_operator_chose(monkeypatch):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    cpus.sleeping_openmp()
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    cpus.sleeping_openmp()
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

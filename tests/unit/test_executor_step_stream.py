@@ -10,6 +10,7 @@ import asyncio
 import threading
 
 import pytest
+import torch
 
 from executor_svc.config import ExecutorSettings
 from executor_svc.loading import load
@@ -151,3 +152,18 @@ def test_after_a_long_decode_step_decode_steps_use_the_thread_until_one_is_short
     assert on_thread == [0, 1, 4], f"steps run on the step thread: {on_thread}; expected 0, 1 and 4"
     assert service.steps.last_decode_s < INLINE_DECODE_MAX_S
     assert [r.step_id for r in results] == list(range(25))
+
+
+def test_with_more_than_one_torch_thread_every_step_runs_on_the_step_thread(stories_path):
+    # On the event loop, a decode step would make a second thread start
+    # OpenMP regions, and libgomp would cut every thread's spin (StepLoop).
+    threads = torch.get_num_threads()
+    settings = ExecutorSettings(model=str(stories_path), num_kv_blocks=16, num_threads=2)
+    try:
+        loaded = load(settings)
+        assert loaded.torch_threads == 2
+        service = ExecutorService(settings, setup_tracing("executor-test"), loaded)
+        assert not service.steps.inline_decode, "decode steps of a two-thread executor run on the event loop"
+        service.close()
+    finally:
+        torch.set_num_threads(threads)  # load() set this process's

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from executor_svc.step.ngram import NgramProposer
-from executor_svc.step.runner import NewRequestData, PlanError, StepPlan
+from executor_svc.step.runner import NewRequestData, PlanError, StepPlan, StepResult
 from executor_svc.step.sampler import SamplingSettings
 from tests.oracle import hf_greedy
 from tests.unit.test_runner_vs_hf import GREEDY, make_runner
@@ -148,6 +148,7 @@ def test_a_waiting_arrival_ends_every_run_and_a_waiting_forget_ends_that_row_s(r
         out = runner.execute(StepPlan(1, cached_handles=[0, 1], cached_num_scheduled_tokens=[4, 4],
                                       draft_handles=[0, 1], draft_counts=[3, 3], multi_step=True))
         assert out.sampled_handles == [0] * 4 + [1] and out.sampled_token_ids == plain[0][1:5] + plain[1][1:2]
+        assert out.num_forwards == 4, "row 0's four tokens took four forwards"
         runner.execute(StepPlan(2, finished_handles=[0, 1]))
     finally:
         runner.run_interrupts = None
@@ -188,7 +189,7 @@ def test_a_run_on_the_event_loop_ends_at_its_deadline_and_one_on_the_thread_has_
             while self.loop.interrupts.pending()[0] is False and len(self.steps) < 50:
                 time.sleep(0.002)
                 self.steps.append(time.perf_counter())
-            return plan
+            return StepResult(plan.step_id, [], [], None, 0, 0, 0, num_forwards=len(self.steps))
 
     loop = step_loop.StepLoop.__new__(step_loop.StepLoop)
     loop.interrupts, loop.last_decode_s = step_loop.RunInterrupts(), 0.0

@@ -11,7 +11,8 @@ import time
 
 from executor_svc.step.runner import NewRequestData, StepPlan, StepResult
 from executor_svc.step.sampler import SamplingSettings
-from executor_svc.step.step_loop import INLINE_DECODE_MAX_S, StepExecutor, StepLoop, UndecodablePlan
+from executor_svc.step.step_loop import (INLINE_DECODE_MAX_S, StepExecutor, StepLoop, UndecodablePlan,
+                                         load_on_step_thread)
 
 
 def prefill(step_id: int, epoch: int = 1) -> StepPlan:
@@ -87,6 +88,47 @@ def test_a_slow_decode_step_sends_the_decode_steps_after_it_to_the_thread():
     assert not fake.threads[1].startswith("step"), "decode step 1 followed a short one: inline"
     assert fake.threads[2].startswith("step"), "decode step 2 followed a slow one: the thread"
     assert not fake.threads[3].startswith("step"), "decode step 3 followed a short one again: inline"
+
+
+def test_a_multi_step_plan_that_ran_one_slow_forward_sends_the_next_decode_to_the_thread():
+    # A multi-step plan may run up to 1 + 8 forwards, but an inline run ends
+    # at its deadline: here after its first. Its time is per forward run;
+    # divided by the nine it might have run, a 40 ms step would look like
+    # 4 ms, and every plan of a large model would run on the event loop.
+    fake = FakeExecutor(seconds={1: 2 * INLINE_DECODE_MAX_S})
+    loop = StepLoop(fake, inline_decode=True)
+    multi = StepPlan(step_id=1, cached_handles=[0], cached_num_scheduled_tokens=[9], draft_handles=[0],
+                     draft_counts=[8], multi_step=True)
+    try:
+        run_all(loop, [prefill(0)])
+        run_all(loop, [multi])
+        assert loop.last_decode_s >= 2 * INLINE_DECODE_MAX_S, (
+            f"one forward of {2 * INLINE_DECODE_MAX_S} s was timed as {loop.last_decode_s:.4f} s a step")
+        run_all(loop, [decode(2)])
+    finally:
+        loop.close()
+    assert fake.threads[2].startswith("step"), "the decode after a slow one-forward run ran inline"
+
+
+def test_the_model_loads_on_the_thread_that_then_runs_every_step():
+    """serve() loads through load_on_step_thread and hands the thread to the
+    StepLoop: with more than one torch thread, a second thread starting
+    OpenMP regions (loading or warming up on the event loop) would cut
+    every thread's spin to libgomp's throttled 1,000 turns."""
+    class Recording(FakeExecutor):
+        def run(self, plan) -> StepResult:
+            self.threads[plan.step_id] = threading.get_ident()
+            return StepResult(plan.step_id, [], [], None, 0, 0, 0)
+
+    loaded, thread = asyncio.run(load_on_step_thread(threading.get_ident))
+    fake = Recording()
+    loop = StepLoop(fake, inline_decode=False, thread=thread)
+    try:
+        run_all(loop, [prefill(0), decode(1)])
+    finally:
+        loop.close()
+    assert loaded != threading.get_ident(), "the model loaded on the event loop's thread"
+    assert set(fake.threads.values()) == {loaded}, "steps ran on a thread other than the one that loaded"
 
 
 class FakeRunner:

@@ -199,9 +199,13 @@ class _Linear(nn.Module):
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         scheme = self.scheme
         if scheme is None:
-            if self.use_cpu_gemv and x.dim() == 2 and x.shape[0] <= self.cpu_gemv_rows:
-                y = cpu_gemv_linear(x, self.weight)
-                return y if self.bias is None else y + self.bias
+            if self.use_cpu_gemv and x.dim() == 2:
+                if torch.compiler.is_compiling():
+                    y = torch.ops.llmsched.cpu_gemv_linear(x, self.weight, self.cpu_gemv_rows)
+                    return y if self.bias is None else y + self.bias
+                if x.shape[0] <= self.cpu_gemv_rows:
+                    y = cpu_gemv_linear(x, self.weight)
+                    return y if self.bias is None else y + self.bias
             return F.linear(x, self.weight, self.bias)
         act = scheme.activations
         if act is not None and not act.dynamic:
@@ -457,8 +461,11 @@ class VocabHead(VocabParallel, nn.Linear):
         self._init_vocab(vocab_size, first, end)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_cpu_gemv and x.dim() == 2 and x.shape[0] <= self.cpu_gemv_rows:
-            return cpu_gemv_linear(x, self.weight)
+        if self.use_cpu_gemv and x.dim() == 2:
+            if torch.compiler.is_compiling():  # as _Linear's
+                return torch.ops.llmsched.cpu_gemv_linear(x, self.weight, self.cpu_gemv_rows)
+            if x.shape[0] <= self.cpu_gemv_rows:
+                return cpu_gemv_linear(x, self.weight)
         return super().forward(x)
 
 

@@ -11,6 +11,7 @@ decode step has one row.
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,52 @@ def test_one_request_on_the_gemv_serves_hfs_greedy_tokens(medium, monkeypatch):
         assert want.min_margin > 1e-3, "the oracle's own greedy path is too close to a tie to compare"
         assert generate(runner, [prompt], 12, 7) == [want.tokens], f"prompt {prompt}"
     assert (2048, 512) in calls and (4096, 512) in calls, "the head and gate_up never took the GEMV"
+
+
+@pytest.mark.slow  # compiles the decode step: about 15 s
+def test_a_compiled_decode_step_calls_the_gemv_and_the_passes_and_serves_hfs_greedy_tokens(medium, monkeypatch):
+    """EXECUTOR_TORCH_COMPILE=on with marked layers: inside the compiled
+    graph each marked linear is the llmsched::cpu_gemv_linear operator,
+    which dispatches on the step's rows at run time, as an eager step does.
+    Traced instead, dynamo stepped into the bound GEMV and failed, and the
+    executor served eagerly. The layers take every row count here, as bf16
+    layers do on a CPU without native bf16 (in float32, so that HF's tokens
+    are the oracle): one request (one-row steps: the GEMV), then three at
+    once (three-row steps: the several-row passes)."""
+    from executor_svc.step.compiled_decode import STEPS
+
+    calls, gemv, gemm_rows = [], cpu_gemv.gemv, cpu_gemv.gemm_rows
+
+    def counted(fn):
+        def call(x, w):
+            calls.append((fn.__name__, x.shape[0]))
+            return fn(x, w)
+        return call
+
+    cfg, model = build(medium)
+    assert cpu_gemv.use_cpu_gemv(model) > 0
+    for layer in model.modules():
+        if getattr(layer, "use_cpu_gemv", False):
+            layer.cpu_gemv_rows = sys.maxsize
+    runner = ModelRunner(model, KVCachePool(cfg, 64, BLOCK, torch.device("cpu"), torch.float32),
+                         make_backend("torch"), torch.device("cpu"), torch_compile=True)
+    try:
+        assert runner.compiled is not None and runner.compiled.direct[0], "the decode step did not compile and bind"
+        monkeypatch.setattr(cpu_gemv, "gemv", counted(gemv))
+        monkeypatch.setattr(cpu_gemv, "gemm_rows", counted(gemm_rows))
+        before = STEPS._value.get()
+        prompt = prompts(1)[0]
+        assert generate(runner, [prompt], 12, 7) == [hf_greedy(str(medium), prompt, 12).tokens]
+        assert STEPS._value.get() - before >= 11, "the one-row decode steps did not run compiled"
+        assert ("gemv", 1) in calls, f"no compiled one-row step took the GEMV: {sorted(set(calls))}"
+        calls.clear()
+        before = STEPS._value.get()
+        three = prompts(3)
+        assert generate(runner, three, 8, 16) == [hf_greedy(str(medium), p, 8).tokens for p in three]
+        assert STEPS._value.get() - before >= 6, "the three-row decode steps did not run compiled"
+        assert ("gemm_rows", 3) in calls, f"no compiled three-row step took the passes: {sorted(set(calls))}"
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 16, 17, 40, 64, 65, 130])

@@ -22,6 +22,8 @@ import asyncio  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 
+import torch  # noqa: E402
+
 from executor_svc.config import ExecutorSettings  # noqa: E402
 from executor_svc.loading import load  # noqa: E402
 from executor_svc.model.model_config import UnsupportedConfig  # noqa: E402
@@ -85,6 +87,11 @@ async def serve(settings: ExecutorSettings) -> None:
     srv.start_metrics_server(settings.metrics_port, settings.host, "EXECUTOR_METRICS_PORT")
     tracing = setup_tracing("executor")
     loaded, step_thread = await load_on_step_thread(lambda: load(settings))
+    # OpenMP keeps the thread count per thread, and compiled kernels start
+    # teams of that count: the event loop, where a one-thread executor runs
+    # its decode steps, takes the loading thread's (else it would start
+    # teams of one thread per core, whose idle threads spin).
+    torch.set_num_threads(loaded.torch_threads)
     service = ExecutorService(settings, tracing, loaded, step_thread)
     frozen = srv.freeze_start_up_objects()
     log.info("start-up done: %d objects moved out of the garbage collector's reach", frozen)

@@ -94,5 +94,3 @@ def apply_from_env(service: str) -> set[int] | None:
                            f"it may run on {format_cpu_list(allowed)}")
     os.sched_setaffinity(0, cpus)
     return cpus
-
-

@@ -182,6 +182,20 @@ def _(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+def marked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int) -> torch.Tensor:
+    """F.linear(x, weight, bias) for a 2-D x through a layer use_cpu_gemv
+    marked, whose cpu_gemv_rows is max_rows: linear() up to max_rows rows,
+    else torch's own; inside a compiled graph, linear_op, which makes that
+    choice when the graph runs."""
+    if torch.compiler.is_compiling():
+        y = torch.ops.llmsched.cpu_gemv_linear(x, weight, max_rows)
+    elif x.shape[0] <= max_rows:
+        y = linear(x, weight)
+    else:
+        return torch.nn.functional.linear(x, weight, bias)
+    return y if bias is None else y + bias
+
+
 def native_bf16_gemm() -> bool:
     """Whether torch's bfloat16 GEMM runs on native bf16 instructions here
     (oneDNN's test: AVX512-BF16 or AVX-NE-CONVERT and the like, AMX)."""

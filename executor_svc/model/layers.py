@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
-from executor_svc.model.cpu_gemv import linear as cpu_gemv_linear
+from executor_svc.model.cpu_gemv import marked_linear
 from executor_svc.model.cpu_int_linear import CpuIntWeights
 from executor_svc.model.model_config import LinearScheme, QuantSpec, UnsupportedConfig
 from executor_svc.model.quant_formats import (
@@ -188,7 +188,7 @@ class _Linear(nn.Module):
     # a model without adapters runs exactly the base layer.
     lora = None
     # Products of up to cpu_gemv_rows rows through cpu_gemv.linear (both set
-    # by cpu_gemv.use_cpu_gemv).
+    # by cpu_gemv.use_cpu_gemv; cpu_gemv.marked_linear dispatches).
     use_cpu_gemv = False
     cpu_gemv_rows = 1
 
@@ -200,12 +200,7 @@ class _Linear(nn.Module):
         scheme = self.scheme
         if scheme is None:
             if self.use_cpu_gemv and x.dim() == 2:
-                if torch.compiler.is_compiling():
-                    y = torch.ops.llmsched.cpu_gemv_linear(x, self.weight, self.cpu_gemv_rows)
-                    return y if self.bias is None else y + self.bias
-                if x.shape[0] <= self.cpu_gemv_rows:
-                    y = cpu_gemv_linear(x, self.weight)
-                    return y if self.bias is None else y + self.bias
+                return marked_linear(x, self.weight, self.bias, self.cpu_gemv_rows)
             return F.linear(x, self.weight, self.bias)
         act = scheme.activations
         if act is not None and not act.dynamic:
@@ -462,10 +457,7 @@ class VocabHead(VocabParallel, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_cpu_gemv and x.dim() == 2:
-            if torch.compiler.is_compiling():  # as _Linear's
-                return torch.ops.llmsched.cpu_gemv_linear(x, self.weight, self.cpu_gemv_rows)
-            if x.shape[0] <= self.cpu_gemv_rows:
-                return cpu_gemv_linear(x, self.weight)
+            return marked_linear(x, self.weight, None, self.cpu_gemv_rows)
         return super().forward(x)
 
 

@@ -19,7 +19,6 @@ import torch
 
 from executor_svc.attention import make_backend
 from executor_svc.model import cpu_gemv
-from executor_svc.model import layers as layers_module
 from executor_svc.model.checkpoint import load_checkpoint
 from executor_svc.model.families import build_model, read_config
 from executor_svc.step.kv_cache import KVCachePool
@@ -109,13 +108,13 @@ def test_only_large_unquantized_weights_take_the_gemv_and_off_or_invariant_turn_
 
 
 def test_one_request_on_the_gemv_serves_hfs_greedy_tokens(medium, monkeypatch):
-    calls = []
+    calls, linear = [], cpu_gemv.linear
 
     def counted(x, w):
         calls.append(tuple(w.shape))
-        return cpu_gemv.linear(x, w)
+        return linear(x, w)
 
-    monkeypatch.setattr(layers_module, "cpu_gemv_linear", counted)
+    monkeypatch.setattr(cpu_gemv, "linear", counted)
     cfg, model = build(medium)
     assert cpu_gemv.use_cpu_gemv(model) > 0
     runner = ModelRunner(model, KVCachePool(cfg, 64, BLOCK, torch.device("cpu"), torch.float32),
@@ -204,15 +203,15 @@ def test_without_a_native_bf16_gemm_bf16_layers_take_several_row_passes_and_comp
     mlp = model.model.layers[0].mlp
     assert mlp.gate_up_proj.cpu_gemv_rows == mlp.down_proj.cpu_gemv_rows > cpu_gemv.ROWS_MAX
     assert model.model.layers[0].self_attn.qkv_proj.cpu_gemv_rows == 1, "a layer too small for the GEMV was marked"
-    calls = []
+    calls, linear = [], cpu_gemv.linear
 
     def counted(x, w):
         calls.append(x.shape[0])
-        return cpu_gemv.linear(x, w)
+        return linear(x, w)
 
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
     with torch.inference_mode():
-        monkeypatch.setattr(layers_module, "cpu_gemv_linear", counted)
+        monkeypatch.setattr(cpu_gemv, "linear", counted)
         got = mlp(x)
         for layer in (mlp.gate_up_proj, mlp.down_proj):
             layer.use_cpu_gemv = False

@@ -41,6 +41,8 @@ from llmsched.v1 import executor_pb2, executor_pb2_grpc  # noqa: E402
 
 log = logging.getLogger("executor_svc")
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+# gRPC's grace (5 s) plus draining the step sockets (5 s).
+CLOSE_TIMEOUT_S = 12.0
 
 
 def keepalive_options(interval_s: float) -> list[tuple[str, int]]:
@@ -116,16 +118,25 @@ async def serve(settings: ExecutorSettings) -> None:
     log.info("shutting down")
     service.stopping = True
     await srv.set_serving(health, [SERVICE_NAME], False)
+    # Bounded, as in the scheduler: a gRPC call that never finishes
+    # cancelling would otherwise hold the process until it is killed.
+    closed = await srv.finished_within(_close_connections(server, socket_server, service), CLOSE_TIMEOUT_S,
+                                       "closing connections")
+    if heartbeats:
+        heartbeats.cancel()  # only now: the other ranks wait on them until the shutdown message
+    service.close()
+    tracing.shutdown()
+    log.info("stopped" if closed else "stopped without closing every connection")
+    exit_now()
+
+
+async def _close_connections(server, socket_server, service: ExecutorService) -> None:
     # The grace period lets the step in flight finish and reach the scheduler.
     await server.stop(grace=5.0)
     if socket_server is not None:
         socket_server.close()
         await service.drain_step_sockets(grace_s=5.0)
         service.step_socket_path.unlink(missing_ok=True)
-    if heartbeats:
-        heartbeats.cancel()  # only now: the other ranks wait on them until the shutdown message
-    service.close()
-    tracing.shutdown()
 
 
 def main() -> None:

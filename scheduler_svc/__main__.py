@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
+from typing import NoReturn
 
 from llmsched import cpus, logs
 from llmsched import server as srv
@@ -24,8 +24,10 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 CLOSE_TIMEOUT_S = 10.0
 
 
-async def serve(settings: SchedulerSettings) -> int:
-    """Returns the process exit code."""
+async def serve(settings: SchedulerSettings) -> NoReturn:
+    """Serves until SIGTERM or SIGINT, then drains and exits the process
+    (code 0, or 1 when it could not start); a StartupError is raised for
+    main() to print."""
     health_ref = {}
     health_lock = asyncio.Lock()  # FIFO: changes land in the order they happen
 
@@ -82,36 +84,22 @@ async def serve(settings: SchedulerSettings) -> int:
     start.cancel()
     stop_wait.cancel()
     # Every request has finished or been aborted by now; what is left closes
-    # connections. Bounded: gRPC aio has been seen (about 1 stop in 20 under
-    # load) never to finish cancelling a call, and asyncio.run would then
-    # wait for it forever; the process exits anyway, saying where it hung.
-    closing = asyncio.ensure_future(_close(server, engine))
-    finished, _ = await asyncio.wait({closing}, timeout=CLOSE_TIMEOUT_S)
+    # connections. Bounded: the process exits anyway, saying where it hung.
+    closed = await srv.finished_within(_close(server, engine), CLOSE_TIMEOUT_S, "closing connections")
     tracing.shutdown()
-    if not finished:
-        try:
-            log.error("connections did not close within %.0fs; exiting without them. Pending tasks:\n%s",
-                      CLOSE_TIMEOUT_S, _task_stacks())
-        finally:
-            srv.exit_now(code)
-    if refused is not None:
+    if refused is not None and closed:
         raise refused
-    return code
+    # Nothing is owed to anyone now. Exiting here skips asyncio.run's and
+    # the interpreter's teardown, which wait on every thread the process
+    # started (tokenizer and grammar-compile workers, gRPC's own): a stop
+    # once took past the launcher's 15 s with no line after "draining".
+    log.info("stopped")
+    srv.exit_now(code)
 
 
 async def _close(server, engine: Engine) -> None:
     await server.stop(grace=5.0)
     await engine.stop()
-
-
-def _task_stacks() -> str:
-    out = io.StringIO()
-    for task in asyncio.all_tasks():
-        try:
-            task.print_stack(file=out)
-        except Exception:  # gRPC's tasks run Cython coroutines, which have no frames
-            out.write(f"{task!r}\n")
-    return out.getvalue()
 
 
 def main() -> None:
@@ -122,10 +110,9 @@ def main() -> None:
         cpus.apply_from_env("scheduler")  # before gRPC starts its threads
         settings = load_settings(SchedulerSettings)
         logs.setup("scheduler", settings.log_level, settings.log_format)
-        code = asyncio.run(serve(settings))
+        asyncio.run(serve(settings))
     except StartupError as exc:
         exit_with("scheduler", exc)
-    raise SystemExit(code)
 
 
 if __name__ == "__main__":

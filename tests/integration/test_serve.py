@@ -89,13 +89,18 @@ class Launcher:
         return next(m.groups() for line in self.lines if (m := SERVING_LINE.search(line)))
 
     def stop(self, sig=signal.SIGINT, timeout_s: float = 30) -> int:
+        children = child_pids(self.proc.pid) if self.proc.poll() is None else []
         self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            # Which service held the stop up: its log lines are in the
+            # captured stderr above.
+            alive = [command_line(pid) for pid in children if Path(f"/proc/{pid}").exists()]
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"the launcher ignored signal {sig!r} for {timeout_s}s") from None
+            raise AssertionError(f"the launcher ignored signal {sig!r} for {timeout_s}s; "
+                                 f"children still running: {alive}") from None
 
 
 def generate_tokens(address: str, credentials=None) -> int:
@@ -107,6 +112,13 @@ def generate_tokens(address: str, credentials=None) -> int:
 
 def child_pids(pid: int) -> list[int]:
     return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
+    except OSError:
+        return f"{pid} (gone)"
 
 
 def test_port_zero_starts_on_free_ports_that_the_serving_line_names():

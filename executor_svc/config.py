@@ -99,8 +99,11 @@ class ExecutorSettings(BaseSettings):
         "and head of models from about 0.5B parameters) with an inductor-compiled GEMV, which streams the weights "
         "faster than torch's GEMM (`executor_svc/model/cpu_gemv.py`), compiled once at start-up (about 2 s, then "
         "inductor's on-disk cache). In bfloat16 on a CPU without native bf16 instructions (AVX2), where torch's "
-        "bf16 GEMM costs a one-row product's time for every row, steps of 2 to 64 rows take compiled passes of 8 "
-        "rows over those weights too, and larger ones convert them to float32 a block at a time for MKL's GEMM. `auto` = on where a weight fits and a C++ compiler is found, not in "
+        "bf16 GEMM costs a one-row product's time for every row, steps of up to 64 rows take C kernels "
+        "(`executor_svc/model/cpu_bf16_gemm.py`: a GEMV for one row, a tiled GEMM for 2 to 64, built with the "
+        "system's C compiler in about 1 s and cached in `~/.cache/llmsched/cpu_kernels`; where they cannot be "
+        "built, the inductor GEMV and compiled passes of 8 rows) over those weights, "
+        "and larger ones convert them to float32 a block at a time for MKL's GEMM. `auto` = on where a weight fits and a C++ compiler is found, not in "
         "batch-invariant mode; `off` = always the GEMM.")
     tensor_parallel_size: int = Field(
         default=1, ge=1, le=512, description="Ranks (one device each) one executor's model is split over, with "

@@ -16,12 +16,14 @@ for all of them), so only one-row products take this path.
 Not so in bfloat16 on a CPU without native bf16 instructions (AVX2, no
 AVX512-BF16 or AMX: oneDNN refuses bf16 there): torch's bf16 GEMM costs a
 one-row product's time once per row (4,096 x 1,024: 0.42 ms for one row,
-6.5 ms for 16). There steps of 2 to ROWS_MAX rows take gemm_rows: passes
-of 8 rows over W, each one loop inductor fuses from eight reductions of
-the same W, so that each stretch of W is converted once and multiplied
-into eight float32 accumulators (the rows come in float32, converted once
-per step). Measured on the same weight: 0.77 ms for 8 rows, 2.0 for 16,
-3.1 for 32, against torch's 3.3, 6.6 and 14.1. Past ROWS_MAX rows (large
+6.5 ms for 16). There steps of 2 to ROWS_MAX rows take gemm_rows: a
+register-tiled C kernel (cpu_bf16_gemm.py: 1.65 ms for 16 rows, 2.55 for
+32 on the same weight) where it can be built, else passes of 8 rows over
+W, each one loop inductor fuses from eight reductions of the same W, so
+that each stretch of W is converted once and multiplied into eight float32
+accumulators (the rows come in float32, converted once per step): 0.77 ms
+for 8 rows, 2.0-2.3 for 16, 3.1-4.4 for 32, against torch's 3.3, 6.6 and
+14.1. Past ROWS_MAX rows (large
 batches, prefill chunks) converting W to float32 for MKL's GEMM is faster
 still (5.3 against 5.6 ms at 64 rows, 8.1 against 12.0 at 128; torch's
 bf16 GEMM 27 and 55): gemm_f32 does so a block of W's rows at a time, so
@@ -52,6 +54,7 @@ import torch
 from torch import nn
 
 from executor_svc.direct_call import DirectCall
+from executor_svc.model import cpu_bf16_gemm
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +108,11 @@ def _call(cache: dict, key, name: str, body: Callable, x: torch.Tensor, weight: 
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, K] times weight [N, K] transposed: F.linear(x, weight) for one row."""
+    """x [1, K] times weight [N, K] transposed: F.linear(x, weight) for one
+    row; in bf16 the C GEMV where the tiled kernel's library is built and
+    fits the weight (113 Qwen3-0.6B-shape GEMVs: 50.4 against 55.0 ms)."""
+    if cpu_bf16_gemm.available() and cpu_bf16_gemm.fits(weight):
+        return cpu_bf16_gemm.matmul(x.float(), weight).to(x.dtype)
     x32 = x.float().contiguous()
     plain = weight.is_contiguous()
     return _call(_compiled, weight.dtype, f"CPU GEMV ({weight.dtype})", _gemv_body, x32, weight, plain).to(x.dtype)
@@ -124,6 +131,15 @@ def _rows_body(rows: int) -> Callable:
 
 
 def gemm_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) for x [M, K] of 2 to ROWS_MAX rows: the tiled C
+    kernel (cpu_bf16_gemm.py) where it is built and fits the weight, else
+    gemm_passes."""
+    if cpu_bf16_gemm.available() and cpu_bf16_gemm.fits(weight):
+        return cpu_bf16_gemm.matmul(x.float(), weight).to(x.dtype)
+    return gemm_passes(x, weight)
+
+
+def gemm_passes(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) for x [M, K] of 2 to ROWS_MAX rows: passes of 8
     rows over the weight (4 for a last pass of 4 or fewer), a short one
     padded with zero rows whose outputs are dropped. Each pass is one
@@ -237,36 +253,49 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
     if not has_cxx_compiler():
         log.info("CPU GEMV: off (no C++ compiler for inductor); %d linears keep the GEMM", len(layers))
         return 0
+    bf16 = [layer for layer in layers if layer.weight.dtype == torch.bfloat16]
+    # Without native bf16, the C kernels (cpu_bf16_gemm) take every bf16
+    # weight they fit, one row or several: inductor's GEMV is compiled (a
+    # few seconds) only where a weight is left for it.
+    no_native_bf16 = bool(bf16) and not native_bf16_gemm()
+    c_kernels = no_native_bf16 and cpu_bf16_gemm.load()
+    on_inductor = [layer for layer in layers if not (c_kernels and cpu_bf16_gemm.fits(layer.weight))]
     started = time.perf_counter()
-    try:
-        weight = layers[0].weight
-        # Random, not zeros: the first call's output is what the direct call
-        # is checked against (direct_call.py).
-        x = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        with torch.inference_mode():
-            gemv(x, weight)
-    except Exception:  # a broken toolchain: serve on the GEMM rather than not at all
-        log.exception("CPU GEMV: compiling failed; one-row steps keep the GEMM")
-        return 0
+    if on_inductor:
+        try:
+            weight = on_inductor[0].weight
+            # Random, not zeros: the first call's output is what the direct call
+            # is checked against (direct_call.py).
+            x = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+            with torch.inference_mode():
+                gemv(x, weight)
+        except Exception:  # a broken toolchain: serve on the GEMM rather than not at all
+            log.exception("CPU GEMV: compiling failed; one-row steps keep the GEMM")
+            return 0
     for layer in layers:
         layer.use_cpu_gemv = True
-    log.info("CPU GEMV: %d linears take an inductor GEMV for one-row steps (compiled in %.1f s)", len(layers),
-             time.perf_counter() - started)
-    bf16 = [layer for layer in layers if layer.weight.dtype == torch.bfloat16]
-    if bf16 and not native_bf16_gemm():
+    log.info("CPU GEMV: %d linears take a GEMV for one-row steps: %d inductor's (compiled in %.1f s), %d the C "
+             "one (cpu_bf16_gemm.py)", len(layers), len(on_inductor), time.perf_counter() - started,
+             len(layers) - len(on_inductor))
+    if no_native_bf16:
         started = time.perf_counter()
-        try:
-            weight = bf16[0].weight
-            with torch.inference_mode():
-                for rows in ROWS_PER_PASS:
-                    gemm_rows(torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(
-                        weight.dtype), weight)
-        except Exception:
-            log.exception("CPU GEMV: compiling the several-row passes failed; steps of several rows keep the GEMM")
-            return len(layers)
+        kernel = c_kernels and all(cpu_bf16_gemm.fits(layer.weight) for layer in bf16)
+        if not kernel:  # the passes serve where the kernel was not built, or does not fit a weight
+            try:
+                weight = bf16[0].weight
+                with torch.inference_mode():
+                    for rows in ROWS_PER_PASS:
+                        gemm_passes(torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(
+                            rows)).to(weight.dtype), weight)
+            except Exception:
+                log.exception("CPU GEMV: compiling the several-row passes failed; steps of several rows keep the "
+                              "GEMM")
+                return len(layers)
         for layer in bf16:
             layer.cpu_gemv_rows = sys.maxsize
-        log.info("CPU GEMV: no native bfloat16 GEMM on this CPU, so steps of 2 to %d rows take %s-row passes over "
-                 "each of those %d linears, and larger ones float32 blocks of them (compiled in %.1f s)", ROWS_MAX,
-                 " and ".join(map(str, ROWS_PER_PASS)), len(bf16), time.perf_counter() - started)
+        how = ("a tiled bf16 GEMM kernel (cpu_bf16_gemm.py)" if kernel else
+               f"{' and '.join(map(str, ROWS_PER_PASS))}-row passes")
+        log.info("CPU GEMV: no native bfloat16 GEMM on this CPU, so steps of 2 to %d rows take %s over each of "
+                 "those %d linears, and larger ones float32 blocks of them (built in %.1f s)", ROWS_MAX, how,
+                 len(bf16), time.perf_counter() - started)
     return len(layers)

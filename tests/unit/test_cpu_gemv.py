@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from executor_svc.attention import make_backend
-from executor_svc.model import cpu_gemv
+from executor_svc.model import cpu_bf16_gemm, cpu_gemv
 from executor_svc.model.checkpoint import load_checkpoint
 from executor_svc.model.families import build_model, read_config
 from executor_svc.step.kv_cache import KVCachePool
@@ -44,9 +44,11 @@ def medium(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def fresh_gemv():
+def fresh_gemv(monkeypatch):
     """Each test compiles the GEMV afresh: what the first call passes
-    decides the graph, and a graph left by another test would hide that."""
+    decides the graph, and a graph left by another test would hide that.
+    The C kernels (cpu_bf16_gemm) serve only where a test loads them."""
+    monkeypatch.setattr(cpu_bf16_gemm, "_kernel", None)
     cpu_gemv._compiled.clear()
     cpu_gemv._compiled_rows.clear()
     yield
@@ -172,13 +174,20 @@ def test_a_compiled_decode_step_calls_the_gemv_and_the_passes_and_serves_hfs_gre
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("path", ["kernel", "passes"])
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 16, 17, 40, 64, 65, 130])
-def test_several_rows_in_bf16_compute_what_f_linear_does(rows, monkeypatch):
-    """cpu_gemv.linear past one row: passes of 8 rows (4 for a last pass of
-    4 or fewer, padded with zero rows) up to ROWS_MAX rows, float32 blocks of
-    the weight past it (made small here, so that a weight spans several),
-    over weights of several shapes held as parameters."""
+def test_several_rows_in_bf16_compute_what_f_linear_does(rows, path, monkeypatch):
+    """cpu_gemv.linear past one row: up to ROWS_MAX rows the tiled C kernel
+    (cpu_bf16_gemm.py), or where it is not built passes of 8 rows (4 for a
+    last pass of 4 or fewer, padded with zero rows); past it float32 blocks
+    of the weight (made small here, so that a weight spans several), over
+    weights of several shapes held as parameters."""
     monkeypatch.setattr(cpu_gemv, "F32_BLOCK_ELEMENTS", 300 * 1024)
+    if path == "kernel":
+        if not cpu_bf16_gemm.load():
+            pytest.skip("the bf16 GEMM kernel cannot be built here (no AVX2 or no C compiler)")
+    else:
+        monkeypatch.setattr(cpu_bf16_gemm, "available", lambda: False)
     g = torch.Generator().manual_seed(rows)
     for n, k in [(1536, 1024), (1000, 2048)]:
         w = torch.nn.Parameter(torch.randn(n, k, generator=g).bfloat16(), requires_grad=False)
@@ -195,8 +204,9 @@ def test_several_rows_in_bf16_compute_what_f_linear_does(rows, monkeypatch):
 
 def test_without_a_native_bf16_gemm_bf16_layers_take_several_row_passes_and_compute_the_same(medium, monkeypatch):
     """On a CPU whose bf16 GEMM is not native (AVX2: each row costs a
-    GEMV's time), steps of up to ROWS_MAX rows go through the passes; the
-    layer's outputs stay those of torch's GEMM within bf16's rounding."""
+    GEMV's time), steps of up to ROWS_MAX rows go through gemm_rows (the
+    tiled kernel where it builds, else the passes); the layer's outputs
+    stay those of torch's GEMM within bf16's rounding."""
     monkeypatch.setattr(cpu_gemv, "native_bf16_gemm", lambda: False)
     _, model = build(medium, torch.bfloat16)
     assert cpu_gemv.use_cpu_gemv(model) == 5

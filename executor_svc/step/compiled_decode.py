@@ -143,6 +143,21 @@ class DenseDecodeAttention:
             tokens, num_heads, head_dim)
 
 
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A one-row run's outputs against the same row's in a two-row run. In
+    float32 they differ by float rounding. In 16 bits they differ by each
+    layer's activations rounding apart, as soon as a layer's product takes
+    another path for one row: on a CPU without native bf16 a one-row step
+    multiplies through the GEMV and a two-row one through the tiled kernel
+    (cpu_gemv.py). A Qwen3-0.6B shape in bf16: 0.025 apart on logits up to
+    2.97 (a 5% bound, scaled by the largest). A graph that mis-indexed a
+    single row would compute another token's K/V and logits."""
+    if dtype == torch.float32:
+        return torch.allclose(got, want, rtol=1e-3, atol=1e-4)
+    scale = want.float().abs().max().item()
+    return torch.allclose(got.float(), want.float(), rtol=0, atol=5e-2 * scale)
+
+
 class CompiledDecode:
     def __init__(self, model: CausalLM, pool: KVCachePool, verifies: bool = False):
         self.storage = pool.storage  # [layers, 2, blocks, block_size, kvh, d]
@@ -202,8 +217,7 @@ class CompiledDecode:
             return False
         want_logits, want_kv = two_rows[0][:tokens_per_row], two_rows[1][:, :, :tokens_per_row]
         ok = (logits.shape == want_logits.shape and new_kv.shape == want_kv.shape
-              and torch.allclose(logits, want_logits, rtol=1e-3, atol=1e-4)
-              and torch.allclose(new_kv, want_kv, rtol=1e-3, atol=1e-4))
+              and _close(logits, want_logits, want_kv.dtype) and _close(new_kv, want_kv, want_kv.dtype))
         if not ok:
             log.info("%s: one-row batches run as two rows (one row alone disagreed)", direct.name)
         return ok

@@ -221,8 +221,11 @@ def launch(executor_env: Mapping[str, str] | None = None, scheduler_env: Mapping
            gateway_env: Mapping[str, str] | None = None, with_gateway: bool = False) -> Services:
     """Services on free loopback ports (metrics endpoints included), so
     several sets can run side by side; the gateway on loopback only when
-    with_gateway."""
+    with_gateway. Each may take LLMSCHED_START_TIMEOUT_S to start, as under
+    main() (the benchmarks start through here: a first compile of a large
+    model's decode step takes minutes)."""
     return Services(
+        start_timeout_s=start_timeout_from_env(),
         gateway_port=free_port() if with_gateway else 0,
         gateway_env={"GATEWAY_HOST": "127.0.0.1", **(gateway_env or {})},
         scheduler_port=scheduler_port or free_port(),

@@ -102,6 +102,15 @@ def test_a_longer_start_timeout_is_waited_for_and_given_to_the_scheduler(monkeyp
     assert services.scheduler_env["SCHEDULER_EXECUTOR_CONNECT_TIMEOUT_S"] == "900.0"
 
 
+def test_launch_takes_the_start_timeout_from_the_environment_as_main_does(monkeypatch):
+    """The benchmarks start services through launch(); a first compile of a
+    large model's decode step outlasts the default wait."""
+    monkeypatch.setenv("LLMSCHED_START_TIMEOUT_S", "900")
+    assert launch.launch().start_timeout_s == 900.0
+    monkeypatch.delenv("LLMSCHED_START_TIMEOUT_S")
+    assert launch.launch().start_timeout_s == launch.DEFAULT_START_TIMEOUT_S
+
+
 def test_the_launcher_s_own_lines_are_json_too_under_log_format_json(monkeypatch, capsys):
     monkeypatch.setenv("LOG_FORMAT", "json")
     launch._say("serving llmsched.v1.Scheduler on 127.0.0.1:50051")

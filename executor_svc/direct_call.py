@@ -178,19 +178,33 @@ class DirectCall:
         """Whether calls go straight to inductor's generated code."""
         return self._inner is not None
 
-    def _args(self, inputs: tuple[torch.Tensor, ...]) -> list:
-        args = list(self._template)
+    def fixed_tensors(self) -> list[torch.Tensor]:
+        """The tensors a bound call reads from elsewhere (weights, buffers),
+        the same objects on every call unless retargeted."""
+        return [t for t in self._template if isinstance(t, torch.Tensor)]
+
+    def retargeted(self, swap: dict[int, torch.Tensor]) -> list:
+        """An argument template for call(template=...) that reads, in place
+        of each fixed tensor whose id is in `swap`, the tensor it maps to:
+        one compiled graph over another module of the same shapes (a
+        decoder layer's graph over every layer like it). The caller checks
+        the results: nothing here knows what the graph does with them."""
+        return [swap.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in self._template]
+
+    def _args(self, inputs: tuple[torch.Tensor, ...], template: list | None = None) -> list:
+        args = list(self._template if template is None else template)
         for pos, at in self._inputs_at:
             args[pos] = inputs[at]
         for pos, at, dim in self._sizes_at:
             args[pos] = inputs[at].shape[dim]
         return args
 
-    def call(self, inputs: tuple[torch.Tensor, ...]) -> tuple:
+    def call(self, inputs: tuple[torch.Tensor, ...], template: list | None = None) -> tuple:
         """The compiled function's outputs, as a tuple; only once bound, and
         only for inputs of the bound call's dtypes, layouts and static sizes
-        (nothing checks them: the caller does, or calls only such)."""
-        args = self._args(inputs)
+        (nothing checks them: the caller does, or calls only such).
+        template: from retargeted(), else the bound call's own."""
+        args = self._args(inputs, template)
         if self._inner is not None:
             inner_args = [args[i] for i in self._inner_from]
             for i in self._inner_sizes:

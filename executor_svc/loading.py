@@ -95,17 +95,20 @@ def check_torch_compile(setting: str, device: torch.device, tp_size: int, cfg: M
 def compile_pays(device: torch.device, tp_size: int, cfg: ModelConfig | None, kv_cache_dtype: str,
                  batch_invariant: bool) -> bool:
     """EXECUTOR_TORCH_COMPILE=auto: compile decode steps where the compiled
-    graph serves them and per-op dispatch is most of a step, a tiny dense
-    model on one CPU rank (stories260K: 0.84 ms a token through the services
-    compiled, 1.67 eager, docs/performance.md P12), given a C++ compiler for
-    inductor. Elsewhere `on` is a choice to measure, not a default."""
+    graph serves them, an unquantized dense model on one CPU rank, given a
+    C++ compiler for inductor. On a tiny model per-op dispatch is most of
+    a step (stories260K: 0.84 ms a token through the services compiled,
+    1.67 eager, docs/performance.md P12); from hidden size 512 up the step
+    compiles layerwise, a few seconds cold (compiled_decode.LAYERWISE_HIDDEN),
+    and still saves each layer's few dozen eager ops (a Qwen3-0.6B shape's
+    one-row step, P24). Quantized layers compiled are not measured: `on`."""
     why_not = None
     if device.type != "cpu" or tp_size > 1:
         why_not = "not a single CPU rank"
     elif cfg is None or cfg.moe is not None or cfg.mla is not None:
         why_not = "not a dense family"
-    elif cfg.hidden_size >= TINY_HIDDEN:
-        why_not = f"hidden size {cfg.hidden_size} >= {TINY_HIDDEN}: compute, not dispatch, dominates"
+    elif cfg.quantization is not None:
+        why_not = "a quantized checkpoint (EXECUTOR_TORCH_COMPILE=on compiles it)"
     elif kv_cache_dtype != "auto" or batch_invariant:
         why_not = "EXECUTOR_KV_CACHE_DTYPE or EXECUTOR_BATCH_INVARIANT rules it out"
     elif not has_cxx_compiler():

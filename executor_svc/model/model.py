@@ -280,16 +280,23 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Returns the final normed hidden states, [num_tokens, hidden]."""
-        x = self._embed(input_ids)  # [num_tokens, hidden]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        # per layer type: [num_tokens, 1, rotary_dim] each
-        rope = {t: (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for t, (cos, sin) in self.rope.items()}
+        x, rope = self.embed_and_rope(input_ids, positions)
         if self.aux_layer_ids:
             return self._forward_keeping(x, rope, kv_caches, meta, backend)
         for layer, layer_type, cache in zip(self.model.layers, self.cfg.layer_types, kv_caches):
             x = layer(x, *rope[layer_type], cache, meta, backend)
         return self.model.norm(x)
+
+    def embed_and_rope(self, input_ids: torch.Tensor, positions: torch.Tensor
+                       ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """What every layer starts from: the embedded tokens [num_tokens,
+        hidden] and, per layer type, RoPE's cos and sin at their positions
+        ([num_tokens, 1, rotary_dim] each)."""
+        x = self._embed(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope = {t: (cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)) for t, (cos, sin) in self.rope.items()}
+        return x, rope
 
     def _forward_keeping(self, x, rope, kv_caches, meta, backend) -> torch.Tensor:
         """forward, keeping the residual stream where aux_layer_ids say."""

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import numpy as np
 import torch
@@ -58,6 +58,14 @@ STEPS = Counter("llmsched_executor_compiled_decode_steps", "Decode steps, and ve
 
 # Largest K gathered per layer (as much again of V) for a compiled step.
 MAX_GATHER_BYTES = 4 << 20
+# From this hidden size up, decode steps compile layerwise (one graph per
+# kind of decoder layer, _compile_layers) rather than as one graph: the
+# step's own graph unrolls every layer, which inductor took 141 s to
+# compile cold for a Qwen3-0.6B shape (28 layers, hidden 1,024) against 7 s
+# for one layer, while the few eager ops and one call a layer left outside
+# cost little beside such a model's products. Below it (stories260K) those
+# calls would be a large share of a step.
+LAYERWISE_HIDDEN = 512
 
 
 @dataclass(slots=True)
@@ -159,7 +167,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 class CompiledDecode:
-    def __init__(self, model: CausalLM, pool: KVCachePool, verifies: bool = False):
+    def __init__(self, model: CausalLM, pool: KVCachePool, verifies: bool = False, layerwise: bool | None = None):
         self.storage = pool.storage  # [layers, 2, blocks, block_size, kvh, d]
         self.slots = self.storage.flatten(2, 3)  # [layers, 2, slots, kvh, d], a view
         if self.storage.device.type != "cpu":
@@ -180,10 +188,20 @@ class CompiledDecode:
         self._direct = DirectCall("compiled decode step", {"cpp_wrapper": True})
         # Whether a one-row decode and verify step run as one row (_runs_one_row).
         self._one_row = [False, False]
-        self._graph = torch.compile(self._step, fullgraph=True, backend=self._direct.backend)
+        # Layerwise: one graph per kind of decoder layer, called for every
+        # layer of that kind (_compile_layers); else one graph for the step.
+        # None: layerwise from LAYERWISE_HIDDEN up.
+        self.layerwise = layerwise = cfg.hidden_size >= LAYERWISE_HIDDEN if layerwise is None else layerwise
+        self._layer_calls: list[tuple[DirectCall, list | None, str, tuple[torch.Tensor, ...]]] = []
+        self._graph = None if layerwise else torch.compile(self._step, fullgraph=True, backend=self._direct.backend)
         t = time.perf_counter()
         self._warm_up()
-        log.info("compiled the CPU decode step in %.1f s", time.perf_counter() - t)
+        log.info("compiled the CPU decode step in %.1f s%s", time.perf_counter() - t,
+                 f" (layerwise: {len({id(c[0]) for c in self._layer_calls})} graphs for {len(self._layer_calls)} "
+                 "layers)" if layerwise else "")
+        if layerwise and verifies:
+            log.info("layerwise compiled decode: verify steps of drafts run eagerly")
+            verifies = False
         # An executor that speculates also verifies drafts in a graph of its
         # own: run eagerly, a verify step cost several compiled decode steps,
         # more than its drafts saved (docs/performance.md, P21).
@@ -195,7 +213,7 @@ class CompiledDecode:
             self._warm_up_verify()
             log.info("compiled the CPU verify step in %.1f s", time.perf_counter() - t)
 
-    def _runs_one_row(self, direct: DirectCall, inputs: tuple[torch.Tensor, ...], two_rows: tuple,
+    def _runs_one_row(self, name: str, call, inputs: tuple[torch.Tensor, ...], two_rows: tuple,
                       tokens_per_row: int) -> bool:
         """Whether a bound graph may run a one-row batch as it is, instead of
         as two rows (row 0 twice): dynamo compiled it for at least two rows
@@ -206,20 +224,18 @@ class CompiledDecode:
         graph that mis-indexed a single row would not. Measured on
         stories260K: a one-row decode graph 0.30 ms against 0.42 as two
         rows, a verify graph of 5 tokens 0.56 against 0.89."""
-        if not direct.bound:
-            return False
         ids, positions, block_ids, last = inputs
         width = block_ids.shape[0] // ids.shape[0]
         try:
-            logits, new_kv = direct.call((ids[:1], positions[:1], block_ids[:width], last[:1]))
+            logits, new_kv = call((ids[:1], positions[:1], block_ids[:width], last[:1]))
         except Exception:
-            log.exception("%s: one-row batches run as two rows (one row alone failed)", direct.name)
+            log.exception("%s: one-row batches run as two rows (one row alone failed)", name)
             return False
         want_logits, want_kv = two_rows[0][:tokens_per_row], two_rows[1][:, :, :tokens_per_row]
         ok = (logits.shape == want_logits.shape and new_kv.shape == want_kv.shape
               and _close(logits, want_logits, want_kv.dtype) and _close(new_kv, want_kv, want_kv.dtype))
         if not ok:
-            log.info("%s: one-row batches run as two rows (one row alone disagreed)", direct.name)
+            log.info("%s: one-row batches run as two rows (one row alone disagreed)", name)
         return ok
 
     @staticmethod
@@ -236,12 +252,16 @@ class CompiledDecode:
     def below_wrappers(self) -> tuple[bool, bool]:
         """Decode's and verify's: whether bound calls skip AOT autograd's
         and the compiled graph's wrappers (DirectCall._bind_inductor)."""
+        if self.layerwise:
+            return all(c[0].below_wrappers for c in self._layer_calls), False
         return self._direct.below_wrappers, self._direct_verify.below_wrappers
 
     @property
     def direct(self) -> tuple[bool, bool]:
         """Whether decode and verify steps call their compiled graph without
         dynamo (DirectCall)."""
+        if self.layerwise:
+            return bool(self._layer_calls), False  # _compile_layers binds every layer or raises
         return self._direct.bound, self._direct_verify.bound
 
     @property
@@ -262,23 +282,92 @@ class CompiledDecode:
         """Whether a decode step of `rows` rows reading up to `width` blocks each runs compiled."""
         return max(2, rows) * max(2, width) * self.block_size * self.token_bytes <= MAX_GATHER_BYTES
 
-    def _step(self, input_ids, positions, block_ids, seq_lens):
-        n = input_ids.shape[0]
+    def _masks(self, block_ids, seq_lens, windows) -> dict[int | None, torch.Tensor]:
+        """Per sliding window: a decode step's additive mask, [n, 1, 1, ctx + 1]."""
+        n = seq_lens.shape[0]
         ctx = block_ids.shape[0] // n * self.block_size
         # Gathered keys from the new token's position on are hidden (it is
         # the extra last key); a window also hides those before it.
-        keys = torch.arange(ctx, device=input_ids.device)[None, :]  # [1, ctx]
+        keys = torch.arange(ctx, device=seq_lens.device)[None, :]  # [1, ctx]
         last = seq_lens[:, None] - 1  # [n, 1]: the new token's position
         masks = {}
-        for window in self.windows:
+        for window in windows:
             hidden = keys >= last if window is None else (keys >= last) | (keys <= last - window)
             # [n, ctx + 1]: the extra last key, the new token's own, is always visible
             mask = torch.cat([torch.where(hidden, float("-inf"), 0.0), keys.new_zeros(n, 1, dtype=torch.float32)], 1)
             masks[window] = mask.to(self.dtype)[:, None, None]
-        meta = DecodeMeta(block_ids, masks)
+        return masks
+
+    def _step(self, input_ids, positions, block_ids, seq_lens):
+        meta = DecodeMeta(block_ids, self._masks(block_ids, seq_lens, self.windows))
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self._backend)
         new_kv = torch.stack([torch.stack(kv) for kv in meta.new_kv])  # [layers, 2, n, kvh, d]
         return self.model.compute_logits(hidden), new_kv
+
+    def _layer_graph(self, layer: torch.nn.Module, window: int | None):
+        """One decoder layer of a decode step, as a function of tensors only:
+        what _compile_layers compiles once per kind of layer."""
+        def layer_step(x, cos, sin, k_cache, v_cache, block_ids, seq_lens):
+            meta = DecodeMeta(block_ids, self._masks(block_ids, seq_lens, (window,)))
+            out = layer(x, cos, sin, (k_cache, v_cache), meta, self._backend)
+            new_k, new_v = meta.new_kv[0]
+            return out, new_k, new_v
+        return layer_step
+
+    def _layerwise_step(self, input_ids, positions, block_ids, seq_lens):
+        """_step with each decoder layer one call of its kind's compiled
+        graph, and the rest (embedding, RoPE's rows, the final norm, the
+        head: a few ops) eager."""
+        x, rope = self.model.embed_and_rope(input_ids, positions)
+        new_kv = []
+        for direct, template, layer_type, (k_cache, v_cache) in self._layer_calls:
+            x, k, v = direct.call((x, *rope[layer_type], k_cache, v_cache, block_ids, seq_lens), template)
+            new_kv.append(torch.stack((k, v)))
+        return self.model.compute_logits(self.model.model.norm(x)), torch.stack(new_kv)  # [layers, 2, n, kvh, d]
+
+    def _compile_layers(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Compiles one graph per kind of decoder layer (layers alike in
+        class, plain attributes, window, RoPE type and tensor shapes:
+        _structure), called directly for every layer of its kind with that
+        layer's own weights (DirectCall.retargeted). Inductor then compiles
+        one layer instead of the whole unrolled step: a Qwen3-0.6B shape
+        (28 layers) in 7 s cold instead of 141. Each layer's direct call is
+        checked against the same layer run eagerly; a layer that disagrees,
+        or a graph that cannot be called directly, raises (the runner then
+        serves eagerly)."""
+        input_ids, positions, block_ids, seq_lens = inputs
+        cfg = self.model.cfg
+        masks = self._masks(block_ids, seq_lens, self.windows)
+        x, rope = self.model.embed_and_rope(input_ids, positions)
+        kinds: dict[tuple, tuple[DirectCall, dict[str, torch.Tensor]]] = {}
+        calls = []
+        for i, (layer, cache) in enumerate(zip(self.model.model.layers, self.kv_caches)):
+            layer_type, window = cfg.layer_types[i], cfg.layer_window(i)
+            args = (x, *rope[layer_type], *cache, block_ids, seq_lens)
+            tensors = _module_tensors(layer)
+            key = (layer_type, window, _structure(layer))
+            if key not in kinds:
+                direct = DirectCall(f"compiled decode layer {i}", {"cpp_wrapper": True})
+                graph = torch.compile(self._layer_graph(layer, window), fullgraph=True, backend=direct.backend)
+                for t in (args[0], args[1], args[2], args[5], args[6]):  # rows; the tables' blocks
+                    torch._dynamo.mark_dynamic(t, 0)
+                with torch.compiler.set_stance("default"):
+                    direct.bind(args, graph(*args))
+                if not direct.bound:
+                    raise RuntimeError(f"the compiled graph of decoder layer {i} cannot be called directly")
+                kinds[key] = (direct, tensors)
+                template = None
+            else:
+                direct, first = kinds[key]
+                template = direct.retargeted({id(t): tensors[name] for name, t in first.items()})
+            want_meta = DecodeMeta(block_ids, masks)
+            want = layer(x, *rope[layer_type], cache, want_meta, self._backend)
+            got = direct.call(args, template)
+            if not all(_close(g, w, self.dtype) for g, w in zip(got, (want, *want_meta.new_kv[0]))):
+                raise RuntimeError(f"decoder layer {i}'s compiled graph disagrees with the layer run eagerly")
+            calls.append((direct, template, layer_type, cache))
+            x = want
+        self._layer_calls = calls
 
     def _verify_step(self, input_ids, positions, block_ids, starts):
         """input_ids, positions: [n, Q]; starts: [n], each row's first new
@@ -340,7 +429,12 @@ class CompiledDecode:
             input_ids, positions, block_tables, seq_lens = (
                 torch.cat([t, t]) for t in (input_ids, positions, block_tables, seq_lens))
         inputs = (input_ids, positions, block_tables.reshape(-1).long(), seq_lens)
-        if stance == "default":  # the warm-up, which compiles
+        if stance == "default" and self.layerwise:  # the warm-up, which compiles each kind of layer
+            self._compile_layers(inputs)
+            logits, new_kv = self._layerwise_step(*inputs)
+            self._one_row[0] = self._runs_one_row("compiled decode layers", lambda i: self._layerwise_step(*i),
+                                                  inputs, (logits, new_kv), 1)
+        elif stance == "default":  # the warm-up, which compiles
             # Rows and blocks vary; everything else (the caches and weights
             # among them) is static. Once compiled, the graph's sizes are
             # symbols: later calls need not mark them again.
@@ -349,7 +443,10 @@ class CompiledDecode:
             with torch.compiler.set_stance(stance):
                 logits, new_kv = self._graph(*inputs)
             self._direct.bind(inputs, (logits, new_kv))
-            self._one_row[0] = self._runs_one_row(self._direct, inputs, (logits, new_kv), 1)
+            self._one_row[0] = self._direct.bound and self._runs_one_row(
+                self._direct.name, self._direct.call, inputs, (logits, new_kv), 1)
+        elif self.layerwise:
+            logits, new_kv = self._layerwise_step(*inputs)
         else:
             # Guards are not evaluated at all (DirectCall, or
             # skip_guard_eval_unsafe): there is one compiled graph, this is
@@ -397,8 +494,49 @@ class CompiledDecode:
             with torch.compiler.set_stance(stance):
                 logits, new_kv = self._verify_graph(*inputs)
             self._direct_verify.bind(inputs, (logits, new_kv))
-            self._one_row[1] = self._runs_one_row(self._direct_verify, inputs, (logits, new_kv), q_len)
+            self._one_row[1] = self._direct_verify.bound and self._runs_one_row(
+                self._direct_verify.name, self._direct_verify.call, inputs, (logits, new_kv), q_len)
         else:  # as run()'s: one graph, one caller, guards fixed here
             logits, new_kv = self._call(self._direct_verify, self._verify_graph, inputs)
         self.slots.index_copy_(2, slot_mapping, new_kv[:, :, padded])
         return logits[padded]
+
+
+def _module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor a module's forward may read, by name: parameters,
+    buffers and plain tensor attributes of it and its submodules."""
+    out = {}
+    for prefix, m in module.named_modules():
+        for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False),
+                        *((k, v) for k, v in vars(m).items() if isinstance(v, torch.Tensor))]:
+            out[f"{prefix}.{name}" if prefix else name] = t
+    return out
+
+
+def _structure(module: torch.nn.Module) -> tuple:
+    """What a compiled layer graph bakes in besides its tensors' values:
+    each submodule's class and plain attributes (a window, a scale, a row
+    count), and each tensor's name, shape, dtype and strides. Layers with
+    equal structures share a graph."""
+    parts = []
+    for prefix, m in module.named_modules():
+        attrs = tuple(sorted((k, _plain(v)) for k, v in vars(m).items()
+                             if not k.startswith("_") and not isinstance(v, torch.Tensor)))
+        parts.append((prefix, type(m).__qualname__, attrs))
+    parts += [(name, tuple(t.shape), t.dtype, t.stride()) for name, t in _module_tensors(module).items()]
+    return tuple(parts)
+
+
+def _plain(value):
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_plain(v) for v in value)
+    if is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__qualname__, *(_plain(getattr(value, f.name)) for f in fields(value)))
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    # Functions (an activation) by name; other objects by type: a layer
+    # whose graph would bake in such an object's state is caught by the
+    # check against eager (_compile_layers).
+    return getattr(value, "__qualname__", type(value).__qualname__)

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from executor_svc.step import compiled_decode
 from executor_svc.step.compiled_decode import STEPS
 from executor_svc.step.ngram import NgramProposer
 from executor_svc.loading import check_torch_compile
@@ -48,6 +49,53 @@ def test_compiled_decode_matches_hf_greedy_per_family(case, checkpoints):
     assert_matches_hf(runner, path)
     assert runner.compiled is not None, "the compiled step failed and the runner fell back to eager"
     assert STEPS._value.get() - before > 0, "no decode step ran compiled"
+
+
+# Layerwise (one graph per kind of layer, for models from hidden size 512;
+# forced here on tiny ones): mixed windows make two kinds of layer (qwen2:
+# max_window_layers; gemma2: alternating), whose graphs must each serve only
+# their own layers.
+@pytest.mark.parametrize("case, kinds", [("qwen2", 2), ("gemma2", 2), ("qwen3", 1)])
+def test_layerwise_compiled_decode_matches_hf_greedy_per_family(case, kinds, checkpoints, monkeypatch):
+    monkeypatch.setattr(compiled_decode, "LAYERWISE_HIDDEN", 0)
+    path = checkpoints(case)
+    runner = compiled_runner(path)
+    assert runner.compiled.layerwise
+    layers = runner.compiled._layer_calls
+    assert len(layers) == len(runner.model.model.layers)
+    assert len({id(direct) for direct, *_ in layers}) == kinds, "layers grouped into the wrong number of graphs"
+    before = STEPS._value.get()
+    assert_matches_hf(runner, path)
+    assert runner.compiled is not None, "the compiled step failed and the runner fell back to eager"
+    assert STEPS._value.get() - before > 0, "no decode step ran compiled"
+
+
+def test_layerwise_compiled_decode_matches_hf_greedy_on_stories_one_and_five_rows(stories_path, monkeypatch):
+    monkeypatch.setattr(compiled_decode, "LAYERWISE_HIDDEN", 0)
+    runner = make_runner(str(stories_path), torch_compile=True, proposer=NgramProposer(1, 4))
+    assert runner.compiled.layerwise and runner.compiled.direct[0], "layer graphs are not called directly"
+    assert runner.compiled.runs_one_row[0], "a one-row decode step runs as two rows"
+    assert runner.compiled.below_wrappers[0], "layer graphs are called through AOT autograd's wrappers"
+    assert not runner.compiled.verifies, "layerwise: verify steps run eagerly"
+    prompts = [[1, 403, 407, 261, 378], [1, 403], [1, 263, 403, 418, 395, 261, 378, 310, 412, 280], [1, 500], [1, 42]]
+    before = STEPS._value.get()
+    assert generate(runner, prompts[:1], 60, 16) == [hf_greedy(str(stories_path), prompts[0], 60)]
+    got = generate(runner, prompts, 40, 3, drafts=4)
+    for p, g in zip(prompts, got):
+        assert g == hf_greedy(str(stories_path), p, 40), f"prompt {p}"
+    assert runner.compiled is not None, "the compiled step failed and the runner fell back to eager"
+    assert STEPS._value.get() - before >= 59
+
+
+def test_a_layer_graph_that_would_read_another_layers_weights_is_refused(stories_path, monkeypatch):
+    """Each layer's direct call is checked against the layer run eagerly: a
+    graph retargeted without a layer's own weights must not serve."""
+    from executor_svc.direct_call import DirectCall
+
+    monkeypatch.setattr(compiled_decode, "LAYERWISE_HIDDEN", 0)
+    monkeypatch.setattr(DirectCall, "retargeted", lambda self, swap: None)  # every layer on layer 0's weights
+    with pytest.raises(RuntimeError, match="decoder layer 1's compiled graph disagrees with the layer run eagerly"):
+        make_runner(str(stories_path), torch_compile=True)
 
 
 def test_compiled_decode_matches_hf_greedy_on_stories_one_and_five_rows(stories_path):
@@ -120,7 +168,7 @@ def test_torch_compile_is_refused_by_name_off_cpu_and_under_tensor_parallelism()
         check_torch_compile("on", torch.device("cpu"), 2)
 
 
-def test_auto_compiles_only_a_tiny_dense_model_on_one_cpu_rank(stories_path, monkeypatch):
+def test_auto_compiles_an_unquantized_dense_model_on_one_cpu_rank(stories_path, monkeypatch):
     import dataclasses
     import shutil
 
@@ -132,7 +180,9 @@ def test_auto_compiles_only_a_tiny_dense_model_on_one_cpu_rank(stories_path, mon
     if not (shutil.which("c++") or shutil.which("g++")):
         pytest.skip("no C++ compiler on this machine: auto is off by design")
     assert check_torch_compile("auto", cpu, 1, tiny) is True, "stories260K on one CPU rank compiles"
-    assert check_torch_compile("auto", cpu, 1, dataclasses.replace(tiny, hidden_size=1024)) is False, "compute-bound"
+    assert check_torch_compile("auto", cpu, 1, dataclasses.replace(tiny, hidden_size=1024)) is True, "layerwise"
+    quantized = dataclasses.replace(tiny, quantization=object())
+    assert check_torch_compile("auto", cpu, 1, quantized) is False, "quantized layers compiled are not measured"
     assert check_torch_compile("auto", cpu, 2, tiny) is False, "tensor parallelism: eager, not refused"
     assert check_torch_compile("auto", torch.device("cuda", 0), 1, tiny) is False, "CUDA graphs' job"
     assert check_torch_compile("auto", cpu, 1, tiny, "fp8_e4m3") is False

@@ -75,14 +75,16 @@ class ExecutorSettings(BaseSettings):
         "`auto` = on with a CUDA device and the `triton` backend on one device (off under tensor parallelism), "
         "else off; `off`.")
     torch_compile: Literal["auto", "off", "on"] = Field(
-        default="auto", description="`auto` = `on` for a dense model under hidden size 512 on one CPU rank (where "
-        "per-op dispatch is most of a decode step) when a C++ compiler is found, else `off`. Inductor's cache "
+        default="auto", description="`auto` = `on` for an unquantized dense model on one CPU rank when a C++ "
+        "compiler is found, else `off`. Inductor's cache "
         "is kept in `~/.cache/llmsched/inductor` (unless `TORCHINDUCTOR_CACHE_DIR` is set), so a restart loads the "
         "compiled step instead of compiling it again. `on`: decode-only steps on CPU whose gathered K fits 4 MiB per layer (e.g. 64 "
-        "requests x 512 tokens on stories260K) run as one `torch.compile`d graph "
-        "(`executor_svc/step/compiled_decode.py`), compiled at start-up (about 22 s cold on the development machine, "
-        "5 s with inductor's on-disk cache warm), and in an executor that speculates (`ngram`, `draft`) a verify "
-        "step too (about 2 s warm); other steps run eagerly. Needs a C++ compiler: if compiling "
+        "requests x 512 tokens on stories260K) run compiled (`executor_svc/step/compiled_decode.py`), compiled at "
+        "start-up: under hidden size 512 as one `torch.compile`d graph (stories260K: about 22 s cold on the "
+        "development machine, 5 s with inductor's on-disk cache warm), and in an executor that speculates "
+        "(`ngram`, `draft`) a verify step too (about 2 s warm); from hidden size 512 layerwise, one graph per kind "
+        "of decoder layer called for each such layer (a Qwen3-0.6B shape: 7-9 s cold), with verify steps eager. "
+        "Other steps run eagerly. Needs a C++ compiler: if compiling "
         "fails the executor logs why and serves eagerly. Refused on CUDA (use `EXECUTOR_CUDA_GRAPHS`) and under "
         "tensor parallelism.")
     cpu_int_kernels: Literal["auto", "off"] = Field(

@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # executor to all cores but one would leave that one to the schedulers
 # alone; tests/unit/test_cpus.py starts a stack with pinning on.
 os.environ.setdefault(cpus.PIN_SETTING, "off")
-# EXECUTOR_TORCH_COMPILE=auto compiles every tiny model's decode step at
+# EXECUTOR_TORCH_COMPILE=auto compiles every dense model's decode step at
 # start-up, seconds per stack even from a warm cache, over the suite's
 # hundred-odd stacks; the compiled step is tested on its own
 # (tests/unit/test_compiled_decode.py, test_oracle's compiled stack).

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from executor_svc.direct_call import DirectCall
-from executor_svc.model import cpu_bf16_gemm
+from executor_svc.model import cpu_bf16_gemm, cpu_onednn
 
 log = logging.getLogger(__name__)
 
@@ -237,11 +237,14 @@ def fits(weight: torch.Tensor) -> bool:
             and weight.shape[1] >= GEMV_MIN_COLUMNS and weight.numel() >= GEMV_MIN_ELEMENTS)
 
 
-def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool = False) -> int:
+def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool = False,
+                 onednn_reorder: str = "auto") -> int:
     """EXECUTOR_CPU_GEMV: marks every linear whose weight fits (its one-row
     products then take gemv), compiling the GEMV once now so that the first
-    request does not wait for it; logs what it did. Returns the layers
-    marked (0 if compiling fails: they keep the GEMM)."""
+    request does not wait for it; with native bf16, reorders bf16 weights
+    for oneDNN first (onednn_reorder: EXECUTOR_CPU_ONEDNN_REORDER); logs
+    what it did. Returns the layers marked or reordered (those reordered
+    only, if compiling fails: the others keep the GEMM)."""
     layers = [m for m in model.modules() if hasattr(m, "use_cpu_gemv") and getattr(m, "weight", None) is not None
               and isinstance(m.weight, torch.Tensor) and fits(m.weight)]
     if not layers:
@@ -250,10 +253,19 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
         log.info("CPU GEMV: off (%s); %d linears keep the GEMM for one-row steps",
                  "EXECUTOR_CPU_GEMV=off" if setting == "off" else "batch-invariant mode", len(layers))
         return 0
+    bf16 = [layer for layer in layers if layer.weight.dtype == torch.bfloat16]
+    # EXECUTOR_CPU_ONEDNN_REORDER: with native bf16, those weights in oneDNN's layout.
+    reordered = reorder_for_onednn(model, bf16) if bf16 and onednn_reorder == "auto" and native_bf16_gemm() else []
+    if reordered:
+        for layer in reordered:
+            layer.use_cpu_gemv = True
+        layers = [layer for layer in layers if layer.onednn_handle is None]
+        bf16 = [layer for layer in bf16 if layer.onednn_handle is None]
+        if not layers:
+            return len(reordered)
     if not has_cxx_compiler():
         log.info("CPU GEMV: off (no C++ compiler for inductor); %d linears keep the GEMM", len(layers))
-        return 0
-    bf16 = [layer for layer in layers if layer.weight.dtype == torch.bfloat16]
+        return len(reordered)
     # Without native bf16, the C kernels (cpu_bf16_gemm) take every bf16
     # weight they fit, one row or several: inductor's GEMV is compiled (a
     # few seconds) only where a weight is left for it.
@@ -271,7 +283,7 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
                 gemv(x, weight)
         except Exception:  # a broken toolchain: serve on the GEMM rather than not at all
             log.exception("CPU GEMV: compiling failed; one-row steps keep the GEMM")
-            return 0
+            return len(reordered)
     for layer in layers:
         layer.use_cpu_gemv = True
     log.info("CPU GEMV: %d linears take a GEMV for one-row steps: %d inductor's (compiled in %.1f s), %d the C "
@@ -290,7 +302,7 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
             except Exception:
                 log.exception("CPU GEMV: compiling the several-row passes failed; steps of several rows keep the "
                               "GEMM")
-                return len(layers)
+                return len(layers) + len(reordered)
         for layer in bf16:
             layer.cpu_gemv_rows = sys.maxsize
         how = ("a tiled bf16 GEMM kernel (cpu_bf16_gemm.py)" if kernel else
@@ -298,4 +310,22 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
         log.info("CPU GEMV: no native bfloat16 GEMM on this CPU, so steps of 2 to %d rows take %s over each of "
                  "those %d linears, and larger ones float32 blocks of them (built in %.1f s)", ROWS_MAX, how,
                  len(bf16), time.perf_counter() - started)
-    return len(layers)
+    return len(layers) + len(reordered)
+
+
+def reorder_for_onednn(model: nn.Module, bf16: list[nn.Module]) -> list[nn.Module]:
+    """On a CPU with native bf16: each bf16 weight reordered once for
+    oneDNN (cpu_onednn.py), except one shared with another module (a tied
+    head) and in latent-attention models (mla.py reads kv_b_proj's weight
+    as it is stored). Returns the layers reordered, logged."""
+    cfg = getattr(model, "cfg", None)
+    if not cpu_onednn.available() or (cfg is not None and cfg.mla is not None):
+        return []
+    shared = cpu_onednn.shared_weights(model)
+    started = time.perf_counter()
+    reordered = [layer for layer in bf16 if id(layer.weight) not in shared and cpu_onednn.reorder(layer)]
+    log.info("CPU GEMV: native bfloat16 GEMM on this CPU: %d of %d bf16 linears reordered once for oneDNN "
+             "(cpu_onednn.py, %.1f s), every product of theirs on it%s", len(reordered), len(bf16),
+             time.perf_counter() - started, "; a weight tied to the embedding keeps the GEMV and torch's GEMM"
+             if any(id(layer.weight) in shared for layer in bf16) else "")
+    return reordered

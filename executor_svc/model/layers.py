@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
+from executor_svc.model import cpu_onednn
 from executor_svc.model.cpu_gemv import marked_linear
 from executor_svc.model.cpu_int_linear import CpuIntWeights
 from executor_svc.model.model_config import LinearScheme, QuantSpec, UnsupportedConfig
@@ -191,6 +192,9 @@ class _Linear(nn.Module):
     # by cpu_gemv.use_cpu_gemv; cpu_gemv.marked_linear dispatches).
     use_cpu_gemv = False
     cpu_gemv_rows = 1
+    # Set where the weight is reordered for oneDNN (cpu_onednn.py, by
+    # cpu_gemv.use_cpu_gemv): every product then goes through it.
+    onednn_handle: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
@@ -199,6 +203,8 @@ class _Linear(nn.Module):
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         scheme = self.scheme
         if scheme is None:
+            if self.onednn_handle is not None:
+                return cpu_onednn.linear(self, x)
             if self.use_cpu_gemv and x.dim() == 2:
                 return marked_linear(x, self.weight, self.bias, self.cpu_gemv_rows)
             return F.linear(x, self.weight, self.bias)
@@ -450,12 +456,15 @@ class VocabEmbedding(VocabParallel, nn.Embedding):
 class VocabHead(VocabParallel, nn.Linear):
     use_cpu_gemv = False  # as _Linear's
     cpu_gemv_rows = 1
+    onednn_handle: torch.Tensor | None = None
 
     def __init__(self, vocab_size: int, hidden: int, first: int, end: int):
         nn.Linear.__init__(self, hidden, end - first, bias=False)
         self._init_vocab(vocab_size, first, end)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn_handle is not None:
+            return cpu_onednn.linear(self, x)
         if self.use_cpu_gemv and x.dim() == 2:
             return marked_linear(x, self.weight, None, self.cpu_gemv_rows)
         return super().forward(x)

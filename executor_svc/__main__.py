@@ -20,7 +20,6 @@ except StartupError as exc:
 
 import asyncio  # noqa: E402
 import logging  # noqa: E402
-import sys  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -127,7 +126,12 @@ async def serve(settings: ExecutorSettings) -> None:
     service.close()
     tracing.shutdown()
     log.info("stopped" if closed else "stopped without closing every connection")
-    exit_now()
+    # Without the interpreter's teardown: everything the executor owes
+    # anyone is done (the last step answered, sockets removed, traces
+    # flushed); what is left is Python unloading torch's thousands of
+    # objects, about 0.5-0.9 s a process on two cores, that a restart or an
+    # orchestrator's rolling update would wait for.
+    srv.exit_now(0)
 
 
 async def _close_connections(server, socket_server, service: ExecutorService) -> None:
@@ -156,20 +160,7 @@ def main() -> None:
         # Refusing to start beats serving a checkpoint with wrong tokens.
         log.error("cannot serve %s: %s", settings.model, exc)
         raise SystemExit(2) from None
-    exit_now()
-
-
-def exit_now() -> None:
-    """After a clean shutdown, exits without the interpreter's teardown.
-    Everything the executor owes anyone is done by then (the last step
-    answered, sockets removed, traces flushed); what is left is Python
-    unloading torch's thousands of objects, about 0.5-0.9 s a process on
-    two cores, that a restart or an orchestrator's rolling update would
-    wait for."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    srv.exit_now(0)  # a tensor-parallel worker's clean stop: as serve()'s
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -206,9 +207,12 @@ def task_stacks() -> str:
 def exit_now(code: int) -> NoReturn:
     """os._exit(code) once the log handlers are flushed: for a process that
     must not run interpreter teardown (it would wait on a peer or a task
-    that never ends), without losing the lines that say why."""
+    that never ends), without losing the lines that say why, nor what was
+    printed."""
     for handler in logging.getLogger().handlers:
         handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 

@@ -256,9 +256,7 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
     bf16 = [layer for layer in layers if layer.weight.dtype == torch.bfloat16]
     # EXECUTOR_CPU_ONEDNN_REORDER: with native bf16, those weights in oneDNN's layout.
     reordered = reorder_for_onednn(model, bf16) if bf16 and onednn_reorder == "auto" and native_bf16_gemm() else []
-    if reordered:
-        for layer in reordered:
-            layer.use_cpu_gemv = True
+    if reordered:  # their products dispatch on onednn_handle, not use_cpu_gemv
         layers = [layer for layer in layers if layer.onednn_handle is None]
         bf16 = [layer for layer in bf16 if layer.onednn_handle is None]
         if not layers:

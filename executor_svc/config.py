@@ -6,9 +6,10 @@ fails when it is stale. Importing this module must not import torch."""
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llmsched.logs import LOG_LEVEL_HELP, LogFormat, LogLevel, log_format_help
@@ -107,15 +108,32 @@ class ExecutorSettings(BaseSettings):
         "built, the inductor GEMV and compiled passes of 8 rows) over those weights, "
         "and larger ones convert them to float32 a block at a time for MKL's GEMM. `auto` = on where a weight fits and a C++ compiler is found, not in "
         "batch-invariant mode; `off` = always the GEMM.")
-    cpu_onednn_reorder: Literal["auto", "off"] = Field(
+    cpu_bf16_prepack: Literal["auto", "avx512bf16", "onednn", "off"] = Field(
         default="auto", description="On a CPU with native bfloat16 instructions (AVX512-BF16, AMX), each bf16 "
-        "linear's weight that `EXECUTOR_CPU_GEMV` would take is reordered once at load into oneDNN's blocked "
-        "layout, replacing the stored one (`executor_svc/model/cpu_onednn.py`), and every product of the layer "
-        "runs on it: torch's bf16 GEMM otherwise reorders the weight on every call. The outputs are the same bit "
-        "for bit. A Qwen3-0.6B shape's 16-row decode step on two Zen 4 cores: 116 against 150 ms; its one-row "
-        "step: 55 against 45 ms, where the GEMV on the stored layout is faster (so a single stream is slower with "
-        "it). Not for a weight tied to the embedding, nor in latent-attention models. `auto` = on where the CPU "
-        "has native bf16 and `EXECUTOR_CPU_GEMV` is on; `off` = keep the stored layout.")
+        "linear's weight that `EXECUTOR_CPU_GEMV` would take is packed once at load, replacing the stored one, "
+        "and every product of the layer runs on it (`executor_svc/model/cpu_prepack.py`). `avx512bf16`: the "
+        "layout of a C kernel built at start-up (`executor_svc/model/cpu_bf16_vnni.py`, about 1 s, cached in "
+        "`~/.cache/llmsched/cpu_kernels`); its outputs differ from F.linear's by float32 rounding, and a row's "
+        "outputs do not depend on the rows beside it. `onednn`: oneDNN's blocked layout, the same outputs as "
+        "F.linear bit for bit (torch's bf16 GEMM otherwise reorders the weight on every call). The 112 layer "
+        "products of a Qwen3-0.6B shape's decode step on two Zen 4 cores: one row 18.3 ms with `avx512bf16`, "
+        "31.5 with `onednn`, 21.5 with the GEMV on the stored layout (`off`); 16 rows 42.8 with `avx512bf16`, "
+        "47.9 with `onednn`. Not for a weight tied to the embedding, nor in latent-attention models. `auto` = "
+        "`avx512bf16` where the CPU has AVX512-BF16 but no AMX and the kernel builds, else `onednn`, where the "
+        "CPU has native bf16 and `EXECUTOR_CPU_GEMV` is on; `off` = keep the stored layout. Replaces "
+        "`EXECUTOR_CPU_ONEDNN_REORDER`, which is refused by name if set.")
+
+    @field_validator("cpu_bf16_prepack")
+    @classmethod
+    def _renamed_setting_is_not_ignored(cls, value: str) -> str:
+        # Unknown EXECUTOR_* variables are ignored: a value left under the old
+        # name would silently not apply.
+        if "EXECUTOR_CPU_ONEDNN_REORDER" in os.environ:
+            raise ValueError("EXECUTOR_CPU_ONEDNN_REORDER is set, but was renamed EXECUTOR_CPU_BF16_PREPACK "
+                             "(auto|avx512bf16|onednn|off; its old `off` is `off`, its old `auto` is `onednn`): "
+                             "set that instead")
+        return value
+
     tensor_parallel_size: int = Field(
         default=1, ge=1, le=512, description="Ranks (one device each) one executor's model is split over, with "
         "torch.distributed: NCCL on CUDA, gloo on CPU. Without torchrun's variables rank 0 starts the other ranks "

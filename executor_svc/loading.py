@@ -178,7 +178,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     if device.type == "cpu" and cfg.quantization is not None:
         use_cpu_int_kernels(model, dtype, settings.cpu_int_kernels, invariant)
     if device.type == "cpu":
-        use_cpu_gemv(model, settings.cpu_gemv, invariant, onednn_reorder=settings.cpu_onednn_reorder)
+        use_cpu_gemv(model, settings.cpu_gemv, invariant, prepack=settings.cpu_bf16_prepack)
     if invariant:
         log.info("batch-invariant mode: %d GEMM layers made invariant (rows padded to a multiple of %d; on CUDA, "
                  "unquantized ones on the Triton GEMM)", make_batch_invariant(model), ROW_UNIT)
@@ -446,7 +446,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     share one): FP8 weights count one byte each."""
     seen, total = set(), 0
     for p in model.parameters():
-        # A weight reordered for oneDNN (cpu_onednn.py) has no plain storage.
+        # A weight reordered for oneDNN (cpu_prepack.py) has no plain storage.
         key = id(p) if p.is_mkldnn else p.data_ptr()
         if key not in seen:
             seen.add(key)

@@ -162,17 +162,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmsched" / "cpu_kernels"
 
 
-def build() -> Path:
-    """The shared library, compiled once per source, compiler and flags and
-    kept in cache_dir() (written under a temporary name, then renamed, so a
-    concurrent start never loads half a file); where that directory cannot
-    be written, in a temporary one."""
+def build(name: str = "bf16_gemm", source: str = SOURCE, flags: list[str] = FLAGS) -> Path:
+    """The shared library of a C source, compiled once per source, compiler
+    and flags and kept in cache_dir() (written under a temporary name, then
+    renamed, so a concurrent start never loads half a file); where that
+    directory cannot be written, in a temporary one."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (CC, cc, gcc, CXX, c++ or g++)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE, cc, version, *FLAGS]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"bf16_gemm-{key}.so"
+    key = hashlib.sha256("\0".join([source, cc, version, *flags]).encode()).hexdigest()[:16]
+    path = cache_dir() / f"{name}-{key}.so"
     if path.exists():
         return path
     try:
@@ -182,10 +182,10 @@ def build() -> Path:
         tmp = tempfile.mkdtemp(prefix="llmsched-cpu-kernels-")
         path = Path(tmp) / path.name
     try:
-        src = Path(tmp) / "bf16_gemm.c"
-        src.write_text(SOURCE)
+        src = Path(tmp) / f"{name}.c"
+        src.write_text(source)
         out = Path(tmp) / f"{path.name}.part"
-        done = subprocess.run([cc, *FLAGS, "-x", "c", str(src), "-o", str(out)], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags, "-x", "c", str(src), "-o", str(out)], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
         os.replace(out, path)

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from executor_svc.direct_call import DirectCall
-from executor_svc.model import cpu_bf16_gemm, cpu_onednn
+from executor_svc.model import cpu_bf16_gemm, cpu_prepack
 
 log = logging.getLogger(__name__)
 
@@ -238,13 +238,13 @@ def fits(weight: torch.Tensor) -> bool:
 
 
 def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool = False,
-                 onednn_reorder: str = "auto") -> int:
+                 prepack: str = "auto") -> int:
     """EXECUTOR_CPU_GEMV: marks every linear whose weight fits (its one-row
     products then take gemv), compiling the GEMV once now so that the first
-    request does not wait for it; with native bf16, reorders bf16 weights
-    for oneDNN first (onednn_reorder: EXECUTOR_CPU_ONEDNN_REORDER); logs
-    what it did. Returns the layers marked or reordered (those reordered
-    only, if compiling fails: the others keep the GEMM)."""
+    request does not wait for it; with native bf16, packs bf16 weights for
+    it first (prepack: EXECUTOR_CPU_BF16_PREPACK); logs what it did.
+    Returns the layers marked or packed (those packed only, if compiling
+    fails: the others keep the GEMM)."""
     layers = [m for m in model.modules() if hasattr(m, "use_cpu_gemv") and getattr(m, "weight", None) is not None
               and isinstance(m.weight, torch.Tensor) and fits(m.weight)]
     if not layers:
@@ -254,16 +254,16 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
                  "EXECUTOR_CPU_GEMV=off" if setting == "off" else "batch-invariant mode", len(layers))
         return 0
     bf16 = [layer for layer in layers if layer.weight.dtype == torch.bfloat16]
-    # EXECUTOR_CPU_ONEDNN_REORDER: with native bf16, those weights in oneDNN's layout.
-    reordered = reorder_for_onednn(model, bf16) if bf16 and onednn_reorder == "auto" and native_bf16_gemm() else []
-    if reordered:  # their products dispatch on onednn_handle, not use_cpu_gemv
-        layers = [layer for layer in layers if layer.onednn_handle is None]
-        bf16 = [layer for layer in bf16 if layer.onednn_handle is None]
+    # EXECUTOR_CPU_BF16_PREPACK: with native bf16, those weights packed for it.
+    packed = prepack_bf16(model, bf16, prepack) if bf16 and native_bf16_gemm() else []
+    if packed:  # their products dispatch on prepack_handle, not use_cpu_gemv
+        layers = [layer for layer in layers if layer.prepack_handle is None]
+        bf16 = [layer for layer in bf16 if layer.prepack_handle is None]
         if not layers:
-            return len(reordered)
+            return len(packed)
     if not has_cxx_compiler():
         log.info("CPU GEMV: off (no C++ compiler for inductor); %d linears keep the GEMM", len(layers))
-        return len(reordered)
+        return len(packed)
     # Without native bf16, the C kernels (cpu_bf16_gemm) take every bf16
     # weight they fit, one row or several: inductor's GEMV is compiled (a
     # few seconds) only where a weight is left for it.
@@ -281,7 +281,7 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
                 gemv(x, weight)
         except Exception:  # a broken toolchain: serve on the GEMM rather than not at all
             log.exception("CPU GEMV: compiling failed; one-row steps keep the GEMM")
-            return len(reordered)
+            return len(packed)
     for layer in layers:
         layer.use_cpu_gemv = True
     log.info("CPU GEMV: %d linears take a GEMV for one-row steps: %d inductor's (compiled in %.1f s), %d the C "
@@ -300,7 +300,7 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
             except Exception:
                 log.exception("CPU GEMV: compiling the several-row passes failed; steps of several rows keep the "
                               "GEMM")
-                return len(layers) + len(reordered)
+                return len(layers) + len(packed)
         for layer in bf16:
             layer.cpu_gemv_rows = sys.maxsize
         how = ("a tiled bf16 GEMM kernel (cpu_bf16_gemm.py)" if kernel else
@@ -308,22 +308,26 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
         log.info("CPU GEMV: no native bfloat16 GEMM on this CPU, so steps of 2 to %d rows take %s over each of "
                  "those %d linears, and larger ones float32 blocks of them (built in %.1f s)", ROWS_MAX, how,
                  len(bf16), time.perf_counter() - started)
-    return len(layers) + len(reordered)
+    return len(layers) + len(packed)
 
 
-def reorder_for_onednn(model: nn.Module, bf16: list[nn.Module]) -> list[nn.Module]:
-    """On a CPU with native bf16: each bf16 weight reordered once for
-    oneDNN (cpu_onednn.py), except one shared with another module (a tied
-    head) and in latent-attention models (mla.py reads kv_b_proj's weight
-    as it is stored). Returns the layers reordered, logged."""
+def prepack_bf16(model: nn.Module, bf16: list[nn.Module], setting: str) -> list[nn.Module]:
+    """On a CPU with native bf16: each bf16 weight packed once for the kind
+    the setting chooses (cpu_prepack.py), except one shared with another
+    module (a tied head) and in latent-attention models (mla.py reads
+    kv_b_proj's weight as it is stored). Returns the layers packed, logged."""
     cfg = getattr(model, "cfg", None)
-    if not cpu_onednn.available() or (cfg is not None and cfg.mla is not None):
+    if cfg is not None and cfg.mla is not None:
         return []
-    shared = cpu_onednn.shared_weights(model)
+    kind = cpu_prepack.choose(setting)
+    if kind is None:
+        return []
+    shared = cpu_prepack.shared_weights(model)
     started = time.perf_counter()
-    reordered = [layer for layer in bf16 if id(layer.weight) not in shared and cpu_onednn.reorder(layer)]
-    log.info("CPU GEMV: native bfloat16 GEMM on this CPU: %d of %d bf16 linears reordered once for oneDNN "
-             "(cpu_onednn.py, %.1f s), every product of theirs on it%s", len(reordered), len(bf16),
-             time.perf_counter() - started, "; a weight tied to the embedding keeps the GEMV and torch's GEMM"
+    packed = [layer for layer in bf16 if id(layer.weight) not in shared and cpu_prepack.prepack(layer, kind)]
+    how = "the AVX512-BF16 kernel's layout (cpu_bf16_vnni.py)" if kind == "avx512bf16" else "oneDNN's layout"
+    log.info("CPU GEMV: native bfloat16 GEMM on this CPU: %d of %d bf16 linears packed once into %s (%.1f s), "
+             "every product of theirs on it%s", len(packed), len(bf16), how, time.perf_counter() - started,
+             "; a weight tied to the embedding keeps the GEMV and torch's GEMM"
              if any(id(layer.weight) in shared for layer in bf16) else "")
-    return reordered
+    return packed

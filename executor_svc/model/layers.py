@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
-from executor_svc.model import cpu_onednn
+from executor_svc.model import cpu_prepack
 from executor_svc.model.cpu_gemv import marked_linear
 from executor_svc.model.cpu_int_linear import CpuIntWeights
 from executor_svc.model.model_config import LinearScheme, QuantSpec, UnsupportedConfig
@@ -192,9 +192,10 @@ class _Linear(nn.Module):
     # by cpu_gemv.use_cpu_gemv; cpu_gemv.marked_linear dispatches).
     use_cpu_gemv = False
     cpu_gemv_rows = 1
-    # Set where the weight is reordered for oneDNN (cpu_onednn.py, by
-    # cpu_gemv.use_cpu_gemv): every product then goes through it.
-    onednn_handle: torch.Tensor | None = None
+    # Set where the weight is packed for the CPU's bf16 instructions
+    # (cpu_prepack.py, by cpu_gemv.use_cpu_gemv): every product then goes
+    # through it.
+    prepack_handle: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
@@ -203,8 +204,8 @@ class _Linear(nn.Module):
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         scheme = self.scheme
         if scheme is None:
-            if self.onednn_handle is not None:
-                return cpu_onednn.linear(self, x)
+            if self.prepack_handle is not None:
+                return cpu_prepack.linear(self, x)
             if self.use_cpu_gemv and x.dim() == 2:
                 return marked_linear(x, self.weight, self.bias, self.cpu_gemv_rows)
             return F.linear(x, self.weight, self.bias)
@@ -456,15 +457,15 @@ class VocabEmbedding(VocabParallel, nn.Embedding):
 class VocabHead(VocabParallel, nn.Linear):
     use_cpu_gemv = False  # as _Linear's
     cpu_gemv_rows = 1
-    onednn_handle: torch.Tensor | None = None
+    prepack_handle: torch.Tensor | None = None
 
     def __init__(self, vocab_size: int, hidden: int, first: int, end: int):
         nn.Linear.__init__(self, hidden, end - first, bias=False)
         self._init_vocab(vocab_size, first, end)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn_handle is not None:
-            return cpu_onednn.linear(self, x)
+        if self.prepack_handle is not None:
+            return cpu_prepack.linear(self, x)
         if self.use_cpu_gemv and x.dim() == 2:
             return marked_linear(x, self.weight, None, self.cpu_gemv_rows)
         return super().forward(x)

@@ -232,3 +232,13 @@ def test_without_a_native_bf16_gemm_bf16_layers_take_several_row_passes_and_comp
     _, native = build(medium, torch.bfloat16)
     cpu_gemv.use_cpu_gemv(native)
     assert native.model.layers[0].mlp.gate_up_proj.cpu_gemv_rows == 1, "a native bf16 GEMM was passed over"
+
+
+def test_the_bf16_prepack_setting_s_old_name_is_refused_rather_than_ignored(monkeypatch):
+    from executor_svc.config import ExecutorSettings
+    from llmsched.errors import StartupError, load_settings
+
+    monkeypatch.setenv("EXECUTOR_CPU_ONEDNN_REORDER", "off")
+    with pytest.raises(StartupError, match="EXECUTOR_CPU_ONEDNN_REORDER is set, but was renamed "
+                                           "EXECUTOR_CPU_BF16_PREPACK"):
+        load_settings(ExecutorSettings)

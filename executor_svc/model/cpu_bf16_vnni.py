@@ -1,0 +1,199 @@
+"""bfloat16 products on a CPU with AVX512-BF16 but no AMX (AMD Zen 4 and
+later, Intel Cooper Lake): the weight packed once at load into pairs of
+columns for VDPBF16PS, and one C kernel, built at start-up with the
+system's C compiler and called through ctypes, for every row count.
+
+On these CPUs oneDNN's bf16 inner product runs on the same instruction,
+but its one-row product is slow: the 112 layer products of a Qwen3-0.6B
+shape's decode step on two Zen 4 cores, distinct weights, took 31.5-32.6
+ms at one row through oneDNN's reordered layout against 18.3 here, and
+the inductor GEMV on the stored layout 21.3-21.6 (so oneDNN's layout cost
+a single stream what it gave 16 of them). At several rows the kernel
+keeps pace with oneDNN: 16 rows 42.8 against 47.9 ms, and 4 of those
+layers at 64, 256 and 1,024 rows 19.7, 74.2 and 296.4 against 20.0, 74.1
+and 289.3 (run by `bench/cpu_bf16.py`). With AMX oneDNN's tile kernels are
+another class, and keep those CPUs (cpu_prepack.py chooses).
+
+Layout: [N/16, K/2, 16, 2] (N padded to a multiple of 64 with zero rows):
+16 weight rows by one pair of columns, 64 bytes, is one cache line and one
+VDPBF16PS operand, the pair of x's values broadcast against it. A
+micro-kernel keeps R rows (1 to 6) by 4 blocks of 16 outputs in 24 or
+fewer of the 32 registers, so each weight line loaded feeds R of them;
+threads share out strips of 64 outputs (one output block each, for one
+row, where strips would leave threads idle) and groups of 48 rows. Every
+output is summed in one float32 accumulator over the column pairs in
+order, whatever the row count, the rows beside it, or the thread count:
+a row's outputs do not depend on its batch. They differ from F.linear's
+(whose order is oneDNN's) by float32 rounding before the cast to bf16.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+
+import torch
+
+from executor_svc.model import cpu_bf16_gemm
+
+log = logging.getLogger(__name__)
+
+BLOCK = 16  # outputs a VDPBF16PS produces: one 512-bit register of float32
+STRIP = 64  # outputs a micro-kernel keeps (4 blocks); N is padded to it
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <omp.h>
+
+#define GROUP 48  /* rows a task takes: 8 passes of the 6-row micro-kernel */
+
+static inline __m512bh pair(const uint16_t *x) { return (__m512bh)_mm512_set1_epi32(*(const int32_t *)x); }
+
+/* Block j's 16 sums (plus bias) to bf16, rounded to nearest even, the outputs past N dropped. */
+static inline void store(uint16_t *y, const uint16_t *bias, __m512 v, long n, long N) {
+    if (n >= N) return;
+    int valid = N - n < 16 ? (int)(N - n) : 16;
+    __mmask16 m = (__mmask16)(valid == 16 ? 0xffff : (1u << valid) - 1);
+    if (bias)
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + n)), 16)));
+    _mm256_mask_storeu_epi16(y + n, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* R rows of x times JB blocks of 16 weight rows (w: the first block), all K columns. */
+#define MICRO(R, JB)                                                                              \
+static inline void micro_##R##_##JB(const uint16_t *x, long K, const uint16_t *w, uint16_t *y,    \
+                                    long N, const uint16_t *bias, long n0) {                      \
+    long KP = K / 2;                                                                              \
+    __m512 acc[R][JB];                                                                            \
+    for (int r = 0; r < R; r++)                                                                   \
+        for (int j = 0; j < JB; j++) acc[r][j] = _mm512_setzero_ps();                             \
+    for (long kp = 0; kp < KP; kp++) {                                                            \
+        __m512bh wv[JB];                                                                          \
+        for (int j = 0; j < JB; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (j * KP + kp) * 32); \
+        for (int r = 0; r < R; r++) {                                                             \
+            __m512bh b = pair(x + r * K + 2 * kp);                                                \
+            for (int j = 0; j < JB; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, wv[j]);       \
+        }                                                                                         \
+    }                                                                                             \
+    for (int r = 0; r < R; r++)                                                                   \
+        for (int j = 0; j < JB; j++) store(y + r * N, bias, acc[r][j], n0 + 16 * j, N);           \
+}
+MICRO(1, 1)
+MICRO(1, 4)
+MICRO(2, 4)
+MICRO(3, 4)
+MICRO(4, 4)
+MICRO(5, 4)
+MICRO(6, 4)
+
+/* y[M, N] = x[M, K] wp^T (+ bias): x, y, bias bf16, contiguous; wp packed
+   [NP/16, K/2, 16, 2], NP = N rounded up to 64; K even. */
+void llmsched_vnni_linear(const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
+                          long M, long N, long K) {
+    long strips = (N + 63) / 64;
+    if (M == 1 && strips < 4L * omp_get_max_threads()) {
+        long blocks = (N + 15) / 16;
+        #pragma omp parallel for schedule(static)
+        for (long b = 0; b < blocks; b++) micro_1_1(x, K, wp + b * 16 * K, y, N, bias, 16 * b);
+        return;
+    }
+    long groups = (M + GROUP - 1) / GROUP;
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (long s = 0; s < strips; s++) {
+        for (long g = 0; g < groups; g++) {
+            const uint16_t *w = wp + s * 64 * K;
+            long n0 = 64 * s, m = g * GROUP, end = m + GROUP < M ? m + GROUP : M;
+            for (; m + 6 <= end; m += 6) micro_6_4(x + m * K, K, w, y + m * N, N, bias, n0);
+            switch (end - m) {
+                case 5: micro_5_4(x + m * K, K, w, y + m * N, N, bias, n0); break;
+                case 4: micro_4_4(x + m * K, K, w, y + m * N, N, bias, n0); break;
+                case 3: micro_3_4(x + m * K, K, w, y + m * N, N, bias, n0); break;
+                case 2: micro_2_4(x + m * K, K, w, y + m * N, N, bias, n0); break;
+                case 1: micro_1_4(x + m * K, K, w, y + m * N, N, bias, n0); break;
+            }
+        }
+    }
+}
+"""
+
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
+
+_kernel = None  # the ctypes function once built and checked; False when it cannot be
+
+
+def cpu_has_it() -> bool:
+    """AVX512-BF16 without AMX: where this kernel is chosen over oneDNN's."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported()) and not torch.cpu._is_amx_tile_supported()
+    except AttributeError:  # a torch without these probes
+        return False
+
+
+def load() -> bool:
+    """Builds and loads the kernel where the CPU has AVX512-BF16, and checks
+    it against F.linear once; False (logged) where it cannot serve."""
+    global _kernel
+    if _kernel is not None:
+        return bool(_kernel)
+    _kernel = False
+    if not torch.cpu._is_avx512_bf16_supported():
+        log.info("AVX512-BF16 kernel: not built (the CPU has no AVX512-BF16)")
+        return False
+    try:
+        fn = ctypes.CDLL(str(cpu_bf16_gemm.build("bf16_vnni", SOURCE, FLAGS))).llmsched_vnni_linear
+    except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("AVX512-BF16 kernel: not built (%s); bf16 weights take oneDNN's layout", exc)
+        return False
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+    fn.restype = None
+    _kernel = fn
+    # Shapes that leave a tail everywhere: 70 outputs (a strip of 4 blocks,
+    # the last 6 wide), 1042 columns (521 pairs), rows 1 (the one-block
+    # path), 13 (6+6+1) and 50 (two groups: 48, then 2).
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(70, 1042, generator=gen).bfloat16()
+    bias = torch.randn(70, generator=gen).bfloat16()
+    packed = pack(weight)
+    for rows in (1, 13, 50):
+        x = torch.randn(rows, 1042, generator=gen).bfloat16()
+        want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+        got = linear(x, packed, bias, 70).float()
+        # The sums in float32, then rounded once to bf16: within one bf16 step of the exact sum.
+        if not torch.allclose(got, want, rtol=2 ** -7, atol=1e-2):
+            _kernel = False
+            log.warning("AVX512-BF16 kernel: wrong sums on this machine (max error %.3g at %d rows); not used",
+                        (got - want).abs().max().item(), rows)
+            return False
+    return True
+
+
+def fits(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 in the kernel's layout: [NP/16, K/2, 16, 2], NP =
+    N rounded up to STRIP, the rows past N zero."""
+    n, k = weight.shape
+    padded = -(-n // STRIP) * STRIP
+    if padded != n:
+        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+    return weight.reshape(padded // BLOCK, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x [M, K] bf16 times the packed weight of n outputs, plus bias: [M, n]
+    bf16. Needs load()."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"a bf16 weight packed for AVX512-BF16 takes bf16 inputs, not {x.dtype}")
+    x = x.contiguous()
+    m, k = x.shape
+    assert packed.shape[1] * 2 == k, (x.shape, packed.shape)
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    _kernel(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
+    return y

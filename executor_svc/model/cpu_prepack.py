@@ -102,6 +102,7 @@ def prepack(layer: nn.Module, kind: str) -> bool:
     layer.weight = nn.Parameter(packed, requires_grad=False)
     _weights[handle] = (weakref.ref(layer.weight), kind)
     layer.prepack_handle = torch.tensor(handle)
+    layer.prepack_kind = kind
     layer.prepack_rows = weight.shape[0]
     return True
 
@@ -117,11 +118,10 @@ def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight, bias) for a packed layer, x of any leading dims;
     inside a compiled graph through linear_op."""
     flat = x.reshape(-1, x.shape[-1])
-    handle = layer.prepack_handle
     if torch.compiler.is_compiling():
-        y = torch.ops.llmsched.prepacked_linear(flat, handle, layer.bias, layer.prepack_rows)
+        y = torch.ops.llmsched.prepacked_linear(flat, layer.prepack_handle, layer.bias, layer.prepack_rows)
     else:
-        y = _product(flat, layer.weight, layer.bias, _weights[int(handle)][1], layer.prepack_rows)
+        y = _product(flat, layer.weight, layer.bias, layer.prepack_kind, layer.prepack_rows)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -24,6 +24,8 @@ frees a slot), plus one step's worth, plus one admission's output.
 
 from __future__ import annotations
 
+import itertools
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, settings
@@ -235,6 +237,12 @@ class FairShareMachine(RuleBasedStateMachine):
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_prefill_chunk=chunk,
                           enable_prefix_caching=caching, tenant_weights=tuple(zip(TENANTS, weights)),
                           prompt_token_weight=prompt_weight, output_token_weight=output_weight)
+        # Ids of this example's own, zero-padded: hypothesis replays an
+        # example's draws and needs the same run each time. With the global
+        # factory counter, `cancel` drew by position from ids sorted as
+        # strings, and "req-999" sorts after "req-1000": a replay crossing a
+        # power of ten cancelled another request and failed as flaky.
+        self.ids = itertools.count()
         pool_tokens = num_blocks * block_size
         # The burst split (FairQueue.begin_step) may admit a tenant whose
         # counter is up to one request's output above another's.
@@ -245,7 +253,8 @@ class FairShareMachine(RuleBasedStateMachine):
     def arrive(self, tenant, n, prompt_len, max_tokens, priority):
         for _ in range(n):
             if self.sched.fits(prompt_len, max_tokens) is None:
-                self.sched.add_request(tenant_request(tenant, prompt_len, max_tokens, priority=priority))
+                self.sched.add_request(tenant_request(tenant, prompt_len, max_tokens, priority=priority,
+                                                      request_id=f"req-{next(self.ids):06d}"))
 
     @precondition(lambda self: self.sched.requests)
     @rule(data=st.data())

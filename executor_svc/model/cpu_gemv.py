@@ -313,9 +313,12 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
 
 def prepack_bf16(model: nn.Module, bf16: list[nn.Module], setting: str) -> list[nn.Module]:
     """On a CPU with native bf16: each bf16 weight packed once for the kind
-    the setting chooses (cpu_prepack.py), except one shared with another
-    module (a tied head) and in latent-attention models (mla.py reads
-    kv_b_proj's weight as it is stored). Returns the layers packed, logged."""
+    the setting chooses (cpu_prepack.py), except in latent-attention models
+    (mla.py reads kv_b_proj's weight as it is stored) and a weight another
+    module shares: a head tied to the embedding is packed for the
+    AVX512-BF16 kernel only, whose layout the embedding then reads its rows
+    from (VocabEmbedding.packed_rows; oneDNN's is opaque). Returns the
+    layers packed, logged."""
     cfg = getattr(model, "cfg", None)
     if cfg is not None and cfg.mla is not None:
         return []
@@ -324,10 +327,33 @@ def prepack_bf16(model: nn.Module, bf16: list[nn.Module], setting: str) -> list[
         return []
     shared = cpu_prepack.shared_weights(model)
     started = time.perf_counter()
-    packed = [layer for layer in bf16 if id(layer.weight) not in shared and cpu_prepack.prepack(layer, kind)]
+    packed, tied = [], []
+    for layer in bf16:
+        if id(layer.weight) not in shared:
+            if cpu_prepack.prepack(layer, kind):
+                packed.append(layer)
+            continue
+        embedding = tied_embedding(model, layer)
+        if kind == "avx512bf16" and embedding is not None and cpu_prepack.prepack(layer, kind):
+            embedding.weight, embedding.packed_rows = layer.weight, True
+            packed.append(layer)
+            tied.append(layer)
     how = "the AVX512-BF16 kernel's layout (cpu_bf16_vnni.py)" if kind == "avx512bf16" else "oneDNN's layout"
+    left = [layer for layer in bf16 if id(layer.weight) in shared and layer not in tied]
     log.info("CPU GEMV: native bfloat16 GEMM on this CPU: %d of %d bf16 linears packed once into %s (%.1f s), "
-             "every product of theirs on it%s", len(packed), len(bf16), how, time.perf_counter() - started,
-             "; a weight tied to the embedding keeps the GEMV and torch's GEMM"
-             if any(id(layer.weight) in shared for layer in bf16) else "")
+             "every product of theirs on it%s%s", len(packed), len(bf16), how, time.perf_counter() - started,
+             "; the head tied to the embedding too, whose lookups read its rows there" if tied else "",
+             "; a weight shared with another module keeps the GEMV and torch's GEMM" if left else "")
     return packed
+
+
+def tied_embedding(model: nn.Module, head: nn.Module) -> nn.Module | None:
+    """The embedding whose weight is the head's, where those two modules
+    alone hold it: None otherwise."""
+    from executor_svc.model.layers import VocabEmbedding, VocabHead
+
+    holders = [m for m in model.modules() if m._parameters.get("weight") is head.weight]
+    embeddings = [m for m in holders if isinstance(m, VocabEmbedding)]
+    if isinstance(head, VocabHead) and len(holders) == 2 and len(embeddings) == 1:
+        return embeddings[0]
+    return None

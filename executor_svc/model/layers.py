@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
-from executor_svc.model import cpu_prepack
+from executor_svc.model import cpu_bf16_vnni, cpu_prepack
 from executor_svc.model.cpu_gemv import marked_linear
 from executor_svc.model.cpu_int_linear import CpuIntWeights
 from executor_svc.model.model_config import LinearScheme, QuantSpec, UnsupportedConfig
@@ -446,12 +446,21 @@ class VocabParallel:
 
 
 class VocabEmbedding(VocabParallel, nn.Embedding):
+    # Set where the weight is a head's packed for the AVX512-BF16 kernel
+    # (a tied head, cpu_gemv.prepack_bf16): lookups gather its rows there.
+    packed_rows = False
+
     def __init__(self, vocab_size: int, hidden: int, first: int, end: int):
         # An empty weight, not nn.Embedding's random one: on the meta device
         # that initialisation runs torch's Python reference of normal_, which
         # imports torch._dynamo, 1.8 s of every executor's start.
         nn.Embedding.__init__(self, end - first, hidden, _weight=torch.empty(end - first, hidden))
         self._init_vocab(vocab_size, first, end)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed_rows:
+            return cpu_bf16_vnni.rows(self.weight, ids)
+        return super().forward(ids)
 
 
 class VocabHead(VocabParallel, nn.Linear):

@@ -145,13 +145,50 @@ def test_auto_packs_for_the_avx512_bf16_kernel_where_the_cpu_has_it_without_amx(
     assert (down.weight.dim() == 4) == ours and down.weight.is_mkldnn == (not ours)
 
 
-def test_a_head_tied_to_the_embedding_keeps_its_stored_layout(medium):
+def test_a_head_tied_to_the_embedding_keeps_its_stored_layout_for_onednn(medium):
+    if not cpu_prepack.onednn_available():
+        pytest.skip("this torch has no oneDNN weight reorder")
     _, model = build(medium, torch.bfloat16)
     model.lm_head.weight = model.model.embed_tokens.weight
-    cpu_gemv.use_cpu_gemv(model)
+    cpu_gemv.use_cpu_gemv(model, prepack="onednn")
     assert model.lm_head.prepack_handle is None and model.lm_head.weight.dim() == 2
     assert not model.lm_head.weight.is_mkldnn
     assert model.model.layers[0].mlp.down_proj.prepack_handle is not None
+
+
+def test_a_head_tied_to_the_embedding_is_packed_once_for_the_avx512_bf16_kernel_and_the_embedding_reads_it(medium):
+    """One copy, packed: the head multiplies by it, the embedding gathers
+    its rows from it (the same values bit for bit), the byte count is the
+    tied model's, and greedy tokens are the stored layout's, eager and
+    compiled."""
+    if not torch.cpu._is_avx512_bf16_supported():
+        pytest.skip("the CPU has no AVX512-BF16")
+    cfg, model = build(medium, torch.bfloat16)
+    embedding = model.model.embed_tokens
+    model.lm_head.weight = embedding.weight
+    stored = embedding.weight.detach().clone()
+
+    def runner(compiled: bool) -> ModelRunner:
+        return ModelRunner(model, KVCachePool(cfg, 64, BLOCK, CPU, torch.bfloat16), make_backend("torch"), CPU,
+                           torch_compile=compiled)
+
+    three = prompts(3)
+    want = generate(runner(False), three, 12, 7)
+    before = weight_bytes(model)
+    assert cpu_gemv.use_cpu_gemv(model, prepack="avx512bf16") == 5
+    assert model.lm_head.prepack_handle is not None and model.lm_head.weight.dim() == 4
+    assert embedding.weight is model.lm_head.weight and embedding.packed_rows, "the embedding kept a second copy"
+    assert weight_bytes(model) == before, "the tied weight is counted twice or not at all"
+    ids = torch.tensor([[0, 5, 17], [2047, 16, 1]])
+    assert torch.equal(embedding(ids), stored[ids]), "rows gathered from the packed layout differ from the stored ones"
+    assert generate(runner(False), three, 12, 7) == want, "the packed tied head changed greedy tokens"
+    try:
+        compiled = runner(True)
+        assert compiled.compiled is not None
+        assert generate(compiled, three[:1], 12, 7) == want[:1], "compiled steps changed greedy tokens"
+        assert compiled.compiled is not None, "a compiled step failed and the runner fell back to eager"
+    finally:
+        torch._dynamo.reset()
 
 
 def test_off_keeps_every_stored_layout(medium):

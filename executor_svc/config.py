@@ -118,7 +118,8 @@ class ExecutorSettings(BaseSettings):
         "F.linear bit for bit (torch's bf16 GEMM otherwise reorders the weight on every call). The 112 layer "
         "products of a Qwen3-0.6B shape's decode step on two Zen 4 cores: one row 18.3 ms with `avx512bf16`, "
         "31.5 with `onednn`, 21.5 with the GEMV on the stored layout (`off`); 16 rows 42.8 with `avx512bf16`, "
-        "47.9 with `onednn`. Not for a weight tied to the embedding, nor in latent-attention models. `auto` = "
+        "47.9 with `onednn`. A head tied to the embedding is packed for `avx512bf16` only (the embedding then "
+        "reads its rows from the packed copy); no weight of a latent-attention model is packed. `auto` = "
         "`avx512bf16` where the CPU has AVX512-BF16 but no AMX and the kernel builds, else `onednn`, where the "
         "CPU has native bf16 and `EXECUTOR_CPU_GEMV` is on; `off` = keep the stored layout. Replaces "
         "`EXECUTOR_CPU_ONEDNN_REORDER`, which is refused by name if set.")

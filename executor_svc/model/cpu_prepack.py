@@ -18,8 +18,9 @@ for it where the CPU has AVX512-BF16 but no AMX.
 Either packed weight replaces the layer's parameter (so the model holds
 one copy), and a plain use of it raises rather than computing with a
 packed layout as if it were row-major: F.linear refuses a oneDNN tensor,
-and the AVX512-BF16 layout is 4-D. A weight shared with another module (a
-head tied to the embedding, whose lookup reads rows) is not packed.
+and the AVX512-BF16 layout is 4-D. A weight shared with another module is
+not packed, except a head tied to the embedding for the AVX512-BF16
+kernel, whose layout the embedding reads rows from (cpu_gemv.prepack_bf16).
 Inside a compiled graph the product is one opaque operator (linear_op)
 that finds the weight by a small handle tensor the layer holds, so that
 the graph never takes a packed weight as an input and a layerwise graph's

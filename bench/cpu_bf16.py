@@ -1,8 +1,10 @@
 """The bf16 layer products of a Qwen3-0.6B shape's decode step, in process,
 through each way this CPU can run them (EXECUTOR_CPU_BF16_PREPACK and
 EXECUTOR_CPU_GEMV): torch's F.linear on the stored layout (the baseline),
-the inductor GEMV on it (one row), oneDNN's reordered layout, and the
-AVX512-BF16 kernel's packed layout. Each layer has weights of its own, as
+the inductor GEMV on it (one row), oneDNN's reordered layout, the
+avx512bf16 and avx2 kernels' packed layout (cpu_bf16_vnni.py), and the AVX2
+C kernels on the stored layout that serve without native bf16 when packing
+is off (cpu_bf16_gemm.py). Each layer has weights of its own, as
 in a model, so that they stream from memory rather than sit in cache.
 
     python -m bench.cpu_bf16                       # 1 and 16 rows, 5 rounds
@@ -24,10 +26,17 @@ import time
 import torch
 import torch.nn.functional as F
 
-from executor_svc.model import cpu_bf16_vnni, cpu_gemv, cpu_prepack
+from executor_svc.model import cpu_bf16_gemm, cpu_bf16_vnni, cpu_gemv, cpu_prepack
 
 # [N, K] of one decoder layer of Qwen3-0.6B: q/k/v fused, o, gate/up fused, down.
 LAYER_SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
+
+
+def inductor_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """cpu_gemv's inductor GEMV itself: cpu_gemv.gemv takes the C GEMV of
+    cpu_bf16_gemm.py instead once that is loaded, as it is here."""
+    return cpu_gemv._call(cpu_gemv._compiled, weight.dtype, f"CPU GEMV ({weight.dtype})", cpu_gemv._gemv_body,
+                          x.float().contiguous(), weight, True).to(x.dtype)
 
 
 def main() -> int:
@@ -43,23 +52,29 @@ def main() -> int:
     packed: dict[str, list] = {}
     if cpu_prepack.onednn_available() and cpu_gemv.native_bf16_gemm():
         packed["onednn"] = [torch.ops.mkldnn._reorder_linear_weight(w, cpu_prepack.ROWS_HINT) for w in weights]
-    if cpu_bf16_vnni.load():
-        packed["avx512bf16"] = [cpu_bf16_vnni.pack(w) for w in weights]
+    pairs = [kind for kind in ("avx512bf16", "avx2") if cpu_bf16_vnni.load(kind)]
+    if pairs:
+        packed["pairs"] = [cpu_bf16_vnni.pack(w) for w in weights]  # one layout for both kernels
+    stored_c = cpu_bf16_gemm.load()
     print(f"{len(weights)} products, {sum(w.numel() for w in weights) * 2 / 1e9:.2f} GB of bf16 weights, "
           f"{args.threads} threads; CPU capability {torch.backends.cpu.get_cpu_capability()}, native bf16 GEMM "
-          f"{cpu_gemv.native_bf16_gemm()}, AVX512-BF16 kernel {'avx512bf16' in packed}", flush=True)
+          f"{cpu_gemv.native_bf16_gemm()}, pair kernels {pairs}", flush=True)
 
     def paths(xs: dict[int, torch.Tensor], rows: int) -> dict:
         found = {"F.linear, stored": lambda: [F.linear(xs[w.shape[1]], w) for w in weights]}
         if rows == 1:
-            found["inductor GEMV, stored"] = lambda: [cpu_gemv.gemv(xs[w.shape[1]], w) for w in weights]
+            found["inductor GEMV, stored"] = lambda: [inductor_gemv(xs[w.shape[1]], w) for w in weights]
         if "onednn" in packed:
             found["oneDNN, reordered"] = lambda: [
                 torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                 for w, p in zip(weights, packed["onednn"])]
-        if "avx512bf16" in packed:
-            found["AVX512-BF16 kernel, packed"] = lambda: [
-                cpu_bf16_vnni.linear(xs[w.shape[1]], p, None, w.shape[0]) for w, p in zip(weights, packed["avx512bf16"])]
+        for kind in pairs:
+            found[f"{kind} kernel, packed"] = (lambda kind: lambda: [
+                cpu_bf16_vnni.linear(xs[w.shape[1]], p, None, w.shape[0], kind)
+                for w, p in zip(weights, packed["pairs"])])(kind)
+        if stored_c:
+            found["AVX2 C kernels, stored"] = lambda: [
+                cpu_bf16_gemm.matmul(xs[w.shape[1]].float(), w).bfloat16() for w in weights]
         return found
 
     with torch.inference_mode():
@@ -69,7 +84,8 @@ def main() -> int:
             want = found["F.linear, stored"]()
             for name, fn in found.items():
                 for got, ref in zip(fn(), want):
-                    if not torch.allclose(got.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6 * ref.abs().max().item()):
+                    scale = ref.float().abs().max().item()
+                    if not torch.allclose(got.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6 * scale):
                         print(f"{name} at {rows} rows: outputs differ from F.linear's", file=sys.stderr)
                         return 1
             times: dict[str, list[float]] = {name: [] for name in found}
@@ -81,7 +97,7 @@ def main() -> int:
             base = statistics.median(times["F.linear, stored"])
             for name, samples in times.items():
                 median = statistics.median(samples)
-                print(f"{rows:4d} rows  {name:28s} {median * 1e3:8.1f} ms  {base / median:5.2f}x the baseline  "
+                print(f"{rows:4d} rows  {name:26s} {median * 1e3:8.1f} ms  {base / median:5.2f}x the baseline  "
                       f"(rounds {min(samples) * 1e3:.1f}-{max(samples) * 1e3:.1f})", flush=True)
     return 0
 

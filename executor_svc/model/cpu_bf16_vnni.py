@@ -1,18 +1,21 @@
-"""bfloat16 products on a CPU with AVX512-BF16 but no AMX (AMD Zen 4 and
-later, Intel Cooper Lake): the weight packed once at load into pairs of
-columns for VDPBF16PS, and one C kernel, built at start-up with the
-system's C compiler and called through ctypes, for every row count.
+"""bfloat16 products through weights packed once at load into pairs of
+columns, and one C kernel per instruction set for every row count, built
+at start-up with the system's C compiler and called through ctypes:
+VDPBF16PS where the CPU has AVX512-BF16 but no AMX (AMD Zen 4 and later,
+Intel Cooper Lake; kind `avx512bf16`), float32 FMAs where it has AVX2 and
+FMA but no native bf16 (AMD Zen 3, Intel before Cooper Lake; kind `avx2`,
+SOURCE_AVX2 below). cpu_prepack.py chooses; with AMX oneDNN's tile kernels
+are another class, and keep those CPUs.
 
-On these CPUs oneDNN's bf16 inner product runs on the same instruction,
-but its one-row product is slow: the 112 layer products of a Qwen3-0.6B
-shape's decode step on two Zen 4 cores, distinct weights, took 31.5-32.6
-ms at one row through oneDNN's reordered layout against 18.3 here, and
-the inductor GEMV on the stored layout 21.3-21.6 (so oneDNN's layout cost
-a single stream what it gave 16 of them). At several rows the kernel
-keeps pace with oneDNN: 16 rows 42.8 against 47.9 ms, and 4 of those
-layers at 64, 256 and 1,024 rows 19.7, 74.2 and 296.4 against 20.0, 74.1
-and 289.3 (run by `bench/cpu_bf16.py`). With AMX oneDNN's tile kernels are
-another class, and keep those CPUs (cpu_prepack.py chooses).
+On the AVX512-BF16 CPUs oneDNN's bf16 inner product runs on the same
+instruction, but its one-row product is slow: the 112 layer products of a
+Qwen3-0.6B shape's decode step on two Zen 4 cores, distinct weights, took
+31.5-32.6 ms at one row through oneDNN's reordered layout against 18.3
+here, and the inductor GEMV on the stored layout 21.3-21.6 (so oneDNN's
+layout cost a single stream what it gave 16 of them). At several rows the
+kernel keeps pace with oneDNN: 16 rows 42.8 against 47.9 ms, and 4 of
+those layers at 64, 256 and 1,024 rows 19.7, 74.2 and 296.4 against 20.0,
+74.1 and 289.3 (`python -m bench.cpu_bf16` prints the first two).
 
 Layout: [N/16, K/2, 16, 2] (N padded to a multiple of 64 with zero rows):
 16 weight rows by one pair of columns, 64 bytes, is one cache line and one
@@ -121,38 +124,157 @@ void llmsched_vnni_linear(const uint16_t *x, const uint16_t *wp, const uint16_t 
 
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 
-_kernel = None  # the ctypes function once built and checked; False when it cannot be
+# The same layout on a CPU with AVX2 and FMA but no native bf16 (AMD Zen 3,
+# Intel before Cooper Lake): each 64-byte line is split into the float32
+# weights of its even and its odd column (a shift and a mask: bf16 is a
+# float32's top half), each multiplied by that column's value of x. x is
+# converted to float32 once per call. A micro-kernel keeps R rows (1 to 4)
+# by one block of 16 outputs (two 8-wide registers) in 8 of the 16
+# registers. Against cpu_bf16_gemm.py's kernel on the stored layout, the
+# 112 layer products of a Qwen3-0.6B shape on two Zen 4 cores limited to
+# AVX2: 25.2 against 37.7 ms at one row, 97.1 against 127.0 at 16 rows; 4
+# layers' at 64 and 256 rows 45.4 and 170.7 against 47.7 and 189.7 (and
+# 70.4 and 204.4 converting to float32 for MKL's GEMM).
+SOURCE_AVX2 = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define GROUP 48  /* rows a task takes: 12 passes of the 4-row micro-kernel */
+
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* float32 to bf16, rounded to nearest even (a NaN stays a quiet NaN). */
+static inline __m128i to_bf16(__m256 v) {
+    __m256i bits = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+static inline void store(uint16_t *y, const uint16_t *bias, __m256 lo, __m256 hi, long n, long N) {
+    uint16_t t[16];
+    int valid = N - n < 16 ? (int)(N - n) : 16;
+    if (bias) {
+        uint16_t b[16] = {0};
+        for (int i = 0; i < valid; i++) b[i] = bias[n + i];
+        lo = _mm256_add_ps(lo, bf16x8(b));
+        hi = _mm256_add_ps(hi, bf16x8(b + 8));
+    }
+    _mm_storeu_si128((__m128i *)t, to_bf16(lo));
+    _mm_storeu_si128((__m128i *)(t + 8), to_bf16(hi));
+    for (int i = 0; i < valid; i++) y[n + i] = t[i];
+}
+
+/* R rows of x (float32) times one block of 16 weight rows, all K columns. */
+#define MICRO(R)                                                                                  \
+static inline void micro_##R(const float *x, long K, const uint16_t *w, uint16_t *y, long N,     \
+                             const uint16_t *bias, long n0) {                                    \
+    long KP = K / 2;                                                                             \
+    const __m256i top = _mm256_set1_epi32((int)0xffff0000);                                      \
+    __m256 acc[R][2];                                                                            \
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                     \
+    for (long kp = 0; kp < KP; kp++) {                                                           \
+        __m256i a = _mm256_loadu_si256((const __m256i *)(w + kp * 32));                          \
+        __m256i b = _mm256_loadu_si256((const __m256i *)(w + kp * 32 + 16));                     \
+        __m256 ae = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));                               \
+        __m256 ao = _mm256_castsi256_ps(_mm256_and_si256(a, top));                               \
+        __m256 be = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));                               \
+        __m256 bo = _mm256_castsi256_ps(_mm256_and_si256(b, top));                               \
+        for (int r = 0; r < R; r++) {                                                            \
+            __m256 xe = _mm256_broadcast_ss(x + r * K + 2 * kp);                                 \
+            acc[r][0] = _mm256_fmadd_ps(xe, ae, acc[r][0]);                                      \
+            acc[r][1] = _mm256_fmadd_ps(xe, be, acc[r][1]);                                      \
+            __m256 xo = _mm256_broadcast_ss(x + r * K + 2 * kp + 1);                             \
+            acc[r][0] = _mm256_fmadd_ps(xo, ao, acc[r][0]);                                      \
+            acc[r][1] = _mm256_fmadd_ps(xo, bo, acc[r][1]);                                      \
+        }                                                                                        \
+    }                                                                                            \
+    for (int r = 0; r < R; r++) store(y + r * N, bias, acc[r][0], acc[r][1], n0, N);             \
+}
+MICRO(1)
+MICRO(2)
+MICRO(3)
+MICRO(4)
+
+/* As llmsched_vnni_linear, on AVX2 and FMA. Returns -1 if x's float32
+   copy cannot be allocated (nothing computed), else 0. */
+int llmsched_vnni_linear_avx2(const uint16_t *xb, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
+                              long M, long N, long K) {
+    float *x = malloc(sizeof(float) * (size_t)(M * K));
+    if (!x) return -1;
+    for (long i = 0; i < M * K; i++) {
+        uint32_t bits = (uint32_t)xb[i] << 16;
+        __builtin_memcpy(x + i, &bits, 4);
+    }
+    long blocks = (N + 15) / 16, groups = (M + GROUP - 1) / GROUP;
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (long blk = 0; blk < blocks; blk++) {
+        for (long g = 0; g < groups; g++) {
+            const uint16_t *w = wp + blk * 16 * K;
+            long n0 = 16 * blk, m = g * GROUP, end = m + GROUP < M ? m + GROUP : M;
+            for (; m + 4 <= end; m += 4) micro_4(x + m * K, K, w, y + m * N, N, bias, n0);
+            switch (end - m) {
+                case 3: micro_3(x + m * K, K, w, y + m * N, N, bias, n0); break;
+                case 2: micro_2(x + m * K, K, w, y + m * N, N, bias, n0); break;
+                case 1: micro_1(x + m * K, K, w, y + m * N, N, bias, n0); break;
+            }
+        }
+    }
+    free(x);
+    return 0;
+}
+"""
+
+FLAGS_AVX2 = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+# kind -> the ctypes function once built and checked, or False when it cannot be
+_kernels: dict[str, object] = {}
 
 
 def cpu_has_it() -> bool:
-    """AVX512-BF16 without AMX: where this kernel is chosen over oneDNN's."""
+    """AVX512-BF16 without AMX: where the avx512bf16 kernel is chosen over
+    oneDNN's."""
     try:
         return bool(torch.cpu._is_avx512_bf16_supported()) and not torch.cpu._is_amx_tile_supported()
     except AttributeError:  # a torch without these probes
         return False
 
 
-def load() -> bool:
-    """Builds and loads the kernel where the CPU has AVX512-BF16, and checks
-    it against F.linear once; False (logged) where it cannot serve."""
-    global _kernel
-    if _kernel is not None:
-        return bool(_kernel)
-    _kernel = False
-    if not torch.cpu._is_avx512_bf16_supported():
-        log.info("AVX512-BF16 kernel: not built (the CPU has no AVX512-BF16)")
+def can_build(kind: str) -> bool:
+    """Whether the CPU has the instructions of this kind's kernel."""
+    if kind == "avx512bf16":
+        return bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def load(kind: str = "avx512bf16") -> bool:
+    """Builds and loads this kind's kernel (avx512bf16 or avx2) where the
+    CPU has its instructions, and checks it against F.linear once; False
+    (logged) where it cannot serve."""
+    if kind in _kernels:
+        return bool(_kernels[kind])
+    _kernels[kind] = False
+    if not can_build(kind):
+        log.info("%s bf16 kernel: not built (the CPU lacks its instructions; torch reports %s)", kind,
+                 torch.backends.cpu.get_cpu_capability())
         return False
+    name, source, flags, symbol = (("bf16_vnni", SOURCE, FLAGS, "llmsched_vnni_linear") if kind == "avx512bf16" else
+                                   ("bf16_vnni_avx2", SOURCE_AVX2, FLAGS_AVX2, "llmsched_vnni_linear_avx2"))
     try:
-        fn = ctypes.CDLL(str(cpu_bf16_gemm.build("bf16_vnni", SOURCE, FLAGS))).llmsched_vnni_linear
+        fn = getattr(ctypes.CDLL(str(cpu_bf16_gemm.build(name, source, flags))), symbol)
     except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("AVX512-BF16 kernel: not built (%s); bf16 weights take oneDNN's layout", exc)
+        log.warning("%s bf16 kernel: not built (%s); bf16 weights keep another path", kind, exc)
         return False
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
-    fn.restype = None
-    _kernel = fn
+    fn.restype = ctypes.c_int if kind == "avx2" else None
+    _kernels[kind] = fn
     # Shapes that leave a tail everywhere: 70 outputs (a strip of 4 blocks,
     # the last 6 wide), 1042 columns (521 pairs), rows 1 (the one-block
-    # path), 13 (6+6+1) and 50 (two groups: 48, then 2).
+    # path), 13 (6+6+1, 4+4+4+1) and 50 (two groups: 48, then 2).
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(70, 1042, generator=gen).bfloat16()
     bias = torch.randn(70, generator=gen).bfloat16()
@@ -160,11 +282,11 @@ def load() -> bool:
     for rows in (1, 13, 50):
         x = torch.randn(rows, 1042, generator=gen).bfloat16()
         want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
-        got = linear(x, packed, bias, 70).float()
+        got = linear(x, packed, bias, 70, kind).float()
         # The sums in float32, then rounded once to bf16: within one bf16 step of the exact sum.
         if not torch.allclose(got, want, rtol=2 ** -7, atol=1e-2):
-            _kernel = False
-            log.warning("AVX512-BF16 kernel: wrong sums on this machine (max error %.3g at %d rows); not used",
+            _kernels[kind] = False
+            log.warning("%s bf16 kernel: wrong sums on this machine (max error %.3g at %d rows); not used", kind,
                         (got - want).abs().max().item(), rows)
             return False
     return True
@@ -195,9 +317,10 @@ def rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return out.reshape(*ids.shape, packed.shape[1] * 2)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+           kind: str = "avx512bf16") -> torch.Tensor:
     """x [M, K] bf16 times the packed weight of n outputs, plus bias: [M, n]
-    bf16. Needs load()."""
+    bf16, through this kind's kernel. Needs load(kind)."""
     if x.dtype != torch.bfloat16:
         raise TypeError(f"a bf16 weight packed for AVX512-BF16 takes bf16 inputs, not {x.dtype}")
     x = x.contiguous()
@@ -206,5 +329,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: 
     y = torch.empty(m, n, dtype=torch.bfloat16)
     if bias is not None:
         bias = bias.to(torch.bfloat16).contiguous()
-    _kernel(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
+    if _kernels[kind](x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                      m, n, k):
+        raise MemoryError(f"the avx2 bf16 kernel could not allocate x's float32 copy ({m} x {k})")
     return y

@@ -241,8 +241,8 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
                  prepack: str = "auto") -> int:
     """EXECUTOR_CPU_GEMV: marks every linear whose weight fits (its one-row
     products then take gemv), compiling the GEMV once now so that the first
-    request does not wait for it; with native bf16, packs bf16 weights for
-    it first (prepack: EXECUTOR_CPU_BF16_PREPACK); logs what it did.
+    request does not wait for it; packs bf16 weights for the CPU's bf16
+    kernel first (prepack: EXECUTOR_CPU_BF16_PREPACK); logs what it did.
     Returns the layers marked or packed (those packed only, if compiling
     fails: the others keep the GEMM)."""
     layers = [m for m in model.modules() if hasattr(m, "use_cpu_gemv") and getattr(m, "weight", None) is not None
@@ -254,8 +254,8 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
                  "EXECUTOR_CPU_GEMV=off" if setting == "off" else "batch-invariant mode", len(layers))
         return 0
     bf16 = [layer for layer in layers if layer.weight.dtype == torch.bfloat16]
-    # EXECUTOR_CPU_BF16_PREPACK: with native bf16, those weights packed for it.
-    packed = prepack_bf16(model, bf16, prepack) if bf16 and native_bf16_gemm() else []
+    # EXECUTOR_CPU_BF16_PREPACK: those weights packed for the CPU's bf16 kernel.
+    packed = prepack_bf16(model, bf16, prepack) if bf16 else []
     if packed:  # their products dispatch on prepack_handle, not use_cpu_gemv
         layers = [layer for layer in layers if layer.prepack_handle is None]
         bf16 = [layer for layer in bf16 if layer.prepack_handle is None]
@@ -312,17 +312,17 @@ def use_cpu_gemv(model: nn.Module, setting: str = "auto", batch_invariant: bool 
 
 
 def prepack_bf16(model: nn.Module, bf16: list[nn.Module], setting: str) -> list[nn.Module]:
-    """On a CPU with native bf16: each bf16 weight packed once for the kind
-    the setting chooses (cpu_prepack.py), except in latent-attention models
-    (mla.py reads kv_b_proj's weight as it is stored) and a weight another
-    module shares: a head tied to the embedding is packed for the
-    AVX512-BF16 kernel only, whose layout the embedding then reads its rows
-    from (VocabEmbedding.packed_rows; oneDNN's is opaque). Returns the
-    layers packed, logged."""
+    """Each bf16 weight packed once for the kind the setting chooses on this
+    CPU (cpu_prepack.py), except in latent-attention models (mla.py reads
+    kv_b_proj's weight as it is stored) and a weight another module shares:
+    a head tied to the embedding is packed for cpu_bf16_vnni's kernels
+    only, whose layout the embedding then reads its rows from
+    (VocabEmbedding.packed_rows; oneDNN's is opaque). Returns the layers
+    packed, logged."""
     cfg = getattr(model, "cfg", None)
     if cfg is not None and cfg.mla is not None:
         return []
-    kind = cpu_prepack.choose(setting)
+    kind = cpu_prepack.choose(setting, native_bf16_gemm())
     if kind is None:
         return []
     shared = cpu_prepack.shared_weights(model)
@@ -334,13 +334,13 @@ def prepack_bf16(model: nn.Module, bf16: list[nn.Module], setting: str) -> list[
                 packed.append(layer)
             continue
         embedding = tied_embedding(model, layer)
-        if kind == "avx512bf16" and embedding is not None and cpu_prepack.prepack(layer, kind):
+        if kind in cpu_prepack.PAIR_KINDS and embedding is not None and cpu_prepack.prepack(layer, kind):
             embedding.weight, embedding.packed_rows = layer.weight, True
             packed.append(layer)
             tied.append(layer)
-    how = "the AVX512-BF16 kernel's layout (cpu_bf16_vnni.py)" if kind == "avx512bf16" else "oneDNN's layout"
+    how = f"the {kind} kernel's layout (cpu_bf16_vnni.py)" if kind in cpu_prepack.PAIR_KINDS else "oneDNN's layout"
     left = [layer for layer in bf16 if id(layer.weight) in shared and layer not in tied]
-    log.info("CPU GEMV: native bfloat16 GEMM on this CPU: %d of %d bf16 linears packed once into %s (%.1f s), "
+    log.info("CPU GEMV: %d of %d bf16 linears packed once into %s (%.1f s), "
              "every product of theirs on it%s%s", len(packed), len(bf16), how, time.perf_counter() - started,
              "; the head tied to the embedding too, whose lookups read its rows there" if tied else "",
              "; a weight shared with another module keeps the GEMV and torch's GEMM" if left else "")

@@ -53,31 +53,39 @@ def onednn_available() -> bool:
     return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def choose(setting: str) -> str | None:
+PAIR_KINDS = ("avx512bf16", "avx2")  # cpu_bf16_vnni.py's layout, a plain tensor
+
+
+def choose(setting: str, native_bf16: bool) -> str | None:
     """The kind EXECUTOR_CPU_BF16_PREPACK asks for on this CPU, or None
-    (logged) where none can serve: auto = avx512bf16 where the CPU has
-    AVX512-BF16 and no AMX and the kernel builds, else onednn where the CPU
-    has native bf16."""
+    (logged) where none can serve. auto: avx512bf16 where the CPU has
+    AVX512-BF16 and no AMX, onednn where it has other native bf16 (AMX),
+    avx2 where it has none but AVX2 and FMA; each where its kernel builds."""
     if setting == "off":
         return None
-    if setting == "avx512bf16" or (setting == "auto" and cpu_bf16_vnni.cpu_has_it()):
-        if cpu_bf16_vnni.load():
+    if setting == "auto":
+        if cpu_bf16_vnni.cpu_has_it() and cpu_bf16_vnni.load("avx512bf16"):
             return "avx512bf16"
-        if setting == "avx512bf16":
-            log.warning("EXECUTOR_CPU_BF16_PREPACK=avx512bf16: the kernel cannot serve on this CPU (logged above); "
-                        "weights keep their stored layout")
-            return None
-    if onednn_available():
+        if native_bf16:
+            return "onednn" if onednn_available() else None
+        return "avx2" if cpu_bf16_vnni.load("avx2") else None
+    if setting in PAIR_KINDS:
+        if cpu_bf16_vnni.load(setting):
+            return setting
+        log.warning("EXECUTOR_CPU_BF16_PREPACK=%s: its kernel cannot serve on this CPU (logged above); weights keep "
+                    "their stored layout", setting)
+        return None
+    if native_bf16 and onednn_available():
         return "onednn"
-    log.warning("EXECUTOR_CPU_BF16_PREPACK=%s: this torch has no oneDNN weight reorder; weights keep their stored "
-                "layout", setting)
+    log.warning("EXECUTOR_CPU_BF16_PREPACK=onednn: %s; weights keep their stored layout",
+                "this torch has no oneDNN weight reorder" if native_bf16 else "the CPU has no native bf16")
     return None
 
 
 def prepack(layer: nn.Module, kind: str) -> bool:
     """Replaces layer.weight (bf16, [N, K]) with its packed copy of this
     kind, once the copy is seen to give F.linear's outputs (bit for bit for
-    oneDNN's, to float32 rounding for the AVX512-BF16 kernel's); False (the
+    oneDNN's, to float32 rounding for cpu_bf16_vnni's kernels); False (the
     layer unchanged) otherwise."""
     weight, bias = layer.weight.detach(), layer.bias
     x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
@@ -110,8 +118,8 @@ def prepack(layer: nn.Module, kind: str) -> bool:
 
 def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, kind: str,
              rows: int) -> torch.Tensor:
-    if kind == "avx512bf16":
-        return cpu_bf16_vnni.linear(x, packed, bias, rows)
+    if kind in PAIR_KINDS:
+        return cpu_bf16_vnni.linear(x, packed, bias, rows, kind)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

@@ -204,12 +204,14 @@ def test_several_rows_in_bf16_compute_what_f_linear_does(rows, path, monkeypatch
 
 def test_without_a_native_bf16_gemm_bf16_layers_take_several_row_passes_and_compute_the_same(medium, monkeypatch):
     """On a CPU whose bf16 GEMM is not native (AVX2: each row costs a
-    GEMV's time), steps of up to ROWS_MAX rows go through gemm_rows (the
-    tiled kernel where it builds, else the passes); the layer's outputs
-    stay those of torch's GEMM within bf16's rounding."""
+    GEMV's time) with the weights as stored (EXECUTOR_CPU_BF16_PREPACK=off;
+    auto packs them for the avx2 kernel there), steps of up to ROWS_MAX
+    rows go through gemm_rows (the tiled kernel where it builds, else the
+    passes); the layer's outputs stay those of torch's GEMM within bf16's
+    rounding."""
     monkeypatch.setattr(cpu_gemv, "native_bf16_gemm", lambda: False)
     _, model = build(medium, torch.bfloat16)
-    assert cpu_gemv.use_cpu_gemv(model) == 5
+    assert cpu_gemv.use_cpu_gemv(model, prepack="off") == 5
     mlp = model.model.layers[0].mlp
     assert mlp.gate_up_proj.cpu_gemv_rows == mlp.down_proj.cpu_gemv_rows > cpu_gemv.ROWS_MAX
     assert model.model.layers[0].self_attn.qkv_proj.cpu_gemv_rows == 1, "a layer too small for the GEMV was marked"
@@ -230,7 +232,7 @@ def test_without_a_native_bf16_gemm_bf16_layers_take_several_row_passes_and_comp
     assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.float().abs().max().item())
     monkeypatch.setattr(cpu_gemv, "native_bf16_gemm", lambda: True)
     _, native = build(medium, torch.bfloat16)
-    cpu_gemv.use_cpu_gemv(native)
+    cpu_gemv.use_cpu_gemv(native, prepack="off")
     assert native.model.layers[0].mlp.gate_up_proj.cpu_gemv_rows == 1, "a native bf16 GEMM was passed over"
 
 

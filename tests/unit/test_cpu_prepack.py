@@ -1,10 +1,11 @@
-"""EXECUTOR_CPU_BF16_PREPACK (executor_svc/model/cpu_prepack.py): on a CPU
-with native bf16, bf16 weights packed once give F.linear's outputs (bit for
-bit in oneDNN's layout, to float32 rounding in the AVX512-BF16 kernel's) at
-every row count, eagerly and inside compiled decode graphs, replace the
-stored weight, and refuse any plain use. These need native bf16
-instructions (AVX512-BF16 or AMX; the AVX512-BF16 kind, AVX512-BF16):
-elsewhere the layouts are never used, and the tests say so as they skip."""
+"""EXECUTOR_CPU_BF16_PREPACK (executor_svc/model/cpu_prepack.py): bf16
+weights packed once give F.linear's outputs (bit for bit in oneDNN's
+layout, to float32 rounding in cpu_bf16_vnni's) at every row count,
+eagerly and inside compiled decode graphs, replace the stored weight, and
+refuse any plain use. Each kind runs where the CPU has its instructions:
+oneDNN's layout needs native bf16 (AVX512-BF16 or AMX), the avx512bf16
+kernel AVX512-BF16, the avx2 kernel AVX2 and FMA; elsewhere the tests say
+so as they skip."""
 
 from __future__ import annotations
 
@@ -22,14 +23,15 @@ from tests.unit.test_runner_vs_hf import generate
 
 CPU = torch.device("cpu")
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.native_bf16_gemm(),
-                                reason="no native bf16 GEMM on this CPU: weights keep their stored layout here")
-
-ONEDNN = pytest.param("onednn", marks=pytest.mark.skipif(not cpu_prepack.onednn_available(),
-                                                         reason="this torch has no oneDNN weight reorder"))
-AVX512 = pytest.param("avx512bf16", marks=pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(),
+ONEDNN = pytest.param("onednn", marks=pytest.mark.skipif(
+    not (cpu_gemv.native_bf16_gemm() and cpu_prepack.onednn_available()),
+    reason="no native bf16 GEMM on this CPU, or no oneDNN weight reorder in this torch"))
+AVX512 = pytest.param("avx512bf16", marks=pytest.mark.skipif(not cpu_bf16_vnni.can_build("avx512bf16"),
                                                              reason="the CPU has no AVX512-BF16"))
-KINDS = [ONEDNN, AVX512]
+AVX2 = pytest.param("avx2", marks=pytest.mark.skipif(not cpu_bf16_vnni.can_build("avx2"),
+                                                     reason="the CPU has no AVX2"))
+KINDS = [ONEDNN, AVX512, AVX2]
+PAIR_KINDS = [AVX512, AVX2]
 
 
 def same(kind: str, got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -54,9 +56,10 @@ class Layer(torch.nn.Module):
 
 
 @pytest.fixture(autouse=True)
-def built_kernel():
-    if torch.cpu._is_avx512_bf16_supported():
-        assert cpu_bf16_vnni.load(), "the AVX512-BF16 kernel did not build or failed its check (logged)"
+def built_kernels():
+    for kind in ("avx512bf16", "avx2"):
+        if cpu_bf16_vnni.can_build(kind):
+            assert cpu_bf16_vnni.load(kind), f"the {kind} kernel did not build or failed its check (logged)"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -76,14 +79,13 @@ def test_a_packed_weight_gives_f_linear_s_outputs_at_every_row_count(bias, kind)
     assert same(kind, cpu_prepack.linear(layer, x3), F.linear(x3, plain, plain_bias)), "3-D input"
 
 
-def test_the_avx512_bf16_kernel_gives_each_row_the_outputs_it_has_alone():
+@pytest.mark.parametrize("kind", PAIR_KINDS)
+def test_the_pair_kernels_give_each_row_the_outputs_it_has_alone(kind):
     """Each output is one float32 sum over the column pairs in order,
     whatever the batch: a row's outputs are bit for bit the same alone, in
     the first or the last place of a batch, in any micro-kernel's tail."""
-    if not torch.cpu._is_avx512_bf16_supported():
-        pytest.skip("the CPU has no AVX512-BF16")
     layer = Layer(700, 1536, True)
-    assert cpu_prepack.prepack(layer, "avx512bf16")
+    assert cpu_prepack.prepack(layer, kind)
     batch = torch.randn(61, 1536, generator=torch.Generator().manual_seed(2)).bfloat16()
     together = cpu_prepack.linear(layer, batch)
     for row in (0, 5, 47, 48, 60):
@@ -137,17 +139,25 @@ def test_a_bf16_model_packs_its_untied_linears_and_keeps_its_tokens_and_byte_cou
         torch._dynamo.reset()
 
 
-def test_auto_packs_for_the_avx512_bf16_kernel_where_the_cpu_has_it_without_amx(medium):
+def test_auto_packs_for_the_kernel_this_cpu_has(medium):
+    """AVX512-BF16 without AMX: the avx512bf16 kernel; other native bf16
+    (AMX): oneDNN's layout; none, with AVX2: the avx2 kernel."""
     _, model = build(medium, torch.bfloat16)
     cpu_gemv.use_cpu_gemv(model)
     down = model.model.layers[0].mlp.down_proj
-    ours = torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
-    assert (down.weight.dim() == 4) == ours and down.weight.is_mkldnn == (not ours)
+    if cpu_bf16_vnni.cpu_has_it():
+        want = "avx512bf16"
+    elif cpu_gemv.native_bf16_gemm():
+        want = "onednn" if cpu_prepack.onednn_available() else None
+    else:
+        want = "avx2" if cpu_bf16_vnni.can_build("avx2") else None
+    assert getattr(down, "prepack_kind", None) == want
+    assert down.weight.is_mkldnn == (want == "onednn") and (down.weight.dim() == 4) == (want in ("avx512bf16", "avx2"))
 
 
 def test_a_head_tied_to_the_embedding_keeps_its_stored_layout_for_onednn(medium):
-    if not cpu_prepack.onednn_available():
-        pytest.skip("this torch has no oneDNN weight reorder")
+    if not (cpu_gemv.native_bf16_gemm() and cpu_prepack.onednn_available()):
+        pytest.skip("no native bf16 GEMM on this CPU, or no oneDNN weight reorder in this torch")
     _, model = build(medium, torch.bfloat16)
     model.lm_head.weight = model.model.embed_tokens.weight
     cpu_gemv.use_cpu_gemv(model, prepack="onednn")
@@ -156,13 +166,12 @@ def test_a_head_tied_to_the_embedding_keeps_its_stored_layout_for_onednn(medium)
     assert model.model.layers[0].mlp.down_proj.prepack_handle is not None
 
 
-def test_a_head_tied_to_the_embedding_is_packed_once_for_the_avx512_bf16_kernel_and_the_embedding_reads_it(medium):
+@pytest.mark.parametrize("kind", PAIR_KINDS)
+def test_a_head_tied_to_the_embedding_is_packed_once_for_a_pair_kernel_and_the_embedding_reads_it(medium, kind):
     """One copy, packed: the head multiplies by it, the embedding gathers
     its rows from it (the same values bit for bit), the byte count is the
     tied model's, and greedy tokens are the stored layout's, eager and
     compiled."""
-    if not torch.cpu._is_avx512_bf16_supported():
-        pytest.skip("the CPU has no AVX512-BF16")
     cfg, model = build(medium, torch.bfloat16)
     embedding = model.model.embed_tokens
     model.lm_head.weight = embedding.weight
@@ -175,7 +184,7 @@ def test_a_head_tied_to_the_embedding_is_packed_once_for_the_avx512_bf16_kernel_
     three = prompts(3)
     want = generate(runner(False), three, 12, 7)
     before = weight_bytes(model)
-    assert cpu_gemv.use_cpu_gemv(model, prepack="avx512bf16") == 5
+    assert cpu_gemv.use_cpu_gemv(model, prepack=kind) == 5
     assert model.lm_head.prepack_handle is not None and model.lm_head.weight.dim() == 4
     assert embedding.weight is model.lm_head.weight and embedding.packed_rows, "the embedding kept a second copy"
     assert weight_bytes(model) == before, "the tied weight is counted twice or not at all"
@@ -197,3 +206,21 @@ def test_off_keeps_every_stored_layout(medium):
     assert not any(p.is_mkldnn or p.dim() > 2 for p in model.parameters())
     assert all(getattr(m, "prepack_handle", None) is None for m in model.modules())
 
+
+def test_without_a_c_compiler_no_pair_kernel_serves_and_the_weights_keep_their_layout(medium, monkeypatch, tmp_path,
+                                                                                     caplog):
+    import logging
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(cpu_bf16_vnni, "_kernels", {})
+    with caplog.at_level(logging.INFO):
+        assert cpu_prepack.choose("avx2", native_bf16=False) is None
+        assert cpu_prepack.choose("avx512bf16", native_bf16=True) is None
+    if cpu_bf16_vnni.can_build("avx2"):
+        assert "avx2 bf16 kernel: not built" in caplog.text and "no-such-cc" in caplog.text
+    monkeypatch.setattr(cpu_gemv, "native_bf16_gemm", lambda: False)
+    _, model = build(medium, torch.bfloat16)
+    cpu_gemv.use_cpu_gemv(model)
+    assert all(getattr(m, "prepack_handle", None) is None for m in model.modules())
+    assert not any(p.dim() > 2 for p in model.parameters())

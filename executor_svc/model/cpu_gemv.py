@@ -349,11 +349,11 @@ def prepack_bf16(model: nn.Module, bf16: list[nn.Module], setting: str) -> list[
 
 def tied_embedding(model: nn.Module, head: nn.Module) -> nn.Module | None:
     """The embedding whose weight is the head's, where those two modules
-    alone hold it: None otherwise."""
-    from executor_svc.model.layers import VocabEmbedding, VocabHead
-
+    alone hold it: None otherwise. An embedding is a module with
+    packed_rows (layers.VocabEmbedding; named by that attribute, since
+    layers.py imports this module)."""
     holders = [m for m in model.modules() if m._parameters.get("weight") is head.weight]
-    embeddings = [m for m in holders if isinstance(m, VocabEmbedding)]
-    if isinstance(head, VocabHead) and len(holders) == 2 and len(embeddings) == 1:
+    embeddings = [m for m in holders if hasattr(m, "packed_rows")]
+    if len(holders) == 2 and head in holders and len(embeddings) == 1 and embeddings[0] is not head:
         return embeddings[0]
     return None

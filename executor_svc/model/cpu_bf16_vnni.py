@@ -322,7 +322,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: 
     """x [M, K] bf16 times the packed weight of n outputs, plus bias: [M, n]
     bf16, through this kind's kernel. Needs load(kind)."""
     if x.dtype != torch.bfloat16:
-        raise TypeError(f"a bf16 weight packed for AVX512-BF16 takes bf16 inputs, not {x.dtype}")
+        raise TypeError(f"a bf16 weight packed for cpu_bf16_vnni's kernels takes bf16 inputs, not {x.dtype}")
     x = x.contiguous()
     m, k = x.shape
     assert packed.shape[1] * 2 == k, (x.shape, packed.shape)

@@ -446,8 +446,8 @@ class VocabParallel:
 
 
 class VocabEmbedding(VocabParallel, nn.Embedding):
-    # Set where the weight is a head's packed for the AVX512-BF16 kernel
-    # (a tied head, cpu_gemv.prepack_bf16): lookups gather its rows there.
+    # Set where the weight is a tied head's, packed for cpu_bf16_vnni's
+    # kernels (cpu_gemv.prepack_bf16): lookups gather its rows there.
     packed_rows = False
 
     def __init__(self, vocab_size: int, hidden: int, first: int, end: int):

@@ -251,7 +251,7 @@ def can_build(kind: str) -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def load(kind: str = "avx512bf16") -> bool:
+def load(kind: str) -> bool:
     """Builds and loads this kind's kernel (avx512bf16 or avx2) where the
     CPU has its instructions, and checks it against F.linear once; False
     (logged) where it cannot serve."""
@@ -317,8 +317,7 @@ def rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return out.reshape(*ids.shape, packed.shape[1] * 2)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
-           kind: str = "avx512bf16") -> torch.Tensor:
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, kind: str) -> torch.Tensor:
     """x [M, K] bf16 times the packed weight of n outputs, plus bias: [M, n]
     bf16, through this kind's kernel. Needs load(kind)."""
     if x.dtype != torch.bfloat16:

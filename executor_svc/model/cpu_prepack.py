@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 # to a few dozen rows. Any row count runs on it.
 ROWS_HINT = 16
 
-# handle -> (the layer's packed parameter, its kind); a freed model's entries die with it
+# handle -> (the layer's packed parameter, its kind); an entry goes when its parameter is freed
 _weights: dict[int, tuple[weakref.ref, str]] = {}
 _handles = itertools.count()
 
@@ -109,7 +109,7 @@ def prepack(layer: nn.Module, kind: str) -> bool:
         return False
     handle = next(_handles)
     layer.weight = nn.Parameter(packed, requires_grad=False)
-    _weights[handle] = (weakref.ref(layer.weight), kind)
+    _weights[handle] = (weakref.ref(layer.weight, lambda _, handle=handle: _weights.pop(handle, None)), kind)
     layer.prepack_handle = torch.tensor(handle)
     layer.prepack_kind = kind
     layer.prepack_rows = weight.shape[0]
@@ -138,7 +138,7 @@ def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def linear_op(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
     """A packed layer's product inside a compiled graph: an operator dynamo
     does not look into, given the layer's handle, not its weight."""
-    ref, kind = _weights[int(handle)]
+    ref, kind = _weights.get(int(handle), (lambda: None, ""))
     weight = ref()
     if weight is None:
         raise RuntimeError(f"packed weight {int(handle)} was freed while a graph still calls it")

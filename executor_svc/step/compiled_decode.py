@@ -349,7 +349,7 @@ class CompiledDecode:
             layer_type, window = cfg.layer_types[i], cfg.layer_window(i)
             args = (x, *rope[layer_type], *cache, block_ids, seq_lens)
             tensors = _module_tensors(layer)
-            key = (layer_type, window, _structure(layer))
+            key = (layer_type, window, _structure(layer, tensors))
             if key not in kinds:
                 direct = DirectCall(f"compiled decode layer {i}", {"cpp_wrapper": True})
                 graph = torch.compile(self._layer_graph(layer, window), fullgraph=True, backend=direct.backend)
@@ -517,17 +517,17 @@ def _module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _structure(module: torch.nn.Module) -> tuple:
+def _structure(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> tuple:
     """What a compiled layer graph bakes in besides its tensors' values:
     each submodule's class and plain attributes (a window, a scale, a row
-    count), and each tensor's name, shape, dtype and strides. Layers with
-    equal structures share a graph."""
+    count), and each of its tensors' (_module_tensors) name, shape, dtype
+    and strides. Layers with equal structures share a graph."""
     parts = []
     for prefix, m in module.named_modules():
         attrs = tuple(sorted((k, _plain(v)) for k, v in vars(m).items()
                              if not k.startswith("_") and not isinstance(v, torch.Tensor)))
         parts.append((prefix, type(m).__qualname__, attrs))
-    parts += [(name, tuple(t.shape), t.dtype, t.stride()) for name, t in _module_tensors(module).items()]
+    parts += [(name, tuple(t.shape), t.dtype, t.stride()) for name, t in tensors.items()]
     return tuple(parts)
 
 

@@ -35,8 +35,9 @@ PAIR_KINDS = [AVX512, AVX2]
 
 
 def same(kind: str, got: torch.Tensor, want: torch.Tensor) -> bool:
-    """oneDNN's layout: F.linear's outputs bit for bit; the AVX512-BF16
-    kernel's: the same sums in another order, each rounded once to bf16."""
+    """oneDNN's layout: F.linear's outputs bit for bit; the pair kernels'
+    (cpu_bf16_vnni.py): the same sums in another order, each rounded once
+    to bf16."""
     if kind == "onednn":
         return torch.equal(got, want)
     return torch.allclose(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.float().abs().max().item())
@@ -44,6 +45,11 @@ def same(kind: str, got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def packed_weight(layer) -> bool:
     return layer.weight.is_mkldnn or layer.weight.dim() == 4
+
+
+def runner(cfg, model, compiled: bool) -> ModelRunner:
+    return ModelRunner(model, KVCachePool(cfg, 64, BLOCK, CPU, torch.bfloat16), make_backend("torch"), CPU,
+                       torch_compile=compiled)
 
 
 class Layer(torch.nn.Module):
@@ -115,21 +121,17 @@ def test_a_bf16_model_packs_its_untied_linears_and_keeps_its_tokens_and_byte_cou
 
     cfg, model = build(medium, torch.bfloat16)
 
-    def runner(compiled: bool) -> ModelRunner:
-        return ModelRunner(model, KVCachePool(cfg, 64, BLOCK, CPU, torch.bfloat16), make_backend("torch"), CPU,
-                           torch_compile=compiled)
-
     three = prompts(3)
-    want = generate(runner(False), three, 12, 7)
+    want = generate(runner(cfg, model, False), three, 12, 7)
     before = weight_bytes(model)
     assert cpu_gemv.use_cpu_gemv(model, prepack=kind) == 5
     packed = [m for m in model.modules() if getattr(m, "prepack_handle", None) is not None]
     assert len(packed) == 5 and model.lm_head in packed
     assert all(packed_weight(m) for m in packed)
     assert weight_bytes(model) == before, "packed weights are not counted as they were (no padding at these shapes)"
-    assert generate(runner(False), three, 12, 7) == want, "the packed layout changed greedy tokens"
+    assert generate(runner(cfg, model, False), three, 12, 7) == want, "the packed layout changed greedy tokens"
     try:
-        compiled = runner(True)
+        compiled = runner(cfg, model, True)
         assert compiled.compiled is not None and compiled.compiled.layerwise and compiled.compiled.direct[0]
         steps = STEPS._value.get()
         assert generate(compiled, three[:1], 12, 7) == want[:1], "the compiled packed steps changed greedy tokens"
@@ -177,12 +179,8 @@ def test_a_head_tied_to_the_embedding_is_packed_once_for_a_pair_kernel_and_the_e
     model.lm_head.weight = embedding.weight
     stored = embedding.weight.detach().clone()
 
-    def runner(compiled: bool) -> ModelRunner:
-        return ModelRunner(model, KVCachePool(cfg, 64, BLOCK, CPU, torch.bfloat16), make_backend("torch"), CPU,
-                           torch_compile=compiled)
-
     three = prompts(3)
-    want = generate(runner(False), three, 12, 7)
+    want = generate(runner(cfg, model, False), three, 12, 7)
     before = weight_bytes(model)
     assert cpu_gemv.use_cpu_gemv(model, prepack=kind) == 5
     assert model.lm_head.prepack_handle is not None and model.lm_head.weight.dim() == 4
@@ -190,9 +188,9 @@ def test_a_head_tied_to_the_embedding_is_packed_once_for_a_pair_kernel_and_the_e
     assert weight_bytes(model) == before, "the tied weight is counted twice or not at all"
     ids = torch.tensor([[0, 5, 17], [2047, 16, 1]])
     assert torch.equal(embedding(ids), stored[ids]), "rows gathered from the packed layout differ from the stored ones"
-    assert generate(runner(False), three, 12, 7) == want, "the packed tied head changed greedy tokens"
+    assert generate(runner(cfg, model, False), three, 12, 7) == want, "the packed tied head changed greedy tokens"
     try:
-        compiled = runner(True)
+        compiled = runner(cfg, model, True)
         assert compiled.compiled is not None
         assert generate(compiled, three[:1], 12, 7) == want[:1], "compiled steps changed greedy tokens"
         assert compiled.compiled is not None, "a compiled step failed and the runner fell back to eager"

@@ -14,10 +14,12 @@ import torch
 from executor_svc.step import compiled_decode
 from executor_svc.step.compiled_decode import STEPS
 from executor_svc.step.ngram import NgramProposer
+from executor_svc.step import runner as runner_module
+from executor_svc.step.runner import NewRequestData, StepPlan
 from executor_svc.loading import check_torch_compile
 from llmsched.errors import StartupError
 from tests.unit.test_families_vs_hf import assert_matches_hf, checkpoints, runner_for  # noqa: F401 (a fixture)
-from tests.unit.test_runner_vs_hf import generate, make_runner
+from tests.unit.test_runner_vs_hf import GREEDY, generate, make_runner
 from tests.oracle import hf_greedy
 
 pytestmark = pytest.mark.slow  # each runner compiles for ~10 s
@@ -144,6 +146,33 @@ def test_compiled_verify_steps_match_hf_greedy_with_drafts_alone_and_among_decod
         assert g == hf_greedy(str(stories_path), p, 40), f"prompt {p}"
     assert ran["verify"] > alone, "no verify step of several rows ran compiled"
     assert runner.compiled is not None and runner.compiled.verifies, "a compiled step failed and fell back to eager"
+
+
+def test_a_step_allowed_drafts_where_the_proposer_finds_none_runs_the_compiled_decode_graph(stories_path,
+                                                                                            monkeypatch):
+    """No n-gram match: the row just decodes, in the decode graph by its
+    short path (no eager attention metadata), and reports 0 drafts
+    verified."""
+    runner = make_runner(str(stories_path), torch_compile=True, proposer=NgramProposer(2, 4))
+    calls = {"run": 0, "run_verify": 0}
+    for name in calls:
+        def counting(*args, _f=getattr(runner.compiled, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _f(*args, **kwargs)
+        monkeypatch.setattr(runner.compiled, name, counting)
+    prompt = [1, 403, 407, 261, 378]  # no token repeats: nothing to propose
+    first = runner.execute(StepPlan(0, [NewRequestData(0, prompt, list(range(4)), 0, len(prompt), GREEDY, 0)]))
+    assert first.sampled_token_ids[0] not in prompt[1:], "the first token repeats the prompt: pick another"
+    def general_path(*args, **kwargs):
+        raise AssertionError("the step built the general path's inputs (step_inputs)")
+
+    monkeypatch.setattr(runner_module, "step_inputs", general_path)
+    out = runner.execute(StepPlan(1, cached_handles=[0], cached_num_scheduled_tokens=[5], draft_handles=[0],
+                                  draft_counts=[4]))
+    assert calls == {"run": 1, "run_verify": 0}
+    assert out.verified_drafts == [(0, 0, 0)]
+    want = hf_greedy(str(stories_path), prompt, 2)
+    assert first.sampled_token_ids + out.sampled_token_ids == want
 
 
 def test_a_failing_compiled_step_falls_back_to_eager_with_the_same_tokens(stories_path, monkeypatch):

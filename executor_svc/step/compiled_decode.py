@@ -474,17 +474,19 @@ class CompiledDecode:
         eager step does: they are overwritten later)."""
         n, width = block_tables.shape
         q_len = int(tokens_per_row.max())
-        first = np.concatenate([[0], np.cumsum(tokens_per_row)[:-1]])
-        within = np.arange(int(tokens_per_row.sum())) - np.repeat(first, tokens_per_row)
-        padded = torch.from_numpy(np.repeat(np.arange(n) * q_len, tokens_per_row) + within)  # batch -> [n * Q]
-        starts = positions[torch.from_numpy(first)]
-        # Padding repeats each row's last token at its position: its outputs
-        # are dropped, and causally no real token sees it.
-        last = positions[torch.from_numpy(first + tokens_per_row - 1)]
-        ids_p = input_ids[torch.from_numpy(first + tokens_per_row - 1)].repeat_interleave(q_len)
-        pos_p = last.repeat_interleave(q_len)
-        ids_p[padded], pos_p[padded] = input_ids, positions
-        ids_p, pos_p = ids_p.view(n, q_len), pos_p.view(n, q_len)
+        first = np.cumsum(tokens_per_row) - tokens_per_row  # each row's first token in the batch
+        # Index arithmetic in numpy, one gather per tensor: a few torch ops
+        # a step instead of a dozen (about 0.1 ms of a stories260K step).
+        starts = torch.from_numpy(positions.numpy()[first])
+        if int(tokens_per_row.min()) == q_len:  # rows of one length: nothing to pad
+            ids_p, pos_p, padded = input_ids.view(n, q_len), positions.view(n, q_len), None
+        else:
+            # Padding repeats each row's last token at its position: its
+            # outputs are dropped, and causally no real token sees it.
+            within = np.arange(q_len)
+            source = torch.from_numpy((first[:, None] + np.minimum(within, tokens_per_row[:, None] - 1)).reshape(-1))
+            ids_p, pos_p = input_ids[source].view(n, q_len), positions[source].view(n, q_len)
+            padded = torch.from_numpy(np.flatnonzero(within < tokens_per_row[:, None]))  # batch -> [n * Q]
         if width < 2:
             block_tables = torch.cat([block_tables, block_tables], dim=1)
         if n == 1 and not self._one_row[1]:
@@ -502,8 +504,12 @@ class CompiledDecode:
                 self._direct_verify.name, self._direct_verify.call, inputs, (logits, new_kv), q_len)
         else:  # as run()'s: one graph, one caller, guards fixed here
             logits, new_kv = self._call(self._direct_verify, self._verify_graph, inputs)
-        self.slots.index_copy_(2, slot_mapping, new_kv[:, :, padded])
-        return logits[padded]
+        if padded is None:  # (a one-row batch run as two rows: the copy comes last)
+            logits, new_kv = logits[:n * q_len], new_kv[:, :, :n * q_len]
+        else:
+            logits, new_kv = logits[padded], new_kv[:, :, padded]
+        self.slots.index_copy_(2, slot_mapping, new_kv)
+        return logits
 
 
 def _module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

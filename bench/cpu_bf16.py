@@ -52,7 +52,7 @@ def main() -> int:
     packed: dict[str, list] = {}
     if cpu_prepack.onednn_available() and cpu_gemv.native_bf16_gemm():
         packed["onednn"] = [torch.ops.mkldnn._reorder_linear_weight(w, cpu_prepack.ROWS_HINT) for w in weights]
-    pairs = [kind for kind in ("avx512bf16", "avx2") if cpu_bf16_vnni.load(kind)]
+    pairs = [kind for kind in cpu_prepack.PAIR_KINDS if cpu_bf16_vnni.load(kind)]
     if pairs:
         packed["pairs"] = [cpu_bf16_vnni.pack(w) for w in weights]  # one layout for both kernels
     stored_c = cpu_bf16_gemm.load()

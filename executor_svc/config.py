@@ -109,21 +109,23 @@ class ExecutorSettings(BaseSettings):
         "built, the inductor GEMV and compiled passes of 8 rows) over those weights, "
         "and larger ones convert them to float32 a block at a time for MKL's GEMM. `auto` = on where a weight fits and a C++ compiler is found, not in "
         "batch-invariant mode; `off` = always the GEMM.")
-    cpu_bf16_prepack: Literal["auto", "avx512bf16", "avx2", "onednn", "off"] = Field(
+    cpu_bf16_prepack: Literal["auto", "avx512bf16", "avx512", "avx2", "onednn", "off"] = Field(
         default="auto", description="Each bf16 linear's weight that `EXECUTOR_CPU_GEMV` would take is packed "
         "once at load, replacing the stored one, and every product of the layer runs on it "
-        "(`executor_svc/model/cpu_prepack.py`). `avx512bf16` and `avx2`: the layout of C kernels built at "
-        "start-up (`executor_svc/model/cpu_bf16_vnni.py`, about 1 s each, cached in "
-        "`~/.cache/llmsched/cpu_kernels`), on AVX512-BF16 or on AVX2 with FMA; their outputs differ from "
+        "(`executor_svc/model/cpu_prepack.py`). `avx512bf16`, `avx512` and `avx2`: the layout of C kernels built "
+        "at start-up (`executor_svc/model/cpu_bf16_vnni.py`, about 1 s each, cached in "
+        "`~/.cache/llmsched/cpu_kernels`), on AVX512-BF16, on AVX512F, or on AVX2 with FMA (`avx512` and `avx2` "
+        "give the same outputs bit for bit); their outputs differ from "
         "F.linear's by float32 rounding, and a row's outputs do not depend on the rows beside it. `onednn`: "
         "oneDNN's blocked layout, on a CPU with native bf16, the same outputs as F.linear bit for bit (torch's "
         "bf16 GEMM otherwise reorders the weight on every call). On two Zen 4 cores `avx512bf16` was the "
-        "fastest at one row and at 16, and `avx2` beat `off`'s C kernels on AVX2 at both (docs/performance.md, "
-        "P24). A "
-        "head tied to the embedding is packed for `avx512bf16` and `avx2` only (the embedding then reads its "
+        "fastest at one row and at 16, `avx2` beat `off`'s C kernels on AVX2 at both, and `avx512` beat `avx2` "
+        "(docs/performance.md, P24). A "
+        "head tied to the embedding is packed for the three C kernels only (the embedding then reads its "
         "rows from the packed copy); no weight of a latent-attention model is packed. `auto` = `avx512bf16` "
-        "where the CPU has AVX512-BF16 but no AMX, `onednn` where it has other native bf16 (AMX), `avx2` where "
-        "it has none but AVX2, each where its kernel builds, and `EXECUTOR_CPU_GEMV` is on; `off` = keep the "
+        "where the CPU has AVX512-BF16 but no AMX, `onednn` where it has other native bf16 (AMX), `avx512` where "
+        "it has none but AVX512F, `avx2` where it has AVX2, each where its kernel builds, and `EXECUTOR_CPU_GEMV` "
+        "is on; `off` = keep the "
         "stored layout. Replaces `EXECUTOR_CPU_ONEDNN_REORDER`, which is refused by name if set.")
 
     @field_validator("cpu_bf16_prepack")
@@ -133,8 +135,8 @@ class ExecutorSettings(BaseSettings):
         # name would silently not apply.
         if "EXECUTOR_CPU_ONEDNN_REORDER" in os.environ:
             raise ValueError("EXECUTOR_CPU_ONEDNN_REORDER is set, but was renamed EXECUTOR_CPU_BF16_PREPACK "
-                             "(auto|avx512bf16|avx2|onednn|off; its old `off` is `off`, its old `auto` is `onednn`): "
-                             "set that instead")
+                             "(auto|avx512bf16|avx512|avx2|onednn|off; its old `off` is `off`, its old `auto` is "
+                             "`onednn`): set that instead")
         return value
 
     tensor_parallel_size: int = Field(

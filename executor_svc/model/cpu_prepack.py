@@ -1,7 +1,7 @@
-"""bfloat16 weights packed once, at load, for a CPU with native bf16
-instructions (EXECUTOR_CPU_BF16_PREPACK): into the AVX512-BF16 kernel's
-layout (cpu_bf16_vnni.py) on CPUs with AVX512-BF16 and no AMX, else into
-oneDNN's blocked layout.
+"""bfloat16 weights packed once, at load (EXECUTOR_CPU_BF16_PREPACK): into
+the layout of cpu_bf16_vnni.py's kernels on CPUs with AVX512-BF16 and no
+AMX, or with no native bf16 but AVX512F or AVX2; into oneDNN's blocked
+layout on CPUs with other native bf16 (AMX).
 
 torch's bf16 F.linear calls oneDNN's inner product with the weight as it
 is stored ([N, K], row-major), and oneDNN reorders it into its blocked
@@ -53,14 +53,15 @@ def onednn_available() -> bool:
     return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-PAIR_KINDS = ("avx512bf16", "avx2")  # cpu_bf16_vnni.py's layout, a plain tensor
+PAIR_KINDS = ("avx512bf16", "avx512", "avx2")  # cpu_bf16_vnni.py's layout, a plain tensor
 
 
 def choose(setting: str, native_bf16: bool) -> str | None:
     """The kind EXECUTOR_CPU_BF16_PREPACK asks for on this CPU, or None
     (logged) where none can serve. auto: avx512bf16 where the CPU has
     AVX512-BF16 and no AMX, onednn where it has other native bf16 (AMX),
-    avx2 where it has none but AVX2 and FMA; each where its kernel builds."""
+    else avx512 where it has AVX512F, else avx2 where it has AVX2 and FMA;
+    each where its kernel builds."""
     if setting == "off":
         return None
     if setting == "auto":
@@ -68,7 +69,7 @@ def choose(setting: str, native_bf16: bool) -> str | None:
             return "avx512bf16"
         if native_bf16:
             return "onednn" if onednn_available() else None
-        return "avx2" if cpu_bf16_vnni.load("avx2") else None
+        return next((kind for kind in ("avx512", "avx2") if cpu_bf16_vnni.load(kind)), None)
     if setting in PAIR_KINDS:
         if cpu_bf16_vnni.load(setting):
             return setting

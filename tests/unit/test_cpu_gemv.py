@@ -205,7 +205,7 @@ def test_several_rows_in_bf16_compute_what_f_linear_does(rows, path, monkeypatch
 def test_without_a_native_bf16_gemm_bf16_layers_take_several_row_passes_and_compute_the_same(medium, monkeypatch):
     """On a CPU whose bf16 GEMM is not native (AVX2: each row costs a
     GEMV's time) with the weights as stored (EXECUTOR_CPU_BF16_PREPACK=off;
-    auto packs them for the avx2 kernel there), steps of up to ROWS_MAX
+    auto packs them for the avx512 or avx2 kernel there), steps of up to ROWS_MAX
     rows go through gemm_rows (the tiled kernel where it builds, else the
     passes); the layer's outputs stay those of torch's GEMM within bf16's
     rounding."""

@@ -4,8 +4,8 @@ layout, to float32 rounding in cpu_bf16_vnni's) at every row count,
 eagerly and inside compiled decode graphs, replace the stored weight, and
 refuse any plain use. Each kind runs where the CPU has its instructions:
 oneDNN's layout needs native bf16 (AVX512-BF16 or AMX), the avx512bf16
-kernel AVX512-BF16, the avx2 kernel AVX2 and FMA; elsewhere the tests say
-so as they skip."""
+kernel AVX512-BF16, the avx512 kernel AVX512F (torch's AVX512 level), the
+avx2 kernel AVX2 and FMA; elsewhere the tests say so as they skip."""
 
 from __future__ import annotations
 
@@ -28,10 +28,12 @@ ONEDNN = pytest.param("onednn", marks=pytest.mark.skipif(
     reason="no native bf16 GEMM on this CPU, or no oneDNN weight reorder in this torch"))
 AVX512 = pytest.param("avx512bf16", marks=pytest.mark.skipif(not cpu_bf16_vnni.can_build("avx512bf16"),
                                                              reason="the CPU has no AVX512-BF16"))
+AVX512F = pytest.param("avx512", marks=pytest.mark.skipif(not cpu_bf16_vnni.can_build("avx512"),
+                                                          reason="the CPU has no AVX512 (torch's level)"))
 AVX2 = pytest.param("avx2", marks=pytest.mark.skipif(not cpu_bf16_vnni.can_build("avx2"),
                                                      reason="the CPU has no AVX2"))
-KINDS = [ONEDNN, AVX512, AVX2]
-PAIR_KINDS = [AVX512, AVX2]
+KINDS = [ONEDNN, AVX512, AVX512F, AVX2]
+PAIR_KINDS = [AVX512, AVX512F, AVX2]
 
 
 def same(kind: str, got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -63,7 +65,7 @@ class Layer(torch.nn.Module):
 
 @pytest.fixture(autouse=True)
 def built_kernels():
-    for kind in ("avx512bf16", "avx2"):
+    for kind in cpu_prepack.PAIR_KINDS:
         if cpu_bf16_vnni.can_build(kind):
             assert cpu_bf16_vnni.load(kind), f"the {kind} kernel did not build or failed its check (logged)"
 
@@ -97,6 +99,18 @@ def test_the_pair_kernels_give_each_row_the_outputs_it_has_alone(kind):
     for row in (0, 5, 47, 48, 60):
         assert torch.equal(cpu_prepack.linear(layer, batch[row:row + 1]), together[row:row + 1]), f"row {row}"
         assert torch.equal(cpu_prepack.linear(layer, batch[row:row + 7]), together[row:row + 7]), f"rows {row}+"
+
+
+@pytest.mark.skipif(not cpu_bf16_vnni.can_build("avx512"), reason="the CPU has no AVX512 (torch's level)")
+def test_the_avx512_kernel_gives_the_avx2_kernel_s_outputs_bit_for_bit():
+    """The same sums in the same order in wider registers, at every row
+    count through both kernels' micro-kernel tails (1-8 and 1-4 rows)."""
+    weight, bias = Layer(700, 1536, True).weight, Layer(700, 1536, True).bias
+    packed = cpu_bf16_vnni.pack(weight)
+    x = torch.randn(61, 1536, generator=torch.Generator().manual_seed(3)).bfloat16()
+    for rows in (1, 2, 3, 5, 7, 8, 9, 13, 48, 61):
+        assert torch.equal(cpu_bf16_vnni.linear(x[:rows], packed, bias, 700, "avx512"),
+                           cpu_bf16_vnni.linear(x[:rows], packed, bias, 700, "avx2")), f"{rows} rows"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -143,7 +157,8 @@ def test_a_bf16_model_packs_its_untied_linears_and_keeps_its_tokens_and_byte_cou
 
 def test_auto_packs_for_the_kernel_this_cpu_has(medium):
     """AVX512-BF16 without AMX: the avx512bf16 kernel; other native bf16
-    (AMX): oneDNN's layout; none, with AVX2: the avx2 kernel."""
+    (AMX): oneDNN's layout; none, with AVX512F: the avx512 kernel; with
+    AVX2: the avx2 kernel."""
     _, model = build(medium, torch.bfloat16)
     cpu_gemv.use_cpu_gemv(model)
     down = model.model.layers[0].mlp.down_proj
@@ -152,9 +167,21 @@ def test_auto_packs_for_the_kernel_this_cpu_has(medium):
     elif cpu_gemv.native_bf16_gemm():
         want = "onednn" if cpu_prepack.onednn_available() else None
     else:
-        want = "avx2" if cpu_bf16_vnni.can_build("avx2") else None
+        want = next((kind for kind in ("avx512", "avx2") if cpu_bf16_vnni.can_build(kind)), None)
     assert getattr(down, "prepack_kind", None) == want
-    assert down.weight.is_mkldnn == (want == "onednn") and (down.weight.dim() == 4) == (want in ("avx512bf16", "avx2"))
+    assert down.weight.is_mkldnn == (want == "onednn") and (down.weight.dim() == 4) == (want in cpu_prepack.PAIR_KINDS)
+
+
+def test_auto_without_native_bf16_takes_the_widest_kernel_the_cpu_runs(monkeypatch):
+    """Intel Skylake-SP to Ice Lake (AVX512F, no bf16): avx512; AVX2
+    alone: avx2."""
+    monkeypatch.setattr(cpu_bf16_vnni, "cpu_has_it", lambda: False)
+    want = next((kind for kind in ("avx512", "avx2") if cpu_bf16_vnni.can_build(kind)), None)
+    assert cpu_prepack.choose("auto", native_bf16=False) == want
+    if want is not None:  # (a kernel is only run where the CPU has its instructions)
+        monkeypatch.setattr(cpu_bf16_vnni, "can_build", lambda kind: kind == "avx2")
+        monkeypatch.setattr(cpu_bf16_vnni, "_kernels", {})
+        assert cpu_prepack.choose("auto", native_bf16=False) == "avx2"
 
 
 def test_a_head_tied_to_the_embedding_keeps_its_stored_layout_for_onednn(medium):

@@ -13,8 +13,8 @@ import torch
 
 from executor_svc.step import compiled_decode
 from executor_svc.step.compiled_decode import STEPS
-from executor_svc.step.ngram import NgramProposer
 from executor_svc.step import runner as runner_module
+from executor_svc.step.ngram import NgramProposer
 from executor_svc.step.runner import NewRequestData, StepPlan
 from executor_svc.loading import check_torch_compile
 from llmsched.errors import StartupError
@@ -163,6 +163,7 @@ def test_a_step_allowed_drafts_where_the_proposer_finds_none_runs_the_compiled_d
     prompt = [1, 403, 407, 261, 378]  # no token repeats: nothing to propose
     first = runner.execute(StepPlan(0, [NewRequestData(0, prompt, list(range(4)), 0, len(prompt), GREEDY, 0)]))
     assert first.sampled_token_ids[0] not in prompt[1:], "the first token repeats the prompt: pick another"
+
     def general_path(*args, **kwargs):
         raise AssertionError("the step built the general path's inputs (step_inputs)")
 

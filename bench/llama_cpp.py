@@ -40,16 +40,25 @@ def cache_root(override: Path | None = None) -> Path:
     return Path.home() / ".cache" / "llmsched" / "llama-cpp"
 
 
+# The instruction sets llama-server may be built for: `native` (its default,
+# -march=native) or `avx2` (GGML_NATIVE off: AVX, AVX2, FMA, F16C and BMI2,
+# no AVX-512), which stands in for an AVX2 machine on an AVX-512 one.
+ISA_FLAGS = {"native": [], "avx2": ["-DGGML_NATIVE=OFF"]}
+
+
 @dataclass(slots=True)
 class Paths:
     """Where one pinned version lives in the cache."""
 
     version: str
     root: Path  # <cache>/<version>
+    isa: str = "native"  # a key of ISA_FLAGS: each has a build directory of its own
 
     @classmethod
-    def make(cls, version: str = SDIST_VERSION, cache: Path | None = None) -> Paths:
-        return cls(version, cache_root(cache) / version)
+    def make(cls, version: str = SDIST_VERSION, cache: Path | None = None, isa: str = "native") -> Paths:
+        if isa not in ISA_FLAGS:
+            raise ValueError(f"isa {isa!r}: not one of {sorted(ISA_FLAGS)}")
+        return cls(version, cache_root(cache) / version, isa)
 
     @property
     def source(self) -> Path:  # the unpacked sdist
@@ -61,7 +70,7 @@ class Paths:
 
     @property
     def build(self) -> Path:
-        return self.root / "build"
+        return self.root / ("build" if self.isa == "native" else f"build-{self.isa}")
 
     @property
     def server(self) -> Path:
@@ -107,13 +116,14 @@ def unpack(paths: Paths, sdist: Path | None = None) -> Path:
     return paths.llama_cpp
 
 
-def configure_args(source: Path, build: Path) -> list[str]:
+def configure_args(source: Path, build: Path, isa: str = "native") -> list[str]:
     """cmake's configure command: Release, CPU only, a static llama-server
-    with nothing downloaded at build time (no CURL, no prebuilt web UI)."""
+    with nothing downloaded at build time (no CURL, no prebuilt web UI),
+    for the instruction sets `isa` names (ISA_FLAGS)."""
     return ["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
             "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-            "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"]
+            "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF", *ISA_FLAGS[isa]]
 
 
 def build_args(build: Path, jobs: int) -> list[str]:
@@ -127,13 +137,13 @@ def build_server(paths: Paths, sdist: Path | None = None, jobs: int | None = Non
         return paths.server
     source = unpack(paths, sdist)
     jobs = jobs or os.cpu_count() or 1
-    log = paths.root / "build.log"
-    _say(f"building {SERVER_TARGET} from llama-cpp-python {paths.version} with {jobs} jobs under nice {nice} "
-         f"(about 11 minutes on 2 cores); log: {log}")
+    log = paths.build.with_suffix(".log")
+    _say(f"building {SERVER_TARGET} ({paths.isa}) from llama-cpp-python {paths.version} with {jobs} jobs under "
+         f"nice {nice} (about 11 minutes on 2 cores); log: {log}")
     started = time.monotonic()
     prefix = ["nice", "-n", str(nice)] if nice else []
     with log.open("a") as out:
-        for cmd in (configure_args(source, paths.build), build_args(paths.build, jobs)):
+        for cmd in (configure_args(source, paths.build, paths.isa), build_args(paths.build, jobs)):
             out.write("$ " + " ".join(cmd) + "\n")
             out.flush()
             if subprocess.run(prefix + cmd, stdout=out, stderr=subprocess.STDOUT).returncode:

@@ -52,6 +52,15 @@ from llmsched.assets import STORIES260K
 
 PROMPT = [1, 403, 407, 261, 378]  # "Once upon a time" in stories260K's tokenizer (bench/single_stream.py)
 SYSTEMS = ("ours", "llama-server", "hf-static")
+# --isa avx2 on an AVX-512 machine: ours limited to AVX2 as llama-server's
+# build is (bench/llama_cpp.py, ISA_FLAGS): torch's kernels and inductor's
+# generated code, oneDNN and MKL, and the bf16 weights packed for the avx2
+# kernel. --executor-env overrides any of these.
+OURS_ISA_ENV = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "EXECUTOR_CPU_BF16_PREPACK": "avx2"},
+}
 WARMUP_REQUESTS = 4
 
 
@@ -304,6 +313,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-dir", type=Path, default=None,
                    help=f"build and GGUF cache (env {lc.CACHE_ENV}, default ~/.cache/llmsched/llama-cpp)")
     p.add_argument("--build-jobs", type=int, default=None, help="cmake --build -j (default: all cores)")
+    p.add_argument("--isa", choices=sorted(OURS_ISA_ENV), default="native",
+                   help="avx2: both systems limited to AVX2 (llama-server built with GGML_NATIVE off, ours with "
+                        f"{', '.join(f'{k}={v}' for k, v in OURS_ISA_ENV['avx2'].items())}), a stand-in for an "
+                        "AVX2 machine on an AVX-512 one")
     p.add_argument("--executor-env", action="append", default=[], metavar="K=V", help="extra executor env for ours")
     p.add_argument("--out", type=Path, default=Path("bench_results") / "peer-llama-cpp.json")
     args = p.parse_args(argv)
@@ -347,6 +360,15 @@ def agreement(ours: Sequence[Sequence[int]], theirs: Sequence[Sequence[int]]) ->
             "first_diffs": [m.first_diff for m in differ[:20]]}
 
 
+def ours_env(isa: str, executor_env: dict[str, str], num_threads: int) -> dict[str, str]:
+    """Our executor's extra environment: the ISA's limits, then
+    --executor-env (which wins), then the thread count if given."""
+    env = {**OURS_ISA_ENV[isa], **executor_env}
+    if num_threads:
+        env["EXECUTOR_NUM_THREADS"] = str(num_threads)
+    return env
+
+
 def server_version(binary: Path) -> str:
     done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
     return (done.stdout + done.stderr).strip()
@@ -359,10 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.common import context_for, environment, parse_env_pairs
 
     threads = args.num_threads or torch.get_num_threads()
-    env = parse_env_pairs(args.executor_env)
-    if args.num_threads:
-        env["EXECUTOR_NUM_THREADS"] = str(args.num_threads)
-    paths = lc.Paths.make(lc.SDIST_VERSION, args.cache_dir)
+    env = ours_env(args.isa, parse_env_pairs(args.executor_env), args.num_threads)
+    paths = lc.Paths.make(lc.SDIST_VERSION, args.cache_dir, args.isa)
     binary = lc.build_server(paths, args.sdist, args.build_jobs)
     if args.model == pm.QWEN3_SHAPE:
         _say(f"building {pm.QWEN3_SHAPE} (random, bf16) in the cache unless there")
@@ -400,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     rounds, checks = [], {}
     report = {"peer": "llama-cpp", "model": args.model, "ours_checkpoint": ours_model, "weights": args.weights,
-              "threads": threads,
+              "threads": threads, "isa": args.isa, "ours_env": env,
               "llama_cpp": {"sdist_version": lc.SDIST_VERSION, "server_version": server_version(binary),
                             "server_args": server.args[1:], "gguf": str(gguf), "outtype": args.outtype},
               "workload": {"name": "equal" if args.model == pm.QWEN3_SHAPE else "mixed",

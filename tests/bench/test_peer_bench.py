@@ -56,6 +56,23 @@ def test_cmake_commands_build_only_the_cpu_server(tmp_path):
                                                       "llama-server", "-j", "2"]
 
 
+def test_an_avx2_build_turns_native_tuning_off_and_has_a_build_directory_of_its_own(tmp_path):
+    assert "-DGGML_NATIVE=OFF" in lc.configure_args(tmp_path / "src", tmp_path / "b", "avx2")
+    assert not any("NATIVE" in flag for flag in lc.configure_args(tmp_path / "src", tmp_path / "b"))
+    native, avx2 = lc.Paths.make("9.9.9", tmp_path), lc.Paths.make("9.9.9", tmp_path, "avx2")
+    assert native.build == tmp_path / "9.9.9" / "build" and avx2.build == tmp_path / "9.9.9" / "build-avx2"
+    assert native.source == avx2.source, "each build would unpack the sdist again"
+    with pytest.raises(ValueError, match="avx512"):
+        lc.Paths.make("9.9.9", tmp_path, "avx512")
+
+
+def test_ours_is_limited_to_avx2_with_it_unless_the_executor_env_says_otherwise():
+    env = peer.ours_env("avx2", {"EXECUTOR_CPU_BF16_PREPACK": "off"}, 2)
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert env["EXECUTOR_CPU_BF16_PREPACK"] == "off" and env["EXECUTOR_NUM_THREADS"] == "2"
+    assert peer.ours_env("native", {}, 0) == {}
+
+
 def test_cache_paths_follow_the_pinned_version_and_the_override(tmp_path, monkeypatch):
     monkeypatch.setenv(lc.CACHE_ENV, str(tmp_path / "env"))
     paths = lc.Paths.make()

@@ -126,6 +126,48 @@ void llmsched_vnni_linear(const uint16_t *x, const uint16_t *wp, const uint16_t 
 
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 
+# The float32 kernels' (avx2, avx512) shared driver: x converted to float32
+# once, then tasks of one strip of `width` outputs by a group of GROUP rows,
+# each group in passes of the widest micro-kernel and one of the rows left.
+# Each source defines its micro-kernels and passes them in (micro[r]: r
+# rows); each call runs a whole K loop, beside which calling through the
+# table costs nothing.
+FLOAT32_DRIVER = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define GROUP 48  /* rows a task takes */
+
+typedef void (*micro_fn)(const float *x, long K, const uint16_t *w, uint16_t *y, long N, const uint16_t *bias,
+                         long n0);
+
+/* Returns -1 if x's float32 copy cannot be allocated (nothing computed), else 0. */
+static int run_float32(const uint16_t *xb, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
+                       long M, long N, long K, long width, long most, const micro_fn *micro) {
+    float *x = malloc(sizeof(float) * (size_t)(M * K));
+    if (!x) return -1;
+    for (long i = 0; i < M * K; i++) {
+        uint32_t bits = (uint32_t)xb[i] << 16;
+        __builtin_memcpy(x + i, &bits, 4);
+    }
+    long strips = (N + width - 1) / width, groups = (M + GROUP - 1) / GROUP;
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (long s = 0; s < strips; s++) {
+        for (long g = 0; g < groups; g++) {
+            const uint16_t *w = wp + s * width * K;
+            long n0 = width * s, m = g * GROUP, end = m + GROUP < M ? m + GROUP : M;
+            for (; m < end; m += most) {
+                long rows = end - m < most ? end - m : most;
+                micro[rows](x + m * K, K, w, y + m * N, N, bias, n0);
+            }
+        }
+    }
+    free(x);
+    return 0;
+}
+"""
+
 # The same layout on a CPU with AVX2 and FMA but no native bf16 (AMD Zen 3,
 # Intel before Cooper Lake): each 64-byte line is split into the float32
 # weights of its even and its odd column (a shift and a mask: bf16 is a
@@ -137,13 +179,7 @@ FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopen
 # AVX2: 25.2 against 37.7 ms at one row, 97.1 against 127.0 at 16 rows; 4
 # layers' at 64 and 256 rows 45.4 and 170.7 against 47.7 and 189.7 (and
 # 70.4 and 204.4 converting to float32 for MKL's GEMM).
-SOURCE_AVX2 = r"""
-#include <immintrin.h>
-#include <stdint.h>
-#include <stdlib.h>
-
-#define GROUP 48  /* rows a task takes: 12 passes of the 4-row micro-kernel */
-
+SOURCE_AVX2 = FLOAT32_DRIVER + r"""
 static inline __m256 bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -202,32 +238,14 @@ MICRO(2)
 MICRO(3)
 MICRO(4)
 
-/* As llmsched_vnni_linear, on AVX2 and FMA. Returns -1 if x's float32
-   copy cannot be allocated (nothing computed), else 0. */
+static const micro_fn MICROS[] = {0, micro_1, micro_2, micro_3, micro_4};
+
+/* As llmsched_vnni_linear, on AVX2 and FMA: one block of 16 outputs a
+   task, up to 4 rows a pass. Returns -1 if x's float32 copy cannot be
+   allocated (nothing computed), else 0. */
 int llmsched_vnni_linear_avx2(const uint16_t *xb, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
                               long M, long N, long K) {
-    float *x = malloc(sizeof(float) * (size_t)(M * K));
-    if (!x) return -1;
-    for (long i = 0; i < M * K; i++) {
-        uint32_t bits = (uint32_t)xb[i] << 16;
-        __builtin_memcpy(x + i, &bits, 4);
-    }
-    long blocks = (N + 15) / 16, groups = (M + GROUP - 1) / GROUP;
-    #pragma omp parallel for collapse(2) schedule(static)
-    for (long blk = 0; blk < blocks; blk++) {
-        for (long g = 0; g < groups; g++) {
-            const uint16_t *w = wp + blk * 16 * K;
-            long n0 = 16 * blk, m = g * GROUP, end = m + GROUP < M ? m + GROUP : M;
-            for (; m + 4 <= end; m += 4) micro_4(x + m * K, K, w, y + m * N, N, bias, n0);
-            switch (end - m) {
-                case 3: micro_3(x + m * K, K, w, y + m * N, N, bias, n0); break;
-                case 2: micro_2(x + m * K, K, w, y + m * N, N, bias, n0); break;
-                case 1: micro_1(x + m * K, K, w, y + m * N, N, bias, n0); break;
-            }
-        }
-    }
-    free(x);
-    return 0;
+    return run_float32(xb, wp, bias, y, M, N, K, 16, 4, MICROS);
 }
 """
 
@@ -243,13 +261,7 @@ FLAGS_AVX2 = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 # AVX-512 units are 256 bits wide, Intel's two 512-bit FMA units may gain
 # more, not measured): 77.4 against 101.7 ms at 16 rows, 28.0 against 27.7
 # at one row (memory-bound).
-SOURCE_AVX512 = r"""
-#include <immintrin.h>
-#include <stdint.h>
-#include <stdlib.h>
-
-#define GROUP 48  /* rows a task takes: 6 passes of the 8-row micro-kernel */
-
+SOURCE_AVX512 = FLOAT32_DRIVER + r"""
 /* float32 to bf16, rounded to nearest even (a NaN stays a quiet NaN). */
 static inline __m256i to_bf16(__m512 v) {
     __m512i bits = _mm512_castps_si512(v);
@@ -311,36 +323,14 @@ MICRO(6)
 MICRO(7)
 MICRO(8)
 
-/* As llmsched_vnni_linear_avx2, on AVX512F: the same sums in the same
-   order, so the same outputs bit for bit. */
+static const micro_fn MICROS[] = {0, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6, micro_7, micro_8};
+
+/* As llmsched_vnni_linear_avx2, on AVX512F: two blocks (32 outputs) a
+   task, up to 8 rows a pass; the same sums in the same order, so the same
+   outputs bit for bit. */
 int llmsched_vnni_linear_avx512(const uint16_t *xb, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
                                 long M, long N, long K) {
-    float *x = malloc(sizeof(float) * (size_t)(M * K));
-    if (!x) return -1;
-    for (long i = 0; i < M * K; i++) {
-        uint32_t bits = (uint32_t)xb[i] << 16;
-        __builtin_memcpy(x + i, &bits, 4);
-    }
-    long pairs = (N + 31) / 32, groups = (M + GROUP - 1) / GROUP;
-    #pragma omp parallel for collapse(2) schedule(static)
-    for (long p = 0; p < pairs; p++) {
-        for (long g = 0; g < groups; g++) {
-            const uint16_t *w = wp + p * 32 * K;
-            long n0 = 32 * p, m = g * GROUP, end = m + GROUP < M ? m + GROUP : M;
-            for (; m + 8 <= end; m += 8) micro_8(x + m * K, K, w, y + m * N, N, bias, n0);
-            switch (end - m) {
-                case 7: micro_7(x + m * K, K, w, y + m * N, N, bias, n0); break;
-                case 6: micro_6(x + m * K, K, w, y + m * N, N, bias, n0); break;
-                case 5: micro_5(x + m * K, K, w, y + m * N, N, bias, n0); break;
-                case 4: micro_4(x + m * K, K, w, y + m * N, N, bias, n0); break;
-                case 3: micro_3(x + m * K, K, w, y + m * N, N, bias, n0); break;
-                case 2: micro_2(x + m * K, K, w, y + m * N, N, bias, n0); break;
-                case 1: micro_1(x + m * K, K, w, y + m * N, N, bias, n0); break;
-            }
-        }
-    }
-    free(x);
-    return 0;
+    return run_float32(xb, wp, bias, y, M, N, K, 32, 8, MICROS);
 }
 """
 FLAGS_AVX512 = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]

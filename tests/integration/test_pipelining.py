@@ -18,6 +18,13 @@ from tests.integration.test_reliability import Streams, restart_executor, wait_u
 from tests.oracle import hf_greedy
 
 
+# Aborted once they have 3 tokens. They ask for 300 (ignoring EOS) so that
+# they are still running when the abort comes: at 70 tokens, as their
+# neighbours ask, r3 once finished by length within the 50 ms between the
+# waiting loop's looks at the streams.
+ABORTED = ("r3", "r7")
+
+
 def workload(tokenizer: Tokenizer) -> list[spb.GenerateRequest]:
     words = STORY.split()
     reqs = []
@@ -28,11 +35,10 @@ def workload(tokenizer: Tokenizer) -> list[spb.GenerateRequest]:
             sampling = spb.SamplingParams(max_tokens=50, temperature=0.9, top_p=0.9, seed=1000 + i)
         if i % 4 == 2:
             sampling.stop.append(" the")  # stop strings end some requests early
+        if f"r{i}" in ABORTED:
+            sampling = spb.SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
         reqs.append(spb.GenerateRequest(request_id=f"r{i}", prompt_token_ids=prompt, sampling=sampling))
     return reqs
-
-
-ABORTED = ("r3", "r7")
 
 
 def run(client, services, reqs, kill: bool) -> tuple[list, list, int]:

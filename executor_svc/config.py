@@ -72,9 +72,11 @@ class ExecutorSettings(BaseSettings):
     # The torch backend splits batches on the host, which a graph cannot
     # replay; capturing NCCL all-reduces has not been tested on GPUs.
     cuda_graphs: Literal["auto", "off"] = Field(
-        default="auto", description="Decode steps replayed from CUDA graphs (batch sizes 1, 2, 4, ..., 512). "
-        "`auto` = on with a CUDA device and the `triton` backend on one device (off under tensor parallelism), "
-        "else off; `off`.")
+        default="auto", description="Decode steps replayed from CUDA graphs (batch sizes 1, 2, 4, ..., 512), and "
+        "with `EXECUTOR_SPECULATIVE_METHOD` `ngram` or `draft`, verify steps too (1, 2, 4, ..., 32 rows of up to "
+        "1 + `EXECUTOR_SPECULATIVE_TOKENS` tokens; larger ones run eagerly). "
+        "`auto` = on with a CUDA device and the `triton` backend on one device for a dense model (off under tensor "
+        "parallelism), else off; `off`.")
     torch_compile: Literal["auto", "off", "on"] = Field(
         default="auto", description="`auto` = `on` for an unquantized dense model on one CPU rank when a C++ "
         "compiler is found, else `off`. Inductor's cache "
@@ -169,8 +171,9 @@ class ExecutorSettings(BaseSettings):
         "tokenizer, with its own KV pool of as many blocks; `mtp` with the checkpoint's own multi-token-prediction "
         "layer (DeepSeek-V3 and Kimi K2's `num_nextn_predict_layers`); `eagle3` with an EAGLE-3 head in the "
         "speculators format (`EXECUTOR_SPECULATIVE_DRAFT_MODEL`), which reads three of the target's layers. "
-        "With `EXECUTOR_TORCH_COMPILE` on the CPU, `ngram` and `draft` verify drafts in a compiled graph of their own; "
-        "`mtp` and `eagle3` steps, and steps with drafts on CUDA (no CUDA graphs), run eagerly. At low load, "
+        "`ngram` and `draft` verify drafts in a graph of their own: compiled with `EXECUTOR_TORCH_COMPILE` on the CPU, "
+        "replayed with `EXECUTOR_CUDA_GRAPHS` on CUDA; `mtp` and `eagle3` verify steps run eagerly (their proposers "
+        "read the target's hidden states, which the graphs do not return). At low load, "
         "steps with drafts run several to a plan, as decode steps do (`SCHEDULER_MULTI_STEP_DECODE`).")
     speculative_tokens: int = Field(
         default=4, ge=1, le=16, description="Most drafts per request per step (the scheduler chooses fewer, or "

@@ -263,7 +263,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         proposer = NgramProposer(settings.speculative_ngram_min, settings.speculative_ngram_max)
     runner_args = dict(fail_on_token=settings.debug_fail_on_token, max_model_len=max_model_len, tp=tp,
                        constraints=constraints, host_kv=host_kv, pooling=ckpt.pooling.pooling, proposer=proposer,
-                       batch_invariant=invariant, lora=lora)
+                       batch_invariant=invariant, lora=lora, speculative_tokens=settings.speculative_tokens)
     try:
         runner = ModelRunner(model, pool, backend, device, cuda_graphs=cuda_graphs, torch_compile=torch_compile,
                              **runner_args)

@@ -22,7 +22,7 @@ from executor_svc.step.batch import decode_inputs, step_inputs
 from executor_svc.step.compiled_decode import STEPS as COMPILED_STEPS
 from executor_svc.step.compiled_decode import CompiledDecode
 from executor_svc.step.constraints import ConstraintMatchers, MaskJob
-from executor_svc.step.cuda_graphs import DecodeGraphs
+from executor_svc.step.cuda_graphs import DecodeGraphs, VerifyGraphs
 from executor_svc.step.host_kv import HostKVPool, SwapResult
 from executor_svc.step.host_memory import retain_freed_memory, to_device
 from executor_svc.step.kv_cache import KVCachePool
@@ -175,7 +175,7 @@ class ModelRunner:
                  fail_on_token: int = -1, max_model_len: int | None = None, cuda_graphs: bool = False,
                  torch_compile: bool = False, tp=None, constraints: ConstraintMatchers | None = None,
                  host_kv: HostKVPool | None = None, pooling: Pooling | None = None, proposer=None,
-                 batch_invariant: bool = False, lora: LoraSet | None = None):
+                 batch_invariant: bool = False, lora: LoraSet | None = None, speculative_tokens: int = 0):
         self.model, self.pool, self.backend, self.device = model, pool, backend, device
         # The LoRA adapters attached to the model (model/lora.py), or None.
         self.lora = lora
@@ -213,6 +213,12 @@ class ModelRunner:
         # Decode steps replay captured graphs (cuda_graphs.py); the caller
         # decides whether the device and backend allow it.
         self.graphs = DecodeGraphs(model, self.kv_caches, backend, device, self.rows.max_blocks) if cuda_graphs else None
+        # And so do verify steps of drafts, up to speculative_tokens a row,
+        # unless the proposer reads each step's hidden states (MTP,
+        # EAGLE-3), which the graphs do not return.
+        self.verify_graphs = None
+        if self.graphs is not None and proposer is not None and speculative_tokens and not self.observes:
+            self.verify_graphs = self._capture_verify(speculative_tokens + 1)
         # Small decode steps on CPU run one compiled graph (compiled_decode.py).
         # So do verify steps of an executor that speculates, unless its
         # proposer reads each step's hidden states (MTP), which the graph
@@ -603,9 +609,11 @@ class ModelRunner:
         verify_only = (speculates.any() and not reads_prompt.any() and not with_adapters
                        and len(sample_rows) == len(rows) - int(speculates.sum()) and bool((q[~speculates] == 1).all()))
         hidden = None
-        token_logits = None  # a compiled verify step's, every token's: [num_tokens, vocab]
+        token_logits = None  # a compiled or replayed verify step's, every token's: [num_tokens, vocab]
         if self.graphs is not None and decode_only and len(rows) <= self.graphs.max_batch:
             logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
+        elif self.verify_graphs is not None and verify_only and self.verify_graphs.fits(q):
+            token_logits = self.verify_graphs.run(ids_t, positions_t, meta, q)  # [num_tokens, vocab]
         elif self.compiled is not None and decode_only and self.compiled.fits(len(rows), max_blocks):
             logits = self._run_compiled(ids_t, positions_t, meta.slot_mapping, meta.block_tables,
                                         meta.seq_lens)  # [n, vocab], or None: run eagerly
@@ -866,6 +874,16 @@ class ModelRunner:
                     vector = r.pooled.pop(row) / (e if mode == "mean" else 1)
                 out.append((int(r.handle[row]), self.pooling.finish(vector)))
         return out
+
+    def _capture_verify(self, q_len: int) -> VerifyGraphs | None:
+        """Verify graphs for rows of up to q_len tokens; None (verify steps
+        run eagerly, decode steps still replay) if capture fails."""
+        try:
+            return VerifyGraphs(self.model, self.kv_caches, self.backend, self.device, self.rows.max_blocks,
+                                self.pool.block_size, q_len, pool=self.graphs.pool)
+        except Exception:
+            log.exception("capturing the verify steps' CUDA graphs failed; verify steps run eagerly")
+            return None
 
     def _run_compiled(self, ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                       block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor | None:

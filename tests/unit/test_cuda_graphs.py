@@ -1,12 +1,16 @@
-"""CUDA graphs for decode steps: the setting, and (on a GPU) graph replays
-against eager steps."""
+"""CUDA graphs for decode and verify steps: the setting, the verify
+graphs' layout (on the CPU, under Triton's interpreter), and (on a GPU)
+graph replays against eager steps."""
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from executor_svc.config import ExecutorSettings
-from executor_svc.step.cuda_graphs import graph_buckets
+from executor_svc.step.cuda_graphs import VerifyGraphs, graph_buckets, verify_layout
 from executor_svc.loading import use_cuda_graphs
 
 
@@ -36,7 +40,9 @@ def test_buckets_are_powers_of_two_up_to_the_largest():
     assert graph_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
-def _runners():
+def _runners(proposer=None, speculative_tokens: int = 0, block_size: int = 16):
+    """An eager runner and one with CUDA graphs on bench-small, each with
+    its own pool; proposer(): each one's speculative proposer."""
     from executor_svc.attention import make_backend
     from executor_svc.model.checkpoint import load_checkpoint
     from executor_svc.step.kv_cache import KVCachePool
@@ -50,9 +56,29 @@ def _runners():
     model = build_model(cfg, ckpt.state_dict, 512, dev, torch.float32)
     out = []
     for graphs in (False, True):
-        pool = KVCachePool(cfg, 256, 16, dev, torch.float32)
-        out.append(ModelRunner(model, pool, make_backend("triton", dev), dev, cuda_graphs=graphs))
+        pool = KVCachePool(cfg, 256, block_size, dev, torch.float32)
+        out.append(ModelRunner(model, pool, make_backend("triton", dev), dev, cuda_graphs=graphs,
+                               proposer=proposer() if proposer else None, speculative_tokens=speculative_tokens))
     return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_replayed_verify_steps_draw_the_eager_verify_steps_greedy_tokens(batch):
+    """n-gram drafts (up to 3 a row) verified by replayed graphs against the
+    same steps run eagerly, greedy, on prompts that repeat themselves."""
+    from executor_svc.step.ngram import NgramProposer
+    from tests.unit.test_runner_vs_hf import BLOCK, generate
+
+    eager, graphed = _runners(lambda: NgramProposer(1, 3), 3, BLOCK)
+    assert graphed.verify_graphs is not None and eager.verify_graphs is None
+    replays, run = [], graphed.verify_graphs.run
+    graphed.verify_graphs.run = lambda *args: replays.append(len(args[-1])) or run(*args)
+    g = torch.Generator().manual_seed(batch)
+    prompts = [(torch.randint(3, 8000, (4,), generator=g).tolist() * 3)[:5 + h % 7] for h in range(batch)]
+    assert generate(graphed, prompts, 24, 16, drafts=3) == generate(eager, prompts, 24, 16, drafts=3), (
+        f"replayed verify steps drew other tokens than eager ones at batch {batch}")
+    assert replays, "no verify step replayed a graph"
 
 
 def _drive(runner, batch, steps, sampling):
@@ -114,3 +140,92 @@ def test_graph_logits_match_eager_logits_with_padding(monkeypatch):
         logits[name] = seen[0]
     assert logits["graph"].shape == logits["eager"].shape == (5, 8192)
     torch.testing.assert_close(logits["graph"], logits["eager"], atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), q_len=st.integers(1, 9), rows=st.integers(1, 40))
+def test_verify_layout_keeps_the_steps_rows_and_puts_every_padding_token_in_a_request_of_its_own(data, q_len, rows):
+    n = data.draw(st.integers(1, rows))
+    q = np.array(data.draw(st.lists(st.integers(1, q_len), min_size=n, max_size=n)))
+    seq_lens = q + np.array(data.draw(st.lists(st.integers(0, 500), min_size=n, max_size=n)))
+    cu, lens = verify_layout(q, seq_lens, rows, q_len)
+    query = np.diff(cu)
+    assert cu[0] == 0 and cu[-1] == rows * q_len + 1, "the graph's token count is fixed by its bucket"
+    assert query[:n].tolist() == q.tolist() and lens[:n].tolist() == seq_lens.tolist(), "the step's rows as they are"
+    assert (query[n:] >= 1).all(), "a padding request with no token"
+    assert lens[n:].tolist() == query[n:].tolist(), "a padding request must attend to its own tokens only"
+    assert query[n:-1].tolist() == [1] * (rows - n)
+
+
+def test_verify_steps_laid_out_for_graphs_draw_hf_greedy_tokens(stories_path):
+    """VerifyGraphs' layout run without capture on the CPU, the Triton
+    backend under its interpreter, through the runner: verify steps of 3
+    rows in the 4-row graph, each row verifying 0-3 n-gram drafts, draw HF's
+    greedy tokens. The GPU tests replay the captured graphs."""
+    from executor_svc.attention import make_backend
+    from executor_svc.model.checkpoint import load_checkpoint
+    from executor_svc.model.families import build_model, read_config
+    from executor_svc.step.kv_cache import KVCachePool
+    from executor_svc.step.ngram import NgramProposer
+    from executor_svc.step.runner import ModelRunner
+    from tests.oracle import hf_greedy
+    from tests.unit.test_runner_vs_hf import BLOCK, generate
+
+    cpu = torch.device("cpu")
+    ckpt = load_checkpoint(str(stories_path))
+    cfg = read_config(ckpt.hf_config)
+    model = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, cpu, torch.float32)
+    backend = make_backend("triton", cpu)
+    runner = ModelRunner(model, KVCachePool(cfg, 64, BLOCK, cpu, torch.float32), backend, cpu,
+                         proposer=NgramProposer(1, 3))
+    graphs = VerifyGraphs(model, runner.kv_caches, backend, cpu, runner.rows.max_blocks, BLOCK, 4, capture=False)
+    replays, run = [], graphs.run
+    graphs.run = lambda *args: replays.append(args[-1].tolist()) or run(*args)
+    runner.verify_graphs = graphs
+    # Stories that repeat themselves, so the proposer finds drafts.
+    prompts = [[1, 403, 407, 261, 378, 403, 407], [1, 300, 301, 302, 300, 301], [1, 50, 51, 50]]
+    got = generate(runner, prompts, max_new=10, chunk=16, drafts=3)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == hf_greedy(str(stories_path), prompt, 10, ignore_eos=True), f"prompt {prompt}"
+    assert replays and all(len(q) == 3 for q in replays)
+    assert any(min(q) < max(q) for q in replays), f"no verify step mixed rows with and without drafts: {replays}"
+
+
+def test_a_verify_step_laid_out_for_its_graph_gives_the_eager_logits_and_writes_its_own_tokens_kv_only(
+        stories_path):
+    """Steps of 3 rows in the 4-row layout. The padding tokens of a smaller
+    step after a larger one must not write at the larger step's slots,
+    still in the static buffer."""
+    from executor_svc.attention import AttentionMetadata, make_backend
+    from executor_svc.model.checkpoint import load_checkpoint
+    from executor_svc.model.families import build_model, read_config
+    from executor_svc.step.kv_cache import KVCachePool
+
+    cpu, block = torch.device("cpu"), 4
+    ckpt = load_checkpoint(str(stories_path))
+    cfg = read_config(ckpt.hf_config)
+    model = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, cpu, torch.float32)
+    pool = KVCachePool(cfg, 16, block, cpu, torch.float32)
+    backend = make_backend("triton", cpu)
+    graphs = VerifyGraphs(model, pool.layer_caches(), backend, cpu, 4, block, 4, capture=False)
+
+    def step(q: list[int], first_id: int) -> None:
+        """Row i (blocks 4i .. 4i + 3) computes q[i] tokens from its
+        position 0: the graph layout's logits against the eager forward's
+        (which writes the same K/V again)."""
+        slots = torch.tensor([4 * block * i + j for i, n in enumerate(q) for j in range(n)])
+        ids = torch.arange(first_id, first_id + len(slots))
+        positions = torch.tensor([j for n in q for j in range(n)])
+        meta = AttentionMetadata(slots, torch.tensor(np.cumsum([0] + q), dtype=torch.int32),
+                                 torch.tensor(q, dtype=torch.int32),
+                                 torch.arange(4 * len(q), dtype=torch.int32).view(len(q), 4), q, q)
+        got = graphs.run(ids, positions, meta, np.array(q)).clone()
+        want = model.compute_logits(model(ids, positions, pool.layer_caches(), meta, backend))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {q}: {m}")
+
+    step([4, 4, 4], 3)
+    before = pool.storage.clone()
+    step([1, 1, 1], 100)
+    changed = (pool.storage != before).flatten(4).any(-1).any(0).any(0)  # [blocks, block_size]
+    written = sorted(int(s) for s in torch.nonzero(changed.flatten()).flatten())
+    assert written == [0, 16, 32], f"the 3-token step wrote slots {written}, not only its own 0, 16 and 32"

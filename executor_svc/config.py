@@ -172,7 +172,8 @@ class ExecutorSettings(BaseSettings):
         "layer (DeepSeek-V3 and Kimi K2's `num_nextn_predict_layers`); `eagle3` with an EAGLE-3 head in the "
         "speculators format (`EXECUTOR_SPECULATIVE_DRAFT_MODEL`), which reads three of the target's layers. "
         "`ngram` and `draft` verify drafts in a graph of their own: compiled with `EXECUTOR_TORCH_COMPILE` on the CPU, "
-        "replayed with `EXECUTOR_CUDA_GRAPHS` on CUDA; `mtp` and `eagle3` verify steps run eagerly (their proposers "
+        "replayed with `EXECUTOR_CUDA_GRAPHS` on CUDA, as are a dense draft model's own steps; `mtp` and `eagle3` verify "
+        "steps run eagerly (their proposers "
         "read the target's hidden states, which the graphs do not return). At low load, "
         "steps with drafts run several to a plan, as decode steps do (`SCHEDULER_MULTI_STEP_DECODE`).")
     speculative_tokens: int = Field(

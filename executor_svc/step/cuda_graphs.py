@@ -55,10 +55,15 @@ def graph_buckets(max_batch: int = MAX_GRAPH_BATCH) -> list[int]:
 
 
 class DecodeGraphs:
+    """Captured decode steps, one graph per bucket. capture=False runs the
+    same padded forward over the static buffers without a graph (on a CPU,
+    the Triton backend under its interpreter: tests). pool: a graph memory
+    pool to share (default: a new one)."""
+
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  backend: AttentionBackend, device: torch.device, max_blocks_per_seq: int,
-                 max_batch: int = MAX_GRAPH_BATCH):
-        if device.type != "cuda":
+                 max_batch: int = MAX_GRAPH_BATCH, pool=None, capture: bool = True):
+        if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.model, self.kv_caches, self.backend = model, kv_caches, backend
         self.buckets = graph_buckets(max_batch)
@@ -72,10 +77,13 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket, vocab], written by each replay
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # Shared with the verify graphs: replays never overlap, and each
-        # graph's output buffer stays referenced, so no later capture reuses it.
-        self.pool = torch.cuda.graph_pool_handle()
-        self._capture(device)
+        # Shared with the verify graphs (and a draft model's): replays never
+        # overlap, and each graph's output buffer stays referenced, so no
+        # later capture reuses it.
+        self.pool = None
+        if capture:
+            self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+            self._capture(device)
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -120,6 +128,8 @@ class DecodeGraphs:
             # ids, positions and tables stay from earlier steps: all valid.
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(1)
+        if not self.graphs:
+            return self._forward(bs)[:n]
         self.graphs[bs].replay()
         return self.logits[bs][:n]
 

@@ -28,9 +28,17 @@ about as often as greedy ones. With speculation on, the scheduler gives
 every unseeded request a random seed of its own (Scheduler.add_request),
 so this holds for all sampled requests; a row without one (a plan from
 another scheduler) drafts the argmax.
+
+Where the target replays CUDA graphs, so does a dense draft model
+(use_graphs): its one-token steps replay decode graphs, and its catch-up
+steps of up to 1 + K tokens a row verify-shaped graphs (cuda_graphs.py),
+up to 32 rows. Eager, each of its K forwards a step paid every kernel's
+launch, which at small batches is most of a small model's time.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -38,11 +46,14 @@ from tokenizers import Tokenizer
 
 from executor_svc.attention import AttentionBackend
 from executor_svc.model.model import CausalLM
-from executor_svc.step.batch import step_inputs
+from executor_svc.step.batch import StepInputs, step_inputs
+from executor_svc.step.cuda_graphs import MAX_VERIFY_BATCH, DecodeGraphs, VerifyGraphs
 from executor_svc.step.host_memory import to_device
 from executor_svc.step.kv_cache import KVCachePool
 from executor_svc.step.request_rows import RequestRows
 from executor_svc.step.sampler import SamplingBatch, sample
+
+log = logging.getLogger(__name__)
 
 
 class DraftModel:
@@ -52,6 +63,27 @@ class DraftModel:
         self.kv_caches = pool.layer_caches()
         # A padded draft vocabulary may hold ids the target has no logit for.
         self.target_vocab_size = target_vocab_size
+        # Captured steps (use_graphs), or None: eager.
+        self.graphs: DecodeGraphs | None = None
+        self.catch_up: VerifyGraphs | None = None
+
+    def use_graphs(self, max_blocks_per_seq: int, q_len: int, pool=None, capture: bool = True) -> None:
+        """Captures the draft model's decode steps and its catch-up steps of
+        up to q_len tokens a row, sharing the target's graph pool; a model
+        with MoE or MLA layers, whose kernels have not been captured on a
+        GPU yet, or a failed capture, stays eager."""
+        cfg = self.model.cfg
+        if cfg.moe is not None or cfg.mla is not None:
+            log.info("the draft model runs eagerly: CUDA graphs serve dense models only")
+            return
+        try:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.device, max_blocks_per_seq,
+                                       MAX_VERIFY_BATCH, pool, capture)
+            self.catch_up = VerifyGraphs(self.model, self.kv_caches, self.backend, self.device, max_blocks_per_seq,
+                                         self.pool.block_size, q_len, self.graphs.pool, capture)
+        except Exception:
+            log.exception("capturing the draft model's CUDA graphs failed; it runs eagerly")
+            self.graphs = self.catch_up = None
 
     @torch.inference_mode()
     def propose(self, r: RequestRows, rows: np.ndarray, counts: np.ndarray) -> list[np.ndarray]:
@@ -66,10 +98,7 @@ class DraftModel:
         for j in range(drawn.shape[1]):
             at = rows[sel]
             batch = step_inputs(r, at, start, q, self.device)
-            hidden = self.model(batch.ids, batch.positions, self.kv_caches, batch.meta, self.backend)
-            if batch.num_tokens > len(at):
-                hidden = hidden[to_device(batch.cu[1:] - 1, self.device)]
-            tokens = choose_drafts(self.model.compute_logits(hidden), r, at, j, self.device)
+            tokens = choose_drafts(self._last_logits(batch, q), r, at, j, self.device)
             drawn[sel, j] = tokens
             r.token_ids[at, known[sel] + j] = tokens
             r.num_draft_computed[at] = start + q
@@ -81,6 +110,20 @@ class DraftModel:
             beyond = np.flatnonzero(d >= self.target_vocab_size)
             out.append(d[:beyond[0]] if len(beyond) else d)
         return out
+
+    def _last_logits(self, batch: StepInputs, q: np.ndarray) -> torch.Tensor:
+        """The logits [n, vocab] at each row's last token of the step: a
+        replayed graph's (a view of its buffer, read before the next
+        replay) where one fits, else the eager forward's."""
+        n = len(q)
+        last = None if batch.num_tokens == n else to_device(batch.cu[1:] - 1, self.device)
+        if self.graphs is not None and last is None and n <= self.graphs.max_batch:
+            return self.graphs.run(batch.ids, batch.positions, batch.meta)
+        if self.catch_up is not None and self.catch_up.fits(q):
+            logits = self.catch_up.run(batch.ids, batch.positions, batch.meta, q)
+            return logits if last is None else logits[last]
+        hidden = self.model(batch.ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+        return self.model.compute_logits(hidden if last is None else hidden[last])
 
 def choose_drafts(logits: torch.Tensor, r: RequestRows, rows: np.ndarray, offset: int,
                   device: torch.device) -> np.ndarray:

@@ -219,6 +219,9 @@ class ModelRunner:
         self.verify_graphs = None
         if self.graphs is not None and proposer is not None and speculative_tokens and not self.observes:
             self.verify_graphs = self._capture_verify(speculative_tokens + 1)
+            # A draft model's own steps (draft_model.py).
+            if hasattr(proposer, "use_graphs"):
+                proposer.use_graphs(self.rows.max_blocks, speculative_tokens + 1, self.graphs.pool)
         # Small decode steps on CPU run one compiled graph (compiled_decode.py).
         # So do verify steps of an executor that speculates, unless its
         # proposer reads each step's hidden states (MTP), which the graph

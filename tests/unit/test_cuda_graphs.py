@@ -42,7 +42,8 @@ def test_buckets_are_powers_of_two_up_to_the_largest():
 
 def _runners(proposer=None, speculative_tokens: int = 0, block_size: int = 16):
     """An eager runner and one with CUDA graphs on bench-small, each with
-    its own pool; proposer(): each one's speculative proposer."""
+    its own pool; proposer(model, cfg, block_size): each one's speculative
+    proposer."""
     from executor_svc.attention import make_backend
     from executor_svc.model.checkpoint import load_checkpoint
     from executor_svc.step.kv_cache import KVCachePool
@@ -58,7 +59,8 @@ def _runners(proposer=None, speculative_tokens: int = 0, block_size: int = 16):
     for graphs in (False, True):
         pool = KVCachePool(cfg, 256, block_size, dev, torch.float32)
         out.append(ModelRunner(model, pool, make_backend("triton", dev), dev, cuda_graphs=graphs,
-                               proposer=proposer() if proposer else None, speculative_tokens=speculative_tokens))
+                               proposer=proposer(model, cfg, block_size) if proposer else None,
+                               speculative_tokens=speculative_tokens))
     return out
 
 
@@ -70,7 +72,7 @@ def test_replayed_verify_steps_draw_the_eager_verify_steps_greedy_tokens(batch):
     from executor_svc.step.ngram import NgramProposer
     from tests.unit.test_runner_vs_hf import BLOCK, generate
 
-    eager, graphed = _runners(lambda: NgramProposer(1, 3), 3, BLOCK)
+    eager, graphed = _runners(lambda *_: NgramProposer(1, 3), 3, BLOCK)
     assert graphed.verify_graphs is not None and eager.verify_graphs is None
     replays, run = [], graphed.verify_graphs.run
     graphed.verify_graphs.run = lambda *args: replays.append(len(args[-1])) or run(*args)
@@ -79,6 +81,33 @@ def test_replayed_verify_steps_draw_the_eager_verify_steps_greedy_tokens(batch):
     assert generate(graphed, prompts, 24, 16, drafts=3) == generate(eager, prompts, 24, 16, drafts=3), (
         f"replayed verify steps drew other tokens than eager ones at batch {batch}")
     assert replays, "no verify step replayed a graph"
+
+
+@pytest.mark.gpu
+def test_a_draft_model_replaying_graphs_drafts_what_the_target_would():
+    """bench-small as its own draft, its steps and the target's verify
+    steps replayed: every greedy draft accepted, the eager runner's tokens."""
+    from executor_svc.attention import make_backend
+    from executor_svc.step.draft_model import DraftModel
+    from executor_svc.step.kv_cache import KVCachePool
+    from tests.unit.test_runner_vs_hf import BLOCK, generate
+
+    def draft(model, cfg, block_size):
+        dev = torch.device("cuda")
+        return DraftModel(model, KVCachePool(cfg, 256, block_size, dev, torch.float32), make_backend("triton", dev),
+                          dev, cfg.vocab_size)
+
+    eager, graphed = _runners(draft, 3, BLOCK)
+    assert graphed.proposer.graphs is not None and graphed.proposer.catch_up is not None
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 8000, (5 + h,), generator=g).tolist() for h in range(5)]
+    results = []
+    execute = graphed.execute
+    graphed.execute = lambda plan: results.append(execute(plan)) or results[-1]
+    assert generate(graphed, prompts, 24, 16, drafts=3) == generate(eager, prompts, 24, 16, drafts=3)
+    verified = sum(v for r in results for _, v, _ in r.verified_drafts)
+    accepted = sum(a for r in results for _, _, a in r.verified_drafts)
+    assert verified > 0 and accepted == verified, f"{accepted} of {verified} drafts accepted"
 
 
 def _drive(runner, batch, steps, sampling):
@@ -229,3 +258,52 @@ def test_a_verify_step_laid_out_for_its_graph_gives_the_eager_logits_and_writes_
     changed = (pool.storage != before).flatten(4).any(-1).any(0).any(0)  # [blocks, block_size]
     written = sorted(int(s) for s in torch.nonzero(changed.flatten()).flatten())
     assert written == [0, 16, 32], f"the 3-token step wrote slots {written}, not only its own 0, 16 and 32"
+
+
+def test_a_draft_models_steps_laid_out_for_graphs_draft_what_the_target_would(stories_path):
+    """The target itself as its draft, every step laid out for graphs and
+    run without capture (the Triton backend under its interpreter): the
+    draft model's decode steps in DecodeGraphs' padded rows, its catch-up
+    steps and the target's verify steps in VerifyGraphs' layout. Every
+    greedy draft is accepted (a layout that mixed rows or positions up
+    would draft other tokens) and the tokens are HF's."""
+    from executor_svc.attention import make_backend
+    from executor_svc.model.checkpoint import load_checkpoint
+    from executor_svc.model.families import build_model, read_config
+    from executor_svc.step.draft_model import DraftModel
+    from executor_svc.step.kv_cache import KVCachePool
+    from executor_svc.step.runner import ModelRunner
+    from tests.oracle import hf_greedy
+    from tests.unit.test_runner_vs_hf import BLOCK, generate
+
+    cpu, k = torch.device("cpu"), 3
+    ckpt = load_checkpoint(str(stories_path))
+    cfg = read_config(ckpt.hf_config)
+    model = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, cpu, torch.float32)
+    backend = make_backend("triton", cpu)
+    draft = DraftModel(model, KVCachePool(cfg, 64, BLOCK, cpu, torch.float32), backend, cpu, cfg.vocab_size)
+    runner = ModelRunner(model, KVCachePool(cfg, 64, BLOCK, cpu, torch.float32), backend, cpu, proposer=draft)
+    runner.verify_graphs = VerifyGraphs(model, runner.kv_caches, backend, cpu, runner.rows.max_blocks, BLOCK, k + 1,
+                                        capture=False)
+    draft.use_graphs(runner.rows.max_blocks, k + 1, capture=False)
+    used = {"decode": 0, "catch-up": 0, "verify": 0}
+    for name, graphs in (("decode", draft.graphs), ("catch-up", draft.catch_up), ("verify", runner.verify_graphs)):
+        graphs.run = (lambda run, name: lambda *args: used.__setitem__(name, used[name] + 1) or run(*args))(
+            graphs.run, name)
+    verified = accepted = 0
+    execute = runner.execute
+
+    def counting(plan):
+        nonlocal verified, accepted
+        result = execute(plan)
+        verified += sum(v for _, v, _ in result.verified_drafts)
+        accepted += sum(a for _, _, a in result.verified_drafts)
+        return result
+
+    runner.execute = counting
+    prompts = [[1, 403, 407, 261, 378], [1, 300, 301, 302, 303, 304, 305]]
+    got = generate(runner, prompts, max_new=9, chunk=16, drafts=k)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == hf_greedy(str(stories_path), prompt, 9, ignore_eos=True), f"prompt {prompt}"
+    assert verified > 0 and accepted == verified, f"{accepted} of {verified} drafts accepted"
+    assert all(used.values()), f"a kind of step never ran laid out for its graph: {used}"

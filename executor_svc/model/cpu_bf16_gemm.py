@@ -162,11 +162,28 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmsched" / "cpu_kernels"
 
 
+# Where build() compiles when cache_dir() cannot be written.
+TEMP_PREFIX = "llmsched-cpu-kernels-"
+
+
+def load_library(name: str = "bf16_gemm", source: str = SOURCE, flags: list[str] = FLAGS) -> ctypes.CDLL:
+    """build()'s library, loaded. One built into a temporary directory is
+    removed once loaded (the loaded code does not need its file), so no
+    start leaves a directory behind."""
+    path = build(name, source, flags)
+    try:
+        return ctypes.CDLL(str(path))
+    finally:
+        if path.parent.name.startswith(TEMP_PREFIX):
+            shutil.rmtree(path.parent, ignore_errors=True)
+
+
 def build(name: str = "bf16_gemm", source: str = SOURCE, flags: list[str] = FLAGS) -> Path:
     """The shared library of a C source, compiled once per source, compiler
     and flags and kept in cache_dir() (written under a temporary name, then
     renamed, so a concurrent start never loads half a file); where that
-    directory cannot be written, in a temporary one."""
+    directory cannot be written, in a temporary one (load_library removes
+    it once loaded)."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (CC, cc, gcc, CXX, c++ or g++)")
@@ -179,7 +196,7 @@ def build(name: str = "bf16_gemm", source: str = SOURCE, flags: list[str] = FLAG
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=path.parent)
     except OSError:  # a read-only home: built for this process alone
-        tmp = tempfile.mkdtemp(prefix="llmsched-cpu-kernels-")
+        tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX)
         path = Path(tmp) / path.name
     try:
         src = Path(tmp) / f"{name}.c"
@@ -190,7 +207,7 @@ def build(name: str = "bf16_gemm", source: str = SOURCE, flags: list[str] = FLAG
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
         os.replace(out, path)
     finally:
-        if path.parent != Path(tmp):
+        if path.parent != Path(tmp) or not path.exists():  # the cache's, or nothing built
             shutil.rmtree(tmp, ignore_errors=True)
     return path
 
@@ -207,7 +224,7 @@ def load() -> bool:
                  torch.backends.cpu.get_cpu_capability())
         return False
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = load_library()
         gemm, gemv = lib.llmsched_gemm_f32_bf16, lib.llmsched_gemv_f32_bf16
     except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("bf16 GEMM kernel: not built (%s); steps of several rows take inductor's passes", exc)

@@ -377,7 +377,7 @@ def load(kind: str) -> bool:
         return False
     name, source, flags, symbol = BUILDS[kind]
     try:
-        fn = getattr(ctypes.CDLL(str(cpu_bf16_gemm.build(name, source, flags))), symbol)
+        fn = getattr(cpu_bf16_gemm.load_library(name, source, flags), symbol)
     except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("%s bf16 kernel: not built (%s); bf16 weights keep another path", kind, exc)
         return False

@@ -7,6 +7,7 @@ passes serve) where it cannot be built."""
 from __future__ import annotations
 
 import logging
+import tempfile
 
 import pytest
 import torch
@@ -99,15 +100,20 @@ def test_without_a_c_compiler_the_kernel_is_not_used_and_says_why(monkeypatch, t
     assert "bf16 GEMM kernel: not built" in caplog.text and "no-such-cc" in caplog.text
 
 
-def test_an_unwritable_cache_builds_into_a_temporary_directory(monkeypatch, tmp_path):
-    """A read-only home (a locked-down container) costs the cache, not the kernel."""
+def test_an_unwritable_cache_builds_into_a_temporary_directory_removed_once_loaded(monkeypatch, tmp_path):
+    """A read-only home (a locked-down container) costs the cache, not the
+    kernel, and leaves no temporary directory behind."""
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     monkeypatch.setattr(cpu_bf16_gemm, "_kernel", None)
     assert cpu_bf16_gemm.load(), "the kernel did not build outside the cache"
     x, weight = torch.randn(4, 64), torch.randn(12, 64).bfloat16()
     assert torch.allclose(cpu_bf16_gemm.matmul(x, weight), torch.nn.functional.linear(x, weight.float()), atol=1e-4)
+    assert list(temp.iterdir()) == [], "the temporary build directory was left behind"
 
 
 def test_one_bf16_row_takes_the_c_gemv_and_other_rows_or_dtypes_do_not(kernel, monkeypatch):

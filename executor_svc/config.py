@@ -75,8 +75,9 @@ class ExecutorSettings(BaseSettings):
         default="auto", description="Decode steps replayed from CUDA graphs (batch sizes 1, 2, 4, ..., 512), and "
         "with `EXECUTOR_SPECULATIVE_METHOD` `ngram` or `draft`, verify steps too (1, 2, 4, ..., 32 rows of up to "
         "1 + `EXECUTOR_SPECULATIVE_TOKENS` tokens; larger ones run eagerly). "
-        "`auto` = on with a CUDA device and the `triton` backend on one device for a dense model (off under tensor "
-        "parallelism), else off; `off`.")
+        "`auto` = on with a CUDA device and the `triton` backend on one device (off under tensor parallelism, and "
+        "for a model whose experts run the torch loop: quantized experts the fused-MoE kernel does not read), else "
+        "off; `off`.")
     torch_compile: Literal["auto", "off", "on"] = Field(
         default="auto", description="`auto` = `on` for an unquantized dense model on one CPU rank when a C++ "
         "compiler is found, else `off`. Inductor's cache "

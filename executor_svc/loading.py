@@ -29,7 +29,7 @@ from executor_svc.model.families import build_model, family_of, read_config
 from executor_svc.model.model import build_model as build_model_as
 from executor_svc.model.mtp import MTPHead, mtp_config, mtp_model_class, mtp_tensors
 from executor_svc.model.model_config import ModelConfig
-from executor_svc.model.moe import use_triton_moe
+from executor_svc.model.moe import experts_on_torch_loop, use_triton_moe
 from executor_svc.model.model import CausalLM
 from executor_svc.step.draft_model import DraftModel, vocabulary_mismatch
 from executor_svc.step.ngram import NgramProposer
@@ -53,13 +53,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def use_cuda_graphs(setting: str, device: torch.device, backend_name: str, tp_size: int,
-                    cfg: ModelConfig | None = None) -> bool:
+                    experts_on_torch_loop: int = 0) -> bool:
     """EXECUTOR_CUDA_GRAPHS=auto: on for CUDA with the triton backend, on one
-    device, for dense families. Under tensor parallelism decode steps run
-    eagerly: capturing the NCCL all-reduces has not been tested on a
-    multi-GPU machine yet; nor has capturing the MoE and MLA kernels."""
-    dense = cfg is None or (cfg.moe is None and cfg.mla is None)
-    return setting == "auto" and device.type == "cuda" and backend_name == "triton" and tp_size == 1 and dense
+    device, unless some expert layers run the torch loop (quantized experts
+    the fused-MoE kernel does not read), which syncs with the host every
+    layer. MoE layers on the fused-MoE kernel and MLA's decode kernel take
+    no host syncs (llmsched_kernels/fused_moe.py align_by_expert), so they
+    are captured like dense layers. Under tensor parallelism decode steps
+    run eagerly: capturing the NCCL all-reduces has not been tested on a
+    multi-GPU machine yet."""
+    return (setting == "auto" and device.type == "cuda" and backend_name == "triton" and tp_size == 1
+            and not experts_on_torch_loop)
 
 
 # A model below this hidden size is tiny on the CPU: per-op dispatch is
@@ -238,11 +242,14 @@ def load(settings: ExecutorSettings) -> LoadedModel:
         lora.use_impl("triton")
         log.info("LoRA deltas run the triton shrink and expand kernels (llmsched_kernels/lora.py)")
     # Batch-invariant mode: one eager path for every batch size.
-    cuda_graphs = generates and not invariant and use_cuda_graphs(settings.cuda_graphs, device, backend.name, size, cfg)
+    cuda_graphs = generates and not invariant and use_cuda_graphs(settings.cuda_graphs, device, backend.name, size,
+                                                                  experts_on_torch_loop(model))
     # Rank 0 alone samples, so it alone keeps constraint matchers.
     constraints = None if tp and tp.rank != 0 else ConstraintMatchers(ckpt.tokenizer_json, cfg.vocab_size,
                                                                        list(cfg.eos_token_ids))
     if draft is not None:
+        if backend.name == "triton":
+            use_triton_moe(draft)  # its experts, if any, as the target's
         draft_pool = KVCachePool(draft.cfg, num_blocks, settings.block_size, device, kv_dtype)
         log.info("draft model's KV pool: %s", draft_pool.describe())
         proposer = DraftModel(draft, draft_pool, backend, device, cfg.vocab_size)

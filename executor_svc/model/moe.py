@@ -393,3 +393,9 @@ def use_triton_moe(model: nn.Module, on: bool = True) -> int:
     for module in layers:
         module.impl = "triton" if on else "torch"
     return len(layers)
+
+
+def experts_on_torch_loop(model: nn.Module) -> int:
+    """Expert layers that run the torch loop (one host sync a layer: no
+    CUDA graph can hold them), rather than the triton fused-MoE kernel."""
+    return sum(isinstance(m, FusedExperts) and m.impl != "triton" for m in model.modules())

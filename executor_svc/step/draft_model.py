@@ -29,11 +29,12 @@ every unseeded request a random seed of its own (Scheduler.add_request),
 so this holds for all sampled requests; a row without one (a plan from
 another scheduler) drafts the argmax.
 
-Where the target replays CUDA graphs, so does a dense draft model
-(use_graphs): its one-token steps replay decode graphs, and its catch-up
-steps of up to 1 + K tokens a row verify-shaped graphs (cuda_graphs.py),
-up to 32 rows. Eager, each of its K forwards a step paid every kernel's
-launch, which at small batches is most of a small model's time.
+Where the target replays CUDA graphs, so does the draft model (use_graphs,
+unless its experts run the torch loop): its one-token steps replay decode
+graphs, and its catch-up steps of up to 1 + K tokens a row verify-shaped
+graphs (cuda_graphs.py), up to 32 rows. Eager, each of its K forwards a
+step paid every kernel's launch, which at small batches is most of a
+small model's time.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from tokenizers import Tokenizer
 
 from executor_svc.attention import AttentionBackend
 from executor_svc.model.model import CausalLM
+from executor_svc.model.moe import experts_on_torch_loop
 from executor_svc.step.batch import StepInputs, step_inputs
 from executor_svc.step.cuda_graphs import MAX_VERIFY_BATCH, DecodeGraphs, VerifyGraphs
 from executor_svc.step.host_memory import to_device
@@ -69,12 +71,11 @@ class DraftModel:
 
     def use_graphs(self, max_blocks_per_seq: int, q_len: int, pool=None, capture: bool = True) -> None:
         """Captures the draft model's decode steps and its catch-up steps of
-        up to q_len tokens a row, sharing the target's graph pool; a model
-        with MoE or MLA layers, whose kernels have not been captured on a
-        GPU yet, or a failed capture, stays eager."""
-        cfg = self.model.cfg
-        if cfg.moe is not None or cfg.mla is not None:
-            log.info("the draft model runs eagerly: CUDA graphs serve dense models only")
+        up to q_len tokens a row, sharing the target's graph pool. A draft
+        model whose experts run the torch loop (which syncs with the host),
+        or a failed capture, stays eager."""
+        if experts_on_torch_loop(self.model):
+            log.info("the draft model runs eagerly: its experts run the torch loop, which no CUDA graph can hold")
             return
         try:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, self.device, max_blocks_per_seq,

@@ -40,21 +40,23 @@ def test_buckets_are_powers_of_two_up_to_the_largest():
     assert graph_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
 
 
-def _runners(proposer=None, speculative_tokens: int = 0, block_size: int = 16):
-    """An eager runner and one with CUDA graphs on bench-small, each with
+def _runners(proposer=None, speculative_tokens: int = 0, block_size: int = 16, model_name: str = "bench-small"):
+    """An eager runner and one with CUDA graphs on model_name, each with
     its own pool; proposer(model, cfg, block_size): each one's speculative
     proposer."""
     from executor_svc.attention import make_backend
     from executor_svc.model.checkpoint import load_checkpoint
+    from executor_svc.model.moe import use_triton_moe
     from executor_svc.step.kv_cache import KVCachePool
     from executor_svc.model.families import build_model, read_config
     from executor_svc.step.runner import ModelRunner
 
     dev = torch.device("cuda")
-    ckpt = load_checkpoint("bench-small")
+    ckpt = load_checkpoint(model_name)
     cfg = read_config(ckpt.hf_config)
     # fp32 so eager and replayed steps can be held to a tight tolerance.
     model = build_model(cfg, ckpt.state_dict, 512, dev, torch.float32)
+    use_triton_moe(model)  # as loading does with the triton backend
     out = []
     for graphs in (False, True):
         pool = KVCachePool(cfg, 256, block_size, dev, torch.float32)
@@ -145,6 +147,19 @@ def test_graph_decode_draws_the_eager_greedy_tokens(batch):
 
 
 @pytest.mark.gpu
+def test_an_moe_models_graph_decode_draws_the_eager_greedy_tokens():
+    """bench-moe (a Qwen3-MoE): its experts on the fused-MoE kernel are
+    captured too."""
+    from executor_svc.step.sampler import SamplingSettings
+
+    eager, graphed = _runners(model_name="bench-moe")
+    assert graphed.graphs is not None
+    greedy = SamplingSettings(0.0, 1.0, 0, None, 0)
+    assert _drive(graphed, 5, 12, greedy) == _drive(eager, 5, 12, greedy), (
+        "an MoE model's graph replay drew other tokens than eager steps")
+
+
+@pytest.mark.gpu
 def test_graph_logits_match_eager_logits_with_padding(monkeypatch):
     """5 requests replay the bucket-8 graph with 3 padding rows."""
     import executor_svc.step.runner as runner_mod
@@ -171,6 +186,21 @@ def test_graph_logits_match_eager_logits_with_padding(monkeypatch):
     torch.testing.assert_close(logits["graph"], logits["eager"], atol=1e-4, rtol=1e-4)
 
 
+def _step_meta(q: list[int], start: list[int], block: int, width: int):
+    """Positions and attention metadata of a step whose row i (blocks
+    width * i onwards) computes q[i] tokens from position start[i]."""
+    from executor_svc.attention import AttentionMetadata
+
+    positions = [s + j for n, s in zip(q, start) for j in range(n)]
+    rows = [i for i, n in enumerate(q) for _ in range(n)]
+    slots = [(width * i + p // block) * block + p % block for i, p in zip(rows, positions)]
+    ends = [s + n for n, s in zip(q, start)]
+    meta = AttentionMetadata(torch.tensor(slots), torch.tensor(np.cumsum([0] + q), dtype=torch.int32),
+                             torch.tensor(ends, dtype=torch.int32),
+                             torch.arange(width * len(q), dtype=torch.int32).view(len(q), width), list(q), ends)
+    return torch.tensor(positions), meta
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), q_len=st.integers(1, 9), rows=st.integers(1, 40))
 def test_verify_layout_keeps_the_steps_rows_and_puts_every_padding_token_in_a_request_of_its_own(data, q_len, rows):
@@ -186,46 +216,13 @@ def test_verify_layout_keeps_the_steps_rows_and_puts_every_padding_token_in_a_re
     assert query[n:-1].tolist() == [1] * (rows - n)
 
 
-def test_verify_steps_laid_out_for_graphs_draw_hf_greedy_tokens(stories_path):
-    """VerifyGraphs' layout run without capture on the CPU, the Triton
-    backend under its interpreter, through the runner: verify steps of 3
-    rows in the 4-row graph, each row verifying 0-3 n-gram drafts, draw HF's
-    greedy tokens. The GPU tests replay the captured graphs."""
-    from executor_svc.attention import make_backend
-    from executor_svc.model.checkpoint import load_checkpoint
-    from executor_svc.model.families import build_model, read_config
-    from executor_svc.step.kv_cache import KVCachePool
-    from executor_svc.step.ngram import NgramProposer
-    from executor_svc.step.runner import ModelRunner
-    from tests.oracle import hf_greedy
-    from tests.unit.test_runner_vs_hf import BLOCK, generate
-
-    cpu = torch.device("cpu")
-    ckpt = load_checkpoint(str(stories_path))
-    cfg = read_config(ckpt.hf_config)
-    model = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, cpu, torch.float32)
-    backend = make_backend("triton", cpu)
-    runner = ModelRunner(model, KVCachePool(cfg, 64, BLOCK, cpu, torch.float32), backend, cpu,
-                         proposer=NgramProposer(1, 3))
-    graphs = VerifyGraphs(model, runner.kv_caches, backend, cpu, runner.rows.max_blocks, BLOCK, 4, capture=False)
-    replays, run = [], graphs.run
-    graphs.run = lambda *args: replays.append(args[-1].tolist()) or run(*args)
-    runner.verify_graphs = graphs
-    # Stories that repeat themselves, so the proposer finds drafts.
-    prompts = [[1, 403, 407, 261, 378, 403, 407], [1, 300, 301, 302, 300, 301], [1, 50, 51, 50]]
-    got = generate(runner, prompts, max_new=10, chunk=16, drafts=3)
-    for prompt, tokens in zip(prompts, got):
-        assert tokens == hf_greedy(str(stories_path), prompt, 10, ignore_eos=True), f"prompt {prompt}"
-    assert replays and all(len(q) == 3 for q in replays)
-    assert any(min(q) < max(q) for q in replays), f"no verify step mixed rows with and without drafts: {replays}"
-
-
 def test_a_verify_step_laid_out_for_its_graph_gives_the_eager_logits_and_writes_its_own_tokens_kv_only(
         stories_path):
-    """Steps of 3 rows in the 4-row layout. The padding tokens of a smaller
-    step after a larger one must not write at the larger step's slots,
-    still in the static buffer."""
-    from executor_svc.attention import AttentionMetadata, make_backend
+    """Steps of 3 rows in the 4-row layout, on the CPU (the Triton backend
+    under its interpreter, no capture), the second with 1, 3 and 2 tokens a
+    row. The padding tokens of a smaller step after a larger one must not
+    write at the larger step's slots, still in the static buffer."""
+    from executor_svc.attention import make_backend
     from executor_svc.model.checkpoint import load_checkpoint
     from executor_svc.model.families import build_model, read_config
     from executor_svc.step.kv_cache import KVCachePool
@@ -242,22 +239,18 @@ def test_a_verify_step_laid_out_for_its_graph_gives_the_eager_logits_and_writes_
         """Row i (blocks 4i .. 4i + 3) computes q[i] tokens from its
         position 0: the graph layout's logits against the eager forward's
         (which writes the same K/V again)."""
-        slots = torch.tensor([4 * block * i + j for i, n in enumerate(q) for j in range(n)])
-        ids = torch.arange(first_id, first_id + len(slots))
-        positions = torch.tensor([j for n in q for j in range(n)])
-        meta = AttentionMetadata(slots, torch.tensor(np.cumsum([0] + q), dtype=torch.int32),
-                                 torch.tensor(q, dtype=torch.int32),
-                                 torch.arange(4 * len(q), dtype=torch.int32).view(len(q), 4), q, q)
+        positions, meta = _step_meta(q, [0] * len(q), block, 4)
+        ids = torch.arange(first_id, first_id + len(positions))
         got = graphs.run(ids, positions, meta, np.array(q)).clone()
         want = model.compute_logits(model(ids, positions, pool.layer_caches(), meta, backend))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {q}: {m}")
 
     step([4, 4, 4], 3)
     before = pool.storage.clone()
-    step([1, 1, 1], 100)
+    step([1, 3, 2], 100)
     changed = (pool.storage != before).flatten(4).any(-1).any(0).any(0)  # [blocks, block_size]
     written = sorted(int(s) for s in torch.nonzero(changed.flatten()).flatten())
-    assert written == [0, 16, 32], f"the 3-token step wrote slots {written}, not only its own 0, 16 and 32"
+    assert written == [0, 16, 17, 18, 32, 33], f"the 6-token step wrote slots {written}, not only its own"
 
 
 def test_a_draft_models_steps_laid_out_for_graphs_draft_what_the_target_would(stories_path):
@@ -307,3 +300,38 @@ def test_a_draft_models_steps_laid_out_for_graphs_draft_what_the_target_would(st
         assert tokens == hf_greedy(str(stories_path), prompt, 9, ignore_eos=True), f"prompt {prompt}"
     assert verified > 0 and accepted == verified, f"{accepted} of {verified} drafts accepted"
     assert all(used.values()), f"a kind of step never ran laid out for its graph: {used}"
+
+
+@pytest.mark.parametrize("family", ["deepseek-v3", "gpt-oss"])
+def test_moe_and_mla_decode_steps_padded_for_graphs_give_the_eager_logits(family, tmp_path):
+    """auto captures MoE layers on the fused-MoE kernel and MLA's decode
+    kernel too (DeepSeek-V3: MLA, grouped sigmoid routing, a shared expert;
+    gpt-oss: biased experts, attention sinks). DecodeGraphs' padded rows (slot -1, one position) run
+    without capture on the CPU, the Triton backend under its interpreter:
+    3 requests in the 4-row bucket give the eager forward's logits, step
+    after step."""
+    from executor_svc.attention import make_backend
+    from executor_svc.model.checkpoint import load_checkpoint
+    from executor_svc.model.families import build_model, read_config
+    from executor_svc.model.moe import experts_on_torch_loop, use_triton_moe
+    from executor_svc.step.cuda_graphs import DecodeGraphs
+    from executor_svc.step.kv_cache import KVCachePool
+    from tests.families import CASES, make_checkpoint
+
+    cpu, block, width = torch.device("cpu"), 4, 4
+    ckpt = load_checkpoint(str(make_checkpoint(CASES[family], tmp_path / family)))
+    cfg = read_config(ckpt.hf_config)
+    model = build_model(cfg, ckpt.state_dict, 64, cpu, torch.float32)
+    use_triton_moe(model)
+    assert experts_on_torch_loop(model) == 0 and use_cuda_graphs("auto", torch.device("cuda"), "triton", 1, 0)
+    pool = KVCachePool(cfg, 3 * width, block, cpu, torch.float32)
+    backend = make_backend("triton", cpu)
+    graphs = DecodeGraphs(model, pool.layer_caches(), backend, cpu, width, max_batch=4, capture=False)
+    ids = torch.randint(3, 500, (3, 9), generator=torch.Generator().manual_seed(0))
+    positions, meta = _step_meta([5, 5, 5], [0, 0, 0], block, width)  # the prompts
+    model(ids[:, :5].reshape(-1), positions, pool.layer_caches(), meta, backend)
+    for at in range(5, 8):
+        positions, meta = _step_meta([1, 1, 1], [at] * 3, block, width)
+        got = graphs.run(ids[:, at], positions, meta).clone()
+        want = model.compute_logits(model(ids[:, at], positions, pool.layer_caches(), meta, backend))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{family} position {at}: {m}")

@@ -8,7 +8,8 @@ from llmsched import cpus
 from llmsched.errors import StartupError, exit_with
 
 # Compiled decode steps (EXECUTOR_TORCH_COMPILE) are cached across restarts
-# in a directory of our own, not in /tmp where inductor puts them.
+# in a directory of our own, not in /tmp where inductor puts them (in a
+# subdirectory per vector ISA: inductor_cache.py).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llmsched", "inductor"))
 # Before anything loads torch: the threads torch starts inherit this

@@ -81,7 +81,9 @@ class ExecutorSettings(BaseSettings):
     torch_compile: Literal["auto", "off", "on"] = Field(
         default="auto", description="`auto` = `on` for an unquantized dense model on one CPU rank when a C++ "
         "compiler is found, else `off`. Inductor's cache "
-        "is kept in `~/.cache/llmsched/inductor` (unless `TORCHINDUCTOR_CACHE_DIR` is set), so a restart loads the "
+        "is kept in `~/.cache/llmsched/inductor` (unless `TORCHINDUCTOR_CACHE_DIR` is set), in a subdirectory per CPU "
+        "vector ISA (`cpu-<isa>`: inductor's own cache key leaves the ISA out, so hosts of different CPUs may share "
+        "the directory), so a restart loads the "
         "compiled step instead of compiling it again. `on`: decode-only steps on CPU whose gathered K fits 4 MiB per layer (e.g. 64 "
         "requests x 512 tokens on stories260K) run compiled (`executor_svc/step/compiled_decode.py`), compiled at "
         "start-up: under hidden size 512 as one `torch.compile`d graph (stories260K: about 22 s cold on the "

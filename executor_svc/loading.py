@@ -29,6 +29,7 @@ from executor_svc.model.families import build_model, family_of, read_config
 from executor_svc.model.model import build_model as build_model_as
 from executor_svc.model.mtp import MTPHead, mtp_config, mtp_model_class, mtp_tensors
 from executor_svc.model.model_config import ModelConfig
+from executor_svc.inductor_cache import key_by_isa
 from executor_svc.model.moe import experts_on_torch_loop, use_triton_moe
 from executor_svc.model.model import CausalLM
 from executor_svc.step.draft_model import DraftModel, vocabulary_mismatch
@@ -176,6 +177,8 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     _set_threads(settings, device, cfg)
     shard = tp.shard if tp else Shard()
     dtype = resolve_dtype(settings.dtype, device)
+    if device.type == "cpu":
+        key_by_isa()  # before anything compiles with inductor (inductor_cache.py)
     max_model_len = settings.max_model_len or cfg.max_position_embeddings
     model = build_model(cfg, ckpt.lazy_tensors(), max_model_len, device, dtype, shard, tp,
                         headless_ok=ckpt.pooling.pooling is not None)

@@ -350,13 +350,12 @@ class Scheduler:
         multi-step plan its steps_ahead slots; else its speculative drafts
         (_num_drafts). Never past max_tokens or max_model_len (the step
         yields up to 1 + lookahead tokens), nor past the step's budget."""
-        cfg = self.config
-        decoding = req.num_tokens_with_placeholders - req.num_computed_tokens == 1  # not a prompt's chunk of 1
-        if n != 1 or not decoding or not req.on_executor:
+        if n != 1 or not req.on_executor:
             return 0
         most = steps_ahead or (self._num_drafts() if req.can_speculate else 0)
-        if not most:
+        if not most or req.num_tokens_with_placeholders - req.num_computed_tokens != 1:  # a prompt's chunk of 1
             return 0
+        cfg = self.config
         left = req.sampling.max_tokens - len(req.output_token_ids) - req.num_output_placeholders - 1
         room = cfg.max_model_len - req.num_tokens_with_placeholders - 1
         return max(0, min(most, left, room, budget - 1))
@@ -414,8 +413,9 @@ class Scheduler:
         if req.on_executor:
             out.cached_requests.append(req)
             out.cached_num_scheduled_tokens.append(n)
-            out.new_block_handles.extend([req.handle] * len(new_blocks))
-            out.new_block_ids.extend(new_blocks)
+            if new_blocks:
+                out.new_block_handles.extend([req.handle] * len(new_blocks))
+                out.new_block_ids.extend(new_blocks)
             if lookahead:
                 out.lookahead_handles.append(req.handle)
                 out.lookahead_counts.append(lookahead)

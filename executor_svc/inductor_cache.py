@@ -16,8 +16,10 @@ another CPU) meets the same, so the executor keeps each ISA's entries apart.
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -26,24 +28,22 @@ log = logging.getLogger(__name__)
 
 
 def isa_name() -> str:
-    """The vector ISA inductor generates CPU code for here (as
-    ATEN_CPU_CAPABILITY leaves it), with torch's CPU capability."""
-    try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        isa = str(pick_vec_isa()) if pick_vec_isa() else "novec"
-    except Exception:  # no C++ compiler to probe with: nothing will compile either
-        isa = "unprobed"
-    return f"{isa}-{torch.backends.cpu.get_cpu_capability()}".lower().replace(" ", "_")
+    """torch's CPU capability (what inductor picks its vector ISA from, as
+    ATEN_CPU_CAPABILITY leaves it) and the CPU's bf16 and AMX support.
+    Probed without importing inductor, which would bring in dynamo for an
+    executor that never compiles."""
+    features = [name for name, probe in (("bf16", torch.cpu._is_avx512_bf16_supported),
+                                         ("amx", torch.cpu._is_amx_tile_supported)) if probe()]
+    return "-".join([torch.backends.cpu.get_cpu_capability().lower(), *features])
 
 
 def key_by_isa() -> Path:
-    """Points TORCHINDUCTOR_CACHE_DIR (or inductor's default) at its
-    subdirectory for this ISA, `cpu-<isa>`; idempotent, so a process that
-    inherits an already keyed directory keeps it. Returns the directory."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    base = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    """Points TORCHINDUCTOR_CACHE_DIR (or inductor's default, a directory
+    under the temp dir) at its subdirectory for this ISA, `cpu-<isa>`;
+    idempotent, so a process that inherits an already keyed directory
+    keeps it. Returns the directory."""
+    base = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
     sub = f"cpu-{isa_name()}"
     keyed = base if base.name == sub else base / sub
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(keyed)

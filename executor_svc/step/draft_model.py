@@ -126,6 +126,7 @@ class DraftModel:
         hidden = self.model(batch.ids, batch.positions, self.kv_caches, batch.meta, self.backend)
         return self.model.compute_logits(hidden if last is None else hidden[last])
 
+
 def choose_drafts(logits: torch.Tensor, r: RequestRows, rows: np.ndarray, offset: int,
                   device: torch.device) -> np.ndarray:
     """Each row's draft at output index num_output + offset, from a

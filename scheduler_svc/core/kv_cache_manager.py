@@ -168,7 +168,8 @@ class KVCacheManager:
             # The steady decode step: its table already covers the token (15
             # steps in 16 at block size 16). A fast path: P1's per-request cost.
             table = self.block_tables.get(request.request_id)
-            if table is not None and -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) <= len(table):
+            if table is not None and blocks_needed(request.num_computed_tokens + num_new_tokens,
+                                                   self.block_size) <= len(table):
                 return []
         if not self.pool.can_allocate(self.num_blocks_to_take(request, num_new_tokens, hit)):
             return None

@@ -1,6 +1,7 @@
-"""CUDA graphs for decode and verify steps: the setting, the verify
-graphs' layout (on the CPU, under Triton's interpreter), and (on a GPU)
-graph replays against eager steps."""
+"""CUDA graphs for decode and verify steps: the setting, the graphs'
+padded layouts (on the CPU, uncaptured, the Triton backend under its
+interpreter: verify steps, a draft model's steps, MoE and MLA decode), and
+(on a GPU) graph replays against eager steps."""
 
 import numpy as np
 import pytest
@@ -33,6 +34,12 @@ def test_auto_turns_graphs_on_only_for_cuda_with_triton(setting, device, backend
 
 def test_auto_leaves_graphs_off_under_tensor_parallelism():
     assert use_cuda_graphs("auto", torch.device("cuda"), "triton", 2) is False
+
+
+def test_auto_leaves_graphs_off_when_experts_run_the_torch_loop():
+    """Its per-expert loop syncs with the host every layer."""
+    assert use_cuda_graphs("auto", torch.device("cuda"), "triton", 1, experts_on_torch_loop=3) is False
+    assert use_cuda_graphs("auto", torch.device("cuda"), "triton", 1, experts_on_torch_loop=0) is True
 
 
 def test_buckets_are_powers_of_two_up_to_the_largest():

@@ -51,7 +51,8 @@ def test_a_graph_compiled_under_one_vector_isa_is_not_loaded_under_another(tmp_p
     if capability not in pairs:
         pytest.skip(f"needs an x86 CPU with AVX2 or AVX-512 (torch reports {capability})")
     for isa in pairs[capability]:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "ATEN_CPU_CAPABILITY": isa}
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "ATEN_CPU_CAPABILITY": isa,
+               "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no pool of compile workers to start
         done = subprocess.run([sys.executable, "-c", PROGRAM], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, f"under {isa}: exit {done.returncode}\n{done.stderr[-2000:]}"

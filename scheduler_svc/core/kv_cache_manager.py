@@ -236,10 +236,11 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         done = self._num_cached.get(request.request_id, 0)
-        if num_computed // self.block_size <= done:
+        num_full = num_computed // self.block_size
+        if num_full <= done:
             return  # no block filled since (most steps)
         table = self.block_tables.get(request.request_id, [])
-        num_full = min(num_computed // self.block_size, len(table), request.num_tokens // self.block_size)
+        num_full = min(num_full, len(table), request.num_tokens // self.block_size)
         if num_full <= done:
             return
         hashes = self._hashes(request, num_full)

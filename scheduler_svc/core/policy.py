@@ -196,10 +196,11 @@ class Policy:
         step; with samples, it samples an output token. A prompt token counts
         once, however often a preemption makes it recomputed, and a prompt
         token served from the prefix cache does not count."""
-        if start >= req.num_prompt_tokens <= req.num_charged_prompt_tokens:
+        num_prompt = req.num_prompt_tokens
+        if start >= num_prompt and req.num_charged_prompt_tokens >= num_prompt:
             prompt = 0  # a decode step, its prompt charged (most calls: P1's per-request cost)
         else:
-            end = min(start + num_tokens, req.num_prompt_tokens)
+            end = min(start + num_tokens, num_prompt)
             prompt = max(0, end - max(start, req.num_charged_prompt_tokens))
             req.num_charged_prompt_tokens = max(req.num_charged_prompt_tokens, end)
         served = self.served.setdefault(req.tenant, [0, 0])

@@ -193,6 +193,17 @@ def test_graph_logits_match_eager_logits_with_padding(monkeypatch):
     torch.testing.assert_close(logits["graph"], logits["eager"], atol=1e-4, rtol=1e-4)
 
 
+def _cpu_model(path: str, max_len: int | None = None):
+    """(config, model) of a checkpoint on the CPU in float32."""
+    from executor_svc.model.checkpoint import load_checkpoint
+    from executor_svc.model.families import build_model, read_config
+
+    ckpt = load_checkpoint(path)
+    cfg = read_config(ckpt.hf_config)
+    return cfg, build_model(cfg, ckpt.state_dict, max_len or cfg.max_position_embeddings, torch.device("cpu"),
+                            torch.float32)
+
+
 def _step_meta(q: list[int], start: list[int], block: int, width: int):
     """Positions and attention metadata of a step whose row i (blocks
     width * i onwards) computes q[i] tokens from position start[i]."""
@@ -230,14 +241,10 @@ def test_a_verify_step_laid_out_for_its_graph_gives_the_eager_logits_and_writes_
     row. The padding tokens of a smaller step after a larger one must not
     write at the larger step's slots, still in the static buffer."""
     from executor_svc.attention import make_backend
-    from executor_svc.model.checkpoint import load_checkpoint
-    from executor_svc.model.families import build_model, read_config
     from executor_svc.step.kv_cache import KVCachePool
 
     cpu, block = torch.device("cpu"), 4
-    ckpt = load_checkpoint(str(stories_path))
-    cfg = read_config(ckpt.hf_config)
-    model = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, cpu, torch.float32)
+    cfg, model = _cpu_model(str(stories_path))
     pool = KVCachePool(cfg, 16, block, cpu, torch.float32)
     backend = make_backend("triton", cpu)
     graphs = VerifyGraphs(model, pool.layer_caches(), backend, cpu, 4, block, 4, capture=False)
@@ -268,8 +275,6 @@ def test_a_draft_models_steps_laid_out_for_graphs_draft_what_the_target_would(st
     greedy draft is accepted (a layout that mixed rows or positions up
     would draft other tokens) and the tokens are HF's."""
     from executor_svc.attention import make_backend
-    from executor_svc.model.checkpoint import load_checkpoint
-    from executor_svc.model.families import build_model, read_config
     from executor_svc.step.draft_model import DraftModel
     from executor_svc.step.kv_cache import KVCachePool
     from executor_svc.step.runner import ModelRunner
@@ -277,9 +282,7 @@ def test_a_draft_models_steps_laid_out_for_graphs_draft_what_the_target_would(st
     from tests.unit.test_runner_vs_hf import BLOCK, generate
 
     cpu, k = torch.device("cpu"), 3
-    ckpt = load_checkpoint(str(stories_path))
-    cfg = read_config(ckpt.hf_config)
-    model = build_model(cfg, ckpt.state_dict, cfg.max_position_embeddings, cpu, torch.float32)
+    cfg, model = _cpu_model(str(stories_path))
     backend = make_backend("triton", cpu)
     draft = DraftModel(model, KVCachePool(cfg, 64, BLOCK, cpu, torch.float32), backend, cpu, cfg.vocab_size)
     runner = ModelRunner(model, KVCachePool(cfg, 64, BLOCK, cpu, torch.float32), backend, cpu, proposer=draft)
@@ -312,25 +315,22 @@ def test_a_draft_models_steps_laid_out_for_graphs_draft_what_the_target_would(st
 @pytest.mark.parametrize("family", ["deepseek-v3", "gpt-oss"])
 def test_moe_and_mla_decode_steps_padded_for_graphs_give_the_eager_logits(family, tmp_path):
     """auto captures MoE layers on the fused-MoE kernel and MLA's decode
-    kernel too (DeepSeek-V3: MLA, grouped sigmoid routing, a shared expert;
-    gpt-oss: biased experts, attention sinks). DecodeGraphs' padded rows (slot -1, one position) run
-    without capture on the CPU, the Triton backend under its interpreter:
-    3 requests in the 4-row bucket give the eager forward's logits, step
-    after step."""
+    kernel too (DeepSeek-V3: MLA, grouped sigmoid routing, a shared
+    expert; gpt-oss: biased experts, attention sinks). DecodeGraphs'
+    padded rows (slot -1, one position) run without capture on the CPU,
+    the Triton backend under its interpreter: 3 requests in the 4-row
+    bucket give the eager forward's logits, step after step."""
     from executor_svc.attention import make_backend
-    from executor_svc.model.checkpoint import load_checkpoint
-    from executor_svc.model.families import build_model, read_config
     from executor_svc.model.moe import experts_on_torch_loop, use_triton_moe
     from executor_svc.step.cuda_graphs import DecodeGraphs
     from executor_svc.step.kv_cache import KVCachePool
     from tests.families import CASES, make_checkpoint
 
     cpu, block, width = torch.device("cpu"), 4, 4
-    ckpt = load_checkpoint(str(make_checkpoint(CASES[family], tmp_path / family)))
-    cfg = read_config(ckpt.hf_config)
-    model = build_model(cfg, ckpt.state_dict, 64, cpu, torch.float32)
+    cfg, model = _cpu_model(str(make_checkpoint(CASES[family], tmp_path / family)), 64)
     use_triton_moe(model)
-    assert experts_on_torch_loop(model) == 0 and use_cuda_graphs("auto", torch.device("cuda"), "triton", 1, 0)
+    assert use_cuda_graphs("auto", torch.device("cuda"), "triton", 1, experts_on_torch_loop(model)), (
+        f"auto would leave {family}'s decode steps eager on CUDA")
     pool = KVCachePool(cfg, 3 * width, block, cpu, torch.float32)
     backend = make_backend("triton", cpu)
     graphs = DecodeGraphs(model, pool.layer_caches(), backend, cpu, width, max_batch=4, capture=False)

@@ -132,8 +132,22 @@ def _input_ranges(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch
             ranges[name] = (low, high)
         return hook
 
+    def record_experts(name, module):
+        """transformers 5's fused experts (3-D gate_up_proj, down_proj):
+        each expert's projections under their checkpoint names, gate and up
+        over every token, down over what each token would give it."""
+        def hook(_, args):
+            x = args[0].reshape(-1, args[0].shape[-1])
+            for e, (gate_up, down) in enumerate(zip(module.gate_up_proj, module.down_proj)):
+                gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+                for proj, value in (("gate_proj", x), ("up_proj", x), ("down_proj", module.act_fn(gate) * up)):
+                    record(f"{name}.{e}.{proj}")(None, (value,))
+        return hook
+
     handles = [m.register_forward_pre_hook(record(n)) for n, m in model.named_modules()
                if isinstance(m, torch.nn.Linear)]
+    handles += [m.register_forward_pre_hook(record_experts(n, m)) for n, m in model.named_modules()
+                if isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter)]
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         model(torch.randint(3, model.config.vocab_size, (4, 24), generator=gen))
@@ -155,18 +169,22 @@ def write_compressed_tensors(plain: Path, out: Path, weights: dict, activations:
     from compressed_tensors.quantization import (
         QuantizationArgs, QuantizationConfig, QuantizationScheme, apply_quantization_config,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights),
                                 input_activations=QuantizationArgs(**activations) if activations else None)
-    ranges = _input_ranges(model) if activations and not activations.get("dynamic") else {}
+    # Static activation scales, and NVFP4's global scale over its dynamic
+    # ("local") group scales, are calibrated on a few sequences.
+    ranges = _input_ranges(model) if activations and activations.get("dynamic") is not True else {}
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
     for name, module in model.named_modules():
-        if name in ranges and hasattr(module, "input_scale"):  # static activations: calibrated scales
+        if name in ranges and hasattr(module, "input_scale"):
             scale, _ = calculate_qparams(*ranges[name], scheme.input_activations)
             update_offload_parameter(module, "input_scale", scale.reshape(1))
+        if name in ranges and hasattr(module, "input_global_scale"):
+            update_offload_parameter(module, "input_global_scale", generate_gparam(*ranges[name]))
     for module in model.modules():
         args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
         if args is None:
@@ -197,6 +215,8 @@ def write_compressed_tensors(plain: Path, out: Path, weights: dict, activations:
             prefix = name[: -len("weight")]
             compressed = BaseCompressor.load_from_registry(fmt).compress(state, scheme)
             tensors |= {prefix + leaf: t for leaf, t in compressed.items()}
+            if prefix[:-1] in ranges and activations.get("dynamic") == "local":
+                tensors[prefix + "input_global_scale"] = generate_gparam(*ranges[prefix[:-1]])
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
@@ -222,6 +242,64 @@ def decompress_compressed_tensors(path: Path, out: Path) -> Path:
     save_file(plain, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def fake_quantized_hf(path: Path, dense: Path) -> torch.nn.Module:
+    """HF on a compressed-tensors checkpoint's dequantized weights (`dense`,
+    decompress_compressed_tensors) with the checkpoint's input activation
+    scheme applied by compressed-tensors' own forward, which quantizes and
+    dequantizes each linear's input as the scheme says: the oracle for NVFP4
+    W4A4, whose checkpoint transformers decompresses to bfloat16 weights
+    that a float32 model cannot multiply."""
+    from compressed_tensors.offload import update_offload_parameter
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
+
+    from tests.families import hf_model
+
+    qc = QuantizationConfig.model_validate(json.loads((path / "config.json").read_text())["quantization_config"])
+    model = hf_model(str(dense))
+    groups = {name: QuantizationScheme(targets=g.targets, input_activations=g.input_activations)
+              for name, g in qc.config_groups.items()}
+    apply_quantization_config(model, QuantizationConfig(config_groups=groups, ignore=qc.ignore))
+    tensors = load_file(path / "model.safetensors")
+    for name, module in model.named_modules():
+        for leaf in ("input_global_scale", "input_scale"):
+            if hasattr(module, leaf):
+                update_offload_parameter(module, leaf, tensors[f"{name}.{leaf}"])
+        if f"{name}.0.gate_proj.input_global_scale" in tensors:
+            args = next(iter(groups.values())).input_activations
+            scales = [[tensors[f"{name}.{e}.{p}.input_global_scale"] for p in ("gate_proj", "up_proj", "down_proj")]
+                      for e in range(module.num_experts)]
+            module.forward = _fake_quantized_experts(module, args, scales)
+    return model
+
+
+def _fake_quantized_experts(module: torch.nn.Module, args, scales: list[list[torch.Tensor]]):
+    """transformers 5's fused experts' forward, with each expert's gate, up
+    and down inputs quantized and dequantized by compressed-tensors, as its
+    own linears would be (the package's model pass reaches only
+    nn.Linear)."""
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    def fq(x, global_scale):
+        scale, zero = compute_dynamic_scales_and_zp(x, args, module, global_scale=global_scale)
+        return fake_quantize(x, scale, zero, args, global_scale=global_scale)
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(module.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            if len(token) == 0:
+                continue
+            x, (g, u, d) = hidden_states[token], scales[e]
+            w_gate, w_up = module.gate_up_proj[e].chunk(2, dim=0)
+            h = module.act_fn(torch.nn.functional.linear(fq(x, g), w_gate)) * torch.nn.functional.linear(fq(x, u), w_up)
+            y = torch.nn.functional.linear(fq(h, d), module.down_proj[e]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    return forward
 
 
 # -- GPTQ and AWQ, written by hand in their documented layouts -------------

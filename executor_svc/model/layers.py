@@ -118,10 +118,10 @@ class _Linear(nn.Module):
             raise BlockSplitError(f"{cols} input columns are not whole activation groups of {act.group_size}")
         self.scheme = scheme
         del self.weight
-        if act is not None and not act.dynamic:
-            # Each checkpoint tensor's own input_scale (q, k and v quantize the
-            # same x, each with its scale).
-            self.input_scale = nn.Parameter(torch.empty(parts), requires_grad=False)
+        if act is not None and act.checkpoint_leaf:
+            # Each checkpoint tensor's own input_scale or input_global_scale
+            # (q, k and v quantize the same x, each with its scale).
+            setattr(self, act.checkpoint_leaf, nn.Parameter(torch.empty(parts), requires_grad=False))
         if scheme.kind == "fp8":
             self.fp8_block = scheme.block or (1, cols)
             self.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8), requires_grad=False)
@@ -178,10 +178,10 @@ class _Linear(nn.Module):
                               self.scheme.bits, self.g_idx, self.in_cols, dtype)
 
     def _static_input_scales(self) -> list[torch.Tensor]:
-        """The parts' static input scales, one if they are all equal (read
-        once: they are fixed after loading)."""
+        """The parts' static input scales (NVFP4: global scales), one if
+        they are all equal (read once: they are fixed after loading)."""
         if not hasattr(self, "_input_scales"):
-            scales = list(self.input_scale.unbind())
+            scales = list(getattr(self, self.scheme.activations.checkpoint_leaf).unbind())
             self._input_scales = scales if any(not torch.equal(s, scales[0]) for s in scales) else scales[:1]
         return self._input_scales
 
@@ -210,7 +210,7 @@ class _Linear(nn.Module):
                 return marked_linear(x, self.weight, self.bias, self.cpu_gemv_rows)
             return F.linear(x, self.weight, self.bias)
         act = scheme.activations
-        if act is not None and not act.dynamic:
+        if act is not None and act.checkpoint_leaf:
             scales = self._static_input_scales()
             if len(scales) > 1:  # fused parts with scales of their own: each its rows, as separate layers would
                 w, rows = self.dense_weight(x.dtype), [p.rows for p in self.parts]
@@ -314,7 +314,7 @@ class ColumnLinear(_Linear):
                 held, value = canonical(self.scheme, leaf, weight.read(), p.whole, self.in_features)
                 if held == "g_idx":
                     self._set_g_idx(name, value, device)
-                elif held == "input_scale":
+                elif held in ("input_scale", "input_global_scale"):
                     materialize(self, held, device, dtype)[i : i + 1].copy_(value)
                 elif held == "weight_scale_inv":
                     first = p.start // bn

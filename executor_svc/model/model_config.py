@@ -175,16 +175,27 @@ class MLASpec:
 
 @dataclass(frozen=True, slots=True)
 class ActivationQuant:
-    """Activations quantized at run time to FP8 e4m3 (type "float") or int8
-    (type "int"): dynamic, per token (group_size None) or per group of
-    columns, with a scale computed from each row's values; or static, one
-    scale per tensor from the checkpoint (`input_scale`)."""
+    """Activations quantized at run time to FP8 e4m3 (type "float"), int8
+    (type "int") or NVFP4 (type "fp4"): dynamic, per token (group_size
+    None) or per group of columns, with a scale computed from each row's
+    values; or static, one scale per tensor from the checkpoint
+    (`input_scale`). NVFP4 is dynamic per group of 16 with FP8 group
+    scales over a static global scale (`input_global_scale`)."""
 
     type: str
     group_size: int | None = None
     dynamic: bool = True
 
+    @property
+    def checkpoint_leaf(self) -> str | None:
+        """The per-layer tensor these activations' scales need, if any."""
+        if self.type == "fp4":
+            return "input_global_scale"
+        return None if self.dynamic else "input_scale"
+
     def describe(self) -> str:
+        if self.type == "fp4":
+            return f"nvfp4 per group {self.group_size} over a static global scale"
         what = "fp8" if self.type == "float" else "int8"
         if not self.dynamic:
             return f"{what} per tensor, static"

@@ -70,8 +70,8 @@ def checkpoint_leaves(scheme: LinearScheme, rows: int, cols: int) -> dict[str, t
     """The checkpoint tensors of one quantized linear of whole shape [rows,
     cols] (bias aside), by leaf name, with their shapes."""
     leaves = _weight_leaves(scheme, rows, cols)
-    if scheme.activations is not None and not scheme.activations.dynamic:
-        leaves["input_scale"] = ANY_SHAPE  # [1] or []
+    if scheme.activations is not None and scheme.activations.checkpoint_leaf:
+        leaves[scheme.activations.checkpoint_leaf] = ANY_SHAPE  # [1] or []
     return leaves
 
 
@@ -120,8 +120,8 @@ def canonical(scheme: LinearScheme, leaf: str, t: torch.Tensor, rows: int, cols:
     in the held layout: rows first, whole); ("", the tensor) for a leaf
     that is only checked (weight_shape)."""
     layout, bits = scheme.layout, scheme.bits
-    if leaf == "input_scale":
-        return "input_scale", t.to(torch.float32).reshape(1)
+    if leaf in ("input_scale", "input_global_scale"):
+        return leaf, t.to(torch.float32).reshape(1)
     if layout in ("fp8", "fp8-row", "ct-float"):
         if leaf == "weight":
             return "weight", t

@@ -6,11 +6,11 @@ Formats: quant_method "fp8" (block scales or one per tensor),
 "compressed-tensors" (float-quantized FP8 by tensor, channel or block;
 pack-quantized int4/int8 by group or channel, symmetric or not;
 int-quantized int8; NVFP4 and MXFP4 weights; FP8 or int8 activations,
-dynamic per token or group, or static per tensor; an FP8 kv_cache_scheme),
-"gptq" (4 or 8 bits, any group size, desc_act with g_idx) and "awq"
-(version gemm). Schemes that quantize activations (W8A8) quantize them
-at run time as the scheme defines (fake_quantize_activations), then run
-the same weight-only GEMM.
+dynamic per token or group, or static per tensor, and NVFP4 activations;
+an FP8 kv_cache_scheme), "gptq" (4 or 8 bits, any group size, desc_act
+with g_idx) and "awq" (version gemm). Schemes that quantize activations
+(W8A8, NVFP4 W4A4) quantize them at run time as the scheme defines
+(fake_quantize_activations), then run the same weight-only GEMM.
 
 FP8 with block scales (quant_method "fp8" and weight_block_size: DeepSeek-V3
 and R1, Kimi K2, the Qwen3 -FP8 releases): each linear weight is
@@ -267,10 +267,32 @@ def _ct_fp4(weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str, at
     if got != (4, "float", group, True):
         raise UnsupportedConfig(f"{at}.weights (num_bits, type, group_size, symmetric)={got} is not supported for "
                                 f"format {fmt!r}; supported: (4, 'float', {group}, True)")
-    if inputs:
-        raise UnsupportedConfig(f"{at}.input_activations: FP4 activations (W4A4) are not supported; FP4 weights "
-                                "with activations in the compute dtype (W4A16) are")
-    return LinearScheme("fp4", "ct-nvfp4" if group == 16 else "ct-mxfp4", bits=4, group_size=group)
+    activations = _ct_fp4_activations(inputs, fmt, f"{at}.input_activations") if inputs else None
+    return LinearScheme("fp4", "ct-nvfp4" if group == 16 else "ct-mxfp4", bits=4, group_size=group,
+                        activations=activations)
+
+
+# NVFP4's activations (compressed-tensors' NVFP4 preset, llm-compressor's
+# W4A4): E2M1 per group of 16, each group's scale computed at run time and
+# stored as FP8 e4m3 over the layer's calibrated input_global_scale.
+NVFP4_ACTIVATIONS = (4, "float", "tensor_group", 16, "local", True)
+FP8_SCALES = (None, "torch.float8_e4m3fn", "float8_e4m3fn")
+
+
+def _ct_fp4_activations(inputs: dict[str, Any], fmt: str, at: str) -> ActivationQuant:
+    _refuse_unknown(inputs, CT_ARGS_KEYS, at, "compressed-tensors activations")
+    got = tuple(inputs.get(k) for k in ("num_bits", "type", "strategy", "group_size", "dynamic")) + (
+        inputs.get("symmetric", True),)
+    if fmt != "nvfp4-pack-quantized" or got != NVFP4_ACTIVATIONS:
+        raise UnsupportedConfig(f"{at} (num_bits, type, strategy, group_size, dynamic, symmetric)={got} is not "
+                                f"supported with format {fmt!r}; FP4 activations are supported as NVFP4 "
+                                f"(format 'nvfp4-pack-quantized'): {NVFP4_ACTIVATIONS}")
+    # Absent in checkpoints made before compressed-tensors had the key:
+    # their group scales were FP8 too, as NVFP4 kernels read them.
+    if inputs.get("scale_dtype") not in FP8_SCALES:
+        raise UnsupportedConfig(f"{at} scale_dtype={inputs['scale_dtype']!r} is not supported; NVFP4 activation "
+                                "group scales are FP8 e4m3 ('torch.float8_e4m3fn', or absent)")
+    return ActivationQuant("fp4", 16)
 
 
 def _ct_activations(inputs: dict[str, Any] | None, at: str) -> ActivationQuant | None:
@@ -364,7 +386,10 @@ def fake_quantize_activations(x: torch.Tensor, act: ActivationQuant, scale: torc
     (static), or per token or group of columns with scale = amax / the
     format's half range (dynamic); values rounded to FP8 e4m3 or to int8
     and multiplied back. Weight-only GEMMs then see exactly the activations
-    a W8A8 kernel would."""
+    a W8A8 kernel would. NVFP4 (type "fp4"): `scale` is the layer's global
+    scale (fake_quantize_nvfp4)."""
+    if act.type == "fp4":
+        return fake_quantize_nvfp4(x, scale, act.group_size)
     groups = x if act.group_size is None else x.unflatten(-1, (-1, act.group_size))
     if scale is None:
         amax = groups.abs().amax(dim=-1, keepdim=True).to(torch.float32)
@@ -381,3 +406,33 @@ def fake_quantize_activations(x: torch.Tensor, act: ActivationQuant, scale: torc
 
 class BlockSplitError(UnsupportedConfig):
     """A tensor-parallel size that cuts a quantization block."""
+
+
+# E2M1's values, and the midpoints between them; a value on a midpoint goes
+# to the value with an even mantissa (round half to even, as the FP4
+# conversions of compressed-tensors and of NVIDIA's hardware do).
+E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+E2M1_UP = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """float32 x, already within [-6, 6], rounded to the nearest E2M1 value."""
+    a, out = x.abs(), torch.zeros_like(x)
+    for (mid, inclusive), value in zip(E2M1_MIDPOINTS, E2M1_UP):
+        out = torch.where(a >= mid if inclusive else a > mid, value, out)
+    return out.copysign(x)
+
+
+def fake_quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, group: int = 16) -> torch.Tensor:
+    """x through NVFP4 and back, as compressed-tensors' NVFP4 activations
+    and NVFP4 GEMM kernels quantize them: per group of `group` columns, a
+    scale amax / 6 (E2M1's largest value) times the global scale, rounded
+    to FP8 e4m3 (zero becomes 0.125, compressed-tensors' guard), then
+    x / (scale / global_scale) rounded to E2M1 and multiplied back."""
+    groups = x.unflatten(-1, (-1, group))
+    # amax / 6 in x's dtype, as compressed-tensors computes it.
+    local = (groups.abs().amax(dim=-1, keepdim=True) / 6).to(torch.float32) * global_scale
+    local = local.clamp(max=torch.finfo(FP8).max).to(FP8).to(torch.float32)
+    scale = torch.where(local == 0, 0.125, local) / global_scale
+    q = round_to_e2m1((groups.to(torch.float32) / scale).clamp(-6.0, 6.0))
+    return (q * scale).to(x.dtype).flatten(-2)

@@ -12,7 +12,7 @@ Oracles:
   symmetric), else on its weights dequantized by compressed-tensors' own
   decompressors (asymmetric zero points, which transformers 5 fails to
   load) or by the layout's definition (GPTQ, AWQ, per-tensor FP8);
-- formats that quantize activations at run time (W8A8): HF with
+- formats that quantize activations at run time (W8A8, NVFP4 W4A4): HF with
   compressed-tensors' fake-quantized forward, teacher-forced on HF's greedy
   tokens. Tolerance: top-1 agrees on at least 99% of positions, and on
   every position where HF's top-1 leads its top-2 by at least MARGIN (0.1).
@@ -35,7 +35,8 @@ from executor_svc.step.sampler import SamplingSettings
 from llmsched.errors import StartupError
 from tests.families import CASES, hf_greedy, hf_model, make_checkpoint, prompts
 from tests.quantized import (
-    decompress_compressed_tensors, write_awq, write_compressed_tensors, write_fp8_per_tensor, write_gptq,
+    decompress_compressed_tensors, fake_quantized_hf, write_awq, write_compressed_tensors, write_fp8_per_tensor,
+    write_gptq,
 )
 from tests.unit.test_families_vs_hf import runner_for
 from tests.unit.test_fp8_checkpoints import assert_greedy_equal
@@ -145,17 +146,25 @@ def test_a_tensor_parallel_size_that_cuts_a_group_is_refused_naming_the_sizes_th
     check_size(read_config(hf | {"quantization_config": GPTQ | {"group_size": 64, "desc_act": True}}), 2)
 
 
-def teacher_forced_top1(path: str, oracle: str, n: int = 6, steps: int = 20) -> tuple[float, list[str]]:
+def teacher_forced_top1(path: str, oracle: str | torch.nn.Module, n: int = 6,
+                        steps: int = 20) -> tuple[float, list[str]]:
     """Our top-1 after every prefix of HF's greedy sequences against HF's
     logits on the whole sequence: (the share that agrees, the positions
-    that disagree although HF's lead there is at least MARGIN)."""
+    that disagree although HF's lead there is at least MARGIN). `oracle`:
+    a checkpoint HF loads, or an HF model."""
     runner = runner_for(path)
+    model = hf_model(oracle) if isinstance(oracle, str) else oracle
     settings = SamplingSettings(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=1)
     agree, total, owed, handle = 0, 0, [], 0
     for prompt in prompts(n):
-        seq = prompt + hf_greedy(oracle, prompt, steps).tokens
+        if isinstance(oracle, str):
+            seq = prompt + hf_greedy(oracle, prompt, steps).tokens
+        else:
+            with torch.no_grad():
+                seq = model.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=0,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
         with torch.no_grad():
-            logits = hf_model(oracle)(torch.tensor([seq])).logits[0].float()
+            logits = model(torch.tensor([seq])).logits[0].float()
         # Every prefix writes the same keys and values at the same
         # positions (attention is causal), so they share one block table.
         plan, blocks, previous = StepPlan(handle), list(range(-(-len(seq) // BLOCK))), list(range(handle))
@@ -197,6 +206,52 @@ def test_activation_quantized_formats_agree_with_compressed_tensors_fake_quantiz
     assert share >= 0.99 and not owed, f"{share:.1%} agree; {owed}"
 
 
+# compressed-tensors' NVFP4 preset (W4A4): the activations' group scales are
+# FP8, over a global scale calibrated on a few sequences.
+NVFP4_ACTIVATIONS = NVFP4 | {"dynamic": "local", "scale_dtype": "torch.float8_e4m3fn"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_activations_round_as_compressed_tensors_does_bit_for_bit(dtype):
+    """Groups at several magnitudes, an all-zero group, groups whose FP8
+    scale underflows to zero, and values on E2M1's midpoints (round half
+    to even)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    from executor_svc.model.quantization import fake_quantize_nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 128, generator=g) * torch.logspace(-6, 2, 8)[:, None]
+    x[0, :16] = 0
+    x[1, 16:32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * torch.tensor([1.0, -1.0]).repeat(8)
+    x = x.to(dtype)
+    args = QuantizationArgs(**NVFP4_ACTIVATIONS)
+    # 448: the scale of a group whose amax is 6 is exactly 1, so the midpoints stay midpoints.
+    for global_scale in (torch.tensor([448.0]), torch.tensor([3.7e4])):
+        scale, zero = compute_dynamic_scales_and_zp(x, args, None, global_scale=global_scale)
+        want = fake_quantize(x, scale, zero, args, global_scale=global_scale)
+        assert torch.equal(fake_quantize_nvfp4(x, global_scale), want)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3-moe"])
+def test_nvfp4_w4a4_agrees_with_compressed_tensors_fake_quantized_forward(llama, family, tmp_path):
+    """NVFP4 activations, quantized at run time per group of 16 against
+    each layer's input_global_scale (q, k and v each their own); experts
+    through their own linears."""
+    plain = llama if family == "llama3" else make_checkpoint(CASES[family], tmp_path / family)
+    path = write_compressed_tensors(plain, tmp_path / "w4a4", NVFP4, NVFP4_ACTIVATIONS,
+                                    ignore=("lm_head", "re:.*mlp.gate$"))
+    oracle = fake_quantized_hf(path, decompress_compressed_tensors(path, tmp_path / "dense"))
+    share, owed = teacher_forced_top1(str(path), oracle)
+    print(f"nvfp4 w4a4 {family}: top-1 agrees with compressed-tensors' forward on {share:.1%} of positions")
+    assert share >= 0.99 and not owed, f"{share:.1%} agree; {owed}"
+    layer = runner_for(str(path)).model.model.layers[0].self_attn.qkv_proj
+    assert layer.scheme.activations.describe() == "nvfp4 per group 16 over a static global scale"
+    assert layer.input_global_scale.shape == (3,) and bool((layer.input_global_scale > 0).all())
+
+
 CT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
       "config_groups": {"group_0": {"targets": ["Linear"], "weights": int_args(4, "group", True, 128)}},
       "ignore": ["lm_head"], "version": "0.20.1", "transform_config": {}, "sparsity_config": None}
@@ -212,8 +267,12 @@ def group(**change) -> dict:
     ({"quant_method": "bitsandbytes"}, r"quant_method='bitsandbytes' is not supported; supported: 'fp8', "
                                        r"'compressed-tensors', 'gptq', 'awq'"),
     (CT | {"format": "marlin-24"}, r"format='marlin-24' is not supported; supported: "),
-    (CT | {"format": "nvfp4-pack-quantized"} | group(weights=NVFP4, input_activations=NVFP4 | {"dynamic": "local"}),
-     r"FP4 activations \(W4A4\) are not supported"),
+    (CT | {"format": "mxfp4-pack-quantized"} | group(weights=MXFP4, input_activations=MXFP4 | {"dynamic": True}),
+     r"input_activations \(num_bits, type, strategy, group_size, dynamic, symmetric\)=\(4, 'float', 'group', 32, "
+     r"True, True\) is not supported with format 'mxfp4-pack-quantized'; FP4 activations are supported as NVFP4"),
+    (CT | {"format": "nvfp4-pack-quantized"} | group(weights=NVFP4, input_activations=NVFP4_ACTIVATIONS
+                                                     | {"scale_dtype": "torch.bfloat16"}),
+     r"input_activations scale_dtype='torch.bfloat16' is not supported; NVFP4 activation group scales are FP8"),
     (CT | {"format": "mxfp4-pack-quantized"} | group(weights=MXFP4 | {"group_size": 16}),
      r"is not supported for format 'mxfp4-pack-quantized'; supported: \(4, 'float', 32, True\)"),
     (CT | group(weights=int_args(4, "tensor_group", True, 16)), r"strategy='tensor_group' is not supported"),

@@ -34,6 +34,7 @@ RowLinear.use_scheme, quantize_linears; experts: moe.FusedExperts.use_scheme).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -41,20 +42,34 @@ import torch
 from executor_svc.model.model_config import ActivationQuant, LinearScheme, QuantSpec, UnsupportedConfig
 
 FP8 = torch.float8_e4m3fn
-# The keys of quant_method fp8 that are read; `dequantize` is transformers'
-# load-time switch and changes nothing here.
+# The keys of quant_method fp8 that are read (transformers' FineGrainedFP8Config
+# writes them all); `dequantize` is transformers' load-time switch and
+# changes nothing here.
 FP8_KEYS = {"quant_method", "weight_block_size", "activation_scheme", "fmt", "modules_to_not_convert",
-            "ignored_layers", "scale_fmt", "dequantize"}
+            "ignored_layers", "scale_fmt", "dequantize", "modules_to_convert", "expert_dtype"}
 # GPTQ's and AWQ's keys; those in *_RECORD_KEYS only record how the
-# checkpoint was made.
+# checkpoint was made or how another engine loads it (transformers'
+# GPTQConfig, AutoGPTQ and GPTQModel write them).
 GPTQ_KEYS = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", "format", "pack_dtype",
-             "static_groups", "modules_to_not_convert", "lm_head"}
+             "static_groups", "modules_to_not_convert", "modules_in_block_to_quantize", "lm_head", "dynamic",
+             "adapter", "rotation", "is_marlin_format"}
 GPTQ_RECORD_KEYS = {"damp_percent", "true_sequential", "model_name_or_path", "model_file_base_name", "quantizer",
-                    "meta", "damp_auto_increment", "mse", "v2", "v2_alpha", "act_group_aware", "tokenizer", "dataset", "use_cuda_fp16", "use_exllama", "exllama_config",
-                    "max_input_length", "cache_block_outputs", "batch_size", "module_name_preceding_first_block",
-                    "block_name_to_quantize", "modules_in_block_to_quantize", "pad_token_id", "backend"}
-AWQ_KEYS = {"quant_method", "bits", "group_size", "zero_point", "version", "modules_to_not_convert"}
-AWQ_RECORD_KEYS = {"backend", "do_fuse", "fuse_max_seq_len", "modules_to_fuse", "exllama_config"}
+                    "meta", "damp_auto_increment", "mse", "v2", "v2_alpha", "act_group_aware", "hyb_act", "tokenizer",
+                    "dataset", "use_cuda_fp16", "use_exllama", "disable_exllama", "exllama_config",
+                    "max_input_length", "model_seqlen", "cache_block_outputs", "batch_size",
+                    "module_name_preceding_first_block", "block_name_to_quantize", "pad_token_id", "backend", "offload_to_disk", "offload_to_disk_path", "pack_impl",
+                    "mock_quantization", "fail_safe"}
+# GPTQModel's keys that change the math unless empty: per-module overrides
+# of bits and groups, an adapter (EoRA) added to every layer, rotated
+# weights, and Marlin's own packing.
+GPTQ_EMPTY_KEYS = {"dynamic": "per-module overrides", "adapter": "an adapter", "rotation": "rotated weights",
+                   "is_marlin_format": "Marlin's packing"}
+AWQ_KEYS = {"quant_method", "bits", "group_size", "zero_point", "version", "format", "desc_act",
+            "modules_to_not_convert"}
+# transformers 5's AwqConfig is a GPTQConfig and writes its keys too; `sym`
+# is one of them, and means nothing beside AWQ's stored zero points.
+AWQ_RECORD_KEYS = {"do_fuse", "fuse_max_seq_len", "modules_to_fuse", "sym",
+                   "modules_in_block_to_quantize"} | GPTQ_RECORD_KEYS
 CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme", "quantization_status",
            "global_compression_ratio", "version", "sparsity_config", "transform_config", "moe_sparsity_config"}
 CT_GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
@@ -97,11 +112,18 @@ def _read_fp8(config: dict[str, Any], where: str) -> QuantSpec:
         raise UnsupportedConfig(f"{where} activation_scheme={scheme!r} is not supported; only 'dynamic' (no "
                                 "activation scales in the checkpoint)")
     # ue8m0: the scales are powers of two (DeepSeek-V3.1); stored as float32
-    # or as float8_e8m0fnu, both read exactly as float32.
+    # or as float8_e8m0fnu, both read exactly as float32. "float":
+    # transformers' name for float32 scales.
     scale_fmt = config.get("scale_fmt")
-    if scale_fmt not in (None, "ue8m0"):
-        raise UnsupportedConfig(f"{where} scale_fmt={scale_fmt!r} is not supported; supported: absent (float32 "
-                                "scales) or 'ue8m0'")
+    if scale_fmt not in (None, "float", "ue8m0"):
+        raise UnsupportedConfig(f"{where} scale_fmt={scale_fmt!r} is not supported; supported: absent or 'float' "
+                                "(float32 scales), or 'ue8m0'")
+    if config.get("expert_dtype", "fp8") != "fp8":
+        raise UnsupportedConfig(f"{where} expert_dtype={config['expert_dtype']!r} is not supported; supported: "
+                                "'fp8' (experts in FP8 blocks like the other linears)")
+    if config.get("modules_to_convert"):
+        raise UnsupportedConfig(f"{where} modules_to_convert={config['modules_to_convert']!r} (FP8 embedding "
+                                "tables) is not supported; only linear layers are read in FP8")
     not_converted = tuple(config.get("modules_to_not_convert") or ()) + tuple(config.get("ignored_layers") or ())
     block = config.get("weight_block_size")
     if block is None:
@@ -136,6 +158,10 @@ def _group(config: dict[str, Any], where: str) -> int | None:
 
 def _read_gptq(config: dict[str, Any], where: str) -> QuantSpec:
     _refuse_unknown(config, GPTQ_KEYS | GPTQ_RECORD_KEYS, where, "quant_method 'gptq'")
+    for key, what in GPTQ_EMPTY_KEYS.items():
+        if config.get(key):
+            raise UnsupportedConfig(f"{where} {key}={config[key]!r} ({what}) is not supported; supported: absent, "
+                                    "null or empty")
     bits = _int_arg(config, "bits", where, (4, 8))
     # transformers writes checkpoint_format, GPTQModel format: gptq_v2 stores
     # zero points as they are, which the v1 reading would shift by one.
@@ -154,16 +180,27 @@ def _read_gptq(config: dict[str, Any], where: str) -> QuantSpec:
         raise UnsupportedConfig(f"{where} static_groups=true is not supported")
     linear = LinearScheme("int", "gptq", bits=bits, group_size=_group(config, where),
                           symmetric=bool(config.get("sym", True)), act_order=bool(config.get("desc_act", False)))
-    return QuantSpec("gptq", schemes=((("Linear",), linear),),
+    return QuantSpec("gptq", schemes=((_gptq_targets(config), linear),),
                      not_converted=tuple(config.get("modules_to_not_convert") or ()))
+
+
+def _gptq_targets(config: dict[str, Any]) -> tuple[str, ...]:
+    """Every linear, or only those modules_in_block_to_quantize names (lists
+    of names within a decoder layer, such as "self_attn.q_proj"; optimum
+    writes them where a model leaves some linears plain)."""
+    names = [n for group in config.get("modules_in_block_to_quantize") or () for n in group]
+    return tuple(f"re:(?:.*\\.)?{re.escape(n)}$" for n in names) or ("Linear",)
 
 
 def _read_awq(config: dict[str, Any], where: str) -> QuantSpec:
     _refuse_unknown(config, AWQ_KEYS | AWQ_RECORD_KEYS, where, "quant_method 'awq'")
     bits = _int_arg(config, "bits", where, (4,))
-    version = str(config.get("version", "gemm")).lower()
-    if version != "gemm":
-        raise UnsupportedConfig(f"{where} version={config.get('version')!r} is not supported; supported: 'gemm'")
+    # `format` is transformers 5's name for AutoAWQ's `version`; it writes both.
+    for key in ("version", "format"):
+        if str(config.get(key, "gemm")).lower() != "gemm":
+            raise UnsupportedConfig(f"{where} {key}={config.get(key)!r} is not supported; supported: 'gemm'")
+    if config.get("desc_act"):
+        raise UnsupportedConfig(f"{where} desc_act=true is not supported for AWQ, which has no act-order")
     if config.get("zero_point", True) is not True:
         raise UnsupportedConfig(f"{where} zero_point=false is not supported; AWQ GEMM checkpoints carry zero points")
     linear = LinearScheme("int", "awq", bits=bits, group_size=_group(config, where), symmetric=False)

@@ -259,6 +259,19 @@ GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
         "damp_percent": 0.01, "true_sequential": True}
 
 
+# Qwen2.5-*-GPTQ-Int4's quantization_config, verbatim (optimum's writer).
+QWEN_GPTQ = {"batch_size": 1, "bits": 4, "block_name_to_quantize": None, "cache_block_outputs": True,
+             "damp_percent": 0.01, "dataset": None, "desc_act": False, "exllama_config": {"version": 1},
+             "group_size": 128, "max_input_length": None, "model_seqlen": None,
+             "module_name_preceding_first_block": None, "modules_in_block_to_quantize": None, "pad_token_id": None,
+             "quant_method": "gptq", "sym": True, "tokenizer": None, "true_sequential": True, "use_cuda_fp16": False,
+             "use_exllama": True}
+# GPTQModel's quantize_config (2.x: the records under meta).
+GPTQMODEL = {"bits": 4, "dynamic": None, "group_size": 128, "desc_act": True, "sym": True, "lm_head": False,
+             "quant_method": "gptq", "checkpoint_format": "gptq", "pack_dtype": "int32",
+             "meta": {"quantizer": ["gptqmodel:2.2.0"], "damp_percent": 0.01, "static_groups": False}}
+
+
 def group(**change) -> dict:
     return {"config_groups": {"group_0": CT["config_groups"]["group_0"] | change}}
 
@@ -292,6 +305,16 @@ def group(**change) -> dict:
     (GPTQ | {"pack_dtype": "int16"}, r"pack_dtype='int16' is not supported"),
     (GPTQ | {"group_size": 0}, r"group_size=0 must be positive, or -1"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, r"version='gemv' is not supported"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "format": "gemv_fast", "version": "gemv_fast"},
+     r"version='gemv_fast' is not supported"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "desc_act": True}, r"desc_act=true is not supported for AWQ"),
+    (GPTQMODEL | {"dynamic": {"-:.*down_proj": {}}}, r"dynamic=\{'-:.\*down_proj': \{\}\} \(per-module overrides\) is "
+                                                     r"not supported; supported: absent, null or empty"),
+    (GPTQMODEL | {"adapter": {"name": "eora", "rank": 64}}, r"adapter=.* \(an adapter\) is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"},
+     r"expert_dtype='fp4' is not supported; supported: 'fp8'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_convert": ["model.embed_tokens"]},
+     r"modules_to_convert=\['model.embed_tokens'\] \(FP8 embedding tables\) is not supported"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "scale_fmt": "e4m3"}, r"scale_fmt='e4m3' is not"),
 ])
 def test_quantization_configs_that_change_the_math_are_refused_by_name(llama, config, message):
@@ -313,3 +336,32 @@ def test_quantization_configs_that_change_the_math_are_refused_by_name(llama, co
 def test_keys_that_only_record_how_a_checkpoint_was_made_are_accepted(llama, config, described):
     hf = json.loads((llama / "config.json").read_text())
     assert read_config(hf | {"quantization_config": config}).quantization.describe() == described
+
+
+def test_gptq_modules_in_block_to_quantize_leaves_the_linears_it_does_not_name_plain(llama):
+    hf = json.loads((llama / "config.json").read_text())
+    listed = [["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    spec = read_config(hf | {"quantization_config": GPTQ | {"modules_in_block_to_quantize": listed}}).quantization
+    assert spec.scheme_for("model.layers.0.self_attn.q_proj") is None
+    assert spec.scheme_for("model.layers.1.mlp.down_proj").describe() == "int4 group 128"
+    assert spec.scheme_for("model.layers.1.mlp.xdown_proj") is None
+    assert read_config(hf | {"quantization_config": GPTQ | {"modules_in_block_to_quantize": None}}).quantization \
+        .scheme_for("model.layers.0.self_attn.q_proj") is not None
+
+
+def test_quantization_configs_as_transformers_and_the_quantizers_write_them_are_read(llama):
+    """Every key transformers 5's GPTQConfig, AwqConfig (a GPTQConfig, with
+    `format` beside `version`) and FineGrainedFP8Config write, at their
+    defaults, as a config.json holds them."""
+    from transformers import AwqConfig, FineGrainedFP8Config, GPTQConfig
+
+    hf = json.loads((llama / "config.json").read_text())
+    for config, described in [
+        (GPTQConfig(bits=4, group_size=128).to_dict(), "gptq: int4 group 128"),
+        (AwqConfig(bits=4, group_size=64).to_dict(), "awq: int4 group 64 asymmetric"),
+        (FineGrainedFP8Config(weight_block_size=(32, 32)).to_dict(), "fp8 blocks [32, 32]"),
+        (QWEN_GPTQ, "gptq: int4 group 128"),
+        (GPTQMODEL, "gptq: int4 group 128 act-order"),
+    ]:
+        config = json.loads(json.dumps(config))
+        assert read_config(hf | {"quantization_config": config}).quantization.describe() == described, config

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from executor_svc.model.builtin import BUILTIN_MODELS, load_builtin
 from executor_svc.model.pooling import PoolingConfig, read_pooling
+from executor_svc.model.quantization import QUANTIZATION_FILES, legacy_quantization_config
 from llmsched.errors import StartupError
 
 
@@ -120,6 +121,10 @@ def load_checkpoint(model: str, setting: str = "EXECUTOR_MODEL") -> Checkpoint:
     # The small files first: a broken checkpoint then fails in a moment,
     # not after gigabytes of weights have loaded.
     hf_config = read_config_file(path / "config.json")
+    for file, method in QUANTIZATION_FILES if "quantization_config" not in hf_config else ():
+        if (path / file).exists():
+            hf_config["quantization_config"] = legacy_quantization_config(read_config_file(path / file), file, method)
+            break
     tokenizer_json = _read_tokenizer(path / "tokenizer.json")
     gen = path / "generation_config.json"
     return Checkpoint(

@@ -81,12 +81,29 @@ CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized", "naive-quant
               "mxfp4-pack-quantized")
 
 
+# Checkpoints made before transformers read GPTQ and AWQ keep their
+# quantization config in a file of its own, as AutoGPTQ (quantize_config.json,
+# often without quant_method) and AutoAWQ (quant_config.json, with its own
+# key names) wrote it; config.json's quantization_config wins where both are.
+QUANTIZATION_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+AUTOAWQ_KEYS = {"w_bit": "bits", "q_group_size": "group_size"}
+# Where a quantization config came from, kept in it for error messages.
+SOURCE = "llmsched_source"
+
+
+def legacy_quantization_config(config: dict[str, Any], file: str, method: str) -> dict[str, Any]:
+    """AutoGPTQ's or AutoAWQ's own file (QUANTIZATION_FILES) in config.json's terms."""
+    config = {AUTOAWQ_KEYS.get(k, k): v for k, v in config.items()}
+    return {"quant_method": method} | config | {SOURCE: file}
+
+
 def read_quantization(config: dict[str, Any] | None, family: str) -> QuantSpec | None:
     """quantization_config of a family that has none of its own (gpt-oss
     reads its MXFP4 in families/gpt_oss.py)."""
     if config is None:
         return None
-    where = f"{family} config.json: quantization_config"
+    config = dict(config)
+    where = f"{family} {config.pop(SOURCE, 'config.json: quantization_config')}"
     method = config.get("quant_method")
     readers = {"fp8": _read_fp8, "compressed-tensors": _read_compressed_tensors, "gptq": _read_gptq,
                "awq": _read_awq}

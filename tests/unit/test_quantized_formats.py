@@ -123,6 +123,29 @@ def test_awq_gemm_with_its_interleaved_nibbles_serves_hfs_greedy_tokens(llama, t
     assert_greedy_equal(path, dense)
 
 
+def as_legacy_file(path: Path, file: str, names: dict[str, str], **values) -> dict:
+    """Moves config.json's quantization_config into `file` under AutoGPTQ's
+    or AutoAWQ's own key names, without quant_method, as they wrote it."""
+    hf = json.loads((path / "config.json").read_text())
+    config = {names.get(k, k): v for k, v in hf.pop("quantization_config").items() if k != "quant_method"} | values
+    (path / "config.json").write_text(json.dumps(hf))
+    (path / file).write_text(json.dumps(config))
+    return config
+
+
+def test_autogptq_and_autoawq_files_serve_where_config_json_has_no_quantization_config(llama, tmp_path):
+    gptq, dense = write_gptq(llama, tmp_path / "gptq", tmp_path / "dense", 4, 32, True, False)
+    as_legacy_file(gptq, "quantize_config.json", {})
+    assert_greedy_equal(gptq, dense, n=2, steps=8)
+    awq, dense = write_awq(llama, tmp_path / "awq", tmp_path / "awq-dense", group=32)
+    config = as_legacy_file(awq, "quant_config.json", {"bits": "w_bit", "group_size": "q_group_size"}, version="GEMM")
+    assert config["w_bit"] == 4 and config["q_group_size"] == 32
+    assert_greedy_equal(awq, dense, n=2, steps=8)
+    (gptq / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 32, "static_groups": True}))
+    with pytest.raises(UnsupportedConfig, match=r"^llama quantize_config.json static_groups=true is not supported"):
+        runner_for(str(gptq))
+
+
 def test_per_tensor_fp8_serves_hfs_greedy_tokens_on_its_dequantized_weights(llama, tmp_path):
     path, dense = write_fp8_per_tensor(llama, tmp_path / "fp8", tmp_path / "dense")
     assert_greedy_equal(path, dense, steps=10)  # HF's 11th step on prompt 2 is a near tie

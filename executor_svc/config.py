@@ -73,7 +73,7 @@ class ExecutorSettings(BaseSettings):
     # replay; capturing NCCL all-reduces has not been tested on GPUs.
     cuda_graphs: Literal["auto", "off"] = Field(
         default="auto", description="Decode steps replayed from CUDA graphs (batch sizes 1, 2, 4, ..., 512), and "
-        "with `EXECUTOR_SPECULATIVE_METHOD` `ngram` or `draft`, verify steps too (1, 2, 4, ..., 32 rows of up to "
+        "with `EXECUTOR_SPECULATIVE_METHOD` on, verify steps too (1, 2, 4, ..., 32 rows of up to "
         "1 + `EXECUTOR_SPECULATIVE_TOKENS` tokens; larger ones run eagerly). "
         "`auto` = on with a CUDA device and the `triton` backend on one device (off under tensor parallelism, and "
         "for a model whose experts run the torch loop: quantized experts the fused-MoE kernel does not read), else "
@@ -174,10 +174,10 @@ class ExecutorSettings(BaseSettings):
         "tokenizer, with its own KV pool of as many blocks; `mtp` with the checkpoint's own multi-token-prediction "
         "layer (DeepSeek-V3 and Kimi K2's `num_nextn_predict_layers`); `eagle3` with an EAGLE-3 head in the "
         "speculators format (`EXECUTOR_SPECULATIVE_DRAFT_MODEL`), which reads three of the target's layers. "
-        "`ngram` and `draft` verify drafts in a graph of their own: compiled with `EXECUTOR_TORCH_COMPILE` on the CPU, "
-        "replayed with `EXECUTOR_CUDA_GRAPHS` on CUDA, as are a dense draft model's own steps; `mtp` and `eagle3` verify "
-        "steps run eagerly (their proposers "
-        "read the target's hidden states, which the graphs do not return). At low load, "
+        "Verify steps replay graphs of their own with `EXECUTOR_CUDA_GRAPHS` on CUDA (for `mtp` and `eagle3` these, "
+        "and the decode steps', also compute what the proposer reads of the target's hidden states), as do a dense "
+        "draft model's own steps; on the CPU `ngram` and `draft` verify in a graph compiled with "
+        "`EXECUTOR_TORCH_COMPILE`, and `mtp` and `eagle3` steps run eagerly. At low load, "
         "steps with drafts run several to a plan, as decode steps do (`SCHEDULER_MULTI_STEP_DECODE`).")
     speculative_tokens: int = Field(
         default=4, ge=1, le=16, description="Most drafts per request per step (the scheduler chooses fewer, or "

@@ -22,6 +22,10 @@ class AttentionMetadata:
     # device syncs.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # False where only the device tensors hold this step's values (verify
+    # steps in CUDA graphs: cuda_graphs.py): the host lists then give the
+    # number of requests, not their lengths.
+    host_lists: bool = True
     # What a backend derives from the fields above on its first layer call and
     # reuses on every later layer of the same step (the metadata is built once
     # per step and shared by all layers). Keys belong to the backend.

@@ -55,14 +55,32 @@ class TritonAttentionBackend:
     def attend_latent(self, query, cache, meta, scale, value_dim, k_scale=1.0):
         """Decode-only steps: the paged MLA decode kernel. Steps with
         prefills: the torch backend (prefill is compute-bound and runs once
-        per token; a Triton MLA prefill kernel is not written yet)."""
+        per token; a Triton MLA prefill kernel is not written yet). Steps
+        whose metadata is on the device only (verify steps in CUDA graphs),
+        whose lengths the torch backend cannot read: each token one decode
+        (_mla_device_tokens)."""
         if self.batch_invariant:
             return self._mla_per_token(query, cache, meta, scale, value_dim, k_scale)
         if len(meta.query_lens_host) == query.shape[0]:
             return self._mla_decode(
                 _unit_last_stride(query), cache, _index_tensor(meta.seq_lens, torch.int32),
                 _index_tensor(meta.block_tables, torch.int32), scale, value_dim, k_scale=k_scale)
+        if not meta.host_lists:
+            return self._mla_device_tokens(query, cache, meta, scale, value_dim, k_scale)
         return self._torch.attend_latent(query, cache, meta, scale, value_dim, k_scale=k_scale)
+
+    def _mla_device_tokens(self, query, cache, meta, scale, value_dim, k_scale):
+        """Every query token one decode of the paged kernel over its
+        request's keys up to its own position, as _mla_per_token, with the
+        tokens' requests and lengths found by device ops from cu_query_lens
+        and seq_lens: no host copy, no sync, so a CUDA graph can hold it."""
+        cu = meta.cu_query_lens.to(torch.int64)  # [num_reqs + 1]
+        token = torch.arange(query.shape[0], device=query.device)  # [num_tokens]
+        req = torch.searchsorted(cu[1:], token, right=True)  # each token's request
+        seen = meta.seq_lens.to(torch.int64)[req] - cu[req + 1] + 1 + token  # keys up to and including its own
+        tables = _index_tensor(meta.block_tables, torch.int32).index_select(0, req)
+        return self._mla_decode(_unit_last_stride(query), cache, seen.to(torch.int32), tables.contiguous(), scale,
+                                value_dim, k_scale=k_scale)
 
     def _mla_per_token(self, query, cache, meta, scale, value_dim, k_scale):
         """Batch-invariant MLA: every query token, prefill or decode, is one

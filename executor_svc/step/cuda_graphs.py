@@ -25,11 +25,18 @@ padding requests of one token each for the bucket's unused rows, and a
 last one that takes every token left over (verify_layout). The padding
 requests attend to their own positions over valid blocks and write
 nothing.
+
+A proposer that reads the target's hidden states (MTP, EAGLE-3:
+head_drafts.py) gets them from the graphs too: each graph then also
+computes the proposer's features (`features`) from the forward's final
+hidden states, or from the layers' states it kept on the way, into a
+static buffer of its own.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -54,18 +61,25 @@ def graph_buckets(max_batch: int = MAX_GRAPH_BATCH) -> list[int]:
     return out + [max_batch]
 
 
+# A graph's outputs: every row's (or token's) logits, and the proposer's
+# features of its hidden states (None without a proposer that reads them).
+Outputs = tuple[torch.Tensor, "torch.Tensor | None"]
+Features = Callable[[torch.Tensor], torch.Tensor]
+
+
 class DecodeGraphs:
     """Captured decode steps, one graph per bucket. capture=False runs the
     same padded forward over the static buffers without a graph (on a CPU,
     the Triton backend under its interpreter: tests). pool: a graph memory
-    pool to share (default: a new one)."""
+    pool to share (default: a new one). features: what a proposer reads of
+    each step's hidden states (see the module docstring), or None."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  backend: AttentionBackend, device: torch.device, max_blocks_per_seq: int,
-                 max_batch: int = MAX_GRAPH_BATCH, pool=None, capture: bool = True):
+                 max_batch: int = MAX_GRAPH_BATCH, pool=None, capture: bool = True, features: Features | None = None):
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
-        self.model, self.kv_caches, self.backend = model, kv_caches, backend
+        self.model, self.kv_caches, self.backend, self.features = model, kv_caches, backend, features
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         n = self.max_batch
@@ -75,7 +89,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)  # [max_batch]
         self.cu_query_lens = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per row
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket, vocab], written by each replay
+        self.outputs: dict[int, Outputs] = {}  # bucket -> [bucket, vocab] and features, written by each replay
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # Shared with the verify graphs (and a draft model's): replays never
         # overlap, and each graph's output buffer stays referenced, so no
@@ -93,15 +107,15 @@ class DecodeGraphs:
             query_lens_host=[1] * bs, seq_lens_host=[1] * bs,
         )
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int) -> Outputs:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, self._meta(bs), self.backend)
-        return self.model.compute_logits(hidden)  # [bs, vocab]
+        return forward_outputs(self.model, hidden, self.features)
 
     @torch.inference_mode()
     def _capture(self, device: torch.device) -> None:
         # Largest first, so smaller graphs reuse its memory from the shared pool.
         for bs in reversed(self.buckets):
-            self.graphs[bs], self.logits[bs] = capture(lambda: self._forward(bs), device, self.pool)
+            self.graphs[bs], self.outputs[bs] = capture(lambda: self._forward(bs), device, self.pool)
         log.info("CUDA graphs captured for decode batch sizes %s", self.buckets)
 
     def bucket_for(self, batch: int) -> int | None:
@@ -110,10 +124,11 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> Outputs:
         """Logits [n, vocab] of a decode step of n <= max_batch requests,
-        one token each; the tensors are on the device. The result is a view
-        of a static buffer, valid until the next replay."""
+        one token each, and their features (or None); the tensors are on
+        the device. The results are views of static buffers, valid until
+        the next replay."""
         n = input_ids.shape[0]
         bs = self.bucket_for(n)
         if bs is None:
@@ -128,13 +143,21 @@ class DecodeGraphs:
             # ids, positions and tables stay from earlier steps: all valid.
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(1)
-        if not self.graphs:
-            return self._forward(bs)[:n]
-        self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        if self.graphs:
+            self.graphs[bs].replay()
+        return first(self.outputs[bs] if self.graphs else self._forward(bs), n)
 
 
-def capture(forward, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def forward_outputs(model: torch.nn.Module, hidden: torch.Tensor, features: Features | None) -> Outputs:
+    return model.compute_logits(hidden), None if features is None else features(hidden)
+
+
+def first(outputs: Outputs, n: int) -> Outputs:
+    logits, features = outputs
+    return logits[:n], None if features is None else features[:n]
+
+
+def capture(forward, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, Outputs]:
     """forward() captured into a graph on `pool`, after two warm-up runs on
     a side stream (Triton compiles, the allocator settles); returns the
     graph and its output, a static buffer each replay writes."""
@@ -179,8 +202,10 @@ class VerifyGraphs:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  backend: AttentionBackend, device: torch.device, max_blocks_per_seq: int, block_size: int,
-                 q_len: int, pool=None, capture: bool = True, max_batch: int = MAX_VERIFY_BATCH):
+                 q_len: int, pool=None, capture: bool = True, max_batch: int = MAX_VERIFY_BATCH,
+                 features: Features | None = None):
         self.model, self.kv_caches, self.backend, self.q_len = model, kv_caches, backend, q_len
+        self.features = features
         # The last padding request holds up to rows * (q_len - 1) + 1
         # tokens, which its block table must cover.
         room = max_blocks_per_seq * block_size
@@ -195,23 +220,23 @@ class VerifyGraphs:
         self.cu_query_lens = torch.zeros(reqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(reqs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(reqs, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket * q_len + 1, vocab]
+        self.outputs: dict[int, Outputs] = {}  # bucket -> [bucket * q_len + 1, vocab] and features
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:
             self._capture(device, pool)
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int) -> Outputs:
         tokens = bs * self.q_len + 1
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:tokens], cu_query_lens=self.cu_query_lens[:bs + 2],
             seq_lens=self.seq_lens[:bs + 1], block_tables=self.block_tables[:bs + 1],
             # Host copies only the torch backend reads; graphs run with
             # Triton. Their number is the requests'; their values are not
-            # this step's.
-            query_lens_host=[1] * (bs + 1), seq_lens_host=[1] * (bs + 1),
+            # this step's (host_lists).
+            query_lens_host=[1] * (bs + 1), seq_lens_host=[1] * (bs + 1), host_lists=False,
         )
         hidden = self.model(self.input_ids[:tokens], self.positions[:tokens], self.kv_caches, meta, self.backend)
-        return self.model.compute_logits(hidden)  # [tokens, vocab]
+        return forward_outputs(self.model, hidden, self.features)
 
     def _stage_layout(self, q: np.ndarray, seq_lens: np.ndarray, bs: int) -> None:
         cu, lens = verify_layout(q, seq_lens, bs, self.q_len)
@@ -224,7 +249,7 @@ class VerifyGraphs:
             # Every row one token, none written (slot -1): the warm-up runs
             # must leave the pool as it was.
             self._stage_layout(np.ones(bs, dtype=np.int64), np.ones(bs, dtype=np.int64), bs)
-            self.graphs[bs], self.logits[bs] = capture(lambda: self._forward(bs), device, pool)
+            self.graphs[bs], self.outputs[bs] = capture(lambda: self._forward(bs), device, pool)
         log.info("CUDA graphs captured for verify steps of %s rows, %d tokens a row", self.buckets, self.q_len)
 
     def fits(self, q: np.ndarray) -> bool:
@@ -232,11 +257,12 @@ class VerifyGraphs:
         return len(q) <= self.max_batch and int(q.max()) <= self.q_len
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            q: np.ndarray) -> torch.Tensor:
+            q: np.ndarray) -> Outputs:
         """Every token's logits [num_tokens, vocab] of a verify step whose
         rows compute q[i] tokens each (fits(q)), laid out as the runner's
-        batch is; its K/V are written at meta.slot_mapping. A view of a
-        static buffer, valid until the next replay."""
+        batch is, and their features (or None); its K/V are written at
+        meta.slot_mapping. Views of static buffers, valid until the next
+        replay."""
         n, num_tokens = len(q), int(q.sum())
         bs = next(b for b in self.buckets if b >= n)
         self.input_ids[:num_tokens].copy_(input_ids)
@@ -249,7 +275,4 @@ class VerifyGraphs:
         self.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         if self.graphs:
             self.graphs[bs].replay()
-            logits = self.logits[bs]
-        else:
-            logits = self._forward(bs)
-        return logits[:num_tokens]
+        return first(self.outputs[bs] if self.graphs else self._forward(bs), num_tokens)

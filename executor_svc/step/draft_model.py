@@ -119,9 +119,9 @@ class DraftModel:
         n = len(q)
         last = None if batch.num_tokens == n else to_device(batch.cu[1:] - 1, self.device)
         if self.graphs is not None and last is None and n <= self.graphs.max_batch:
-            return self.graphs.run(batch.ids, batch.positions, batch.meta)
+            return self.graphs.run(batch.ids, batch.positions, batch.meta)[0]
         if self.catch_up is not None and self.catch_up.fits(q):
-            logits = self.catch_up.run(batch.ids, batch.positions, batch.meta, q)
+            logits = self.catch_up.run(batch.ids, batch.positions, batch.meta, q)[0]
             return logits if last is None else logits[last]
         hidden = self.model(batch.ids, batch.positions, self.kv_caches, batch.meta, self.backend)
         return self.model.compute_logits(hidden if last is None else hidden[last])

@@ -55,8 +55,9 @@ class HeadProposer:
     backend) -> its output per position; compute_logits(output) -> logits
     over the target's vocabulary (None on tensor-parallel ranks other than 0)."""
 
-    # The runner hands every step's hidden states to observe, so its steps
-    # run eagerly (CUDA graphs and the compiled decode step return logits only).
+    # The runner hands every step's features to observe: from its CUDA
+    # graphs, which compute them, or eagerly (the compiled CPU decode step
+    # returns logits only, so it stands aside).
     observes = True
 
     def __init__(self, head, pool: KVCachePool, backend: AttentionBackend, device: torch.device, tp=None):
@@ -73,11 +74,17 @@ class HeadProposer:
         """A request (re-)sent into row: what was kept there is another's."""
         self.first.pop(row, None)
 
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What observe reads of a target forward: its final hidden states
+        (or the layers' states it kept on the way), per token. The runner
+        calls it right after the forward, or inside its CUDA graphs."""
+        return self.head.features(hidden)
+
     @torch.inference_mode()
-    def observe(self, r: RequestRows, hidden: torch.Tensor, rows: np.ndarray, cu: np.ndarray,
+    def observe(self, r: RequestRows, features: torch.Tensor, rows: np.ndarray, cu: np.ndarray,
                 start: np.ndarray) -> None:
-        """hidden[cu[i]:cu[i + 1]]: the target's (final, normed) hidden states
-        at rows[i]'s positions from start[i], as this step computed them."""
+        """features[cu[i]:cu[i + 1]] (features()): rows[i]'s positions from
+        start[i], as this step computed them."""
         verified_end = np.minimum(r.num_computed[rows], r.num_tokens[rows] - 1)
         q = verified_end - start
         keep = np.flatnonzero(q > 0)
@@ -86,7 +93,6 @@ class HeadProposer:
         at, q = rows[keep], q[keep]
         batch = step_inputs(r, at, start[keep], q, self.device, shift=1)
         index = np.repeat(cu[:-1][keep] - batch.cu[:-1], q) + np.arange(batch.num_tokens)
-        features = self.head.features(hidden)
         previous = features if len(index) == len(features) else features[to_device(index, self.device)]
         out = self.head.predict(batch.ids, batch.positions, previous, self.cache, batch.meta, self.backend)
         # Rows it brought to their last known token: their first draft.

@@ -211,13 +211,15 @@ class ModelRunner:
         self.max_model_len = max_model_len or model.max_len
         self.rows = RequestRows(self.max_model_len, pool.block_size, device, vocab_size=self.vocab_size)
         # Decode steps replay captured graphs (cuda_graphs.py); the caller
-        # decides whether the device and backend allow it.
-        self.graphs = DecodeGraphs(model, self.kv_caches, backend, device, self.rows.max_blocks) if cuda_graphs else None
-        # And so do verify steps of drafts, up to speculative_tokens a row,
-        # unless the proposer reads each step's hidden states (MTP,
-        # EAGLE-3), which the graphs do not return.
+        # decides whether the device and backend allow it. A proposer that
+        # reads each step's hidden states (MTP, EAGLE-3) gets its features
+        # of them from the graphs too.
+        self.features = proposer.features if self.observes else None
+        self.graphs = (DecodeGraphs(model, self.kv_caches, backend, device, self.rows.max_blocks,
+                                    features=self.features) if cuda_graphs else None)
+        # And so do verify steps of drafts, up to speculative_tokens a row.
         self.verify_graphs = None
-        if self.graphs is not None and proposer is not None and speculative_tokens and not self.observes:
+        if self.graphs is not None and proposer is not None and speculative_tokens:
             self.verify_graphs = self._capture_verify(speculative_tokens + 1)
             # A draft model's own steps (draft_model.py).
             if hasattr(proposer, "use_graphs"):
@@ -605,19 +607,19 @@ class ModelRunner:
         verified: list[Verified] = []
         verify_errors: list[tuple[int, str]] = []
         # Captured graphs and compiled steps hold no LoRA deltas: adapter steps run eagerly.
-        decode_only = (num_tokens == len(sample_rows) == len(rows) and not reads_prompt.any()
-                       and not self.observes and not with_adapters)
+        decode_only = num_tokens == len(sample_rows) == len(rows) and not reads_prompt.any() and not with_adapters
         # A verify step: every row either decodes one token or verifies its
         # drafts (compiled_decode.py runs those too).
         verify_only = (speculates.any() and not reads_prompt.any() and not with_adapters
                        and len(sample_rows) == len(rows) - int(speculates.sum()) and bool((q[~speculates] == 1).all()))
-        hidden = None
+        features = None  # the proposer's, of every token's hidden state (self.observes)
         token_logits = None  # a compiled or replayed verify step's, every token's: [num_tokens, vocab]
         if self.graphs is not None and decode_only and len(rows) <= self.graphs.max_batch:
-            logits = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
+            logits, features = self.graphs.run(ids_t, positions_t, meta)  # [n, vocab]
         elif self.verify_graphs is not None and verify_only and self.verify_graphs.fits(q):
-            token_logits = self.verify_graphs.run(ids_t, positions_t, meta, q)  # [num_tokens, vocab]
-        elif self.compiled is not None and decode_only and self.compiled.fits(len(rows), max_blocks):
+            token_logits, features = self.verify_graphs.run(ids_t, positions_t, meta, q)  # [num_tokens, vocab]
+        elif (self.compiled is not None and decode_only and not self.observes
+              and self.compiled.fits(len(rows), max_blocks)):
             logits = self._run_compiled(ids_t, positions_t, meta.slot_mapping, meta.block_tables,
                                         meta.seq_lens)  # [n, vocab], or None: run eagerly
         elif (self.compiled is not None and self.compiled.verifies and verify_only
@@ -630,6 +632,8 @@ class ModelRunner:
                 logits = token_logits[to_device(sample_tokens, dev)]
         elif logits is None:
             hidden = self.model(ids_t, positions_t, self.kv_caches, meta, self.backend)  # [num_tokens, hidden]
+            if self.observes:
+                features = self.features(hidden)
             if reads_prompt.any():
                 prompt_logprobs = self._prompt_logprobs(hidden, rows, cu, start, end)
                 embeddings = self._pool(hidden, rows[embeds], cu[:-1][embeds], cu[1:][embeds], start[embeds],
@@ -672,8 +676,8 @@ class ModelRunner:
         if len(allowed):
             # A draft model's KV past a row's last accepted draft holds rejected ones.
             r.num_draft_computed[rows] = np.minimum(r.num_draft_computed[rows], r.num_computed[rows])
-        if self.observes and hidden is not None:
-            self.proposer.observe(r, hidden, rows, cu, start)
+        if features is not None:
+            self.proposer.observe(r, features, rows, cu, start)
         if swaps is not None:
             self.host_kv.finish(swaps)  # long done: the forward waited for them
         t3 = time.perf_counter_ns()
@@ -883,7 +887,7 @@ class ModelRunner:
         run eagerly, decode steps still replay) if capture fails."""
         try:
             return VerifyGraphs(self.model, self.kv_caches, self.backend, self.device, self.rows.max_blocks,
-                                self.pool.block_size, q_len, pool=self.graphs.pool)
+                                self.pool.block_size, q_len, pool=self.graphs.pool, features=self.features)
         except Exception:
             log.exception("capturing the verify steps' CUDA graphs failed; verify steps run eagerly")
             return None

@@ -255,7 +255,7 @@ def test_a_verify_step_laid_out_for_its_graph_gives_the_eager_logits_and_writes_
         (which writes the same K/V again)."""
         positions, meta = _step_meta(q, [0] * len(q), block, 4)
         ids = torch.arange(first_id, first_id + len(positions))
-        got = graphs.run(ids, positions, meta, np.array(q)).clone()
+        got = graphs.run(ids, positions, meta, np.array(q))[0].clone()
         want = model.compute_logits(model(ids, positions, pool.layer_caches(), meta, backend))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {q}: {m}")
 
@@ -312,6 +312,41 @@ def test_a_draft_models_steps_laid_out_for_graphs_draft_what_the_target_would(st
     assert all(used.values()), f"a kind of step never ran laid out for its graph: {used}"
 
 
+def assert_graph_layouts_draft_as_eager_steps(make_runner, prompts, max_new: int, k: int, hf_greedy) -> None:
+    """For a proposer that reads the target's hidden states (MTP, EAGLE-3):
+    on CUDA, decode and verify steps replay graphs that also compute what
+    it reads of them (cuda_graphs.py: features), so it no longer sends
+    every step eager. Laid out for those graphs and run without capture on
+    the CPU (Triton under its interpreter), the proposer proposes exactly
+    the drafts it proposes after eager steps, both kinds of graph run, and
+    the tokens are HF's. A layout that handed it another row's or a padding
+    token's state would draft otherwise."""
+    from executor_svc.step.cuda_graphs import DecodeGraphs
+    from tests.unit.test_runner_vs_hf import generate
+
+    drafts, used = {}, {"decode": 0, "verify": 0}
+    for name in ("eager", "graphs"):
+        runner = make_runner()
+        if name == "graphs":
+            args = (runner.model, runner.kv_caches, runner.backend, runner.device, runner.rows.max_blocks)
+            runner.graphs = DecodeGraphs(*args, max_batch=4, capture=False, features=runner.features)
+            runner.verify_graphs = VerifyGraphs(*args, runner.pool.block_size, k + 1, capture=False,
+                                                features=runner.features)
+            for kind, graphs in (("decode", runner.graphs), ("verify", runner.verify_graphs)):
+                graphs.run = (lambda run, kind: lambda *a: used.__setitem__(kind, used[kind] + 1) or run(*a))(
+                    graphs.run, kind)
+        propose, proposed = runner.proposer.propose, []
+        runner.proposer.propose = lambda r, rows, counts, propose=propose, proposed=proposed: (
+            lambda out: proposed.append([d.tolist() for d in out]) or out)(propose(r, rows, counts))
+        tokens = generate(runner, prompts, max_new, chunk=5, drafts=k)
+        for prompt, got in zip(prompts, tokens):
+            assert got == hf_greedy(prompt, max_new), f"{name}: prompt {prompt}"
+        drafts[name] = proposed
+    assert sum(len(d) for step in drafts["eager"] for d in step) >= 10, "too few drafts to compare"
+    assert drafts["graphs"] == drafts["eager"], "steps laid out for graphs drafted otherwise"
+    assert all(used.values()), f"a kind of step never ran laid out for its graph: {used}"
+
+
 @pytest.mark.parametrize("family", ["deepseek-v3", "gpt-oss"])
 def test_moe_and_mla_decode_steps_padded_for_graphs_give_the_eager_logits(family, tmp_path):
     """auto captures MoE layers on the fused-MoE kernel and MLA's decode
@@ -339,6 +374,6 @@ def test_moe_and_mla_decode_steps_padded_for_graphs_give_the_eager_logits(family
     model(ids[:, :5].reshape(-1), positions, pool.layer_caches(), meta, backend)
     for at in range(5, 8):
         positions, meta = _step_meta([1, 1, 1], [at] * 3, block, width)
-        got = graphs.run(ids[:, at], positions, meta).clone()
+        got = graphs.run(ids[:, at], positions, meta)[0].clone()
         want = model.compute_logits(model(ids[:, at], positions, pool.layer_caches(), meta, backend))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{family} position {at}: {m}")

@@ -165,6 +165,20 @@ def test_greedy_output_with_eagle3_drafts_equals_hf_and_every_draft_equals_the_r
     assert compared >= 15 and any(len(d) == K for _, d in proposals), f"{compared} drafts compared"
 
 
+def test_eagle3_steps_laid_out_for_cuda_graphs_draft_as_eager_steps_do(stories_path, tmp_path):
+    """The graphs compute the head's features, three target layers' states
+    fused, inside themselves (test_cuda_graphs.assert_graph_layouts_draft_as_eager_steps)."""
+    from tests.unit.test_cuda_graphs import assert_graph_layouts_draft_as_eager_steps
+
+    head_dir = str(write_head(tmp_path / "head", stories_path, False, True))
+    assert_graph_layouts_draft_as_eager_steps(
+        lambda: load(ExecutorSettings(model=str(stories_path), speculative_method="eagle3", speculative_tokens=K,
+                                      speculative_draft_model=head_dir, device="cpu", dtype="float32",
+                                      attention_backend="triton", block_size=4, num_kv_blocks=256)).runner,
+        [[1, 403, 407, 261, 378]], 8, K,
+        lambda prompt, n: hf_greedy(str(stories_path), prompt, n, ignore_eos=True))
+
+
 def test_eagle3_at_tp2_equals_hf(stories_path, head):
     head_dir, _ = head
     prompts = [[1, 403, 407, 261, 378]]

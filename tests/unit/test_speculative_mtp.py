@@ -91,9 +91,9 @@ def reference_mtp_logits(directory: str, ids: list[int]) -> torch.Tensor:
 
 
 def mtp_runner(directory: str, **overrides):
-    settings = ExecutorSettings(model=directory, speculative_method="mtp", speculative_tokens=K, device="cpu",
-                                dtype="float32", attention_backend="torch", block_size=4, num_kv_blocks=256,
-                                **overrides)
+    settings = ExecutorSettings(**dict(model=directory, speculative_method="mtp", speculative_tokens=K, device="cpu",
+                                       dtype="float32", attention_backend="torch", block_size=4, num_kv_blocks=256)
+                                | overrides)
     return load(settings).runner
 
 
@@ -151,3 +151,13 @@ def test_mtp_at_tp2_equals_hf(mtp_checkpoint):
         want = families.hf_greedy(mtp_checkpoint, prompt, 12)
         assert want.min_margin > MIN_MARGIN, f"HF's top-2 logits come within {want.min_margin:.2g}: a near tie"
         assert got[:12] == want.tokens, f"prompt {prompt}: greedy output with MTP drafts at TP=2 differs from HF"
+
+
+def test_mtp_steps_laid_out_for_cuda_graphs_draft_as_eager_steps_do(mtp_checkpoint):
+    """MLA's verify steps in a graph once read stale host lengths and gave
+    other tokens from the first (test_cuda_graphs.assert_graph_layouts_draft_as_eager_steps)."""
+    from tests.unit.test_cuda_graphs import assert_graph_layouts_draft_as_eager_steps
+
+    assert_graph_layouts_draft_as_eager_steps(lambda: mtp_runner(mtp_checkpoint, attention_backend="triton"),
+                                              families.prompts(2, min_len=6, max_len=12), 10, K,
+                                              lambda prompt, n: families.hf_greedy(mtp_checkpoint, prompt, n).tokens)

@@ -57,8 +57,8 @@ GPTQ_RECORD_KEYS = {"damp_percent", "true_sequential", "model_name_or_path", "mo
                     "meta", "damp_auto_increment", "mse", "v2", "v2_alpha", "act_group_aware", "hyb_act", "tokenizer",
                     "dataset", "use_cuda_fp16", "use_exllama", "disable_exllama", "exllama_config",
                     "max_input_length", "model_seqlen", "cache_block_outputs", "batch_size",
-                    "module_name_preceding_first_block", "block_name_to_quantize", "pad_token_id", "backend", "offload_to_disk", "offload_to_disk_path", "pack_impl",
-                    "mock_quantization", "fail_safe"}
+                    "module_name_preceding_first_block", "block_name_to_quantize", "pad_token_id", "backend",
+                    "offload_to_disk", "offload_to_disk_path", "pack_impl", "mock_quantization", "fail_safe"}
 # GPTQModel's keys that change the math unless empty: per-module overrides
 # of bits and groups, an adapter (EoRA) added to every layer, rotated
 # weights, and Marlin's own packing.

@@ -330,7 +330,8 @@ def group(**change) -> dict:
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, r"version='gemv' is not supported"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "format": "gemv_fast", "version": "gemv_fast"},
      r"version='gemv_fast' is not supported"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "desc_act": True}, r"desc_act=true is not supported for AWQ"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "desc_act": True},
+     r"desc_act=true is not supported for AWQ"),
     (GPTQMODEL | {"dynamic": {"-:.*down_proj": {}}}, r"dynamic=\{'-:.\*down_proj': \{\}\} \(per-module overrides\) is "
                                                      r"not supported; supported: absent, null or empty"),
     (GPTQMODEL | {"adapter": {"name": "eora", "rank": 64}}, r"adapter=.* \(an adapter\) is not supported"),

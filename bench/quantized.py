@@ -3,7 +3,7 @@ against the same model in bf16, measured in the same run (docs/performance.md, P
 
     python -m bench.quantized                       # ~150M-parameter Llama, 3 rounds
     python -m bench.quantized --hidden 256 --layers 2 --vocab 2048 --rounds 1 --tokens 8 --streams 4
-    python -m bench.quantized --dequantizing        # + the int formats with EXECUTOR_CPU_INT_KERNELS=off
+    python -m bench.quantized --dequantizing        # + every format dequantizing per matmul (kernels off)
 
 The model is a random LlamaForCausalLM saved by transformers in bf16
 (bench/load_memory.py), a copy with every decoder linear in FP8 blocks of
@@ -12,8 +12,9 @@ W4A16 (symmetric int4, groups of 128, bf16 scales; write_w4a16), and one in
 its int-quantized W8A16 (symmetric int8, one bf16 scale per row;
 peer_models.write_int8). All are served in bf16 (EXECUTOR_DTYPE=bfloat16),
 each keeping its quantized weights; on the CPU the int formats run torch's
-int4/int8 kernels (executor_svc/model/cpu_int_linear.py), and
-`--dequantizing` adds them again dequantizing per matmul, as before those.
+int4/int8 kernels (executor_svc/model/cpu_int_linear.py) and FP8 our own
+(cpu_fp8_linear.py), and `--dequantizing` adds each again dequantizing per
+matmul, as before those (EXECUTOR_CPU_INT_KERNELS / _FP8_KERNEL=off).
 
 - **Memory:** each checkpoint is loaded in a fresh interpreter as the
   executor loads it. The figures are the loaded weight bytes, and the
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--dequantizing", action="store_true",
-                   help="also serve the int formats with EXECUTOR_CPU_INT_KERNELS=off (w4a16-deq, w8a16-deq)")
+                   help="also serve each format with its CPU kernel off, dequantizing per matmul (fp8-deq, "
+                   "w4a16-deq, w8a16-deq)")
     p.add_argument("--out", type=Path, default=Path("bench_results") / "quantized.json")
     args = p.parse_args(argv)
     from bench.peer_models import write_int8
@@ -204,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             memory[name]["linears_mb"] = linear_bytes(path) / 2**20
         envs = dict.fromkeys(paths, {})
         if args.dequantizing:
-            for name in ("w4a16", "w8a16"):
-                paths[f"{name}-deq"], envs[f"{name}-deq"] = paths[name], {"EXECUTOR_CPU_INT_KERNELS": "off"}
+            for name, setting in (("fp8", "EXECUTOR_CPU_FP8_KERNEL"), ("w4a16", "EXECUTOR_CPU_INT_KERNELS"),
+                                  ("w8a16", "EXECUTOR_CPU_INT_KERNELS")):
+                paths[f"{name}-deq"], envs[f"{name}-deq"] = paths[name], {setting: "off"}
                 memory[f"{name}-deq"] = memory[name]
         runs: dict[str, list[dict]] = {name: [] for name in paths}
         for r in range(args.rounds):
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     params = weights["bf16"] * 2**20 / 2
     print(f"P20: Llama of {params / 1e6:.0f}M parameters, FP8 blocks {list(BLOCK)}, W4A16 (int4 groups) and W8A16 "
-          f"(int8 rows) against bf16, all served in bf16 (-deq: EXECUTOR_CPU_INT_KERNELS=off); {args.rounds} "
+          f"(int8 rows) against bf16, all served in bf16 (-deq: the CPU kernels off); {args.rounds} "
           "rounds, medians; ratios to bf16 in brackets")
     print(f"{'':34} {'bf16':>10} " + " ".join(f"{n:>18}" for n in formats))
 

@@ -101,6 +101,13 @@ class ExecutorSettings(BaseSettings):
         "`auto` = on where a layer fits (the start-up log counts the layers and says why others do not; not in "
         "batch-invariant mode); `off` = always dequantize. With `EXECUTOR_DTYPE=auto` (float32) on the CPU they "
         "are not used: set `bfloat16`.")
+    cpu_fp8_kernel: Literal["auto", "off"] = Field(
+        default="auto", description="On the CPU, FP8 linears (block-scaled, per-channel or per-tensor) multiply "
+        "steps of up to 16 rows through a C kernel that decodes the FP8 weight in L1 as it goes "
+        "(`executor_svc/model/cpu_fp8_linear.py`; AVX2, FMA and F16C), instead of dequantizing the whole weight for "
+        "every matmul; each weight is the dequantizing path's, bit for bit, and only the order of the sums differs. "
+        "`auto` = on where the CPU has AVX2 and a layer's columns and scale blocks are multiples of 8 (not in "
+        "batch-invariant mode); `off` = always dequantize. Steps of more rows dequantize either way.")
     cpu_gemv: Literal["auto", "off"] = Field(
         default="auto", description="On the CPU, a step with one row (a single stream's decode) multiplies it by each "
         "large unquantized weight (at least 2^20 values over 512 or more columns, bfloat16 or float32: the layers "

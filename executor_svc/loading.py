@@ -24,6 +24,7 @@ from executor_svc.step.constraints import ConstraintMatchers
 from executor_svc.step.host_kv import HostKVPool, host_pool_num_blocks
 from executor_svc.step.kv_cache import KVCachePool, pool_num_blocks, resolve_kv_cache_dtype
 from executor_svc.model.cpu_gemv import has_cxx_compiler, use_cpu_gemv
+from executor_svc.model.cpu_fp8_linear import use_cpu_fp8_kernel
 from executor_svc.model.cpu_int_linear import use_cpu_int_kernels
 from executor_svc.model.families import build_model, family_of, read_config
 from executor_svc.model.model import build_model as build_model_as
@@ -184,6 +185,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
                         headless_ok=ckpt.pooling.pooling is not None)
     if device.type == "cpu" and cfg.quantization is not None:
         use_cpu_int_kernels(model, dtype, settings.cpu_int_kernels, invariant)
+        use_cpu_fp8_kernel(model, settings.cpu_fp8_kernel, invariant)
     if device.type == "cpu":
         use_cpu_gemv(model, settings.cpu_gemv, invariant, prepack=settings.cpu_bf16_prepack)
     if invariant:

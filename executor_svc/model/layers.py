@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model.checkpoint import LazyTensor
-from executor_svc.model import cpu_bf16_vnni, cpu_prepack
+from executor_svc.model import cpu_bf16_vnni, cpu_fp8_linear, cpu_prepack
 from executor_svc.model.cpu_gemv import marked_linear
 from executor_svc.model.cpu_int_linear import CpuIntWeights
 from executor_svc.model.model_config import LinearScheme, QuantSpec, UnsupportedConfig
@@ -196,6 +196,9 @@ class _Linear(nn.Module):
     # (cpu_prepack.py, by cpu_gemv.use_cpu_gemv): every product then goes
     # through it.
     prepack_handle: torch.Tensor | None = None
+    # Set on FP8 layers whose products of a few rows run cpu_fp8_linear's
+    # kernel (cpu_fp8_linear.use_cpu_fp8_kernel).
+    cpu_fp8 = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_forward(x)
@@ -237,6 +240,11 @@ class _Linear(nn.Module):
                 y = int_weight_linear(x, self.qweight, self.scales, self.zeros, scheme.group_size or self.in_cols,
                                       scheme.bits, self.g_idx)
             return y if self.bias is None else y + self.bias
+        if (self.cpu_fp8 and x.dim() == 2 and x.shape[0] <= cpu_fp8_linear.MAX_ROWS
+                and x.dtype in (torch.float32, torch.bfloat16)):
+            y = cpu_fp8_linear.matmul(x.float(), self.weight, self.weight_scale_inv, self.grid_rows,
+                                      self.fp8_block[1], bf16=x.dtype == torch.bfloat16)
+            return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         return F.linear(x, self.dense_weight(x.dtype), self.bias)
 
 

@@ -18,9 +18,10 @@ float8_e4m3fn, and `weight_scale_inv` holds one float32 scale per block of
 block_n rows by block_k columns, blocks at the edges included. The weights
 stay FP8 in memory. On CUDA a linear layer runs llmsched_kernels/fp8_linear.py and
 experts llmsched_kernels/fused_moe.py, which decode FP8 in their load loops;
-elsewhere a layer dequantizes its own weight for each matmul
-(`dequantize_fp8_blocks`) and drops it after, so at most one layer's weight
-is ever held at the compute dtype. Activations stay in the compute dtype
+on the CPU steps of a few rows run cpu_fp8_linear.py's kernel, which does
+the same in L1; elsewhere a layer dequantizes its own weight for each
+matmul (`dequantize_fp8_blocks`) and drops it after, so at most one layer's
+weight is ever held at the compute dtype. Activations stay in the compute dtype
 (W8A16), which is what transformers computes on the CPU for the same
 checkpoint (it dequantizes on load), and what GPUs without FP8 tensor cores
 run. activation_scheme "dynamic" describes how FP8 GPUs quantize

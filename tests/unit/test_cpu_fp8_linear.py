@@ -1,0 +1,77 @@
+"""The CPU FP8 kernel (executor_svc/model/cpu_fp8_linear.py): products
+against the dequantizing path's weights at every tail, and FP8 checkpoints
+served through it giving HF's greedy tokens. Needs AVX2 (every x86-64 CPU
+CI runs on has it); elsewhere load() declines and the tests say so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor_svc.model import cpu_fp8_linear
+from executor_svc.model.quantization import dequantize_fp8_blocks, quantize_fp8_blocks
+from tests.families import CASES, hf_greedy, make_checkpoint, prompts
+from tests.quantized import write_dequantized, write_fp8
+from tests.unit.test_families_vs_hf import runner_for
+from tests.unit.test_runner_vs_hf import generate
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    assert cpu_fp8_linear.load(), "the CPU FP8 kernel did not build or failed its check (see the log)"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize("n, k, block", [(10, 1040, (8, 48)), (37, 2056, (16, 128)), (64, 64, (1, 64))])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_products_equal_the_dequantized_weights_products(rows, n, k, block, bf16):
+    """Weights past KC columns and block edges, rows in 3+2+2 tails, several
+    grid rows in an order a fused layer's parts give (two grids stacked),
+    and one scale per row ((1, k)). The weights multiplied are the
+    dequantizing path's bit for bit, so only the sums' order differs."""
+    gen = torch.Generator().manual_seed(rows * n)
+    weight, scales = quantize_fp8_blocks(torch.randn(n, k, generator=gen) * 3, block)
+    grid_rows = torch.arange(n) // block[0]
+    grid_rows = torch.cat([grid_rows[n // 2:], grid_rows[: n // 2]])  # rows need not take their grid rows in order
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x = torch.randn(rows, k, generator=gen)
+    want = x @ dequantize_fp8_blocks(weight, scales, grid_rows, block[1], dtype).float().T
+    got = cpu_fp8_linear.matmul(x, weight, scales, grid_rows, block[1], bf16=bf16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_subnormal_and_extreme_fp8_values_decode_exactly():
+    """Every one of the 254 finite FP8 values (NaN's two bytes aside), as
+    one weight row each against x = e_k: the product is the value itself."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    weight = torch.zeros(len(codes), 8, dtype=torch.uint8)
+    weight[:, 3] = codes
+    weight = weight.view(torch.float8_e4m3fn)
+    got = cpu_fp8_linear.matmul(torch.eye(8)[3:4], weight, torch.ones(1, 1), torch.zeros(len(codes), dtype=torch.long),
+                                8, bf16=False)
+    assert torch.equal(got[0], weight[:, 3].to(torch.float32))
+
+
+def test_an_fp8_checkpoint_through_the_kernel_serves_hfs_greedy_tokens(tmp_path):
+    """Block-scaled FP8 with edge tiles (48 x 40 blocks), three requests:
+    their prefill (21 rows) dequantizes, their decode steps (3 rows) run
+    the kernel. HF's greedy tokens on the weights the layout defines
+    (transformers cannot read edge tiles), and the dequantizing path's."""
+    plain = make_checkpoint(CASES["llama3"], tmp_path / "llama")
+    path = str(write_fp8(plain, tmp_path / "fp8", (48, 40)))
+    oracle = str(write_dequantized(Path(path), tmp_path / "dense", (48, 40)))
+    batch, steps = prompts(3), 12
+    kernel, dequantizing = runner_for(path), runner_for(path)
+    assert cpu_fp8_linear.use_cpu_fp8_kernel(kernel.model) == 8  # q/k/v, o, gate/up and down of 2 layers
+    calls, matmul = [], cpu_fp8_linear.matmul
+    cpu_fp8_linear.matmul = lambda *a, **kw: calls.append(a[0].shape[0]) or matmul(*a, **kw)
+    try:
+        got = generate(kernel, batch, steps, chunk=7)
+    finally:
+        cpu_fp8_linear.matmul = matmul
+    assert calls and max(calls) <= cpu_fp8_linear.MAX_ROWS, "the decode steps did not run the kernel"
+    for prompt, tokens in zip(batch, got):
+        assert tokens == hf_greedy(oracle, prompt, steps).tokens, f"prompt {prompt}"
+    assert got == generate(dequantizing, batch, steps, chunk=7)

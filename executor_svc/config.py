@@ -103,7 +103,7 @@ class ExecutorSettings(BaseSettings):
         "are not used: set `bfloat16`.")
     cpu_fp8_kernel: Literal["auto", "off"] = Field(
         default="auto", description="On the CPU, FP8 linears (block-scaled, per-channel or per-tensor) multiply "
-        "steps of up to 16 rows through a C kernel that decodes the FP8 weight in L1 as it goes "
+        "steps of up to 64 rows through a C kernel that decodes the FP8 weight in L1 as it goes "
         "(`executor_svc/model/cpu_fp8_linear.py`; AVX2, FMA and F16C), instead of dequantizing the whole weight for "
         "every matmul; each weight is the dequantizing path's, bit for bit, and only the order of the sums differs. "
         "`auto` = on where the CPU has AVX2 and a layer's columns and scale blocks are multiples of 8 (not in "

@@ -39,6 +39,7 @@ from executor_svc.model.invariant_ops import pad_rows, tail_free
 from executor_svc.model.layers import ColumnLinear, RowLinear, RowPart, check_fp8, check_shape, materialize
 from executor_svc.model.model import ACTIVATIONS, MLP, CausalLM
 from executor_svc.model.model_config import LinearScheme, ModelConfig, MoESpec, UnsupportedConfig
+from executor_svc.model import cpu_fp8_linear
 from executor_svc.model.quantization import FP8, BlockSplitError, cdiv, dequantize_fp8_blocks
 from executor_svc.model.sharding import Shard
 
@@ -281,6 +282,21 @@ class FusedExperts(nn.Module):
 
     # -- compute ------------------------------------------------------------
 
+    # Set where FP8 experts' products of a few rows run cpu_fp8_linear's
+    # kernel (cpu_fp8_linear.use_cpu_fp8_kernel).
+    cpu_fp8 = False
+
+    def _cpu_fp8_expert(self, e: int, x: torch.Tensor, b13: torch.Tensor | None,
+                        b2: torch.Tensor | None) -> torch.Tensor:
+        """Expert e on x [rows, hidden] through the CPU FP8 kernel: the
+        dequantized weights' products, each rounded to x's dtype as
+        F.linear's would be."""
+        bk, bf16 = self.fp8_block[1], x.dtype == torch.bfloat16
+        gate_up = cpu_fp8_linear.matmul(x.float(), self.w13[e], self.w13_scale[e], self.grid13, bk, bf16)
+        h = self.activation((gate_up if b13 is None else gate_up + b13.float()).to(x.dtype))
+        y = cpu_fp8_linear.matmul(h.float(), self.w2[e], self.w2_scale[e], self.grid2, bk, bf16)
+        return (y if b2 is None else y + b2.float()).to(x.dtype)
+
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[rows, 2 * inter] -> [rows, inter]."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -319,6 +335,10 @@ class FusedExperts(nn.Module):
                     continue
                 b13 = None if self.b13 is None else self.b13[e]
                 b2 = None if self.b2 is None else self.b2[e]
+                if self.cpu_fp8 and count <= cpu_fp8_linear.MAX_ROWS:
+                    out[rows] = self._cpu_fp8_expert(e, xs[rows], b13, b2)
+                    start += count
+                    continue
                 w13, w2 = self.expert_weights(e, xs.dtype)
                 # An expert's row count is its tokens': padded, under batch
                 # invariance, so a token's result does not depend on how many share its expert.

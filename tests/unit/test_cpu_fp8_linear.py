@@ -29,8 +29,11 @@ def kernel():
 def test_products_equal_the_dequantized_weights_products(rows, n, k, block, bf16):
     """Weights past KC columns and block edges, rows in 3+2+2 tails, several
     grid rows in an order a fused layer's parts give (two grids stacked),
-    and one scale per row ((1, k)). The weights multiplied are the
-    dequantizing path's bit for bit, so only the sums' order differs."""
+    and one scale per row ((1, k)). One row takes the AVX512 GEMV where the
+    CPU has it and K and the blocks are multiples of 16 (the first and last
+    shapes), else the buffered kernel (2056 columns). The weights
+    multiplied are the dequantizing path's bit for bit, so only the sums'
+    order differs."""
     gen = torch.Generator().manual_seed(rows * n)
     weight, scales = quantize_fp8_blocks(torch.randn(n, k, generator=gen) * 3, block)
     grid_rows = torch.arange(n) // block[0]
@@ -56,22 +59,46 @@ def test_subnormal_and_extreme_fp8_values_decode_exactly():
 
 def test_an_fp8_checkpoint_through_the_kernel_serves_hfs_greedy_tokens(tmp_path):
     """Block-scaled FP8 with edge tiles (48 x 40 blocks), three requests:
-    their prefill (21 rows) dequantizes, their decode steps (3 rows) run
-    the kernel. HF's greedy tokens on the weights the layout defines
+    their prefill (one step of 75 rows) dequantizes, their decode steps (3
+    rows) run the kernel. HF's greedy tokens on the weights the layout defines
     (transformers cannot read edge tiles), and the dequantizing path's."""
     plain = make_checkpoint(CASES["llama3"], tmp_path / "llama")
     path = str(write_fp8(plain, tmp_path / "fp8", (48, 40)))
     oracle = str(write_dequantized(Path(path), tmp_path / "dense", (48, 40)))
-    batch, steps = prompts(3), 12
+    batch, steps = prompts(3, min_len=24, max_len=26), 12
     kernel, dequantizing = runner_for(path), runner_for(path)
     assert cpu_fp8_linear.use_cpu_fp8_kernel(kernel.model) == 8  # q/k/v, o, gate/up and down of 2 layers
     calls, matmul = [], cpu_fp8_linear.matmul
     cpu_fp8_linear.matmul = lambda *a, **kw: calls.append(a[0].shape[0]) or matmul(*a, **kw)
     try:
-        got = generate(kernel, batch, steps, chunk=7)
+        got = generate(kernel, batch, steps, chunk=30)
     finally:
         cpu_fp8_linear.matmul = matmul
     assert calls and max(calls) <= cpu_fp8_linear.MAX_ROWS, "the decode steps did not run the kernel"
     for prompt, tokens in zip(batch, got):
         assert tokens == hf_greedy(oracle, prompt, steps).tokens, f"prompt {prompt}"
-    assert got == generate(dequantizing, batch, steps, chunk=7)
+    assert got == generate(dequantizing, batch, steps, chunk=30)
+
+
+@pytest.mark.parametrize("family, block", [("qwen3-moe", (16, 16)), ("deepseek-v3", (8, 8))])
+def test_fp8_experts_through_the_kernel_serve_hfs_greedy_tokens(family, block, tmp_path):
+    """FP8 experts (and shared experts, and DeepSeek-V3's latent
+    projections) with every routed expert's rows through the kernel: HF
+    reads these checkpoints itself, and is the oracle token for token."""
+    path = str(write_fp8(make_checkpoint(CASES[family], tmp_path / family), tmp_path / "fp8", block))
+    runner = runner_for(path)
+    experts = runner.model.model.layers[1].mlp.experts
+    assert cpu_fp8_linear.use_cpu_fp8_kernel(runner.model) > 0 and experts.cpu_fp8
+    calls, matmul = [], cpu_fp8_linear.matmul
+    cpu_fp8_linear.matmul = lambda *a, **kw: calls.append(a[1].data_ptr()) or matmul(*a, **kw)
+    batch, steps = prompts(2), 12
+    try:
+        got = generate(runner, batch, steps, chunk=7)
+    finally:
+        cpu_fp8_linear.matmul = matmul
+    expert_weights = {w.data_ptr() for w in (*experts.w13, *experts.w2)}
+    assert expert_weights & set(calls), "no expert ran the kernel"
+    for prompt, tokens in zip(batch, got):
+        want = hf_greedy(path, prompt, steps)
+        assert want.min_margin > 1e-3, "the oracle's own greedy path is too close to a tie to compare"
+        assert tokens == want.tokens, f"prompt {prompt}"

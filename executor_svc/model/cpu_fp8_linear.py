@@ -25,8 +25,9 @@ rounding before the cast back), as with cpu_bf16_gemm.
 Steps of more than MAX_ROWS rows (prefill) keep the dequantizing path,
 whose GEMM is faster there: on a [3072, 1024] weight in bf16 here the
 kernel takes 0.28 / 0.67 / 0.94 / 2.44 / 4.51 ms at 1 / 8 / 16 / 64 / 128
-rows, dequantizing and F.linear 1.80 / 3.84 / 4.29 / 3.49 / 4.33. Threads: an OpenMP loop over blocks of weight
-rows, on torch's own pool (cpu_bf16_gemm's docstring says how).
+rows, dequantizing and F.linear 1.80 / 3.84 / 4.29 / 3.49 / 4.33.
+Threads: an OpenMP loop over blocks of weight rows, on torch's own pool
+(cpu_bf16_gemm's docstring says how).
 """
 
 from __future__ import annotations

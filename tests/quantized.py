@@ -138,7 +138,7 @@ def _input_ranges(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch
         over every token, down over what each token would give it."""
         def hook(_, args):
             x = args[0].reshape(-1, args[0].shape[-1])
-            for e, (gate_up, down) in enumerate(zip(module.gate_up_proj, module.down_proj)):
+            for e, gate_up in enumerate(module.gate_up_proj):
                 gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
                 for proj, value in (("gate_proj", x), ("up_proj", x), ("down_proj", module.act_fn(gate) * up)):
                     record(f"{name}.{e}.{proj}")(None, (value,))
@@ -294,8 +294,9 @@ def _fake_quantized_experts(module: torch.nn.Module, args, scales: list[list[tor
                 continue
             x, (g, u, d) = hidden_states[token], scales[e]
             w_gate, w_up = module.gate_up_proj[e].chunk(2, dim=0)
-            h = module.act_fn(torch.nn.functional.linear(fq(x, g), w_gate)) * torch.nn.functional.linear(fq(x, u), w_up)
-            y = torch.nn.functional.linear(fq(h, d), module.down_proj[e]) * top_k_weights[token, slot, None]
+            linear = torch.nn.functional.linear
+            h = module.act_fn(linear(fq(x, g), w_gate)) * linear(fq(x, u), w_up)
+            y = linear(fq(h, d), module.down_proj[e]) * top_k_weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
 

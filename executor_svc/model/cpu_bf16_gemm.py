@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 # and the weight eight values at a time and has no scalar tail.
 K_MULTIPLE = 8
 
-# What this kernel and cpu_fp8_linear.py's share: float32 sums of up to
-# three rows of x against NB weight rows converted into an L1 buffer.
+# What this kernel and cpu_fp8_linear.py's share: the blocked GEMM, float32
+# sums of up to three rows of x against NB weight rows converted into an L1
+# buffer; each kernel brings its own conversion.
 MICRO_SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
@@ -99,6 +100,33 @@ static inline void all_rows(const float *x, long M, long K, long k0, const float
     if (M - m == 2) micro2(x + m * K + k0, K, wf, kc, y + m * N + n0, N, nvalid, add);
     if (M - m == 1) micro1(x + m * K + k0, K, wf, kc, y + m * N + n0, N, nvalid, add);
 }
+
+/* Converts columns k0 .. k0 + kc of weight row n to float32 at dst. */
+typedef void (*convert_fn)(const void *weight, long n, long k0, int kc, float *dst);
+
+/* y[M, N] = x[M, K] (float32) times a weight [N, K] transposed, its rows
+   converted NB at a time, KC columns a block, into an L1 buffer by convert;
+   every row of x then multiplies them (all_rows). K % 8 == 0. */
+static inline void blocked_gemm(const float *x, float *y, long M, long N, long K, convert_fn convert,
+                                const void *weight) {
+    long nblocks = (N + NB - 1) / NB;
+    #pragma omp parallel for schedule(static)
+    for (long b = 0; b < nblocks; b++) {
+        float wf[NB * KC] __attribute__((aligned(32)));
+        long n0 = b * NB;
+        int nvalid = (int)(N - n0 < NB ? N - n0 : NB);
+        for (long k0 = 0; k0 < K; k0 += KC) {
+            int kc = (int)(K - k0 < KC ? K - k0 : KC);
+            for (int j = 0; j < NB; j++) {
+                if (j < nvalid)
+                    convert(weight, n0 + j, k0, kc, wf + j * KC);
+                else
+                    memset(wf + j * KC, 0, sizeof(float) * kc);  /* past N: multiplied, never stored */
+            }
+            all_rows(x, M, K, k0, wf, kc, y, N, n0, nvalid);
+        }
+    }
+}
 """
 
 SOURCE = MICRO_SOURCE + r"""
@@ -130,28 +158,19 @@ void llmsched_gemv_f32_bf16(const float *x, const uint16_t *w, float *y, long N,
     }
 }
 
+struct bf16_weight { const uint16_t *w; long K; };
+
+static void convert_bf16(const void *weight, long n, long k0, int kc, float *dst) {
+    const struct bf16_weight *c = weight;
+    const uint16_t *src = c->w + n * c->K + k0;
+    for (int k = 0; k < kc; k += 8) _mm256_store_ps(dst + k, bf16x8(src + k));
+}
+
 /* y[M, N] = x[M, K] (float32) times w[N, K] (bfloat16 bits) transposed.
    K % 8 == 0; all three contiguous. */
 void llmsched_gemm_f32_bf16(const float *x, const uint16_t *w, float *y, long M, long N, long K) {
-    long nblocks = (N + NB - 1) / NB;
-    #pragma omp parallel for schedule(static)
-    for (long b = 0; b < nblocks; b++) {
-        float wf[NB * KC] __attribute__((aligned(32)));
-        long n0 = b * NB;
-        int nvalid = (int)(N - n0 < NB ? N - n0 : NB);
-        for (long k0 = 0; k0 < K; k0 += KC) {
-            int kc = (int)(K - k0 < KC ? K - k0 : KC);
-            for (int j = 0; j < NB; j++) {
-                if (j < nvalid) {
-                    const uint16_t *src = w + (n0 + j) * K + k0;
-                    for (int k = 0; k < kc; k += 8) _mm256_store_ps(wf + j * KC + k, bf16x8(src + k));
-                } else {
-                    memset(wf + j * KC, 0, sizeof(float) * kc);  /* past N: multiplied, never stored */
-                }
-            }
-            all_rows(x, M, K, k0, wf, kc, y, N, n0, nvalid);
-        }
-    }
+    struct bf16_weight c = {w, K};
+    blocked_gemm(x, y, M, N, K, convert_bf16, &c);
 }
 """
 

@@ -72,31 +72,22 @@ static inline __m256 round_bf16(__m256 v) {
    weight row n scaled by scales[grid_rows[n] * ldscale + k / bk] (already
    times 256) per column k, each scaled weight rounded to bfloat16 when
    bf16 != 0. K % 8 == 0 and bk % 8 == 0; all contiguous. */
+struct fp8_weight { const uint8_t *w; const float *scales; const int64_t *grid_rows; long ldscale, bk, K; int bf16; };
+
+static void convert_fp8(const void *weight, long n, long k0, int kc, float *dst) {
+    const struct fp8_weight *c = weight;
+    const uint8_t *src = c->w + n * c->K + k0;
+    const float *row_scales = c->scales + c->grid_rows[n] * c->ldscale;
+    for (int k = 0; k < kc; k += 8) {
+        __m256 v = _mm256_mul_ps(fp8x8(src + k), _mm256_set1_ps(row_scales[(k0 + k) / c->bk]));
+        _mm256_store_ps(dst + k, c->bf16 ? round_bf16(v) : v);
+    }
+}
+
 void llmsched_gemm_f32_fp8(const float *x, const uint8_t *w, const float *scales, const int64_t *grid_rows,
                            long ldscale, long bk, float *y, long M, long N, long K, int bf16) {
-    long nblocks = (N + NB - 1) / NB;
-    #pragma omp parallel for schedule(static)
-    for (long b = 0; b < nblocks; b++) {
-        float wf[NB * KC] __attribute__((aligned(32)));
-        long n0 = b * NB;
-        int nvalid = (int)(N - n0 < NB ? N - n0 : NB);
-        for (long k0 = 0; k0 < K; k0 += KC) {
-            int kc = (int)(K - k0 < KC ? K - k0 : KC);
-            for (int j = 0; j < NB; j++) {
-                if (j >= nvalid) {
-                    memset(wf + j * KC, 0, sizeof(float) * kc);  /* past N: multiplied, never stored */
-                    continue;
-                }
-                const uint8_t *src = w + (n0 + j) * K + k0;
-                const float *row_scales = scales + grid_rows[n0 + j] * ldscale;
-                for (int k = 0; k < kc; k += 8) {
-                    __m256 v = _mm256_mul_ps(fp8x8(src + k), _mm256_set1_ps(row_scales[(k0 + k) / bk]));
-                    _mm256_store_ps(wf + j * KC + k, bf16 ? round_bf16(v) : v);
-                }
-            }
-            all_rows(x, M, K, k0, wf, kc, y, N, n0, nvalid);
-        }
-    }
+    struct fp8_weight c = {w, scales, grid_rows, ldscale, bk, K, bf16};
+    blocked_gemm(x, y, M, N, K, convert_fp8, &c);
 }
 """
 

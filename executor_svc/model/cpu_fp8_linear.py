@@ -69,9 +69,9 @@ static inline __m256 round_bf16(__m256 v) {
 }
 
 /* y[M, N] = x[M, K] (float32) times the FP8 weight w[N, K] transposed,
-   weight row n scaled by scales[grid_rows[n] * ldscale + k / bk] (already
-   times 256) per column k, each scaled weight rounded to bfloat16 when
-   bf16 != 0. K % 8 == 0 and bk % 8 == 0; all contiguous. */
+   weight row n scaled by scales[grid_rows[n] * ldscale + k / bk] per
+   column k (times 256, which fp8x8 divides by: exact, a power of two),
+   each scaled weight rounded to bfloat16 when bf16 != 0. K % 8 == 0 and bk % 8 == 0; all contiguous. */
 struct fp8_weight { const uint8_t *w; const float *scales; const int64_t *grid_rows; long ldscale, bk, K; int bf16; };
 
 static void convert_fp8(const void *weight, long n, long k0, int kc, float *dst) {
@@ -79,7 +79,7 @@ static void convert_fp8(const void *weight, long n, long k0, int kc, float *dst)
     const uint8_t *src = c->w + n * c->K + k0;
     const float *row_scales = c->scales + c->grid_rows[n] * c->ldscale;
     for (int k = 0; k < kc; k += 8) {
-        __m256 v = _mm256_mul_ps(fp8x8(src + k), _mm256_set1_ps(row_scales[(k0 + k) / c->bk]));
+        __m256 v = _mm256_mul_ps(fp8x8(src + k), _mm256_set1_ps(row_scales[(k0 + k) / c->bk] * 256.0f));
         _mm256_store_ps(dst + k, c->bf16 ? round_bf16(v) : v);
     }
 }
@@ -131,7 +131,7 @@ void llmsched_gemv_f32_fp8(const float *x, const uint8_t *w, const float *scales
         for (long k0 = 0; k0 < K; k0 += bk) {
             long kend = k0 + bk < K ? k0 + bk : K;
             __m512 s[8];
-            for (int j = 0; j < nvalid; j++) s[j] = _mm512_set1_ps(row_scales[j][k0 / bk]);
+            for (int j = 0; j < nvalid; j++) s[j] = _mm512_set1_ps(row_scales[j][k0 / bk] * 256.0f);
             for (long k = k0; k < kend; k += 16) {
                 __m512 xv = _mm512_loadu_ps(x + k);
                 for (int j = 0; j < nvalid; j++) {
@@ -215,10 +215,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grid_row
     x = x.contiguous()
     m, k = x.shape
     assert x.dtype == torch.float32 and k == weight.shape[1] and fits(weight, block_k), (x.dtype, x.shape, weight.shape)
-    scaled = (scales * 256.0).contiguous()  # fp8x8 gives value / 256; exact (a power of two)
-    rows = grid_rows.to(torch.int64).contiguous()
+    scales, rows = scales.contiguous(), grid_rows.to(torch.int64).contiguous()  # as held: no copies
     out = torch.empty(m, weight.shape[0], dtype=torch.float32)
-    args = (x.data_ptr(), weight.data_ptr(), scaled.data_ptr(), rows.data_ptr(), scaled.shape[1], block_k,
+    args = (x.data_ptr(), weight.data_ptr(), scales.data_ptr(), rows.data_ptr(), scales.shape[1], block_k,
             out.data_ptr())
     if m == 1 and _gemv is not None and k % 16 == 0 and block_k % 16 == 0:
         _gemv(*args, weight.shape[0], k, int(bf16))

@@ -97,6 +97,11 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def _hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+        """The hashes of the request's first num_full_blocks blocks, and no
+        more: the list kept may run further (blocks are named through the
+        last known token once its KV is computed, or copied out), and a
+        lookup that walked it all could cover that token too, leaving the
+        step nothing to compute."""
         hashes = self._block_hashes.setdefault(request.request_id, [])
         if len(hashes) < num_full_blocks:
             tokens = request.all_token_ids
@@ -105,7 +110,7 @@ class KVCacheManager:
             for i in range(len(hashes), num_full_blocks):
                 parent = hashes[-1] if hashes else root
                 hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
-        return hashes
+        return hashes[:num_full_blocks] if len(hashes) > num_full_blocks else hashes
 
     def find_cached_prefix(self, request: Request) -> CacheHit:
         """The longest chain of cached full blocks that starts the request's
@@ -213,7 +218,7 @@ class KVCacheManager:
             return False
         # Its full blocks of known tokens keep their prefix-cache names.
         num_named = min(num_tokens, request.num_tokens) // self.block_size if self.enable_prefix_caching else 0
-        hashes = self._hashes(request, num_named)[:num_named]
+        hashes = self._hashes(request, num_named)
         self.host.swap_out(request, table[:n], num_tokens, hashes + [None] * (n - num_named))
         return True
 

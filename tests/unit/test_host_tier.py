@@ -218,6 +218,31 @@ def test_a_failed_swap_in_recomputes_only_its_own_request():
     assert late.num_lost_tokens > 0 and sched.num_recomputed_tokens["swap"] > 0
 
 
+def test_a_request_swapped_out_again_before_its_swap_in_failed_still_computes_a_token():
+    """Three greedy twins on a pool that holds two, two plans in flight,
+    every swap-in failing: a request resumes from the host tier in one plan
+    and is swapped out again by the next, naming its blocks through its
+    last token; the first plan's result then voids its progress, and its
+    lookup finds every block in a twin's. Before the fix the scheduler
+    raised "scheduled with nothing left to compute" (an intermittent
+    INTERNAL in tests/integration/test_host_kv_tier.py)."""
+    sched = Scheduler(SchedulerConfig(num_kv_blocks=10, block_size=1, max_model_len=64, max_num_batched_tokens=64,
+                                      num_host_blocks=64, preemption_mode="swap"))
+    twins = [make_request(prompt=[50, 51], max_tokens=8) for _ in range(3)]
+    for r in twins:
+        sched.add_request(r)
+    executor, in_flight = FakeExecutor(), []
+    while sched.has_work or in_flight:
+        while len(in_flight) < 2 and not (out := sched.schedule()).is_empty:
+            in_flight.append(out)
+        out = in_flight.pop(0)
+        failed_ins = range(len(out.swaps.in_host)) if out.swaps else ()
+        sched.update_from_output(out, executor.run(out), (), failed_ins)
+    assert all(len(r.output_token_ids) == 8 for r in twins)
+    assert sched.num_recomputed_tokens["swap"] > 0, "no swap-in failed: the scenario was not reached"
+    assert sched.num_free_blocks == 10 and sched.kv.host.num_free_blocks == 64
+
+
 def test_an_embedding_whose_host_hit_failed_to_swap_in_is_neither_served_nor_cached():
     # An embedding ends in the step that reads its prompt, so its vector and
     # its blocks would be taken before update_from_output saw the failure.

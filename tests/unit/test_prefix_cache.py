@@ -49,6 +49,24 @@ def test_a_fully_cached_prompt_still_computes_its_last_token():
     assert new.num_computed_tokens == 28 and new.num_scheduled_tokens == 4
 
 
+def test_a_lookup_leaves_the_last_token_even_when_the_requests_blocks_were_named_through_it():
+    # A request's blocks are named through its last known token when that
+    # token's KV is computed (or when a swap-out copies it). Should it come
+    # back to a lookup before sampling more (its step's result void), a
+    # twin's blocks cover it all: a hit that took every named block would
+    # leave the scheduler nothing to compute.
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    twin = make_request(prompt=PREFIX[:8])
+    kv.allocate_slots(twin, 8)
+    kv.cache_computed_blocks(twin, 8)
+    req = make_request(prompt=PREFIX[:8])
+    kv.allocate_slots(req, 8)
+    kv.cache_computed_blocks(req, 8)
+    kv.free(req)
+    hit = kv.find_cached_prefix(req)
+    assert hit.num_tokens == 4 and len(hit.blocks) == 1, "one block is left, holding the last token"
+
+
 def test_blocks_of_a_finished_request_stay_cached_until_evicted():
     sched = make_scheduler(block_size=4, num_kv_blocks=64)
     first = make_request(prompt=PREFIX, max_tokens=1)

@@ -1,7 +1,8 @@
 """Hypothesis drives the scheduler with random arrivals, shared prefixes,
 cancels, stop-string finishes, executor resets, tiny KV pools and tiny
 budgets, with and without a host KV tier (spills, swap preemption, swaps
-that fail), and checks the block invariants of both tiers after every step.
+that fail), drawn tokens or greedy twins (the same prompt, the same output),
+and checks the block invariants of both tiers after every step.
 
 An executor mirror runs every plan as the executor would, down to what
 each device and host block slot holds: the identity of the token prefix
@@ -25,6 +26,9 @@ from scheduler_svc.core.scheduler_config import SchedulerConfig
 from tests.factories import EOS, make_request
 
 PREFIXES = [[], [101, 102, 103, 104, 105, 106], [101, 102, 103, 104, 201, 202, 203]]
+# What a greedy executor (ExecutorMirror.greedy) picks from, by a hash of the
+# tokens so far: EOS about one time in ten.
+GREEDY_TOKENS = [EOS] + [7, 8, 9] * 3
 
 
 # Tiny pools, block sizes and budgets, both policies, caching on and off,
@@ -136,9 +140,14 @@ class ExecutorMirror:
     step reads exactly the KV of its request's tokens, and that it samples
     exactly where the scheduler placed placeholders."""
 
-    def __init__(self, sched):
+    def __init__(self, sched, greedy: bool = False):
         cfg = sched.config
         self.block_size = cfg.block_size
+        # Greedy: each token a function of the tokens before it, whatever
+        # the caller's draw, as greedy decoding would make it. Requests with
+        # the same prompt then have the same output and name the same blocks,
+        # so one's prefix hits take the other's blocks up to its last token.
+        self.greedy = greedy
         self.requests: dict[int, Row] = {}
         self.device = [[None] * cfg.block_size for _ in range(cfg.num_kv_blocks)]
         self.host = [[None] * cfg.block_size for _ in range(cfg.num_host_blocks)]
@@ -197,6 +206,9 @@ class ExecutorMirror:
         for h, e in out.entries.items():
             row = self.requests.get(h)
             assert row is not None, f"step {out.step_id} names handle {h}, which the executor does not hold"
+            if self.greedy:
+                def token(i, row=row):
+                    return GREEDY_TOKENS[hash(tuple(row.tokens)) % len(GREEDY_TOKENS)]
             # The executor runs the step from what it computed: earlier than
             # the plan says by exactly the drafts of this row that steps in
             # flight when it was planned rejected.
@@ -301,11 +313,11 @@ def drawn_failures(data, out) -> tuple[frozenset, frozenset]:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(first=FIRST_ARRIVALS, **SCHEDULER_SHAPES)
-    def setup(self, first, **shape):
+    @initialize(first=FIRST_ARRIVALS, greedy=st.booleans(), **SCHEDULER_SHAPES)
+    def setup(self, first, greedy, **shape):
         self.sched = shaped_scheduler(**shape)
         self.admitted = []
-        self.executor = ExecutorMirror(self.sched)
+        self.executor = ExecutorMirror(self.sched, greedy)
         for arrival in first:
             self.arrive(**arrival)
 
@@ -317,7 +329,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         if kind.startswith("embed"):
             max_tokens = 0
         for i in range(copies):
-            prompt = prefix + suffix + [320 + i] * (i > 0) or [999]
+            # Copies differ in their last token, except under a greedy
+            # executor: twins there, as a burst of the same prompt would be.
+            prompt = prefix + suffix + [320 + i] * (i > 0 and not self.executor.greedy) or [999]
             if self.sched.fits(len(prompt), max_tokens) is not None:
                 return
             req = make_request(prompt=prompt, max_tokens=max_tokens, priority=priority,
@@ -501,12 +515,12 @@ class PipelinedSchedulerMachine(RuleBasedStateMachine):
 
     MAX_IN_FLIGHT = 2
 
-    @initialize(first=FIRST_ARRIVALS, **SCHEDULER_SHAPES)
-    def setup(self, first, **shape):
+    @initialize(first=FIRST_ARRIVALS, greedy=st.booleans(), **SCHEDULER_SHAPES)
+    def setup(self, first, greedy, **shape):
         self.sched = shaped_scheduler(**shape)
         self.admitted = []
         self.in_flight = []
-        self.executor = ExecutorMirror(self.sched)
+        self.executor = ExecutorMirror(self.sched, greedy)
         self.streamed: dict[str, list[int]] = defaultdict(list)
         for arrival in first:
             self.arrive(**arrival)

@@ -16,7 +16,10 @@ def test_objects_alive_at_start_up_are_frozen_and_later_ones_still_collected():
     before = Node()
     try:
         frozen = freeze_start_up_objects()
-        assert frozen == gc.get_freeze_count() > 0
+        # Frozen objects that die later leave the permanent generation, and
+        # another thread of the process (pytest-xdist's) may free some
+        # between the two calls: the count can only have fallen.
+        assert 0 < gc.get_freeze_count() <= frozen
         after = Node()
         tracked = {id(o) for o in gc.get_objects()}
         assert id(before) not in tracked, "an object alive at start-up is still in a collected generation"

@@ -427,3 +427,51 @@ def write_fp8_per_tensor(plain: Path, out: Path, dense_out: Path) -> tuple[Path,
 
     config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     return _write_quantized(plain, out, dense_out, leaves, config)
+
+
+# -- NVIDIA ModelOpt's exports ------------------------------------------------
+
+def as_modelopt(ct: Path, out: Path, algo: str, in_config_json: bool = False,
+                kv_scales: tuple[float, float] | None = None) -> Path:
+    """A compressed-tensors checkpoint of the scheme ModelOpt's quant_algo
+    names, rewritten in ModelOpt's export layout: the same FP8 tensors, with
+    scalar scales 0-d; NVFP4's packed weight named `weight` and its global
+    scales inverted (weight_scale_2 = 1 / weight_global_scale, input_scale =
+    1 / input_global_scale). The config goes to hf_quant_config.json as
+    ModelOpt's exporter writes it, or (in_config_json) to config.json's
+    quantization_config as newer exports do. kv_scales: ModelOpt's FP8 KV
+    cache scales (self_attn.k_proj.k_scale / v_proj.v_scale) on every layer."""
+    shutil.copytree(ct, out)
+    renames = {"weight_packed": "weight", "weight_global_scale": "weight_scale_2",
+               "input_global_scale": "input_scale"}
+    tensors = {}
+    for name, t in load_file(ct / "model.safetensors").items():
+        module, _, leaf = name.rpartition(".")
+        if leaf in ("weight_global_scale", "input_global_scale"):
+            t = 1.0 / t.float()
+        if leaf in ("weight_scale", "input_scale", "weight_global_scale", "input_global_scale") and t.numel() == 1:
+            t = t.reshape(())
+        tensors[f"{module}.{renames.get(leaf, leaf)}"] = t
+    if kv_scales is not None:
+        for name in [n for n in tensors if n.endswith(".self_attn.k_proj.weight")]:
+            layer = name[: -len(".k_proj.weight")]
+            tensors[f"{layer}.k_proj.k_scale"] = torch.tensor(kv_scales[0])
+            tensors[f"{layer}.v_proj.v_scale"] = torch.tensor(kv_scales[1])
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    hf = json.loads((out / "config.json").read_text())
+    ct_config = hf.pop("quantization_config")
+    # compressed-tensors' regex ignores as ModelOpt's shell-style wildcards.
+    exclude = [p.replace("re:.*", "*").rstrip("$") for p in ct_config.get("ignore", [])]
+    producer = {"name": "modelopt", "version": "0.37.0"}
+    kv = "FP8" if kv_scales is not None else None
+    if in_config_json:
+        hf["quantization_config"] = {"quant_method": "modelopt", "quant_algo": algo, "producer": producer,
+                                     "ignore": exclude, "config_groups": ct_config["config_groups"],
+                                     "kv_cache_scheme": {"num_bits": 8, "type": "float", "dynamic": False} if kv
+                                     else None} | ({"group_size": 16} if algo == "NVFP4" else {})
+    else:
+        quantization = {"quant_algo": algo, "kv_cache_quant_algo": kv, "exclude_modules": exclude}
+        (out / "hf_quant_config.json").write_text(json.dumps({"producer": producer, "quantization": quantization
+                                                              | ({"group_size": 16} if algo == "NVFP4" else {})}))
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    return out

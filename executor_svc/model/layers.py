@@ -134,7 +134,7 @@ class _Linear(nn.Module):
         self.scales = nn.Parameter(torch.empty(rows, groups), requires_grad=False)
         if scheme.kind == "int":
             self.zeros = nn.Parameter(torch.empty(rows, groups, dtype=torch.uint8), requires_grad=False)
-        elif scheme.layout == "ct-nvfp4":
+        elif scheme.layout in ("ct-nvfp4", "modelopt-nvfp4"):
             self.global_scale = nn.Parameter(torch.empty(rows), requires_grad=False)
 
     def _held_groups(self, cols: int) -> int:

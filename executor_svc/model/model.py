@@ -53,6 +53,9 @@ LOGIT_CALL_ROWS = 4
 
 # A checkpoint's FP8 KV-cache scales: one float32 scalar per layer for K and for V.
 KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
+# ModelOpt's names for the same scalars, on the projections that make K and V.
+MODELOPT_KV_SCALES = {".self_attn.k_proj.k_scale": ".self_attn.k_scale",
+                      ".self_attn.v_proj.v_scale": ".self_attn.v_scale"}
 
 
 class RMSNorm(nn.Module):
@@ -371,8 +374,9 @@ def set_kv_scales(model: CausalLM, scales: dict[str, LazyTensor]) -> list[str]:
     compute dtype stores the values themselves.
 
     compressed-tensors' FP8 `kv_cache_scheme` by tensor writes these names
-    (quantization.py accepts it). Per-head scales are not implemented and
-    are refused."""
+    (quantization.py accepts it); ModelOpt's k_proj.k_scale / v_proj.v_scale
+    arrive renamed to them (MODELOPT_KV_SCALES). Per-head scales are not
+    implemented and are refused."""
     layers = model.model.layers  # a ModuleDict by checkpoint index in a multi-token-prediction module (mtp.py)
     named = layers.items() if isinstance(layers, nn.ModuleDict) else enumerate(layers)
     attention = {f"model.layers.{i}.self_attn": layer.self_attn for i, layer in named}
@@ -416,6 +420,9 @@ def build_model(cfg: ModelConfig,
     for ckpt_name, tensor in (tensors.items() if isinstance(tensors, dict) else tensors):
         if ckpt_name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config
+        for modelopt, ours in MODELOPT_KV_SCALES.items():
+            if ckpt_name.endswith(modelopt):
+                ckpt_name = ckpt_name[: -len(modelopt)] + ours
         if ckpt_name.endswith(KV_SCALE_SUFFIXES):
             kv_scales[ckpt_name] = tensor if isinstance(tensor, LazyTensor) else LazyTensor.of(tensor)
             continue

@@ -217,7 +217,9 @@ class LinearScheme:
     a global scale; MXFP4: a power of two)."""
 
     kind: str  # "fp8" | "int" | "fp4"
-    layout: str  # the checkpoint's: "fp8", "fp8-row", "ct-float", "ct-pack", "ct-int", "gptq", "awq", "ct-nvfp4", "ct-mxfp4"
+    # The checkpoint's: "fp8", "fp8-row", "ct-float", "ct-pack", "ct-int", "gptq", "awq", "ct-nvfp4",
+    # "ct-mxfp4", "modelopt-nvfp4" (quant_formats.py).
+    layout: str
     bits: int = 8
     block: tuple[int, int] | None = None
     group_size: int | None = None
@@ -241,7 +243,7 @@ class LinearScheme:
         if self.kind == "fp8":
             weights = f"fp8 blocks {list(self.block)}" if self.block else "fp8 per channel"
         elif self.kind == "fp4":
-            weights = "nvfp4" if self.layout == "ct-nvfp4" else "mxfp4"
+            weights = "mxfp4" if self.layout == "ct-mxfp4" else "nvfp4"
         else:
             groups = "per channel" if self.group_size is None else f"group {self.group_size}"
             weights = f"int{self.bits} {groups}{'' if self.symmetric else ' asymmetric'}"
@@ -260,7 +262,7 @@ class QuantSpec:
     ignored_layers, compressed-tensors' ignore). mxfp4: gpt-oss's experts,
     kept packed (families/gpt_oss.py)."""
 
-    method: str  # "fp8" | "compressed-tensors" | "gptq" | "awq" | "mxfp4"
+    method: str  # "fp8" | "compressed-tensors" | "gptq" | "awq" | "modelopt" | "mxfp4"
     schemes: tuple[tuple[tuple[str, ...], LinearScheme], ...] = ()
     not_converted: tuple[str, ...] = ()
 

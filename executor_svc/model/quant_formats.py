@@ -42,6 +42,13 @@ Checkpoint layouts (`LinearScheme.layout`):
   ct-nvfp4  weight_packed uint8 [N, K / 2] (E2M1, low nibble first),
             weight_scale float8_e4m3fn [N, K / 16], weight_global_scale [1]
   ct-mxfp4  weight_packed as NVFP4, weight_scale uint8 E8M0 [N, K / 32]
+  modelopt-nvfp4
+            weight uint8 [N, K / 2] and weight_scale as ct-nvfp4, and
+            weight_scale_2 [] or [1]: compressed-tensors' global scale
+            inverted (W = value * scale * weight_scale_2); the activations'
+            input_scale likewise inverts input_global_scale. Held as
+            ct-nvfp4 with global scales 1 / weight_scale_2 and 1 /
+            input_scale, the math vLLM's NVFP4 kernels run for both layouts
   awq       qweight int32 [K, N / 8] and qzeros int32 [groups, N / 8], packed
             along the rows in the order 0 2 4 6 1 3 5 7; scales [groups, N]
 """
@@ -71,7 +78,8 @@ def checkpoint_leaves(scheme: LinearScheme, rows: int, cols: int) -> dict[str, t
     cols] (bias aside), by leaf name, with their shapes."""
     leaves = _weight_leaves(scheme, rows, cols)
     if scheme.activations is not None and scheme.activations.checkpoint_leaf:
-        leaves[scheme.activations.checkpoint_leaf] = ANY_SHAPE  # [1] or []
+        leaf = "input_scale" if scheme.layout == "modelopt-nvfp4" else scheme.activations.checkpoint_leaf
+        leaves[leaf] = ANY_SHAPE  # [1] or []
     return leaves
 
 
@@ -94,6 +102,8 @@ def _weight_leaves(scheme: LinearScheme, rows: int, cols: int) -> dict[str, tupl
         return {"weight_packed": (rows, cdiv(cols, 2)), "weight_scale": (rows, g), "weight_global_scale": (1,)}
     if layout == "ct-mxfp4":
         return {"weight_packed": (rows, cdiv(cols, 2)), "weight_scale": (rows, g)}
+    if layout == "modelopt-nvfp4":
+        return {"weight": (rows, cdiv(cols, 2)), "weight_scale": (rows, g), "weight_scale_2": ANY_SHAPE}
     if layout == "gptq":
         return {"qweight": (cols * bits // 32, rows), "qzeros": (g, rows * bits // 32), "scales": (g, rows),
                 "g_idx": (cols,)}
@@ -120,6 +130,12 @@ def canonical(scheme: LinearScheme, leaf: str, t: torch.Tensor, rows: int, cols:
     in the held layout: rows first, whole); ("", the tensor) for a leaf
     that is only checked (weight_shape)."""
     layout, bits = scheme.layout, scheme.bits
+    if layout == "modelopt-nvfp4":
+        inverted = {"input_scale": "input_global_scale", "weight_scale_2": "global_scale"}
+        if leaf in inverted:
+            value = 1.0 / t.to(torch.float32).reshape(1)
+            return inverted[leaf], value.expand(rows) if leaf == "weight_scale_2" else value
+        return {"weight": "qweight", "weight_scale": "scales"}[leaf], t
     if leaf in ("input_scale", "input_global_scale"):
         return leaf, t.to(torch.float32).reshape(1)
     if layout in ("fp8", "fp8-row", "ct-float"):

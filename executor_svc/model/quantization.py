@@ -8,7 +8,9 @@ pack-quantized int4/int8 by group or channel, symmetric or not;
 int-quantized int8; NVFP4 and MXFP4 weights; FP8 or int8 activations,
 dynamic per token or group, or static per tensor, and NVFP4 activations;
 an FP8 kv_cache_scheme), "gptq" (4 or 8 bits, any group size, desc_act
-with g_idx) and "awq" (version gemm). Schemes that quantize activations
+with g_idx), "awq" (version gemm) and "modelopt" (NVIDIA ModelOpt's FP8,
+FP8_PER_CHANNEL_PER_TOKEN and NVFP4, with an FP8 KV cache's scales;
+config.json's or hf_quant_config.json's). Schemes that quantize activations
 (W8A8, NVFP4 W4A4) quantize them at run time as the scheme defines
 (fake_quantize_activations), then run the same weight-only GEMM.
 
@@ -35,6 +37,7 @@ RowLinear.use_scheme, quantize_linears; experts: moe.FusedExperts.use_scheme).
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from typing import Any
 
@@ -76,8 +79,18 @@ CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme
 CT_GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
 CT_ARGS_KEYS = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
                 "observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
+# NVIDIA ModelOpt's exports (nvidia's -FP8 and -FP4 releases): quant_algo
+# and its companions, in hf_quant_config.json under "quantization" (with a
+# "producer" record), or at the top level of config.json's
+# quantization_config, where newer exports name the exclusions "ignore" and
+# the KV cache "kv_cache_scheme", and describe the algorithm again in
+# compressed-tensors' "config_groups" (a record: quant_algo decides, as in
+# vLLM).
+MODELOPT_KEYS = {"quant_method", "quant_algo", "kv_cache_quant_algo", "kv_cache_scheme", "exclude_modules", "ignore",
+                 "group_size", "producer", "config_groups", "quantization"}
+MODELOPT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "NVFP4")
 # Methods served, and where (the refusal names them).
-SUPPORTED = "'fp8', 'compressed-tensors', 'gptq', 'awq', and 'mxfp4' (gpt-oss)"
+SUPPORTED = "'fp8', 'compressed-tensors', 'gptq', 'awq', 'modelopt', and 'mxfp4' (gpt-oss)"
 CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized", "naive-quantized", "nvfp4-pack-quantized",
               "mxfp4-pack-quantized")
 
@@ -85,8 +98,10 @@ CT_FORMATS = ("float-quantized", "pack-quantized", "int-quantized", "naive-quant
 # Checkpoints made before transformers read GPTQ and AWQ keep their
 # quantization config in a file of its own, as AutoGPTQ (quantize_config.json,
 # often without quant_method) and AutoAWQ (quant_config.json, with its own
-# key names) wrote it; config.json's quantization_config wins where both are.
-QUANTIZATION_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+# key names) wrote it, and so do ModelOpt's exports (hf_quant_config.json);
+# config.json's quantization_config wins where both are.
+QUANTIZATION_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"),
+                      ("hf_quant_config.json", "modelopt"))
 AUTOAWQ_KEYS = {"w_bit": "bits", "q_group_size": "group_size"}
 # Where a quantization config came from, kept in it for error messages.
 SOURCE = "llmsched_source"
@@ -107,7 +122,7 @@ def read_quantization(config: dict[str, Any] | None, family: str) -> QuantSpec |
     where = f"{family} {config.pop(SOURCE, 'config.json: quantization_config')}"
     method = config.get("quant_method")
     readers = {"fp8": _read_fp8, "compressed-tensors": _read_compressed_tensors, "gptq": _read_gptq,
-               "awq": _read_awq}
+               "awq": _read_awq, "modelopt": _read_modelopt}
     if method not in readers:
         raise UnsupportedConfig(f"{where} quant_method={method!r} is not supported; supported: {SUPPORTED}")
     return readers[method](config, where)
@@ -155,6 +170,59 @@ def _read_fp8(config: dict[str, Any], where: str) -> QuantSpec:
                                     "[block_n, block_k]")
         linear = LinearScheme("fp8", "fp8", block=(block[0], block[1]))
     return QuantSpec("fp8", schemes=((("Linear",), linear),), not_converted=not_converted)
+
+
+def _read_modelopt(config: dict[str, Any], where: str) -> QuantSpec:
+    """ModelOpt's FP8 (e4m3 weights with one scale per tensor, activations
+    static per tensor: `input_scale`), FP8_PER_CHANNEL_PER_TOKEN (a scale
+    per row, activations dynamic per token) and NVFP4 (W4A4: E2M1 weights
+    and activations per group of 16, over global scales). The tensors are
+    compressed-tensors' for the same schemes, but for NVFP4's global
+    scales, stored inverted (quant_formats.py's modelopt-nvfp4 layout)."""
+    _refuse_unknown(config, MODELOPT_KEYS, where, "quant_method 'modelopt'")
+    nested = config.get("quantization")
+    if nested is not None:  # hf_quant_config.json: {"producer": ..., "quantization": {...}}
+        if not isinstance(nested, dict):
+            raise UnsupportedConfig(f"{where} quantization={nested!r} must be an object")
+        outer = sorted(set(config) - {"quant_method", "producer", "quantization"})
+        if outer:
+            raise UnsupportedConfig(f"{where} keys {outer} beside 'quantization' are not implemented for "
+                                    "quant_method 'modelopt'")
+        config = {"quant_method": "modelopt"} | nested
+        _refuse_unknown(config, MODELOPT_KEYS - {"quantization"}, f"{where} quantization", "quant_method 'modelopt'")
+    algo = str(config.get("quant_algo") or "").upper()
+    if algo not in MODELOPT_ALGOS:
+        raise UnsupportedConfig(f"{where} quant_algo={config.get('quant_algo')!r} is not supported; supported: "
+                                f"{list(MODELOPT_ALGOS)}")
+    kv = config.get("kv_cache_quant_algo")
+    scheme = config.get("kv_cache_scheme")
+    if scheme:
+        got = (scheme.get("num_bits"), scheme.get("type"), bool(scheme.get("dynamic"))) if isinstance(
+            scheme, dict) else scheme
+        if got != (8, "float", False):
+            raise UnsupportedConfig(f"{where} kv_cache_scheme={scheme!r} is not supported; supported: FP8 with "
+                                    "static scales (num_bits 8, type 'float', dynamic false)")
+        kv = kv or "FP8"
+    if kv is not None and str(kv).upper() != "FP8":
+        # FP8: the checkpoint's self_attn.k_proj.k_scale / v_proj.v_scale
+        # (model.set_kv_scales), read by an FP8 cache (EXECUTOR_KV_CACHE_DTYPE).
+        raise UnsupportedConfig(f"{where} kv_cache_quant_algo={kv!r} is not supported; supported: absent or 'FP8'")
+    group = config.get("group_size")
+    if algo == "NVFP4":
+        if group not in (None, 16):
+            raise UnsupportedConfig(f"{where} group_size={group!r} is not supported for NVFP4; supported: 16")
+        linear = LinearScheme("fp4", "modelopt-nvfp4", bits=4, group_size=16, activations=ActivationQuant("fp4", 16))
+    else:
+        if group is not None:
+            raise UnsupportedConfig(f"{where} group_size={group!r} is not supported for quant_algo {algo!r}, "
+                                    "which has no groups")
+        static = algo == "FP8"
+        linear = LinearScheme("fp8", "ct-float", activations=ActivationQuant("float", dynamic=not static))
+    # Exclusions are shell-style wildcards ("lm_head", "model.layers.0.mlp*",
+    # "*.mlp.gate"), matched against whole module names.
+    excluded = tuple(config.get("exclude_modules") or ()) + tuple(config.get("ignore") or ())
+    not_converted = tuple(f"re:{fnmatch.translate(p)}" for p in excluded)
+    return QuantSpec("modelopt", schemes=((("Linear",), linear),), not_converted=not_converted)
 
 
 def _int_arg(config: dict[str, Any], key: str, where: str, allowed: tuple[int, ...] | None = None) -> int:

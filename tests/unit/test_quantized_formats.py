@@ -35,8 +35,8 @@ from executor_svc.step.sampler import SamplingSettings
 from llmsched.errors import StartupError
 from tests.families import CASES, hf_greedy, hf_model, make_checkpoint, prompts
 from tests.quantized import (
-    decompress_compressed_tensors, fake_quantized_hf, write_awq, write_compressed_tensors, write_fp8_per_tensor,
-    write_gptq,
+    as_modelopt, decompress_compressed_tensors, fake_quantized_hf, write_awq, write_compressed_tensors,
+    write_fp8_per_tensor, write_gptq,
 )
 from tests.unit.test_families_vs_hf import runner_for
 from tests.unit.test_fp8_checkpoints import assert_greedy_equal
@@ -275,6 +275,42 @@ def test_nvfp4_w4a4_agrees_with_compressed_tensors_fake_quantized_forward(llama,
     assert layer.input_global_scale.shape == (3,) and bool((layer.input_global_scale > 0).all())
 
 
+FP8_STATIC = ({"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
+              {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True})
+FP8_PER_CHANNEL_PER_TOKEN = ({"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+                             {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                              "symmetric": True})
+
+
+@pytest.mark.parametrize("algo, family, scheme, in_config_json", [
+    ("FP8", "llama3", FP8_STATIC, False),
+    ("FP8_PER_CHANNEL_PER_TOKEN", "llama3", FP8_PER_CHANNEL_PER_TOKEN, True),
+    ("NVFP4", "qwen3-moe", (NVFP4, NVFP4_ACTIVATIONS), True),  # experts through their own linears
+    ("NVFP4", "llama3", (NVFP4, NVFP4_ACTIVATIONS), False),
+])
+def test_modelopt_exports_agree_with_compressed_tensors_fake_quantized_forward(
+        llama, algo, family, scheme, in_config_json, tmp_path):
+    """NVIDIA ModelOpt's FP8, FP8_PER_CHANNEL_PER_TOKEN and NVFP4 (W4A4)
+    exports, made from compressed-tensors checkpoints of the same schemes
+    (tests/quantized.as_modelopt: NVFP4's global scales inverted), with
+    their config in hf_quant_config.json or config.json, and an FP8 KV
+    cache's scales under ModelOpt's names. Oracle and tolerance as for the
+    compressed-tensors checkpoints above."""
+    plain = llama if family == "llama3" else make_checkpoint(CASES[family], tmp_path / family)
+    ct = write_compressed_tensors(plain, tmp_path / "ct", *scheme, ignore=("lm_head", "re:.*mlp.gate$"))
+    path = as_modelopt(ct, tmp_path / "modelopt", algo, in_config_json, kv_scales=(0.5, 0.25))
+    oracle = fake_quantized_hf(ct, decompress_compressed_tensors(ct, tmp_path / "dense")) if algo == "NVFP4" \
+        else str(ct)
+    share, owed = teacher_forced_top1(str(path), oracle)
+    print(f"modelopt {algo} {family}: top-1 agrees with compressed-tensors' forward on {share:.1%} of positions")
+    assert share >= 0.99 and not owed, f"{share:.1%} agree; {owed}"
+    attention = runner_for(str(path)).model.model.layers[0].self_attn
+    assert (attention.k_scale, attention.v_scale) == (0.5, 0.25), "ModelOpt's k_proj.k_scale / v_proj.v_scale"
+    if algo == "NVFP4":
+        want = "nvfp4, activations nvfp4 per group 16 over a static global scale"
+        assert attention.qkv_proj.scheme.describe() == want
+
+
 CT = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
       "config_groups": {"group_0": {"targets": ["Linear"], "weights": int_args(4, "group", True, 128)}},
       "ignore": ["lm_head"], "version": "0.20.1", "transform_config": {}, "sparsity_config": None}
@@ -340,6 +376,14 @@ def group(**change) -> dict:
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_convert": ["model.embed_tokens"]},
      r"modules_to_convert=\['model.embed_tokens'\] \(FP8 embedding tables\) is not supported"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "scale_fmt": "e4m3"}, r"scale_fmt='e4m3' is not"),
+    ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"},
+     r"quant_algo='W4A8_AWQ' is not supported; supported: \['FP8', 'FP8_PER_CHANNEL_PER_TOKEN', 'NVFP4'\]"),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "NVFP4"}},
+     r"kv_cache_quant_algo='NVFP4' is not supported; supported: absent or 'FP8'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32},
+     r"group_size=32 is not supported for NVFP4; supported: 16"),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "pre_quant_scale": True}},
+     r"quantization keys \['pre_quant_scale'\] are not implemented for quant_method 'modelopt'"),
 ])
 def test_quantization_configs_that_change_the_math_are_refused_by_name(llama, config, message):
     hf = json.loads((llama / "config.json").read_text())
@@ -356,6 +400,10 @@ def test_quantization_configs_that_change_the_math_are_refused_by_name(llama, co
     ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "GEMM"},
      "awq: int4 group 64 asymmetric"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8 per channel"),
+    # hf_quant_config.json's shape, as nvidia's -FP8 releases ship it.
+    ({"quant_method": "modelopt", "producer": {"name": "modelopt", "version": "0.19.0"},
+      "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}},
+     "modelopt: fp8 per channel, activations fp8 per tensor, static"),
 ])
 def test_keys_that_only_record_how_a_checkpoint_was_made_are_accepted(llama, config, described):
     hf = json.loads((llama / "config.json").read_text())
@@ -371,6 +419,16 @@ def test_gptq_modules_in_block_to_quantize_leaves_the_linears_it_does_not_name_p
     assert spec.scheme_for("model.layers.1.mlp.xdown_proj") is None
     assert read_config(hf | {"quantization_config": GPTQ | {"modules_in_block_to_quantize": None}}).quantization \
         .scheme_for("model.layers.0.self_attn.q_proj") is not None
+
+
+def test_modelopt_exclude_modules_are_shell_wildcards_over_whole_module_names(llama):
+    hf = json.loads((llama / "config.json").read_text())
+    spec = read_config(hf | {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": [
+        "lm_head", "model.layers.0.mlp*", "*self_attn.o_proj"]}}).quantization
+    assert spec.scheme_for("model.layers.0.mlp.down_proj") is None
+    assert spec.scheme_for("model.layers.1.self_attn.o_proj") is None
+    assert spec.scheme_for("model.layers.1.mlp.down_proj").describe().startswith("nvfp4")
+    assert spec.scheme_for("model.layers.0.self_attn.q_proj") is not None
 
 
 def test_quantization_configs_as_transformers_and_the_quantizers_write_them_are_read(llama):

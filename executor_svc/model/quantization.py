@@ -197,11 +197,13 @@ def _read_modelopt(config: dict[str, Any], where: str) -> QuantSpec:
     kv = config.get("kv_cache_quant_algo")
     scheme = config.get("kv_cache_scheme")
     if scheme:
-        got = (scheme.get("num_bits"), scheme.get("type"), bool(scheme.get("dynamic"))) if isinstance(
-            scheme, dict) else scheme
-        if got != (8, "float", False):
+        if isinstance(scheme, dict):
+            _refuse_unknown(scheme, CT_ARGS_KEYS, f"{where} kv_cache_scheme", "a ModelOpt KV-cache scheme")
+        got = (scheme.get("num_bits"), scheme.get("type"), scheme.get("strategy") or "tensor",
+               bool(scheme.get("dynamic")), scheme.get("symmetric", True)) if isinstance(scheme, dict) else scheme
+        if got != (8, "float", "tensor", False, True):
             raise UnsupportedConfig(f"{where} kv_cache_scheme={scheme!r} is not supported; supported: FP8 with "
-                                    "static scales (num_bits 8, type 'float', dynamic false)")
+                                    "static scales per tensor (num_bits 8, type 'float', dynamic false)")
         kv = kv or "FP8"
     if kv is not None and str(kv).upper() != "FP8":
         # FP8: the checkpoint's self_attn.k_proj.k_scale / v_proj.v_scale

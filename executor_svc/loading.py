@@ -77,11 +77,12 @@ TINY_HIDDEN = 512
 
 
 def check_torch_compile(setting: str, device: torch.device, tp_size: int, cfg: ModelConfig | None = None,
-                        kv_cache_dtype: str = "auto", batch_invariant: bool = False) -> bool:
+                        kv_cache_dtype: str = "auto", batch_invariant: bool = False,
+                        cpu_fp8_kernel: str = "auto") -> bool:
     if setting == "off":
         return False
     if setting == "auto":
-        return compile_pays(device, tp_size, cfg, kv_cache_dtype, batch_invariant)
+        return compile_pays(device, tp_size, cfg, kv_cache_dtype, batch_invariant, cpu_fp8_kernel)
     if kv_cache_dtype != "auto":
         # The compiled graph reads the pool with its own gather (compiled_decode.py), which does not dequantize.
         raise StartupError("EXECUTOR_TORCH_COMPILE=on is not implemented with "
@@ -99,22 +100,27 @@ def check_torch_compile(setting: str, device: torch.device, tp_size: int, cfg: M
 
 
 def compile_pays(device: torch.device, tp_size: int, cfg: ModelConfig | None, kv_cache_dtype: str,
-                 batch_invariant: bool) -> bool:
+                 batch_invariant: bool, cpu_fp8_kernel: str = "auto") -> bool:
     """EXECUTOR_TORCH_COMPILE=auto: compile decode steps where the compiled
-    graph serves them, an unquantized dense model on one CPU rank, given a
+    graph serves them, a dense model on one CPU rank, unquantized or with
+    FP8 weights on the CPU FP8 kernel (an operator of the graph), given a
     C++ compiler for inductor. On a tiny model per-op dispatch is most of
     a step (stories260K: 0.84 ms a token through the services compiled,
     1.67 eager, docs/performance.md P12); from hidden size 512 up the step
     compiles layerwise, a few seconds cold (compiled_decode.LAYERWISE_HIDDEN),
     and still saves each layer's few dozen eager ops (a Qwen3-0.6B shape's
-    one-row step, P24). Quantized layers compiled are not measured: `on`."""
+    one-row step, P24; P20's FP8 model: 19.4 against 22.4 ms a token). The
+    int4/int8 kernels' graphs disagree with their eager layers in the
+    start-up check and run eagerly anyway: not compiled under auto."""
     why_not = None
     if device.type != "cpu" or tp_size > 1:
         why_not = "not a single CPU rank"
     elif cfg is None or cfg.moe is not None or cfg.mla is not None:
         why_not = "not a dense family"
-    elif cfg.quantization is not None:
-        why_not = "a quantized checkpoint (EXECUTOR_TORCH_COMPILE=on compiles it)"
+    elif cfg.quantization is not None and (cpu_fp8_kernel == "off" or not all(
+            s.kind == "fp8" and s.activations is None for _, s in cfg.quantization.schemes)):
+        why_not = ("a quantized checkpoint other than FP8 weights on the CPU FP8 kernel (EXECUTOR_TORCH_COMPILE=on "
+                   "compiles it)")
     elif kv_cache_dtype != "auto" or batch_invariant:
         why_not = "EXECUTOR_KV_CACHE_DTYPE or EXECUTOR_BATCH_INVARIANT rules it out"
     elif not has_cxx_compiler():
@@ -173,7 +179,8 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     size = settings.tensor_parallel_size
     device = rank_device(settings.device, int(os.environ.get("LOCAL_RANK", "0")) if size > 1 else 0, size)
     invariant = check_batch_invariant(settings)
-    torch_compile = check_torch_compile(settings.torch_compile, device, size, cfg, settings.kv_cache_dtype, invariant)
+    torch_compile = check_torch_compile(settings.torch_compile, device, size, cfg, settings.kv_cache_dtype, invariant,
+                                        settings.cpu_fp8_kernel)
     tp = join(settings, cfg, device)
     _set_threads(settings, device, cfg)
     shard = tp.shard if tp else Shard()

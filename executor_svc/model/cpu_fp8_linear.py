@@ -226,6 +226,28 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grid_row
     return out
 
 
+@torch.library.custom_op("llmsched::cpu_fp8_linear", mutates_args=())
+def linear_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grid_rows: torch.Tensor, block_k: int,
+              bf16: bool) -> torch.Tensor:
+    """matmul() as an operator of a compiled graph (the compiled CPU decode
+    step), which dynamo does not trace into (a ctypes call would break the
+    graph): float32 [M, N] for up to MAX_ROWS rows, else the dequantizing
+    path's product, chosen when the graph runs, as eager steps choose."""
+    if x.shape[0] <= MAX_ROWS:
+        return matmul(x, weight, scales, grid_rows, block_k, bf16)
+    from executor_svc.model.quantization import dequantize_fp8_blocks
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return torch.nn.functional.linear(x.to(dtype), dequantize_fp8_blocks(weight, scales, grid_rows, block_k,
+                                                                          dtype)).float()
+
+
+@linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grid_rows: torch.Tensor, block_k: int,
+      bf16: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
 def use_cpu_fp8_kernel(model: nn.Module, setting: str = "auto", batch_invariant: bool = False) -> int:
     """EXECUTOR_CPU_FP8_KERNEL: marks every FP8 linear, and every block of
     FP8 experts (moe.FusedExperts), whose shapes the kernel takes; their

@@ -198,12 +198,13 @@ def test_torch_compile_is_refused_by_name_off_cpu_and_under_tensor_parallelism()
         check_torch_compile("on", torch.device("cpu"), 2)
 
 
-def test_auto_compiles_an_unquantized_dense_model_on_one_cpu_rank(stories_path, monkeypatch):
+def test_auto_compiles_a_dense_model_unquantized_or_in_fp8_on_one_cpu_rank(stories_path, monkeypatch):
     import dataclasses
     import shutil
 
     from executor_svc.model.checkpoint import load_checkpoint
     from executor_svc.model.families import read_config
+    from executor_svc.model.model_config import ActivationQuant, LinearScheme, QuantSpec
 
     tiny = read_config(load_checkpoint(str(stories_path)).hf_config)
     cpu = torch.device("cpu")
@@ -211,8 +212,14 @@ def test_auto_compiles_an_unquantized_dense_model_on_one_cpu_rank(stories_path, 
         pytest.skip("no C++ compiler on this machine: auto is off by design")
     assert check_torch_compile("auto", cpu, 1, tiny) is True, "stories260K on one CPU rank compiles"
     assert check_torch_compile("auto", cpu, 1, dataclasses.replace(tiny, hidden_size=1024)) is True, "layerwise"
-    quantized = dataclasses.replace(tiny, quantization=object())
-    assert check_torch_compile("auto", cpu, 1, quantized) is False, "quantized layers compiled are not measured"
+    fp8 = dataclasses.replace(tiny, quantization=QuantSpec("fp8", ((("Linear",), LinearScheme("fp8", "fp8",
+                                                                                             block=(8, 8))),)))
+    assert check_torch_compile("auto", cpu, 1, fp8) is True, "FP8 weights: the CPU FP8 kernel is a graph operator"
+    assert check_torch_compile("auto", cpu, 1, fp8, cpu_fp8_kernel="off") is False, "dequantizing: not measured"
+    for scheme in (LinearScheme("int", "ct-pack", bits=4, group_size=32),
+                   LinearScheme("fp8", "ct-float", activations=ActivationQuant("float"))):
+        quantized = dataclasses.replace(tiny, quantization=QuantSpec("compressed-tensors", ((("Linear",), scheme),)))
+        assert check_torch_compile("auto", cpu, 1, quantized) is False, f"{scheme.describe()}: not compiled"
     assert check_torch_compile("auto", cpu, 2, tiny) is False, "tensor parallelism: eager, not refused"
     assert check_torch_compile("auto", torch.device("cuda", 0), 1, tiny) is False, "CUDA graphs' job"
     assert check_torch_compile("auto", cpu, 1, tiny, "fp8_e4m3") is False

@@ -10,12 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from executor_svc.attention import make_backend
 from executor_svc.model import cpu_fp8_linear
 from executor_svc.model.quantization import dequantize_fp8_blocks, quantize_fp8_blocks
+from executor_svc.step.kv_cache import KVCachePool
+from executor_svc.step.runner import ModelRunner
 from tests.families import CASES, hf_greedy, make_checkpoint, prompts
 from tests.quantized import write_dequantized, write_fp8
 from tests.unit.test_families_vs_hf import runner_for
-from tests.unit.test_runner_vs_hf import generate
+from tests.unit.test_runner_vs_hf import BLOCK, generate
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,6 +81,36 @@ def test_an_fp8_checkpoint_through_the_kernel_serves_hfs_greedy_tokens(tmp_path)
     for prompt, tokens in zip(batch, got):
         assert tokens == hf_greedy(oracle, prompt, steps).tokens, f"prompt {prompt}"
     assert got == generate(dequantizing, batch, steps, chunk=30)
+
+
+def test_compiled_decode_steps_call_the_kernel_as_an_operator_and_serve_hfs_greedy_tokens(tmp_path):
+    """EXECUTOR_TORCH_COMPILE on an FP8 checkpoint: the compiled decode
+    graph calls llmsched::cpu_fp8_linear (a ctypes call inside it would
+    break the graph and send every step back to eager)."""
+    from executor_svc.step.compiled_decode import STEPS
+
+    plain = make_checkpoint(CASES["llama3"], tmp_path / "llama")
+    path = str(write_fp8(plain, tmp_path / "fp8", (32, 32)))
+    oracle = str(write_dequantized(Path(path), tmp_path / "dense", (32, 32)))
+    batch, steps = prompts(3, min_len=24, max_len=26), 8
+    model = runner_for(path).model
+    assert cpu_fp8_linear.use_cpu_fp8_kernel(model) == 8  # before the graph compiles, as loading.load marks them
+    calls, matmul = [], cpu_fp8_linear.matmul
+    cpu_fp8_linear.matmul = lambda *a, **kw: calls.append(a[0].shape[0]) or matmul(*a, **kw)
+    before = STEPS._value.get()
+    try:
+        runner = ModelRunner(model, KVCachePool(model.cfg, 128, BLOCK, torch.device("cpu"), torch.float32),
+                             make_backend("torch"), torch.device("cpu"), torch_compile=True)
+        calls.clear()  # the warm-up's
+        got = generate(runner, batch, steps, chunk=30)
+        assert runner.compiled is not None, "the compiled step failed and the runner fell back to eager"
+        assert STEPS._value.get() - before > 0, "no decode step ran compiled"
+        assert 3 in calls, "the compiled decode steps did not call the kernel"
+    finally:
+        cpu_fp8_linear.matmul = matmul
+        torch._dynamo.reset()
+    for prompt, tokens in zip(batch, got):
+        assert tokens == hf_greedy(oracle, prompt, steps).tokens, f"prompt {prompt}"
 
 
 @pytest.mark.parametrize("family, block", [("qwen3-moe", (16, 16)), ("deepseek-v3", (8, 8))])

@@ -514,11 +514,17 @@ class CompiledDecode:
 
 def _module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor a module's forward may read, by name: parameters,
-    buffers and plain tensor attributes of it and its submodules."""
+    buffers and plain tensor attributes of it and its submodules, and the
+    tensors of its dataclass attributes (the CPU int kernels' weights,
+    cpu_int_linear.CpuIntWeights): a layer that shares another's graph
+    must pass its own."""
     out = {}
     for prefix, m in module.named_modules():
         for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False),
-                        *((k, v) for k, v in vars(m).items() if isinstance(v, torch.Tensor))]:
+                        *((k, v) for k, v in vars(m).items() if isinstance(v, torch.Tensor)),
+                        *((f"{k}.{f.name}", getattr(v, f.name)) for k, v in vars(m).items()
+                          if is_dataclass(v) and not isinstance(v, type)
+                          for f in fields(v) if isinstance(getattr(v, f.name), torch.Tensor))]:
             out[f"{prefix}.{name}" if prefix else name] = t
     return out
 

@@ -35,7 +35,7 @@ from executor_svc.step.sampler import SamplingSettings
 from llmsched_kernels.reference import dequantize_int
 from tests.families import CASES, hf_greedy, make_checkpoint, prompts
 from tests.quantized import decompress_compressed_tensors, write_awq, write_compressed_tensors, write_gptq
-from tests.unit.test_runner_vs_hf import BLOCK
+from tests.unit.test_runner_vs_hf import BLOCK, generate
 
 BF16 = torch.bfloat16
 MARGIN = 0.1
@@ -219,3 +219,28 @@ def test_int4_is_converted_in_place_a_few_row_blocks_at_a_time_as_one_conversion
     held = cpu_int_linear.pack(layer, BF16)
     assert held.packed.data_ptr() == storage, "converted into a new buffer, not over the checkpoint's bytes"
     assert torch.equal(held.packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+
+
+def test_compiled_layerwise_decode_reads_each_layers_own_kernel_weights(checkpoints, monkeypatch):
+    """Layers of one kind share one compiled graph, called with each
+    layer's tensors (compiled_decode._module_tensors). The int kernels'
+    weights live in a dataclass beside the layer's parameters; left out,
+    every layer ran the first one's weights, the start-up check caught it,
+    and int checkpoints never decoded compiled."""
+    from executor_svc.step import compiled_decode
+    from executor_svc.step.compiled_decode import STEPS
+
+    monkeypatch.setattr(compiled_decode, "LAYERWISE_HIDDEN", 0)
+    path, _ = checkpoints["ct-w4a16-group32"]
+    cfg, model = build(path)
+    runners = [ModelRunner(model, KVCachePool(cfg, 64, BLOCK, torch.device("cpu"), BF16), make_backend("torch"),
+                           torch.device("cpu"), torch_compile=compile) for compile in (True, False)]
+    try:
+        assert runners[0].compiled is not None and runners[0].compiled.layerwise, "the warm-up's check failed"
+        assert len({id(direct) for direct, *_ in runners[0].compiled._layer_calls}) == 1, "one graph for both layers"
+        before = STEPS._value.get()
+        got = [generate(runner, prompts(2, min_len=5, max_len=12), 6, chunk=16) for runner in runners]
+        assert STEPS._value.get() - before > 0, "no decode step ran compiled"
+    finally:
+        torch._dynamo.reset()
+    assert got[0] == got[1], "compiled decode steps part from eager ones"

@@ -109,9 +109,9 @@ def compile_pays(device: torch.device, tp_size: int, cfg: ModelConfig | None, kv
     1.67 eager, docs/performance.md P12); from hidden size 512 up the step
     compiles layerwise, a few seconds cold (compiled_decode.LAYERWISE_HIDDEN),
     and still saves each layer's few dozen eager ops (a Qwen3-0.6B shape's
-    one-row step, P24; P20's FP8 model: 19.4 against 22.4 ms a token). The
-    int4/int8 kernels' graphs disagree with their eager layers in the
-    start-up check and run eagerly anyway: not compiled under auto."""
+    one-row step, P24; P20's FP8 model: 19.6 against 23.2 ms a token).
+    Checkpoints on the int4/int8 kernels compile with `on`, unmeasured:
+    not under auto."""
     why_not = None
     if device.type != "cpu" or tp_size > 1:
         why_not = "not a single CPU rank"

@@ -4,7 +4,7 @@ against the same model in bf16, measured in the same run (docs/performance.md, P
     python -m bench.quantized                       # ~150M-parameter Llama, 3 rounds
     python -m bench.quantized --hidden 256 --layers 2 --vocab 2048 --rounds 1 --tokens 8 --streams 4
     python -m bench.quantized --dequantizing        # + every format dequantizing per matmul (kernels off)
-    python -m bench.quantized --eager               # + FP8 with its decode steps eager (not compiled)
+    python -m bench.quantized --eager               # + every format with its decode steps eager (not compiled)
 
 The model is a random LlamaForCausalLM saved by transformers in bf16
 (bench/load_memory.py), a copy with every decoder linear in FP8 blocks of
@@ -16,8 +16,8 @@ each keeping its quantized weights; on the CPU the int formats run torch's
 int4/int8 kernels (executor_svc/model/cpu_int_linear.py) and FP8 our own
 (cpu_fp8_linear.py), and `--dequantizing` adds each again dequantizing per
 matmul, as before those (EXECUTOR_CPU_INT_KERNELS / _FP8_KERNEL=off).
-Decode steps are compiled (EXECUTOR_TORCH_COMPILE=auto) for bf16 and FP8,
-eager for the int formats; `--eager` adds FP8 eager.
+Decode steps are compiled (EXECUTOR_TORCH_COMPILE=auto) for every one;
+`--eager` adds each quantized format with them eager.
 
 - **Memory:** each checkpoint is loaded in a fresh interpreter as the
   executor loads it. The figures are the loaded weight bytes, and the
@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also serve each format with its CPU kernel off, dequantizing per matmul (fp8-deq, "
                    "w4a16-deq, w8a16-deq)")
     p.add_argument("--eager", action="store_true",
-                   help="also serve FP8 with its decode steps eager (fp8-eager: EXECUTOR_TORCH_COMPILE=off; the "
-                   "default compiles them, as for bf16)")
+                   help="also serve each format with its decode steps eager (fp8-eager, w4a16-eager, w8a16-eager: "
+                   "EXECUTOR_TORCH_COMPILE=off; the default compiles them, as for bf16)")
     p.add_argument("--out", type=Path, default=Path("bench_results") / "quantized.json")
     args = p.parse_args(argv)
     from bench.peer_models import write_int8
@@ -211,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in paths.items():
             memory[name]["linears_mb"] = linear_bytes(path) / 2**20
         envs = dict.fromkeys(paths, {})
-        if args.eager:
-            paths["fp8-eager"], envs["fp8-eager"] = paths["fp8"], {"EXECUTOR_TORCH_COMPILE": "off"}
-            memory["fp8-eager"] = memory["fp8"]
+        for name in ("fp8", "w4a16", "w8a16") if args.eager else ():
+            paths[f"{name}-eager"], envs[f"{name}-eager"] = paths[name], {"EXECUTOR_TORCH_COMPILE": "off"}
+            memory[f"{name}-eager"] = memory[name]
         if args.dequantizing:
             for name, setting in (("fp8", "EXECUTOR_CPU_FP8_KERNEL"), ("w4a16", "EXECUTOR_CPU_INT_KERNELS"),
                                   ("w8a16", "EXECUTOR_CPU_INT_KERNELS")):

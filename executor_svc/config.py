@@ -80,7 +80,8 @@ class ExecutorSettings(BaseSettings):
         "off; `off`.")
     torch_compile: Literal["auto", "off", "on"] = Field(
         default="auto", description="`auto` = `on` for a dense model on one CPU rank, unquantized or with FP8 "
-        "weights on `EXECUTOR_CPU_FP8_KERNEL`, when a C++ compiler is found, else `off`. Inductor's cache "
+        "(on `EXECUTOR_CPU_FP8_KERNEL`) or integer weights, when a C++ compiler is found, else `off`. Inductor's "
+        "cache "
         "is kept in `~/.cache/llmsched/inductor` (unless `TORCHINDUCTOR_CACHE_DIR` is set), in a subdirectory per CPU "
         "vector ISA (`cpu-<isa>`: inductor's own cache key leaves the ISA out, so hosts of different CPUs may share "
         "the directory), so a restart loads the "

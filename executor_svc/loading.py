@@ -103,24 +103,27 @@ def compile_pays(device: torch.device, tp_size: int, cfg: ModelConfig | None, kv
                  batch_invariant: bool, cpu_fp8_kernel: str = "auto") -> bool:
     """EXECUTOR_TORCH_COMPILE=auto: compile decode steps where the compiled
     graph serves them, a dense model on one CPU rank, unquantized or with
-    FP8 weights on the CPU FP8 kernel (an operator of the graph), given a
-    C++ compiler for inductor. On a tiny model per-op dispatch is most of
-    a step (stories260K: 0.84 ms a token through the services compiled,
-    1.67 eager, docs/performance.md P12); from hidden size 512 up the step
+    FP8 or integer weights (the CPU FP8 kernel is an operator of the graph,
+    torch's int4/int8 kernels are aten operators), given a C++ compiler for
+    inductor. On a tiny model per-op dispatch is most of a step
+    (stories260K: 0.84 ms a token through the services compiled, 1.67
+    eager, docs/performance.md P12); from hidden size 512 up the step
     compiles layerwise, a few seconds cold (compiled_decode.LAYERWISE_HIDDEN),
     and still saves each layer's few dozen eager ops (a Qwen3-0.6B shape's
-    one-row step, P24; P20's FP8 model: 19.6 against 23.2 ms a token).
-    Checkpoints on the int4/int8 kernels compile with `on`, unmeasured:
-    not under auto."""
+    one-row step, P24; P20's quantized models, one stream: W4A16 5.97
+    against 9.45 ms a token eager, W8A16 10.94 against 14.59, FP8 18.06
+    against 21.97; W8A16 at 64 streams loses 12%, P20). Schemes that
+    quantize activations at run time are not measured compiled: `on`."""
     why_not = None
     if device.type != "cpu" or tp_size > 1:
         why_not = "not a single CPU rank"
     elif cfg is None or cfg.moe is not None or cfg.mla is not None:
         why_not = "not a dense family"
-    elif cfg.quantization is not None and (cpu_fp8_kernel == "off" or not all(
-            s.kind == "fp8" and s.activations is None for _, s in cfg.quantization.schemes)):
-        why_not = ("a quantized checkpoint other than FP8 weights on the CPU FP8 kernel (EXECUTOR_TORCH_COMPILE=on "
-                   "compiles it)")
+    elif cfg.quantization is not None and not all(
+            s.activations is None and (s.kind == "int" or s.kind == "fp8" and cpu_fp8_kernel != "off")
+            for _, s in cfg.quantization.schemes):
+        why_not = ("a quantized checkpoint whose activations are quantized too, or FP8 off its CPU kernel "
+                   "(EXECUTOR_TORCH_COMPILE=on compiles it)")
     elif kv_cache_dtype != "auto" or batch_invariant:
         why_not = "EXECUTOR_KV_CACHE_DTYPE or EXECUTOR_BATCH_INVARIANT rules it out"
     elif not has_cxx_compiler():

@@ -120,7 +120,7 @@ def compile_pays(device: torch.device, tp_size: int, cfg: ModelConfig | None, kv
     elif cfg is None or cfg.moe is not None or cfg.mla is not None:
         why_not = "not a dense family"
     elif cfg.quantization is not None and not all(
-            s.activations is None and (s.kind == "int" or s.kind == "fp8" and cpu_fp8_kernel != "off")
+            s.activations is None and (s.kind == "int" or (s.kind == "fp8" and cpu_fp8_kernel != "off"))
             for _, s in cfg.quantization.schemes):
         why_not = ("a quantized checkpoint whose activations are quantized too, or FP8 off its CPU kernel "
                    "(EXECUTOR_TORCH_COMPILE=on compiles it)")

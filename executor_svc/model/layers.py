@@ -240,15 +240,13 @@ class _Linear(nn.Module):
                 y = int_weight_linear(x, self.qweight, self.scales, self.zeros, scheme.group_size or self.in_cols,
                                       scheme.bits, self.g_idx)
             return y if self.bias is None else y + self.bias
-        if self.cpu_fp8 and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16):
+        # In a compiled graph the operator chooses by row count when the graph runs.
+        compiling = torch.compiler.is_compiling()
+        if (self.cpu_fp8 and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
+                and (compiling or x.shape[0] <= cpu_fp8_linear.MAX_ROWS)):
             args = (x.float(), self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1],
                     x.dtype == torch.bfloat16)
-            if torch.compiler.is_compiling():  # the row count is known when the graph runs
-                y = torch.ops.llmsched.cpu_fp8_linear(*args)
-            elif x.shape[0] <= cpu_fp8_linear.MAX_ROWS:
-                y = cpu_fp8_linear.matmul(*args)
-            else:
-                return F.linear(x, self.dense_weight(x.dtype), self.bias)
+            y = torch.ops.llmsched.cpu_fp8_linear(*args) if compiling else cpu_fp8_linear.matmul(*args)
             return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
         return F.linear(x, self.dense_weight(x.dtype), self.bias)
 

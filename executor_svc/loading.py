@@ -249,10 +249,7 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     backend = make_backend(settings.attention_backend, device, batch_invariant=invariant)
     if backend.name == "triton" and use_triton_moe(model):
         log.info("mixture-of-experts layers run the triton fused-MoE kernel (llmsched_kernels/fused_moe.py; plain, FP8 "
-                 "blocks or MXFP4 experts)")
-    elif backend.name == "triton" and cfg.moe is not None:
-        log.info("quantized experts run the torch loop through each expert's own quantized linears: the triton "
-                 "fused-MoE kernel reads plain, FP8-block and MXFP4 experts only")
+                 "blocks, MXFP4 or NVFP4 experts)")
     if lora is not None and backend.name == "triton":
         lora.use_impl("triton")
         log.info("LoRA deltas run the triton shrink and expand kernels (llmsched_kernels/lora.py)")

@@ -29,8 +29,9 @@ activations' dtype before the dot (W8A16 / W4A16; accumulation in float32):
          low nibble within a group of 32) times 2^(scale - 127), one E8M0 scale
          byte per group [num_experts, N, K / 32] (gpt-oss); exact in bf16 and fp32
 * nvfp4: E2M1 nibbles in groups of 16 [num_experts, N, K / 16, 8] uint8 times one
-         float8_e4m3fn scale per group [num_experts, N, K / 16], divided by one
-         float32 global scale per expert [num_experts]
+         float8_e4m3fn scale per group [num_experts, N, K / 16] over its row's
+         float32 global scale [num_experts, N] (gate's and up's may differ),
+         rounded to bfloat16 as compressed-tensors decompresses
 
 A tensor-parallel rank whose down-projection units start mid-group keeps the
 groups that cover them; ``col0`` is where its K columns start in them.
@@ -58,7 +59,7 @@ def _grouped_gemm_kernel(
     a_ptr,  # [num_a_rows, K]: per token (A_ROWS_PER == top_k) or per (token, slot) (A_ROWS_PER == 1)
     w_ptr,  # [num_experts, N, K]; fp8: int8 bits; fp4: [num_experts, N, groups, bytes per group] uint8
     ws_ptr,  # quantized: [num_experts, scale rows, scale columns] (fp8 float32, mxfp4 uint8, nvfp4 int8 e4m3 bits)
-    wr_ptr,  # fp8: [N] int64 grid row of each weight row; nvfp4: [num_experts] float32 global scales
+    wr_ptr,  # fp8: [N] int64 grid row of each weight row; nvfp4: [num_experts, N] float32 global scales
     bias_ptr,  # [num_experts, N]                    (HAS_BIAS)
     c_ptr,  # [num_pairs, N], one row per (token, slot) pair
     weights_ptr,  # [num_pairs] routing weights       (MUL_WEIGHT)
@@ -110,7 +111,7 @@ def _grouped_gemm_kernel(
             scale_row = offs_n  # one scale row per weight row
         s_base = ws_ptr + expert * stride_se + scale_row[None, :] * stride_sr  # [1, BLOCK_N]
     if FORMAT == "nvfp4":
-        global_scale = tl.load(wr_ptr + expert)
+        global_scale = tl.load(wr_ptr + expert * N + offs_n, mask=n_ok, other=1.0)[None, :]  # [1, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # [BLOCK_M, BLOCK_N]
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + offs_k) < K  # [BLOCK_K]
@@ -142,8 +143,9 @@ def _grouped_gemm_kernel(
                     w = value * tl.where(e8m0 == 0, 0x400000, e8m0 << 23).to(tl.float32, bitcast=True)
                 else:
                     e4m3 = tl.load(s_base + (col // SCALE_K)[:, None], mask=w_ok, other=0)  # int8 bits
-                    # value * scale is exact in float32; the division is rounded once, as in torch.
-                    w = tl.math.div_rn(value * (e4m3_over_256(e4m3) * 256.0), global_scale)
+                    # As dequantize_fp4: the group's scale over the global one, times the value, each
+                    # rounded in float32, then to bfloat16 whatever the activations' dtype.
+                    w = round_to_bf16(value * tl.math.div_rn(e4m3_over_256(e4m3) * 256.0, global_scale))
             if ROUND_BY_HAND:
                 w = round_to_bf16(w)
             else:
@@ -175,6 +177,10 @@ def _e2m1(code):
     return tl.where((code & 8) != 0, -value, value)
 
 
+# Rows [num_pairs, K] and each row's expert [num_pairs] -> the rows a projection multiplies.
+InputQuantizer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @dataclass(frozen=True, slots=True)
 class QuantizedExperts:
     """One projection of every expert, held quantized: stands for a
@@ -187,7 +193,7 @@ class QuantizedExperts:
     shape: tuple[int, int, int]  # (num_experts, N, K) of the weight it stands for
     scale_k: int  # columns per scale: block_k, 32 or 16
     rows: torch.Tensor | None = None  # fp8: [N] int64, the grid row of each weight row
-    global_scale: torch.Tensor | None = None  # nvfp4: [E] float32
+    global_scale: torch.Tensor | None = None  # nvfp4: [E, N] float32, each row's
     col0: int = 0  # fp4: the stored column where the K columns start
 
     @classmethod
@@ -208,11 +214,14 @@ class QuantizedExperts:
 
     @classmethod
     def nvfp4(cls, blocks: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> QuantizedExperts:
-        """W[e, n, k] = e2m1 * scales[e, n, k // 16] / global_scale[e], in float32."""
+        """W[e, n, k] = bf16(e2m1 * (scales[e, n, k // 16] / global_scale[e, n])), the
+        arithmetic in float32; global_scale [E] (one per expert) or [E, N] (one per row)."""
+        e, n = blocks.shape[:2]
         assert scales.dtype == torch.float8_e4m3fn, f"NVFP4 scales {scales.dtype}: float8_e4m3fn"
-        assert global_scale.shape == (blocks.shape[0],) and global_scale.dtype == torch.float32, (
-            f"global_scale {tuple(global_scale.shape)} {global_scale.dtype}: one float32 per expert")
-        return cls._fp4("nvfp4", blocks, scales, 16, 0, None, global_scale)
+        assert global_scale.shape in ((e,), (e, n)) and global_scale.dtype == torch.float32, (
+            f"global_scale {tuple(global_scale.shape)} {global_scale.dtype}: float32, one per expert or per row")
+        rows = global_scale if global_scale.dim() == 2 else global_scale[:, None].expand(e, n)
+        return cls._fp4("nvfp4", blocks, scales, 16, 0, None, rows.contiguous())
 
     @classmethod
     def _fp4(cls, fmt, blocks, scales, group, col0, k, global_scale) -> QuantizedExperts:
@@ -312,6 +321,7 @@ def fused_moe(
     b2: torch.Tensor | None = None,  # [num_experts, hidden]
     block_m: int = 16,
     ordered_combine: bool = False,
+    quantize_inputs: tuple[InputQuantizer, InputQuantizer] | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """Triton version of ``llmsched_kernels.reference.fused_moe``; w13 and w2 are plain
     tensors in x's dtype or QuantizedExperts (on the dequantized weights).
@@ -319,7 +329,11 @@ def fused_moe(
     after another in top-k slot order, rather than by a reduction whose
     order the device may pick from the batch's size. The grouped GEMMs'
     tiles depend on the weights' shapes only, so each pair's row is computed
-    the same whatever shares its tile."""
+    the same whatever shares its tile.
+    quantize_inputs (checkpoints that quantize activations per expert, as
+    NVFP4 W4A4): gate/up's and down's, each mapping the (token, slot)
+    pairs' input rows [num_pairs, K] and their experts [num_pairs] to the
+    rows that projection multiplies; x is then read once per pair."""
     num_tokens, top_k = ids.shape
     num_experts = w13.shape[0]
     assert x.dim() == 2 and w13.shape[2] == x.shape[1] and w2.shape[1] == x.shape[1], (
@@ -328,8 +342,13 @@ def fused_moe(
     x = x if x.stride(1) == 1 else x.contiguous()
     sorted_pairs, block_expert, num_padded = align_by_expert(ids, num_experts, block_m)
     num_pairs = num_tokens * top_k
-    gate_up = grouped_gemm(x, w13, b13, sorted_pairs, block_expert, num_padded, num_pairs, top_k, None, block_m)
-    h = activation(gate_up).contiguous()  # [num_pairs, inter]
+    a, a_rows_per = x, top_k
+    if quantize_inputs is not None:
+        pair_experts = ids.reshape(-1)  # [num_pairs]
+        a, a_rows_per = quantize_inputs[0](x.repeat_interleave(top_k, dim=0), pair_experts).contiguous(), 1
+    gate_up = grouped_gemm(a, w13, b13, sorted_pairs, block_expert, num_padded, num_pairs, a_rows_per, None, block_m)
+    h = activation(gate_up)  # [num_pairs, inter]
+    h = (h if quantize_inputs is None else quantize_inputs[1](h, pair_experts)).contiguous()
     flat_weights = weights.reshape(-1).contiguous()  # [num_pairs]
     down = grouped_gemm(h, w2, b2, sorted_pairs, block_expert, num_padded, num_pairs, 1, flat_weights, block_m)
     down = down.view(num_tokens, top_k, -1)  # [num_tokens, top_k, hidden]

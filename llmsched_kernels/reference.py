@@ -48,8 +48,9 @@ GPTQ, AWQ and compressed-tensors checkpoints are converted to this at load):
 
 * blocks:           [N, groups, group / 2] uint8 E2M1 codes, value 2j in byte j's low nibble
 * MXFP4:            groups of 32, scales [N, groups] uint8 E8M0: W = value * 2^(scale - 127)
-* NVFP4:            groups of 16, scales [N, groups] float8_e4m3fn and one float32 global
-                    scale: W = value * scale / global_scale
+* NVFP4:            groups of 16, scales [N, groups] float8_e4m3fn and a float32 global
+                    scale per row: W = bf16(value * (scale / global_scale)), each step
+                    rounded in float32 (compressed-tensors' decompression)
 
 Multi-LoRA (``lora_shrink``, ``lora_expand``; executor_svc/model/lora.py's slot buffers):
 
@@ -283,12 +284,14 @@ def dequantize_mxfp4(
 def dequantize_nvfp4(
     blocks: torch.Tensor,  # [N, groups, 8] uint8
     scales: torch.Tensor,  # [N, groups] float8_e4m3fn
-    global_scale: float | torch.Tensor,  # float32 scalar
+    global_scale: float | torch.Tensor,  # float32: a scalar, or [N] one per row
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [N, groups * 16] in dtype
-    """W = value * scale / global_scale: the product (exact) and the quotient in float32, then dtype."""
-    w = e2m1_values(blocks) * scales.float().repeat_interleave(16, dim=1)  # [N, groups * 16]
-    return (w / torch.as_tensor(global_scale, dtype=torch.float32)).to(dtype)
+    """W = value * (scale / global_scale) in float32, rounded to bfloat16, then cast to dtype."""
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=blocks.device).reshape(-1, 1)  # [N or 1, 1]
+    s = scales.float() / gs  # [N, groups]
+    w = e2m1_values(blocks) * s.repeat_interleave(16, dim=1)  # [N, groups * 16]
+    return w.to(torch.bfloat16).to(dtype)
 
 
 def pack_int(q: torch.Tensor, bits: int) -> torch.Tensor:

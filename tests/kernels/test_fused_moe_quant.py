@@ -35,7 +35,9 @@ def _fp4(fmt: str, e: int, n: int, groups: int, g: torch.Generator, exponent: in
         dense = torch.stack([reference.dequantize_mxfp4(blocks[i], scales[i], torch.float32) for i in range(e)])
         return blocks, scales, None, dense
     scales = (torch.rand(e, n, groups, generator=g) * 4 + 0.25).to(torch.float8_e4m3fn)
-    global_scale = 2.0 ** -exponent * (1 + torch.rand(e, generator=g))  # not powers of 2: the quotient rounds
+    # One global scale per expert and half (gate's rows, up's), not powers of 2: the quotients round.
+    halves = 2.0 ** -exponent * (1 + torch.rand(e, 2, generator=g))
+    global_scale = halves.repeat_interleave(n // 2, dim=1) if n % 2 == 0 else halves[:, :1].expand(e, n).contiguous()
     dense = torch.stack([reference.dequantize_nvfp4(blocks[i], scales[i], global_scale[i], torch.float32)
                          for i in range(e)])
     return blocks, scales, global_scale, dense
@@ -179,3 +181,57 @@ def test_executor_mxfp4_experts_triton_path_matches_torch_loop(device):
     want = experts(x, weights, ids)
     assert use_triton_moe(experts) == 1
     _check(experts(x, weights, ids), want, dtype)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    from tests.families import CASES, make_checkpoint
+
+    return make_checkpoint(CASES["qwen3-moe"], tmp_path_factory.mktemp("qwen3-moe"))
+
+
+NVFP4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
+NVFP4_ACTIVATIONS = NVFP4 | {"dynamic": "local", "scale_dtype": "torch.float8_e4m3fn"}
+MXFP4 = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
+         "scale_dtype": "torch.uint8"}
+
+
+@pytest.mark.parametrize("weights, activations", [(NVFP4, NVFP4_ACTIVATIONS), (NVFP4, None), (MXFP4, None)],
+                         ids=["nvfp4-w4a4", "nvfp4a16", "mxfp4a16"])
+def test_executor_fp4_checkpoint_experts_triton_path_matches_torch_loop(qwen3_moe, weights, activations, tmp_path):
+    """Qwen3-MoE's experts from a compressed-tensors FP4 checkpoint, loaded
+    as one quantized linear per expert: use_triton_moe stacks them for the
+    kernel (each expert's linears keep views, so the weights stay one copy),
+    and the kernel, with W4A4's per-expert input quantization, gives the
+    torch loop's output. Gate/up's input scales are made to differ by
+    expert, so each (token, expert) pair must be quantized by its own."""
+    from executor_svc.loading import weight_bytes
+    from executor_svc.model.moe import FusedExperts, use_triton_moe
+    from tests.quantized import write_compressed_tensors
+    from tests.unit.test_families_vs_hf import runner_for
+
+    path = write_compressed_tensors(qwen3_moe, tmp_path / "ct", weights, activations,
+                                    ignore=("lm_head", "re:.*mlp.gate$"))
+    model = runner_for(str(path)).model
+    layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    assert layers and all(m.per_expert is not None and m.fp4 is None for m in layers)
+    if activations:
+        for m in layers:
+            for e, expert in enumerate(m.per_expert):
+                expert.gate_up.input_global_scale.mul_(1 + e / 8)
+    g = torch.Generator().manual_seed(0)
+    hidden, num_experts = layers[0].hidden, layers[0].spec.num_experts
+    x = torch.randn(9, hidden, generator=g)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(9)])
+    routing = torch.softmax(torch.randn(9, 2, generator=g), -1)
+    with torch.no_grad():
+        want = [m(x, routing, ids) for m in layers]
+        before = weight_bytes(model)
+        assert use_triton_moe(model) == len(layers)
+        assert weight_bytes(model) == before  # the stacks replaced the experts' tensors
+        for m, w in zip(layers, want):
+            assert m.impl == "triton" and m.fp4.format == ("mxfp4" if weights is MXFP4 else "nvfp4")
+            assert m.per_expert[1].down.qweight.data_ptr() == m.fp4.q2[1].data_ptr()
+            _check(m(x, routing, ids), w, torch.float32)
+            m.impl = "torch"  # the torch loop reads the views
+            assert torch.equal(m(x, routing, ids), w)

@@ -10,7 +10,8 @@
    TP=2 against TP=1 on bench-small, only where torch sees at least two
    CUDA devices; elsewhere summary.json records it as skipped, and why;
 5. the fused-MoE and MLA-decode kernels against their torch paths and a
-   dense GEMM of the same FLOPs (python -m bench.moe_kernels --quick);
+   dense GEMM of the same FLOPs, and W4A16 and NVFP4 experts against bf16
+   ones in the fused-MoE kernel (python -m bench.moe_kernels --quick);
 6. the simulator's calibration on this GPU (python -m simulator calibrate,
    bench-small, Triton): a measured profile, profile_bench-small.json,
    which replaces a roofline estimate for what this GPU runs; summary.json

@@ -248,8 +248,8 @@ def load(settings: ExecutorSettings) -> LoadedModel:
     host_kv = HostKVPool(pool, num_host_blocks, device, settings.debug_fail_swap_every) if num_host_blocks else None
     backend = make_backend(settings.attention_backend, device, batch_invariant=invariant)
     if backend.name == "triton" and use_triton_moe(model):
-        log.info("mixture-of-experts layers run the triton fused-MoE kernel (llmsched_kernels/fused_moe.py; plain, FP8 "
-                 "blocks, MXFP4 or NVFP4 experts)")
+        log.info("mixture-of-experts layers run the triton fused-MoE kernel (llmsched_kernels/fused_moe.py), "
+                 "quantized experts decoded in its load loop")
     if lora is not None and backend.name == "triton":
         lora.use_impl("triton")
         log.info("LoRA deltas run the triton shrink and expand kernels (llmsched_kernels/lora.py)")

@@ -32,6 +32,11 @@ activations' dtype before the dot (W8A16 / W4A16; accumulation in float32):
          float8_e4m3fn scale per group [num_experts, N, K / 16] over its row's
          float32 global scale [num_experts, N] (gate's and up's may differ),
          rounded to bfloat16 as compressed-tensors decompresses
+* int:   W4A16 / W8A16 (GPTQ, AWQ, compressed-tensors): unsigned values
+         [num_experts, N, cdiv(K, 2)] uint8 (column 2j in byte j's low nibble)
+         or [num_experts, N, K], minus a uint8 zero point, times a scale, one
+         each per row and group [num_experts, N, groups]; the product rounded
+         to the scales' dtype (llmsched_kernels/int_linear.py's definition)
 
 A tensor-parallel rank whose down-projection units start mid-group keeps the
 groups that cover them; ``col0`` is where its K columns start in them.
@@ -58,8 +63,10 @@ __all__ = ["fused_moe", "align_by_expert", "grouped_gemm", "QuantizedExperts"]
 def _grouped_gemm_kernel(
     a_ptr,  # [num_a_rows, K]: per token (A_ROWS_PER == top_k) or per (token, slot) (A_ROWS_PER == 1)
     w_ptr,  # [num_experts, N, K]; fp8: int8 bits; fp4: [num_experts, N, groups, bytes per group] uint8
-    ws_ptr,  # quantized: [num_experts, scale rows, scale columns] (fp8 float32, mxfp4 uint8, nvfp4 int8 e4m3 bits)
-    wr_ptr,  # fp8: [N] int64 grid row of each weight row; nvfp4: [num_experts, N] float32 global scales
+    ws_ptr,  # quantized: [num_experts, scale rows, scale columns] (fp8 float32, mxfp4 uint8, nvfp4 int8 e4m3 bits,
+    #          int the checkpoint's dtype)
+    wr_ptr,  # fp8: [N] int64 grid row of each weight row; nvfp4: [num_experts, N] float32 global scales;
+    #          int: [num_experts, N, groups] uint8 zero points, strided as the scales
     bias_ptr,  # [num_experts, N]                    (HAS_BIAS)
     c_ptr,  # [num_pairs, N], one row per (token, slot) pair
     weights_ptr,  # [num_pairs] routing weights       (MUL_WEIGHT)
@@ -83,12 +90,14 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
-    FORMAT: tl.constexpr,  # "plain", "fp8", "mxfp4" or "nvfp4"
+    FORMAT: tl.constexpr,  # "plain", "fp8", "mxfp4", "nvfp4" or "int"
+    BITS: tl.constexpr,  # int: 4 or 8
     SCALE_K: tl.constexpr,  # quantized: columns per scale
-    SCALE_PER_TILE: tl.constexpr,  # fp8: every BLOCK_K tile lies in one scale column
+    SCALE_PER_TILE: tl.constexpr,  # fp8, int: every BLOCK_K tile lies in one scale column
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 so it is not rounded to tf32
     DOT_UPCAST: tl.constexpr,  # interpreter + bf16: multiply as fp32 (exact upcast)
     ROUND_BY_HAND: tl.constexpr,  # interpreter + bf16: its float32 -> bfloat16 casts truncate; round to nearest even
+    ROUND_S_BY_HAND: tl.constexpr,  # interpreter + int's bf16 scales: likewise
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -110,6 +119,8 @@ def _grouped_gemm_kernel(
         else:
             scale_row = offs_n  # one scale row per weight row
         s_base = ws_ptr + expert * stride_se + scale_row[None, :] * stride_sr  # [1, BLOCK_N]
+        if FORMAT == "int":
+            z_base = wr_ptr + expert * stride_se + scale_row[None, :] * stride_sr  # [1, BLOCK_N]
     if FORMAT == "nvfp4":
         global_scale = tl.load(wr_ptr + expert * N + offs_n, mask=n_ok, other=1.0)[None, :]  # [1, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # [BLOCK_M, BLOCK_N]
@@ -132,6 +143,27 @@ def _grouped_gemm_kernel(
                                     other=0.0)  # [BLOCK_K, BLOCK_N]
                 # The product in float32, as dequantize_fp8_blocks has it (times 256: exact).
                 w = e4m3_over_256(bits) * 256.0 * scale
+            elif FORMAT == "int":
+                col = k0 + offs_k  # [BLOCK_K]
+                if BITS == 4:
+                    byte = tl.load(w_base + offs_n[None, :] * stride_wn + (col >> 1)[:, None], mask=w_ok,
+                                   other=0).to(tl.int32)  # [BLOCK_K, BLOCK_N]; column 2j: byte j's low nibble
+                    q = (byte >> ((col & 1) * 4)[:, None]) & 0xF
+                else:
+                    q = tl.load(w_base + offs_n[None, :] * stride_wn + col[:, None], mask=w_ok, other=0).to(tl.int32)
+                if SCALE_PER_TILE:
+                    scale = tl.load(s_base + k0 // SCALE_K, mask=n_ok[None, :], other=0.0)  # [1, BLOCK_N]
+                    zero = tl.load(z_base + k0 // SCALE_K, mask=n_ok[None, :], other=0).to(tl.int32)
+                else:
+                    group = (col // SCALE_K)[:, None]  # [BLOCK_K, 1]
+                    scale = tl.load(s_base + group, mask=w_ok, other=0.0)  # [BLOCK_K, BLOCK_N]
+                    zero = tl.load(z_base + group, mask=w_ok, other=0).to(tl.int32)
+                # (q - zero) is exact; the product is rounded once, to the scales' dtype.
+                w = (q - zero).to(tl.float32) * scale.to(tl.float32)
+                if ROUND_S_BY_HAND:
+                    w = round_to_bf16(w)
+                else:
+                    w = w.to(scale.dtype).to(tl.float32)
             else:
                 col = col0 + k0 + offs_k  # [BLOCK_K] stored column
                 byte = tl.load(w_base + offs_n[None, :] * stride_wn + (col >> 1)[:, None], mask=w_ok,
@@ -187,14 +219,16 @@ class QuantizedExperts:
     [num_experts, N, K] weight that the kernel decodes tile by tile. Build
     one with fp8_blocks, mxfp4 or nvfp4."""
 
-    format: str  # "fp8", "mxfp4" or "nvfp4"
-    data: torch.Tensor  # fp8: [E, N, K] float8_e4m3fn; fp4: [E, N, groups, 16 | 8] uint8
-    scales: torch.Tensor  # fp8: [E, grid rows, cdiv(K, block_k)] float32; fp4: [E, N, groups]
+    format: str  # "fp8", "mxfp4", "nvfp4" or "int"
+    data: torch.Tensor  # fp8: [E, N, K] float8_e4m3fn; fp4: [E, N, groups, 16 | 8] uint8; int: [E, N, packed] uint8
+    scales: torch.Tensor  # fp8: [E, grid rows, cdiv(K, block_k)] float32; fp4, int: [E, N, groups]
     shape: tuple[int, int, int]  # (num_experts, N, K) of the weight it stands for
-    scale_k: int  # columns per scale: block_k, 32 or 16
+    scale_k: int  # columns per scale: block_k, 32 or 16, int's group size
     rows: torch.Tensor | None = None  # fp8: [N] int64, the grid row of each weight row
     global_scale: torch.Tensor | None = None  # nvfp4: [E, N] float32, each row's
     col0: int = 0  # fp4: the stored column where the K columns start
+    zeros: torch.Tensor | None = None  # int: [E, N, groups] uint8
+    bits: int = 4  # int: 4 or 8
 
     @classmethod
     def fp8_blocks(cls, weight: torch.Tensor, scales: torch.Tensor, grid_rows: torch.Tensor,
@@ -222,6 +256,22 @@ class QuantizedExperts:
             f"global_scale {tuple(global_scale.shape)} {global_scale.dtype}: float32, one per expert or per row")
         rows = global_scale if global_scale.dim() == 2 else global_scale[:, None].expand(e, n)
         return cls._fp4("nvfp4", blocks, scales, 16, 0, None, rows.contiguous())
+
+    @classmethod
+    def int_groups(cls, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                   group_size: int, k: int) -> QuantizedExperts:
+        """W[e, n, c] = (q[e, n, c] - zeros[e, n, c // group_size]) * scales[e, n, c // group_size], the
+        product rounded to the scales' dtype: layers.py's held int layout, stacked over the experts."""
+        e, n, packed = qweight.shape
+        groups = triton.cdiv(k, group_size)
+        assert bits in (4, 8) and qweight.dtype == torch.uint8 and packed == (triton.cdiv(k, 2) if bits == 4 else k), (
+            f"qweight {tuple(qweight.shape)} {qweight.dtype} for {bits}-bit weights of {k} columns")
+        assert scales.shape == zeros.shape == (e, n, groups) and zeros.dtype == torch.uint8, (
+            f"scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)} {zeros.dtype}: want [{e}, {n}, {groups}], "
+            "uint8 zeros")
+        assert scales.dtype in (torch.float16, torch.bfloat16, torch.float32), f"scales {scales.dtype}"
+        assert scales.stride() == zeros.stride(), f"scales {scales.stride()} and zeros {zeros.stride()} strides"
+        return cls("int", qweight, scales, (e, n, k), group_size, zeros=zeros, bits=bits)
 
     @classmethod
     def _fp4(cls, fmt, blocks, scales, group, col0, k, global_scale) -> QuantizedExperts:
@@ -278,7 +328,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor | QuantizedExperts, bias: torc
         data = w.data.view(torch.int8) if w.format == "fp8" else w.data
         scales = w.scales.view(torch.int8) if w.format == "nvfp4" else w.scales
         assert data.stride(-1) == 1 and scales.stride(-1) == 1, f"{w.format} strides {data.stride()} {scales.stride()}"
-        extra = w.rows if w.format == "fp8" else w.global_scale
+        extra = {"fp8": w.rows, "int": w.zeros}.get(w.format, w.global_scale)
     else:
         assert w.stride(2) == 1 and a.dtype == w.dtype, f"{a.dtype} vs {w.dtype}, strides {w.stride()}"
         data = scales = extra = w
@@ -290,6 +340,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor | QuantizedExperts, bias: torc
     if quantized and a.dtype == torch.float32:
         # fp32 tiles beside the decode's temporaries spill at 64 x 64 (sm_80/sm_90): halve them.
         block_n, block_k = min(block_n, 32), min(block_k, 32)
+    per_tile = quantized and w.format in ("fp8", "int") and (w.scale_k % block_k == 0 or w.scale_k >= k)
+    if quantized and w.format == "int" and not per_tile:
+        block_n = min(block_n, 32)  # a scale and a zero per element: narrower tiles keep them in registers
     under_interpreter = interpreting()
     grid = (sorted_pairs.shape[0] // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
@@ -300,11 +353,13 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor | QuantizedExperts, bias: torc
         scales.stride(1) if quantized else 0, 0 if bias is None else bias.stride(0), c.stride(0),
         A_ROWS_PER=a_rows_per, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         HAS_BIAS=bias is not None, MUL_WEIGHT=weights is not None,
-        FORMAT=w.format if quantized else "plain", SCALE_K=w.scale_k if quantized else 1,
-        SCALE_PER_TILE=quantized and w.format == "fp8" and w.scale_k % block_k == 0,
+        FORMAT=w.format if quantized else "plain", BITS=w.bits if quantized else 4,
+        SCALE_K=w.scale_k if quantized else 1,
+        SCALE_PER_TILE=per_tile,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         DOT_UPCAST=a.dtype == torch.bfloat16 and under_interpreter,
         ROUND_BY_HAND=a.dtype == torch.bfloat16 and under_interpreter,
+        ROUND_S_BY_HAND=quantized and w.format == "int" and w.scales.dtype == torch.bfloat16 and under_interpreter,
         num_warps=4,
     )
     return c

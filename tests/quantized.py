@@ -217,6 +217,9 @@ def write_compressed_tensors(plain: Path, out: Path, weights: dict, activations:
             tensors |= {prefix + leaf: t for leaf, t in compressed.items()}
             if prefix[:-1] in ranges and activations.get("dynamic") == "local":
                 tensors[prefix + "input_global_scale"] = generate_gparam(*ranges[prefix[:-1]])
+            elif prefix[:-1] in ranges:  # static: a calibrated scale per tensor
+                scale, _ = calculate_qparams(*ranges[prefix[:-1]], scheme.input_activations)
+                tensors[prefix + "input_scale"] = scale.reshape(1)
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
 

@@ -23,13 +23,13 @@ output with the shared expert's and all-reduces once. The torch path sorts
 the (token, expert) pairs by expert and runs one matmul per expert that
 has tokens (a loop over experts, never over tokens); the triton path
 (llmsched_kernels/fused_moe.py) runs one grouped GEMM per projection, and reads
-FP8, MXFP4 and NVFP4 experts as they are held, decoding them in its load loop.
+quantized experts (FP8, integer, MXFP4, NVFP4) as they are held, decoding
+them in its load loop.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -41,13 +41,15 @@ from executor_svc.model.checkpoint import LazyTensor
 from executor_svc.model.invariant_ops import pad_rows, tail_free
 from executor_svc.model.layers import ColumnLinear, RowLinear, RowPart, check_fp8, check_shape, materialize
 from executor_svc.model.model import ACTIVATIONS, MLP, CausalLM
-from executor_svc.model.model_config import LinearScheme, ModelConfig, MoESpec, UnsupportedConfig
+from executor_svc.model.model_config import ActivationQuant, LinearScheme, ModelConfig, MoESpec, UnsupportedConfig
 from executor_svc.model import cpu_fp8_linear
-from executor_svc.model.quantization import FP8, BlockSplitError, cdiv, dequantize_fp8_blocks, fake_quantize_nvfp4
+from executor_svc.model.quantization import (
+    FP8, BlockSplitError, cdiv, dequantize_fp8_blocks, fake_quantize_activations,
+)
 from executor_svc.model.sharding import Shard
 
 if TYPE_CHECKING:  # kernels import triton, which the CPU executor does without
-    from llmsched_kernels.fused_moe import QuantizedExperts
+    from llmsched_kernels.fused_moe import InputQuantizer, QuantizedExperts
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +146,10 @@ class FusedExperts(nn.Module):
         self.grid13 = self.grid2 = None
         # Per-expert quantized linears, once use_scheme made them (any scheme but FP8 blocks).
         self.per_expert: nn.ModuleList | None = None
-        # Their FP4 tensors stacked over the experts for the fused-MoE kernel (stack_fp4).
-        self.fp4: StackedFp4 | None = None
+        # per_expert's tensors stacked over the experts, as the fused-MoE
+        # kernel reads them, and how it quantizes their inputs (stack_experts).
+        self.stacked: tuple[QuantizedExperts, QuantizedExperts] | None = None
+        self.stacked_inputs: tuple[InputQuantizer, InputQuantizer] | None = None
 
     def checkpoint_modules(self, name: str) -> list[str]:
         """Every expert's projections, as the checkpoint names them (a
@@ -156,49 +160,63 @@ class FusedExperts(nn.Module):
     def packed(self) -> bool:
         """The weights are held quantized: the torch loop dequantizes one
         routed expert at a time, and the triton path reads them through
-        kernel_weights (FP8 blocks, and per_expert's once stack_fp4 stacked them)."""
+        kernel_weights (FP8 blocks, and per_expert's once stack_experts stacked them)."""
         return self.fp8_block is not None or self.per_expert is not None
 
     def kernel_weights(self) -> tuple[torch.Tensor | QuantizedExperts, torch.Tensor | QuantizedExperts]:
         """w13 and w2 as llmsched_kernels/fused_moe.py reads them: plain tensors, the
-        FP8 weights with their block scales, or the stacked FP4 experts."""
-        if self.fp8_block is None and self.fp4 is None:
+        FP8 weights with their block scales, or per_expert's stacks."""
+        if self.stacked is not None:
+            return self.stacked
+        if self.fp8_block is None:
             return self.w13, self.w2
         from llmsched_kernels.fused_moe import QuantizedExperts
 
-        if self.fp4 is not None:
-            return self.fp4.kernel_weights(QuantizedExperts)
         bk = self.fp8_block[1]
         return (QuantizedExperts.fp8_blocks(self.w13, self.w13_scale, self.grid13, bk),
                 QuantizedExperts.fp8_blocks(self.w2, self.w2_scale, self.grid2, bk))
 
-    def stack_fp4(self) -> str | None:
-        """Stacks per_expert's FP4 tensors (NVFP4, compressed-tensors' MXFP4)
-        into the fused-MoE kernel's [experts, ...] layout; each expert's
-        linears then hold views of the stacks, so the weights stay one copy
-        and the torch loop still runs. Returns why the kernel cannot read
-        these experts (they then keep the torch loop), or None."""
-        scheme = self.per_expert[0].gate_up.scheme if self.per_expert else None
-        if scheme is None or scheme.kind != "fp4":
-            return f"experts held as {scheme.describe() if scheme else 'plain per-expert linears'}"
-        group = scheme.group_size
-        if self.hidden % group or self.inter % group:
-            return f"hidden size {self.hidden} or this rank's {self.inter} units are not whole groups of {group}"
+    def stack_experts(self) -> str | None:
+        """Stacks per_expert's quantized tensors (FP8, integer or FP4) into
+        the fused-MoE kernel's [experts, ...] layout, and sets how it
+        quantizes each (token, expert) pair's inputs as that expert's own
+        linears do. Each expert's linears then hold views of the stacks, so
+        the weights stay one copy and the torch loop still reads them.
+        Returns why the kernel cannot read these experts (they then keep
+        the torch loop), or None. Imports Triton: the triton backend's step."""
+        from llmsched_kernels.fused_moe import QuantizedExperts
+
         gate_up = [expert.gate_up for expert in self.per_expert]
         down = [expert.down for expert in self.per_expert]
-        inputs = None
-        if scheme.activations is not None:  # NVFP4 W4A4: each expert quantizes its inputs by its own global scale
-            scales13 = torch.stack([layer.input_global_scale.detach() for layer in gate_up])  # [E, 2]
-            if not torch.equal(scales13[:, 0], scales13[:, 1]):
-                return "gate and up quantize their input with different global scales"
-            inputs = (scales13[:, 0].contiguous(), torch.cat([layer.input_global_scale.detach() for layer in down]))
-        nvfp4 = scheme.layout != "ct-mxfp4"
-        self.fp4 = StackedFp4(
-            "nvfp4" if nvfp4 else "mxfp4",
-            _stack(gate_up, "qweight").unflatten(2, (-1, group // 2)), _stack(gate_up, "scales"),
-            _stack(down, "qweight").unflatten(2, (-1, group // 2)), _stack(down, "scales"),
-            _stack(gate_up, "global_scale") if nvfp4 else None, _stack(down, "global_scale") if nvfp4 else None,
-            inputs)
+        scheme = gate_up[0].scheme if gate_up else None
+        if scheme is None:
+            return "experts without a quantization scheme"
+        if gate_up[0].cpu_int is not None:
+            return "integer experts held in the CPU kernel's form"
+        if scheme.kind == "int" and not all(_plain_groups(layer) for layer in gate_up + down):
+            return "integer experts whose g_idx reorders columns into groups"
+        if scheme.kind == "fp4" and (self.hidden % scheme.group_size or self.inter % scheme.group_size):
+            return (f"hidden size {self.hidden} or this rank's {self.inter} units are not whole FP4 groups of "
+                    f"{scheme.group_size}")
+        inputs = _input_quantizers(scheme, gate_up, down)
+        if isinstance(inputs, str):
+            return inputs
+        if scheme.kind == "fp8":
+            stacked = tuple(QuantizedExperts.fp8_blocks(_stack(layers, "weight"), _stack(layers, "weight_scale_inv"),
+                                                        layers[0].grid_rows, layers[0].fp8_block[1])
+                            for layers in (gate_up, down))
+        elif scheme.kind == "int":
+            stacked = tuple(QuantizedExperts.int_groups(
+                _stack(layers, "qweight"), _stack(layers, "scales"), _stack(layers, "zeros"), scheme.bits,
+                scheme.group_size or layers[0].in_cols, layers[0].in_cols) for layers in (gate_up, down))
+        elif scheme.layout == "ct-mxfp4":
+            stacked = tuple(QuantizedExperts.mxfp4(_stack(layers, "qweight").unflatten(2, (-1, 16)),
+                                                   _stack(layers, "scales")) for layers in (gate_up, down))
+        else:  # NVFP4
+            stacked = tuple(QuantizedExperts.nvfp4(_stack(layers, "qweight").unflatten(2, (-1, 8)),
+                                                   _stack(layers, "scales"), _stack(layers, "global_scale"))
+                            for layers in (gate_up, down))
+        self.stacked, self.stacked_inputs = stacked, inputs
         return None
 
     def use_scheme(self, scheme: LinearScheme) -> None:
@@ -349,9 +367,8 @@ class FusedExperts(nn.Module):
             from llmsched_kernels.fused_moe import fused_moe
 
             w13, w2 = self.kernel_weights()
-            quantize = None if self.fp4 is None else self.fp4.input_quantizers()
             return fused_moe(x, w13, w2, weights, ids, self.activation, self.b13, self.b2,
-                             ordered_combine=self.row_unit > 1, quantize_inputs=quantize)
+                             ordered_combine=self.row_unit > 1, quantize_inputs=self.stacked_inputs)
         return self._torch(x, weights, ids)
 
     def _torch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -394,47 +411,53 @@ class FusedExperts(nn.Module):
 def _stack(layers: list[nn.Module], leaf: str) -> torch.Tensor:
     """The layers' `leaf` tensors stacked along a new first dim; each layer
     then holds its slice of the stack (a view) in place of its own tensor."""
-    stacked = torch.stack([getattr(layer, leaf).detach() for layer in layers])
+    tensors = [getattr(layer, leaf).detach() for layer in layers]
+    if tensors[0].dtype == FP8:  # stacked as bytes: concatenation kernels need not know FP8
+        stacked = torch.stack([t.view(torch.uint8) for t in tensors]).view(FP8)
+    else:
+        stacked = torch.stack(tensors)
     for layer, held in zip(layers, stacked):
         setattr(layer, leaf, nn.Parameter(held, requires_grad=False))
     return stacked
 
 
-@dataclass(frozen=True)
-class StackedFp4:
-    """FusedExperts' per-expert FP4 tensors over all experts (stack_fp4):
-    packed weights [E, N, groups, group / 2] uint8, group scales [E, N,
-    groups] (NVFP4 float8_e4m3fn, MXFP4 E8M0 bytes), NVFP4's global scales
-    [E, N] float32, each row's."""
-
-    format: str  # "nvfp4" or "mxfp4"
-    q13: torch.Tensor
-    s13: torch.Tensor
-    q2: torch.Tensor
-    s2: torch.Tensor
-    g13: torch.Tensor | None
-    g2: torch.Tensor | None
-    # NVFP4 W4A4: the experts' input global scales [E] (gate/up's, down's);
-    # None when only the weights are quantized.
-    inputs: tuple[torch.Tensor, torch.Tensor] | None
-
-    def kernel_weights(self, experts_cls: type[QuantizedExperts]) -> tuple[QuantizedExperts, QuantizedExperts]:
-        if self.format == "nvfp4":
-            return experts_cls.nvfp4(self.q13, self.s13, self.g13), experts_cls.nvfp4(self.q2, self.s2, self.g2)
-        return experts_cls.mxfp4(self.q13, self.s13), experts_cls.mxfp4(self.q2, self.s2)
-
-    def input_quantizers(self):
-        """fused_moe's quantize_inputs: each (token, expert) pair's input
-        through NVFP4 by its expert's global scale, as the expert's own
-        linear quantizes it on the torch loop; None for weight-only FP4."""
-        if self.inputs is None:
-            return None
-        return tuple(partial(_quantize_rows, scales=scales) for scales in self.inputs)
+def _plain_groups(layer: nn.Module) -> bool:
+    """Column k of the layer's integer weight is in group k // group size
+    (GPTQ checkpoints carry a g_idx saying so even without act-order)."""
+    if layer.g_idx is None:
+        return True
+    cols = layer.in_cols
+    group = layer.scheme.group_size or cols
+    return torch.equal(layer.g_idx, torch.arange(cols, device=layer.g_idx.device, dtype=layer.g_idx.dtype) // group)
 
 
-def _quantize_rows(rows: torch.Tensor, experts: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """rows [pairs, K] through NVFP4, row i by scales[experts[i]]."""
-    return fake_quantize_nvfp4(rows, scales[experts].view(-1, 1, 1))
+def _input_quantizers(scheme: LinearScheme, gate_up: list[nn.Module],
+                      down: list[nn.Module]) -> tuple[InputQuantizer, InputQuantizer] | None | str:
+    """fused_moe's quantize_inputs for experts whose scheme quantizes
+    activations: dynamic scales come from each row, static ones (and
+    NVFP4's global scales) are each expert's. None when only weights are
+    quantized; a reason where the kernel cannot follow the linears."""
+    act = scheme.activations
+    if act is None:
+        return None
+    if not act.checkpoint_leaf:
+        return (partial(_quantize_rows, act=act, scales=None),) * 2
+    scales13 = torch.stack([getattr(layer, act.checkpoint_leaf).detach() for layer in gate_up])  # [E, 2]: gate, up
+    if not torch.equal(scales13[:, 0], scales13[:, 1]):
+        return "gate and up quantize their input with different static scales"
+    scales2 = torch.cat([getattr(layer, act.checkpoint_leaf).detach() for layer in down])  # [E]
+    return (partial(_quantize_rows, act=act, scales=scales13[:, 0].contiguous()),
+            partial(_quantize_rows, act=act, scales=scales2))
+
+
+def _quantize_rows(rows: torch.Tensor, experts: torch.Tensor, act: ActivationQuant,
+                   scales: torch.Tensor | None) -> torch.Tensor:
+    """rows [pairs, K] quantized and dequantized as their experts' linears
+    do: row i by scales[experts[i]] if static, else by its own values."""
+    if scales is None:
+        return fake_quantize_activations(rows, act)
+    per_row = scales[experts].view(-1, 1, 1) if act.type == "fp4" else scales[experts].view(-1, 1)
+    return fake_quantize_activations(rows, act, per_row)
 
 
 class SparseMoE(nn.Module):
@@ -490,16 +513,15 @@ class MoECausalLM(CausalLM):
 
 def use_triton_moe(model: nn.Module, on: bool = True) -> int:
     """Experts run llmsched_kernels/fused_moe.py (the triton attention backend's
-    choice): plain, FP8 blocks, MXFP4 or NVFP4; returns how many expert
-    layers switched. Experts of any other scheme (per_expert: one quantized
-    linear per expert, integer weights) stay on the torch loop, whose
-    linears dequantize or run their own kernels (stack_fp4 says why)."""
+    choice): plain, FP8 blocks, or per_expert's quantized linears once
+    stack_experts stacked them; returns how many expert layers switched.
+    Experts it cannot stack stay on the torch loop, and the log says why."""
     switched, refusals = 0, set()
     for module in model.modules():
         if not isinstance(module, FusedExperts):
             continue
-        if module.per_expert is not None and module.fp4 is None:
-            refusal = module.stack_fp4()
+        if module.per_expert is not None and module.stacked is None:
+            refusal = module.stack_experts()
             if refusal is not None:
                 refusals.add(refusal)
                 continue

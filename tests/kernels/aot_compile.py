@@ -128,10 +128,16 @@ def _moe_launch(tokens, num_experts, top_k, hidden, inter, dtype, bias=False):
 
 def _quant_moe_launch(fmt, tokens, num_experts, top_k, hidden, inter, dtype, bias=False, block_k=128, col0=0):
     """fused_moe on quantized experts (fm.QuantizedExperts): FP8 blocks, MXFP4 (down's
-    columns from col0, a tensor-parallel rank's units) or NVFP4."""
+    columns from col0, a tensor-parallel rank's units), NVFP4, or "int4" / "int8" in
+    groups of block_k with scales in the activations' dtype."""
     e = num_experts
 
     def weight(n, k):
+        if fmt.startswith("int"):
+            bits, groups = int(fmt[3:]), -(-k // block_k)
+            return fm.QuantizedExperts.int_groups(torch.zeros(e, n, -(-k * bits // 8), dtype=torch.uint8),
+                                                  torch.ones(e, n, groups, dtype=dtype),
+                                                  torch.zeros(e, n, groups, dtype=torch.uint8), bits, block_k, k)
         if fmt == "fp8":
             return fm.QuantizedExperts.fp8_blocks(torch.zeros(e, n, k, dtype=torch.float8_e4m3fn),
                                                   torch.ones(e, -(-n // 128), -(-k // block_k)),
@@ -260,6 +266,11 @@ def _record_all_launches(arch: int) -> list:
     _quant_moe_launch("mxfp4", 4, 8, 2, 64, 32, torch.float32)
     _quant_moe_launch("nvfp4", 64, 128, 8, 2048, 768, torch.bfloat16)
     _quant_moe_launch("nvfp4", 4, 8, 2, 64, 32, torch.float32)
+    # Qwen3-30B-A3B in W4A16 (GPTQ, AWQ, compressed-tensors; groups of 128) and W8A8 int8 (per channel).
+    for dtype in (torch.bfloat16, torch.float16):
+        _quant_moe_launch("int4", 64, 128, 8, 2048, 768, dtype)
+    _quant_moe_launch("int8", 64, 128, 8, 2048, 768, torch.bfloat16, block_k=2048)
+    _quant_moe_launch("int4", 4, 8, 2, 64, 40, torch.float32, block_k=16)
     # DeepSeek-V3's MLA decode: 128 heads (one device) and 16 (TP=8); a tiny fp32 latent.
     _mla_launch(4, 128, 512, 64, 64, torch.bfloat16)
     _mla_launch(4, 16, 512, 64, 64, torch.bfloat16)

@@ -43,6 +43,19 @@ def _fp4(fmt: str, e: int, n: int, groups: int, g: torch.Generator, exponent: in
     return blocks, scales, global_scale, dense
 
 
+def _int(e: int, n: int, k: int, bits: int, group: int, scale_dtype: torch.dtype, g: torch.Generator):
+    """Random W4A16 / W8A16 experts [e, n, k] (uint8 values, zero points and scales per
+    row and group), and their dequantized float32 weights."""
+    groups = -(-k // group)
+    q = torch.randint(0, 1 << bits, (e, n, k), generator=g, dtype=torch.uint8)
+    zeros = torch.randint(0, 1 << bits, (e, n, groups), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(e, n, groups, generator=g) / (4 << bits) + 1e-3).to(scale_dtype)
+    qweight = torch.stack([reference.pack_int(q[i], bits) for i in range(e)])
+    dense = torch.stack([reference.dequantize_int(qweight[i], scales[i], zeros[i], group, bits, None, k,
+                                                  torch.float32) for i in range(e)])
+    return fm.QuantizedExperts.int_groups(qweight, scales, zeros, bits, group, k), dense
+
+
 def make_quant_moe(fmt, num_tokens, num_experts, top_k, hidden, inter, dtype, device, bias=False, block=(32, 32),
                    col0=0, seed=0):
     """(x, w13, w2 as QuantizedExperts, their dequantized weights in dtype, weights, ids, b13, b2).
@@ -55,6 +68,10 @@ def make_quant_moe(fmt, num_tokens, num_experts, top_k, hidden, inter, dtype, de
         rows = torch.arange(inter) // bn
         w13, d13 = _fp8(e, 2 * inter, hidden, block, torch.cat([rows, rows + -(-inter // bn)]), g)
         w2, d2 = _fp8(e, hidden, inter, block, torch.arange(hidden) // bn, g)
+    elif fmt.startswith("int"):  # "int4", "int8"; block = (group, the scales' dtype or None for x's)
+        bits, group, scale_dtype = int(fmt[3:]), block[0], block[1] or dtype
+        w13, d13 = _int(e, 2 * inter, hidden, bits, group, scale_dtype, g)
+        w2, d2 = _int(e, hidden, inter, bits, group, scale_dtype, g)
     else:
         group = 32 if fmt == "mxfp4" else 16
         make = fm.QuantizedExperts.mxfp4 if fmt == "mxfp4" else fm.QuantizedExperts.nvfp4
@@ -78,7 +95,7 @@ def make_quant_moe(fmt, num_tokens, num_experts, top_k, hidden, inter, dtype, de
 def _to(w, device):
     """QuantizedExperts with its tensors on device."""
     moved = {f: getattr(w, f) for f in w.__slots__}
-    for f in ("data", "scales", "rows", "global_scale"):
+    for f in ("data", "scales", "rows", "global_scale", "zeros"):
         moved[f] = None if moved[f] is None else moved[f].to(device)
     return type(w)(**moved)
 
@@ -98,8 +115,12 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     ("mxfp4", 7, 4, 3, 96, 48, torch.float32, False, None, 16),
     ("nvfp4", 7, 4, 2, 48, 32, torch.float32, False, None, 0),
     ("nvfp4", 5, 6, 2, 32, 48, torch.bfloat16, True, None, 0),
+    ("int4", 9, 4, 2, 48, 40, torch.float32, False, (16, None), 0),  # groups within a tile, odd groups in K
+    ("int4", 6, 6, 2, 64, 50, torch.bfloat16, True, (32, None), 0),  # down's K odd: a padding nibble
+    ("int8", 5, 4, 3, 48, 32, torch.float32, False, (48, torch.bfloat16), 0),  # per channel; products round to bf16
+    ("int4", 7, 4, 2, 128, 64, torch.float32, False, (64, torch.float16), 0),  # a group per tile, fp16 scales
 ], ids=["fp8-edge", "fp8-bf16-tile", "fp8-bias", "mxfp4-decode", "mxfp4-bf16-tp", "mxfp4-ragged", "nvfp4",
-        "nvfp4-bf16-bias"])
+        "nvfp4-bf16-bias", "int4-groups", "int4-bf16-ragged", "int8-channel", "int4-group-per-tile"])
 def test_quantized_fused_moe_matches_reference(device, fmt, num_tokens, num_experts, top_k, hidden, inter, dtype,
                                                bias, block, col0):
     x, w13, w2, d13, d2, weights, ids, b13, b2 = make_quant_moe(
@@ -124,6 +145,8 @@ def test_quantized_experts_refuse_mismatched_layouts():
     ("mxfp4", 64, 32, 4, 2880, 2880, True, None, 0),  # gpt-oss-20b
     ("mxfp4", 16, 32, 4, 2880, 360, True, None, 8),  # its rank 1 of 8
     ("nvfp4", 64, 128, 8, 2048, 768, False, None, 0),
+    ("int4", 64, 128, 8, 2048, 768, False, (128, None), 0),  # Qwen3-30B-A3B in W4A16
+    ("int4", 1, 128, 8, 2048, 768, False, (128, None), 0),
 ])
 def test_quantized_fused_moe_at_model_shapes(device, fmt, num_tokens, num_experts, top_k, hidden, inter, bias, block,
                                             col0):
@@ -196,15 +219,31 @@ MXFP4 = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, 
          "scale_dtype": "torch.uint8"}
 
 
-@pytest.mark.parametrize("weights, activations", [(NVFP4, NVFP4_ACTIVATIONS), (NVFP4, None), (MXFP4, None)],
-                         ids=["nvfp4-w4a4", "nvfp4a16", "mxfp4a16"])
-def test_executor_fp4_checkpoint_experts_triton_path_matches_torch_loop(qwen3_moe, weights, activations, tmp_path):
-    """Qwen3-MoE's experts from a compressed-tensors FP4 checkpoint, loaded
-    as one quantized linear per expert: use_triton_moe stacks them for the
+FP8_CHANNEL = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+FP8_TENSOR = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
+PER_TOKEN = {"strategy": "token", "dynamic": True, "symmetric": True}
+
+
+@pytest.mark.parametrize("weights, activations", [
+    (NVFP4, NVFP4_ACTIVATIONS),
+    (NVFP4, None),
+    (MXFP4, None),
+    ({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 16, "symmetric": False}, None),
+    ({"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
+     {"num_bits": 8, "type": "int"} | PER_TOKEN),
+    (FP8_CHANNEL, {"num_bits": 8, "type": "float"} | PER_TOKEN),
+    ({"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [16, 16], "symmetric": True}, None),
+    (FP8_TENSOR, FP8_TENSOR | {"dynamic": False}),
+], ids=["nvfp4-w4a4", "nvfp4a16", "mxfp4a16", "w4a16-asymmetric", "int8-w8a8", "fp8-dynamic", "fp8-blocks-w8a16",
+        "fp8-static"])
+def test_executor_quantized_checkpoint_experts_triton_path_matches_torch_loop(qwen3_moe, weights, activations,
+                                                                             tmp_path):
+    """Qwen3-MoE's experts from a compressed-tensors checkpoint, loaded as
+    one quantized linear per expert: use_triton_moe stacks them for the
     kernel (each expert's linears keep views, so the weights stay one copy),
-    and the kernel, with W4A4's per-expert input quantization, gives the
-    torch loop's output. Gate/up's input scales are made to differ by
-    expert, so each (token, expert) pair must be quantized by its own."""
+    and the kernel, with the scheme's input quantization per (token,
+    expert) pair, gives the torch loop's output. Static input scales are
+    made to differ by expert, so each pair must be quantized by its own."""
     from executor_svc.loading import weight_bytes
     from executor_svc.model.moe import FusedExperts, use_triton_moe
     from tests.quantized import write_compressed_tensors
@@ -214,11 +253,13 @@ def test_executor_fp4_checkpoint_experts_triton_path_matches_torch_loop(qwen3_mo
                                     ignore=("lm_head", "re:.*mlp.gate$"))
     model = runner_for(str(path)).model
     layers = [m for m in model.modules() if isinstance(m, FusedExperts)]
-    assert layers and all(m.per_expert is not None and m.fp4 is None for m in layers)
-    if activations:
+    assert layers and all(m.per_expert is not None and m.stacked is None for m in layers)
+    leaf = layers[0].per_expert[0].gate_up.scheme.activations
+    leaf = leaf and leaf.checkpoint_leaf
+    if leaf:
         for m in layers:
             for e, expert in enumerate(m.per_expert):
-                expert.gate_up.input_global_scale.mul_(1 + e / 8)
+                getattr(expert.gate_up, leaf).mul_(1 + e / 8)
     g = torch.Generator().manual_seed(0)
     hidden, num_experts = layers[0].hidden, layers[0].spec.num_experts
     x = torch.randn(9, hidden, generator=g)
@@ -230,8 +271,31 @@ def test_executor_fp4_checkpoint_experts_triton_path_matches_torch_loop(qwen3_mo
         assert use_triton_moe(model) == len(layers)
         assert weight_bytes(model) == before  # the stacks replaced the experts' tensors
         for m, w in zip(layers, want):
-            assert m.impl == "triton" and m.fp4.format == ("mxfp4" if weights is MXFP4 else "nvfp4")
-            assert m.per_expert[1].down.qweight.data_ptr() == m.fp4.q2[1].data_ptr()
+            held = "weight" if weights["type"] == "float" and weights["num_bits"] == 8 else "qweight"
+            assert m.impl == "triton" and (m.stacked_inputs is None) == (activations is None)
+            assert getattr(m.per_expert[1].down, held).data_ptr() == m.stacked[1].data[1].data_ptr()
             _check(m(x, routing, ids), w, torch.float32)
             m.impl = "torch"  # the torch loop reads the views
             assert torch.equal(m(x, routing, ids), w)
+
+
+def test_w4a16_experts_on_the_kernel_serve_hfs_greedy_tokens(qwen3_moe, tmp_path):
+    """The oracle end to end: Qwen3-MoE in asymmetric W4A16 (compressed-
+    tensors) with its experts on the fused-MoE kernel gives HF's greedy
+    tokens on the weights compressed-tensors' own decompressor yields."""
+    from executor_svc.model.moe import use_triton_moe
+    from tests.families import hf_greedy, prompts
+    from tests.quantized import decompress_compressed_tensors, write_compressed_tensors
+    from tests.unit.test_families_vs_hf import runner_for
+    from tests.unit.test_runner_vs_hf import generate
+
+    w4a16 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 16, "symmetric": False}
+    path = write_compressed_tensors(qwen3_moe, tmp_path / "w4a16", w4a16, ignore=("lm_head", "re:.*mlp.gate$"))
+    dense = decompress_compressed_tensors(path, tmp_path / "dense")
+    runner = runner_for(str(path))
+    assert use_triton_moe(runner.model) == 2  # layers 1 and 2 (layer 0 is dense: mlp_only_layers)
+    batch = prompts(2)
+    for prompt, tokens in zip(batch, generate(runner, batch, 10, chunk=7)):
+        want = hf_greedy(str(dense), prompt, 10)
+        assert want.min_margin > 1e-3, "the oracle's own greedy path is too close to a tie to compare"
+        assert tokens == want.tokens, f"prompt {prompt}: got {tokens}, HF {want.tokens}"

@@ -129,9 +129,10 @@ def test_vectorized_experts_sum_what_hfs_loop_over_experts_sums():
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 
 
-def test_use_triton_moe_switches_plain_and_fp8_experts_but_not_per_expert_linears():
-    """The fused-MoE kernel reads plain and FP8-block experts as held; experts
-    of other schemes (one quantized linear per expert) keep the torch loop."""
+def test_use_triton_moe_switches_plain_and_fp8_experts_and_leaves_unreadable_ones_on_the_torch_loop():
+    """The fused-MoE kernel reads plain and FP8-block experts as held (and
+    per-expert quantized linears once stacked, test_fused_moe_quant.py);
+    experts it cannot read keep the torch loop."""
     from torch import nn
 
     from executor_svc.model.moe import use_triton_moe
@@ -140,6 +141,6 @@ def test_use_triton_moe_switches_plain_and_fp8_experts_but_not_per_expert_linear
     cfg = type("Cfg", (), {"hidden_size": 32, "hidden_act": "silu"})()
     plain, fp8, per_expert = (FusedExperts(cfg, spec, Shard()) for _ in range(3))
     fp8.use_fp8((16, 16))
-    per_expert.per_expert = nn.ModuleList()  # as use_scheme leaves it for W4A16 and the like
+    per_expert.per_expert = nn.ModuleList()  # per-expert linears without a scheme: nothing to stack
     assert use_triton_moe(nn.ModuleList([plain, fp8, per_expert])) == 2
     assert (plain.impl, fp8.impl, per_expert.impl) == ("triton", "triton", "torch")

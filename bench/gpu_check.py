@@ -16,8 +16,8 @@
    bench-small, Triton): a measured profile, profile_bench-small.json,
    which replaces a roofline estimate for what this GPU runs; summary.json
    carries its held-out step-time error;
-7. the quantized-weight GEMMs, FP8 block-scaled and int4 (group 128),
-   against torch's bf16 GEMM of the same shape at batch 1 and 64
+7. the quantized-weight GEMMs, FP8 block-scaled, int4 (group 128) and
+   NVFP4, against torch's bf16 GEMM of the same shape at batch 1 and 64
    (python -m bench.quant_gemm): TFLOP/s, GB/s and the ratio to bf16;
 8. an end-to-end FP8-block run of a DeepSeek-shaped model
    (python -m bench.fp8_deepseek, Triton): a random 76M-parameter
@@ -80,12 +80,16 @@ REPO = Path(__file__).resolve().parents[1]
 # kernels, the calibration and the n-gram run, and 10 s from the FP8
 # DeepSeek run. The LoRA kernels' 20 s (compiling two kernels in a few
 # variants, 2 batch sizes; estimated, not measured) took 10 s from P8 and 5 s
-# from each bench-small end-to-end run.
+# from each bench-small end-to-end run. The quantized experts' 10 s in the
+# kernels part (4 more fused-MoE variants to compile; estimated, not
+# measured) came from P13, which one GPU skips.
 LIMITS = {"pytest_gpu": 100, "kernels_p8": 50, "e2e_graphs_auto": 35, "e2e_graphs_off": 35,
-          "tensor_parallel_p13": 50, "moe_mla_kernels": 35, "calibrate_sim": 25, "quant_gemm": 30,
+          "tensor_parallel_p13": 40, "moe_mla_kernels": 45, "calibrate_sim": 25, "quant_gemm": 30,
           "fp8_deepseek_e2e": 45, "speculative_e2e": 40, "speculative_mtp_e2e": 35, "batch_invariant_e2e": 40,
           "lora_kernels": 20}
 CALIBRATED_PROFILE = "profile_bench-small.json"
+# What summary.json keeps of each bench.moe_kernels row.
+KERNEL_KEYS = ("format", "tokens", "batch", "context", "ms", "triton_vs_dense", "vs_bf16", "ok")
 # P13 needs this many devices (one per rank).
 P13_DEVICES = 2
 
@@ -199,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     if summary["parts"]["moe_mla_kernels"].get("returncode") in (0, 1) and kernels.exists():
         r = json.loads(kernels.read_text())
         summary["parts"]["moe_mla_kernels"].update({
-            kind: [{k: row[k] for k in ("tokens", "batch", "context", "ms", "triton_vs_dense", "ok") if k in row}
-                   for row in r[kind]] for kind in ("fused_moe", "mla_decode")})
+            kind: [{k: row[k] for k in KERNEL_KEYS if k in row} for row in r.get(kind, [])]
+            for kind in ("fused_moe", "quantized_moe", "mla_decode")})
     gemms = args.out_dir / "quant_gemm.json"
     if summary["parts"]["quant_gemm"].get("returncode") in (0, 1) and gemms.exists():
         r = json.loads(gemms.read_text())

@@ -1,7 +1,8 @@
 """The quantized-weight GEMMs on CUDA (part of make gpu-check): the FP8
-block-scaled kernel (llmsched_kernels.fp8_linear, 128 x 128 blocks) and the int4
-weight-only kernel (llmsched_kernels.int_linear, group 128, asymmetric zeros) against
-torch's bf16 GEMM (F.linear) of the same shape.
+block-scaled kernel (llmsched_kernels.fp8_linear, 128 x 128 blocks), the int4
+weight-only kernel (llmsched_kernels.int_linear, group 128, asymmetric zeros) and the
+NVFP4 one (llmsched_kernels.fp4_linear, an FP8 scale per 16 over a global scale per
+row) against torch's bf16 GEMM (F.linear) of the same shape.
 
     python -m bench.quant_gemm [--out bench_results/gpu/quant_gemm.json] [--repeats 20]
 
@@ -46,7 +47,9 @@ def weight_bytes(kind: str, n: int, k: int) -> int:
     if kind == "int4_g128":
         groups = -(-k // INT4_GROUP)
         return n * -(-k // 2) + n * groups * (2 + 1)
-    raise ValueError(f"unknown weight kind {kind!r}: bf16, fp8_block or int4_g128")
+    if kind == "nvfp4":
+        return n * -(-k // 2) + n * -(-k // 16) + 4 * n
+    raise ValueError(f"unknown weight kind {kind!r}: bf16, fp8_block, int4_g128 or nvfp4")
 
 
 def gemm_bytes(kind: str, m: int, n: int, k: int) -> int:
@@ -60,6 +63,7 @@ def bench_shape(m: int, n: int, k: int, repeats: int, flush) -> dict:
 
     from executor_svc.model.quantization import quantize_fp8_blocks
     from llmsched_kernels import reference
+    from llmsched_kernels.fp4_linear import fp4_weight_linear
     from llmsched_kernels.fp8_linear import fp8_block_linear
     from llmsched_kernels.int_linear import int_weight_linear
 
@@ -75,11 +79,15 @@ def bench_shape(m: int, n: int, k: int, repeats: int, flush) -> dict:
     qweight = reference.pack_int(q, 4)  # [N, K / 2]
     int_scales = (torch.rand(n, groups, device=dev, generator=g) * 0.02 + 0.01).to(dtype)
     zeros = torch.randint(0, 16, (n, groups), device=dev, dtype=torch.uint8, generator=g)
+    fp4_codes = torch.randint(0, 256, (n, k // 2), device=dev, dtype=torch.uint8, generator=g)
+    fp4_scales = (torch.rand(n, k // 16, device=dev, generator=g) + 0.5).to(torch.float8_e4m3fn)
+    fp4_global = torch.full((n,), 6.0 * k**0.5, device=dev)
 
     kernels = {
         "bf16": lambda: F.linear(x, w_bf16),
         "fp8_block": lambda: fp8_block_linear(x, w_fp8, fp8_scales, grid_rows, FP8_BLOCK),
         "int4_g128": lambda: int_weight_linear(x, qweight, int_scales, zeros, INT4_GROUP, 4),
+        "nvfp4": lambda: fp4_weight_linear(x, fp4_codes, fp4_scales, fp4_global, 16),
     }
     with torch.inference_mode():
         agreement = {
@@ -87,6 +95,7 @@ def bench_shape(m: int, n: int, k: int, repeats: int, flush) -> dict:
                                                                                    FP8_BLOCK)),
             "int4_g128": agree(kernels["int4_g128"](), reference.int_weight_linear(x, qweight, int_scales, zeros,
                                                                                      INT4_GROUP, 4)),
+            "nvfp4": agree(kernels["nvfp4"](), reference.fp4_weight_linear(x, fp4_codes, fp4_scales, fp4_global, 16)),
         }
         times = {name: time_ms(fn, repeats, flush) for name, fn in kernels.items()}
     rows = {}

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmsched_kernels.triton_bits import e4m3_over_256, interpreting, round_to_bf16
+from llmsched_kernels.triton_bits import e2m1, e4m3_over_256, interpreting, round_to_bf16
 
 __all__ = ["fused_moe", "align_by_expert", "grouped_gemm", "QuantizedExperts"]
 
@@ -168,7 +168,7 @@ def _grouped_gemm_kernel(
                 col = col0 + k0 + offs_k  # [BLOCK_K] stored column
                 byte = tl.load(w_base + offs_n[None, :] * stride_wn + (col >> 1)[:, None], mask=w_ok,
                                other=0).to(tl.int32)  # [BLOCK_K, BLOCK_N]; column 2j: byte j's low nibble
-                value = _e2m1(byte >> ((col & 1) * 4)[:, None])  # [BLOCK_K, BLOCK_N] float32
+                value = e2m1(byte >> ((col & 1) * 4)[:, None])  # [BLOCK_K, BLOCK_N] float32
                 if FORMAT == "mxfp4":
                     e8m0 = tl.load(s_base + (col // SCALE_K)[:, None], mask=w_ok, other=127).to(tl.int32)
                     # 2^(e8m0 - 127) from its bits (e8m0 0 is the subnormal 2^-127): the product is exact.
@@ -196,17 +196,6 @@ def _grouped_gemm_kernel(
         acc = round_to_bf16(acc)
     tl.store(c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _e2m1(code):
-    """The E2M1 value of a 4-bit code's low 4 bits (sign bit high), in float32:
-    0 and 0.5 below magnitude code 2, else 2^(m // 2 - 1) * (1 + (m % 2) / 2),
-    whose float32 bits are (m + 252) << 22."""
-    magnitude = code & 7
-    value = tl.where(magnitude >= 2, ((magnitude + 252) << 22).to(tl.float32, bitcast=True),
-                     magnitude.to(tl.float32) * 0.5)
-    return tl.where((code & 8) != 0, -value, value)
 
 
 # Rows [num_pairs, K] and each row's expert [num_pairs] -> the rows a projection multiplies.

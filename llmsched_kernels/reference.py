@@ -66,8 +66,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["write_kv_cache", "paged_attention", "fused_moe", "mla_decode", "fp8_block_linear", "dequantize_fp8_block",
-           "dequantize_mxfp4", "dequantize_nvfp4", "pack_int", "unpack_int", "dequantize_int", "int_weight_linear",
-           "quantize_kv", "dequantize_kv", "lora_shrink", "lora_expand"]
+           "dequantize_mxfp4", "dequantize_nvfp4", "fp4_weight_linear", "pack_int", "unpack_int", "dequantize_int",
+           "int_weight_linear", "quantize_kv", "dequantize_kv", "lora_shrink", "lora_expand"]
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -276,7 +276,7 @@ def dequantize_mxfp4(
     scales: torch.Tensor,  # [N, groups] uint8, E8M0
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [N, groups * 32] in dtype
-    """W = value * 2^(scale - 127), exact in float32, then cast to dtype (exact in bf16 too)."""
+    """W = value * 2^(scale - 127), exact in float32 and bf16, then cast to dtype."""
     exponents = scales.to(torch.int32).repeat_interleave(32, dim=1) - 127  # [N, groups * 32]
     return torch.ldexp(e2m1_values(blocks), exponents).to(dtype)
 
@@ -292,6 +292,26 @@ def dequantize_nvfp4(
     s = scales.float() / gs  # [N, groups]
     w = e2m1_values(blocks) * s.repeat_interleave(16, dim=1)  # [N, groups * 16]
     return w.to(torch.bfloat16).to(dtype)
+
+
+def fp4_weight_linear(
+    x: torch.Tensor,  # [M, K] float16, bfloat16 or float32
+    qweight: torch.Tensor,  # [N, cdiv(K, 2)] uint8 E2M1 codes, column 2j in byte j's low nibble
+    scales: torch.Tensor,  # [N, cdiv(K, group_size)]: NVFP4 float8_e4m3fn, MXFP4 uint8 E8M0
+    global_scale: torch.Tensor | None,  # [N] float32 (NVFP4) or None (MXFP4)
+    group_size: int,  # 16 (NVFP4) or 32 (MXFP4)
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """x W^T (+ bias), W dequantized by dequantize_nvfp4 / dequantize_mxfp4 (K padded
+    to whole groups with zero codes, then cropped), in x's dtype."""
+    n, k = qweight.shape[0], x.shape[1]
+    groups = scales.shape[1]
+    padded = F.pad(qweight, (0, groups * group_size // 2 - qweight.shape[1])).view(n, groups, group_size // 2)
+    if global_scale is None:
+        w = dequantize_mxfp4(padded, scales, x.dtype)
+    else:
+        w = dequantize_nvfp4(padded, scales, global_scale, x.dtype)
+    return F.linear(x, w[:, :k], None if bias is None else bias.to(x.dtype))
 
 
 def pack_int(q: torch.Tensor, bits: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """What the Triton kernels share: decoding e4m3 from its int8 bits with
 integer ops (so kernels run where Triton has no FP8 type: sm_80, the
-A100), rounding to bfloat16 by hand (the interpreter's float32 -> bfloat16
+A100) and E2M1 (FP4) codes, rounding to bfloat16 by hand (the interpreter's float32 -> bfloat16
 cast truncates; a GPU's rounds to nearest even), and whether the
 interpreter runs them. Imported by the kernel modules only, never at
 package import time."""
@@ -33,6 +33,17 @@ def round_to_bf16(x):
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1(code):
+    """The E2M1 value of a 4-bit code's low 4 bits (sign bit high), in float32:
+    0 and 0.5 below magnitude code 2, else 2^(m // 2 - 1) * (1 + (m % 2) / 2),
+    whose float32 bits are (m + 252) << 22."""
+    magnitude = code & 7
+    value = tl.where(magnitude >= 2, ((magnitude + 252) << 22).to(tl.float32, bitcast=True),
+                     magnitude.to(tl.float32) * 0.5)
+    return tl.where((code & 8) != 0, -value, value)
 
 
 def interpreting() -> bool:

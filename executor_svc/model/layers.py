@@ -226,7 +226,7 @@ class _Linear(nn.Module):
         if self.cpu_int is not None:
             y = self.cpu_int.linear(x)
             return y if self.bias is None else y + self.bias
-        if x.is_cuda and scheme.kind != "fp4":  # no FP4 GEMM yet: FP4 dequantizes per matmul as on the CPU
+        if x.is_cuda:
             # Triton GEMMs that decode the weight in their load loops, so no
             # dequantized weight is ever written. Imported here: the CPU
             # path never loads Triton.
@@ -234,6 +234,11 @@ class _Linear(nn.Module):
                 from llmsched_kernels.fp8_linear import fp8_block_linear
 
                 y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1])
+            elif scheme.kind == "fp4":
+                from llmsched_kernels.fp4_linear import fp4_weight_linear
+
+                y = fp4_weight_linear(x, self.qweight, self.scales, getattr(self, "global_scale", None),
+                                      scheme.group_size)
             else:
                 from llmsched_kernels.int_linear import int_weight_linear
 

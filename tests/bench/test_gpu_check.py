@@ -82,6 +82,8 @@ def test_summary_carries_the_moe_and_mla_kernel_figures(monkeypatch, tmp_path):
         if "bench.moe_kernels" in cmd:
             Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps({
                 "fused_moe": [{"tokens": 1, "ms": {"triton": 0.1}, "triton_vs_dense": 2.0, "ok": True}],
+                "quantized_moe": [{"format": "int4", "tokens": 1, "ms": {"int4": 0.05, "bf16": 0.1}, "vs_bf16": 0.5,
+                                   "ok": True}],
                 "mla_decode": [{"batch": 1, "context": 1024, "ms": {"triton": 0.05}, "triton_vs_dense": 1.5,
                                 "ok": True}]}))
         return real_run(cmd, **kwargs)
@@ -91,6 +93,7 @@ def test_summary_carries_the_moe_and_mla_kernel_figures(monkeypatch, tmp_path):
     assert any("bench.moe_kernels" in cmd for cmd in ran)
     part = json.loads((tmp_path / "summary.json").read_text())["parts"]["moe_mla_kernels"]
     assert part["fused_moe"][0]["triton_vs_dense"] == 2.0 and part["mla_decode"][0]["context"] == 1024
+    assert part["quantized_moe"][0]["format"] == "int4" and part["quantized_moe"][0]["vs_bf16"] == 0.5
 
 
 def test_a_gpu_calibrates_the_simulator_and_summary_carries_its_error(monkeypatch, tmp_path):
@@ -110,10 +113,12 @@ def test_the_quantized_gemm_bench_imports_and_refuses_to_run_without_cuda(monkey
     assert quant_gemm.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     # Llama-3-8B's o_proj as stored: bf16 2 bytes a weight; FP8 1 and a float32 per 128 x 128 block;
-    # int4 half a byte, and a bf16 scale and a uint8 zero per row and 128 columns.
+    # int4 half a byte, and a bf16 scale and a uint8 zero per row and 128 columns; NVFP4 half a byte, an
+    # FP8 scale per 16 columns and a float32 global scale per row.
     assert quant_gemm.weight_bytes("bf16", 4096, 4096) == 2 * 4096 * 4096
     assert quant_gemm.weight_bytes("fp8_block", 4096, 4096) == 4096 * 4096 + 4 * 32 * 32
     assert quant_gemm.weight_bytes("int4_g128", 4096, 4096) == 4096 * 2048 + 4096 * 32 * 3
+    assert quant_gemm.weight_bytes("nvfp4", 4096, 4096) == 4096 * 2048 + 4096 * 256 + 4096 * 4
     assert quant_gemm.gemm_bytes("bf16", 1, 4096, 4096) == 2 * 4096 * 4096 + 2 * 4096 + 2 * 4096
 
 

@@ -42,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - depends on the Triton version
     print(f"unsupported triton {triton.__version__}: {exc}", file=sys.stderr)
     sys.exit(EXIT_UNSUPPORTED)
 
+from llmsched_kernels import fp4_linear as f4  # noqa: E402
 from llmsched_kernels import fp8_linear as fl  # noqa: E402
 from llmsched_kernels import fused_moe as fm  # noqa: E402
 from llmsched_kernels import int_linear as il  # noqa: E402
@@ -180,6 +181,16 @@ def _int_linear_launch(m, n, k, group_size, bits, dtype, act_order=False, bias=F
                          torch.zeros(n, dtype=dtype) if bias else None)
 
 
+def _fp4_linear_launch(m, n, k, fmt, dtype, bias=False):
+    """An NVFP4 or MXFP4 weight-only linear: weight [n, k] packed two a byte."""
+    group = 16 if fmt == "nvfp4" else 32
+    scales = torch.ones(n, -(-k // group)).to(torch.float8_e4m3fn) if fmt == "nvfp4" else torch.full(
+        (n, -(-k // group)), 127, dtype=torch.uint8)
+    f4.fp4_weight_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n, -(-k // 2), dtype=torch.uint8), scales,
+                         torch.ones(n) if fmt == "nvfp4" else None, group,
+                         torch.zeros(n, dtype=dtype) if bias else None)
+
+
 def _lora_launch(tokens, k, part_rows, num_slots, max_rank, dtype):
     """Multi-LoRA shrink then expand on one fused projection: every slot at max_rank."""
     token_slots = torch.arange(tokens) % num_slots
@@ -201,6 +212,7 @@ def _record_all_launches(arch: int) -> list:
     mla._mla_decode_kernel = _Recorder(mla._mla_decode_kernel, launches, "mla_decode")
     fl._fp8_block_linear_kernel = _Recorder(fl._fp8_block_linear_kernel, launches, "fp8_linear")
     il._int_weight_linear_kernel = _Recorder(il._int_weight_linear_kernel, launches, "int_linear")
+    f4._fp4_weight_linear_kernel = _Recorder(f4._fp4_weight_linear_kernel, launches, "fp4_linear")
     inv._invariant_linear_kernel = _Recorder(inv._invariant_linear_kernel, launches, "invariant_linear")
     kl._lora_shrink_kernel = _Recorder(kl._lora_shrink_kernel, launches, "lora_shrink")
     kl._lora_expand_kernel = _Recorder(kl._lora_expand_kernel, launches, "lora_expand")
@@ -289,6 +301,12 @@ def _record_all_launches(arch: int) -> list:
         _int_linear_launch(1, 4096, 4096, 128, bits, torch.bfloat16, act_order=True)
         _int_linear_launch(100, 4096, 4096, 128, bits, torch.bfloat16, act_order=True)
         _int_linear_launch(4, 96, 80, 80, bits, torch.float32, bias=True)
+    # NVFP4 and MXFP4 (compressed-tensors, ModelOpt): Llama-3-8B's o_proj, decode and prefill; a small fp32 one.
+    for fmt in ("nvfp4", "mxfp4"):
+        for dtype in (torch.bfloat16, torch.float16):
+            _fp4_linear_launch(1, 4096, 4096, fmt, dtype)
+            _fp4_linear_launch(100, 4096, 4096, fmt, dtype)
+        _fp4_linear_launch(4, 96, 80, fmt, torch.float32, bias=True)
     # Batch-invariant mode's GEMM: Llama-3-8B's o_proj in 16-bit, with a bias; a small fp32 one.
     for dtype in (torch.bfloat16, torch.float16):
         inv.invariant_linear(torch.zeros(3, 4096, dtype=dtype), torch.zeros(4096, 4096, dtype=dtype),
@@ -309,7 +327,7 @@ def _describe(label: str, kwargs: dict, args: tuple) -> str:
     keys = ("BLOCK_M", "BLOCK_Q", "TILE_N", "HEAD_DIM", "GROUP", "NUM_SPLITS", "NUM_KV_HEADS", "num_warps")
     keys += ("USE_WINDOW", "USE_SOFTCAP", "USE_SINKS", "BLOCK_N", "BLOCK_K", "A_ROWS_PER", "HAS_BIAS", "MUL_WEIGHT")
     keys += ("BLOCK_H", "V_PAD", "R_PAD", "SCALE_K", "BITS", "GROUP_SIZE", "HAS_G_IDX", "GROUP_PER_TILE", "KV_FP8")
-    keys += ("FORMAT", "SCALE_PER_TILE", "BLOCK_R")
+    keys += ("FORMAT", "SCALE_PER_TILE", "BLOCK_R", "NVFP4")
     shape = ",".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
     return f"{label}[{str(dtype).removeprefix('torch.')}:{shape}]"
 

@@ -95,9 +95,10 @@ def _check_spills_and_variants(usage: dict, arch: int) -> None:
     assert any(name.startswith("attention") for name in usage) and any("merge_splits" in n for n in usage)
     assert any(name.startswith("fused_moe") for name in usage) and any(n.startswith("mla_decode") for n in usage)
     assert any(n.startswith("int_linear") for n in usage), "the integer weight-only GEMM was not compiled"
+    assert any(n.startswith("fp4_linear") for n in usage), "the FP4 weight-only GEMM was not compiled"
     assert any(n.startswith("lora_shrink") for n in usage) and any(n.startswith("lora_expand") for n in usage), (
         "the multi-LoRA kernels were not compiled")
-    for fmt in ("fp8", "mxfp4", "nvfp4"):
+    for fmt in ("fp8", "mxfp4", "nvfp4", "int"):
         assert any(f"FORMAT={fmt}" in n for n in usage), f"the fused-MoE kernel on {fmt} experts was not compiled"
     spilling = {name: u for name, u in usage.items() if u["spill_stores"] or u["spill_loads"]}
     assert not spilling, f"register spills on sm_{arch}: {json.dumps(spilling, indent=1)}"

@@ -206,7 +206,7 @@ InputQuantizer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class QuantizedExperts:
     """One projection of every expert, held quantized: stands for a
     [num_experts, N, K] weight that the kernel decodes tile by tile. Build
-    one with fp8_blocks, mxfp4 or nvfp4."""
+    one with fp8_blocks, mxfp4, nvfp4 or int_groups."""
 
     format: str  # "fp8", "mxfp4", "nvfp4" or "int"
     data: torch.Tensor  # fp8: [E, N, K] float8_e4m3fn; fp4: [E, N, groups, 16 | 8] uint8; int: [E, N, packed] uint8

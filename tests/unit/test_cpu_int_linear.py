@@ -244,3 +244,29 @@ def test_compiled_layerwise_decode_reads_each_layers_own_kernel_weights(checkpoi
     finally:
         torch._dynamo.reset()
     assert got[0] == got[1], "compiled decode steps part from eager ones"
+
+
+def test_compiled_graphs_call_the_int8_operator_which_chooses_by_rows_as_eager_steps_do():
+    """A compiled decode graph calls llmsched::cpu_int8_linear rather than
+    tracing Int8Rows.linear, whose dequantize + GEMM past the kernel's rows
+    inductor compiled slower than eager; the operator gives the eager
+    result at the kernel's row counts and past them."""
+    g = torch.Generator().manual_seed(5)
+    held = Int8Rows(torch.randint(-128, 128, (48, 64), generator=g, dtype=torch.int8),
+                    (torch.rand(48, generator=g) / 64).to(BF16))
+    for rows in (3, CPU_INT8_KERNEL_MAX_ROWS + 24):
+        x = torch.randn(rows, 64, generator=g).to(BF16)
+        assert torch.equal(torch.ops.llmsched.cpu_int8_linear(x, held.weight, held.scales), held.linear(x)), rows
+    graphs = []
+
+    def capture(gm, _):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    x = torch.randn(2, 3, 64, generator=g).to(BF16)
+    try:
+        got = torch.compile(held.linear, backend=capture, fullgraph=True)(x)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, held.linear(x))
+    assert "cpu_int8_linear" in graphs[0] and "_weight_int8pack_mm" not in graphs[0], graphs[0]

@@ -110,10 +110,9 @@ def compile_pays(device: torch.device, tp_size: int, cfg: ModelConfig | None, kv
     eager, docs/performance.md P12); from hidden size 512 up the step
     compiles layerwise, a few seconds cold (compiled_decode.LAYERWISE_HIDDEN),
     and still saves each layer's few dozen eager ops (a Qwen3-0.6B shape's
-    one-row step, P24; P20's quantized models, one stream: W4A16 5.97
-    against 9.45 ms a token eager, W8A16 10.94 against 14.59, FP8 18.06
-    against 21.97; W8A16 at 64 streams loses 12%, P20). Schemes that
-    quantize activations at run time are not measured compiled: `on`."""
+    one-row step, P24; P20's quantized models gain 1.09x to 1.45x for
+    one stream and 1.04x to 1.10x at 64). Schemes that quantize
+    activations at run time are not measured compiled: `on`."""
     why_not = None
     if device.type != "cpu" or tp_size > 1:
         why_not = "not a single CPU rank"

@@ -90,8 +90,8 @@ def int8_linear_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) 
     """Int8Rows.linear on x [M, K] as an operator of a compiled decode
     graph, choosing by row count when the graph runs, as eager steps
     choose. Traced instead, past CPU_INT8_KERNEL_MAX_ROWS the dequantize
-    and the GEMM compiled into a product slower than eager's oneDNN one
-    (64 streams of the P20 model: 351.8 against 401.5 tok/s)."""
+    and the GEMM compiled into a product slower than eager's oneDNN one:
+    W8A16 decoded 64 streams 12% slower compiled than eager (P20)."""
     if x.shape[0] > CPU_INT8_KERNEL_MAX_ROWS:
         return F.linear(x, (weight.to(scales.dtype) * scales[:, None]).to(x.dtype))
     return torch._weight_int8pack_mm(x, weight, scales)

@@ -220,11 +220,44 @@ def _read_modelopt(config: dict[str, Any], where: str) -> QuantSpec:
                                     "which has no groups")
         static = algo == "FP8"
         linear = LinearScheme("fp8", "ct-float", activations=ActivationQuant("float", dynamic=not static))
+    _check_modelopt_groups(config.get("config_groups"), algo, where)
     # Exclusions are shell-style wildcards ("lm_head", "model.layers.0.mlp*",
     # "*.mlp.gate"), matched against whole module names.
     excluded = tuple(config.get("exclude_modules") or ()) + tuple(config.get("ignore") or ())
     not_converted = tuple(f"re:{fnmatch.translate(p)}" for p in excluded)
     return QuantSpec("modelopt", schemes=((("Linear",), linear),), not_converted=not_converted)
+
+
+# What each served quant_algo's config_groups record says of the weights
+# and inputs: (num_bits, type, group_size).
+MODELOPT_GROUPS = {"FP8": (8, "float", None), "FP8_PER_CHANNEL_PER_TOKEN": (8, "float", None),
+                   "NVFP4": (4, "float", 16)}
+
+
+def _check_modelopt_groups(groups: Any, algo: str, where: str) -> None:
+    """Newer ModelOpt exports describe their scheme again in compressed-
+    tensors' config_groups. The math follows quant_algo, so a record
+    that says otherwise (other bits, type or group size, or targets
+    beyond Linear) is refused rather than served one way or the other."""
+    if not groups:
+        return
+    if not isinstance(groups, dict):
+        raise UnsupportedConfig(f"{where} config_groups={groups!r} must be an object of groups")
+    want = MODELOPT_GROUPS[algo]
+    for name, group in groups.items():
+        at = f"{where} config_groups.{name}"
+        if not isinstance(group, dict):
+            raise UnsupportedConfig(f"{at}={group!r} must be an object")
+        if group.get("targets", ["Linear"]) != ["Linear"]:
+            raise UnsupportedConfig(f"{at}.targets={group.get('targets')!r} is not supported; supported: ['Linear']")
+        for part in ("weights", "input_activations"):
+            args = group.get(part)
+            if args is None:
+                continue
+            got = (args.get("num_bits"), args.get("type"), args.get("group_size"))
+            if got != want:
+                raise UnsupportedConfig(f"{at}.{part} (num_bits, type, group_size)={got} disagrees with "
+                                        f"quant_algo {algo!r}, which is {want}")
 
 
 def _int_arg(config: dict[str, Any], key: str, where: str, allowed: tuple[int, ...] | None = None) -> int:

@@ -387,6 +387,11 @@ def group(**change) -> dict:
      r"group_size=32 is not supported for NVFP4; supported: 16"),
     ({"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "pre_quant_scale": True}},
      r"quantization keys \['pre_quant_scale'\] are not implemented for quant_method 'modelopt'"),
+    # config_groups that say another scheme than quant_algo (here W4A16 weights under NVFP4).
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "group_size": 128}}}},
+     r"config_groups.group_0.weights \(num_bits, type, group_size\)=\(4, 'int', 128\) disagrees with "
+     r"quant_algo 'NVFP4', which is \(4, 'float', 16\)"),
 ])
 def test_quantization_configs_that_change_the_math_are_refused_by_name(llama, config, message):
     hf = json.loads((llama / "config.json").read_text())

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor_svc.model.quant_formats import groups_in_order
 from llmsched_kernels.reference import unpack_int
 
 log = logging.getLogger(__name__)
@@ -142,9 +143,7 @@ def why_not(layer: nn.Module, dtype: torch.dtype) -> str | None:
         return "its weight is read whole each step"
     rows, cols = layer.scales.shape[0], layer.in_cols
     group = scheme.group_size or cols
-    # GPTQ checkpoints carry g_idx even without act-order: then it is k // group.
-    if layer.g_idx is not None and not torch.equal(layer.g_idx.to(torch.int64),
-                                                   torch.arange(cols, device=layer.g_idx.device) // group):
+    if not groups_in_order(layer.g_idx, cols, group):
         return "act-order (g_idx)"
     if scheme.bits == 8:
         if group < cols:

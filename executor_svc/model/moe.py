@@ -43,6 +43,7 @@ from executor_svc.model.layers import ColumnLinear, RowLinear, RowPart, check_fp
 from executor_svc.model.model import ACTIVATIONS, MLP, CausalLM
 from executor_svc.model.model_config import ActivationQuant, LinearScheme, ModelConfig, MoESpec, UnsupportedConfig
 from executor_svc.model import cpu_fp8_linear
+from executor_svc.model.quant_formats import groups_in_order
 from executor_svc.model.quantization import (
     FP8, BlockSplitError, cdiv, dequantize_fp8_blocks, fake_quantize_activations,
 )
@@ -193,7 +194,8 @@ class FusedExperts(nn.Module):
             return "experts without a quantization scheme"
         if gate_up[0].cpu_int is not None:
             return "integer experts held in the CPU kernel's form"
-        if scheme.kind == "int" and not all(_plain_groups(layer) for layer in gate_up + down):
+        if scheme.kind == "int" and not all(groups_in_order(layer.g_idx, layer.in_cols, scheme.group_size or
+                                                            layer.in_cols) for layer in gate_up + down):
             return "integer experts whose g_idx reorders columns into groups"
         if scheme.kind == "fp4" and (self.hidden % scheme.group_size or self.inter % scheme.group_size):
             return (f"hidden size {self.hidden} or this rank's {self.inter} units are not whole FP4 groups of "
@@ -289,7 +291,7 @@ class FusedExperts(nn.Module):
 
     def load_weight(self, name: str, weight: LazyTensor, device: torch.device, dtype: torch.dtype) -> None:
         expert, proj, leaf = name.split(".")
-        e, (gate, up, down) = int(expert), self.PROJECTIONS
+        e, (gate, _, down) = int(expert), self.PROJECTIONS
         if self.per_expert is not None:
             if proj == down:
                 self.per_expert[e].down.load_weight(leaf, weight, device, dtype)
@@ -419,16 +421,6 @@ def _stack(layers: list[nn.Module], leaf: str) -> torch.Tensor:
     for layer, held in zip(layers, stacked):
         setattr(layer, leaf, nn.Parameter(held, requires_grad=False))
     return stacked
-
-
-def _plain_groups(layer: nn.Module) -> bool:
-    """Column k of the layer's integer weight is in group k // group size
-    (GPTQ checkpoints carry a g_idx saying so even without act-order)."""
-    if layer.g_idx is None:
-        return True
-    cols = layer.in_cols
-    group = layer.scheme.group_size or cols
-    return torch.equal(layer.g_idx, torch.arange(cols, device=layer.g_idx.device, dtype=layer.g_idx.dtype) // group)
 
 
 def _input_quantizers(scheme: LinearScheme, gate_up: list[nn.Module],

@@ -73,6 +73,14 @@ def num_groups(scheme: LinearScheme, cols: int) -> int:
     return 1 if scheme.group_size is None else cdiv(cols, scheme.group_size)
 
 
+def groups_in_order(g_idx: torch.Tensor | None, cols: int, group: int) -> bool:
+    """Column k is in group k // group: no g_idx, or one saying so (GPTQ
+    checkpoints carry g_idx even without act-order)."""
+    if g_idx is None:
+        return True
+    return torch.equal(g_idx.to(torch.int64), torch.arange(cols, device=g_idx.device) // group)
+
+
 def checkpoint_leaves(scheme: LinearScheme, rows: int, cols: int) -> dict[str, tuple[int, ...] | None]:
     """The checkpoint tensors of one quantized linear of whole shape [rows,
     cols] (bias aside), by leaf name, with their shapes."""

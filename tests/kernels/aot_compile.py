@@ -278,9 +278,11 @@ def _record_all_launches(arch: int) -> list:
     _quant_moe_launch("mxfp4", 4, 8, 2, 64, 32, torch.float32)
     _quant_moe_launch("nvfp4", 64, 128, 8, 2048, 768, torch.bfloat16)
     _quant_moe_launch("nvfp4", 4, 8, 2, 64, 32, torch.float32)
-    # Qwen3-30B-A3B in W4A16 (GPTQ, AWQ, compressed-tensors; groups of 128) and W8A8 int8 (per channel).
+    # Qwen3-30B-A3B in W4A16 (GPTQ, AWQ, compressed-tensors; groups of 128, and of 32: a scale and a zero
+    # per element) and W8A8 int8 (per channel).
     for dtype in (torch.bfloat16, torch.float16):
         _quant_moe_launch("int4", 64, 128, 8, 2048, 768, dtype)
+    _quant_moe_launch("int4", 64, 128, 8, 2048, 768, torch.bfloat16, block_k=32)
     _quant_moe_launch("int8", 64, 128, 8, 2048, 768, torch.bfloat16, block_k=2048)
     _quant_moe_launch("int4", 4, 8, 2, 64, 40, torch.float32, block_k=16)
     # DeepSeek-V3's MLA decode: 128 heads (one device) and 16 (TP=8); a tiny fp32 latent.

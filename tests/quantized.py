@@ -22,6 +22,13 @@ FP8 = torch.float8_e4m3fn
 # too); routers, norms, embeddings and the head stay as they are.
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
            "kv_a_proj_with_mqa", "kv_b_proj", "w1", "w2", "w3")
+# compressed-tensors' FP4 weight schemes (QuantizationArgs), and NVFP4's
+# activations in its NVFP4 preset (W4A4): group scales in FP8 over a global
+# scale calibrated on a few sequences.
+NVFP4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
+NVFP4_ACTIVATIONS = NVFP4 | {"dynamic": "local", "scale_dtype": "torch.float8_e4m3fn"}
+MXFP4 = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
+         "scale_dtype": "torch.uint8"}
 
 
 def quantize(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ import torch
 
 from llmsched_kernels import reference
 from test_fused_moe import TOLERANCE, clamped_glu, silu_glu
+from tests.quantized import MXFP4, NVFP4, NVFP4_ACTIVATIONS
 
 fm = pytest.importorskip("llmsched_kernels.fused_moe")
 
@@ -211,12 +212,6 @@ def qwen3_moe(tmp_path_factory):
     from tests.families import CASES, make_checkpoint
 
     return make_checkpoint(CASES["qwen3-moe"], tmp_path_factory.mktemp("qwen3-moe"))
-
-
-NVFP4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
-NVFP4_ACTIVATIONS = NVFP4 | {"dynamic": "local", "scale_dtype": "torch.float8_e4m3fn"}
-MXFP4 = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
-         "scale_dtype": "torch.uint8"}
 
 
 FP8_CHANNEL = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}

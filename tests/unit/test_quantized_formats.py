@@ -35,8 +35,8 @@ from executor_svc.step.sampler import SamplingSettings
 from llmsched.errors import StartupError
 from tests.families import CASES, hf_greedy, hf_model, make_checkpoint, prompts
 from tests.quantized import (
-    as_modelopt, decompress_compressed_tensors, fake_quantized_hf, write_awq, write_compressed_tensors,
-    write_fp8_per_tensor, write_gptq,
+    MXFP4, NVFP4, NVFP4_ACTIVATIONS, as_modelopt, decompress_compressed_tensors, fake_quantized_hf, write_awq,
+    write_compressed_tensors, write_fp8_per_tensor, write_gptq,
 )
 from tests.unit.test_families_vs_hf import runner_for
 from tests.unit.test_fp8_checkpoints import assert_greedy_equal
@@ -59,9 +59,6 @@ def int_args(bits: int, strategy: str, symmetric: bool, group: int | None = None
         {"group_size": group} if group else {})
 
 
-NVFP4 = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True}
-MXFP4 = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
-         "scale_dtype": "torch.uint8"}
 
 
 @pytest.mark.parametrize("name, weights", [
@@ -228,10 +225,6 @@ def test_activation_quantized_formats_agree_with_compressed_tensors_fake_quantiz
     print(f"{name}: top-1 agrees with compressed-tensors' forward on {share:.1%} of positions")
     assert share >= 0.99 and not owed, f"{share:.1%} agree; {owed}"
 
-
-# compressed-tensors' NVFP4 preset (W4A4): the activations' group scales are
-# FP8, over a global scale calibrated on a few sequences.
-NVFP4_ACTIVATIONS = NVFP4 | {"dynamic": "local", "scale_dtype": "torch.float8_e4m3fn"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

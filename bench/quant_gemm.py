@@ -1,8 +1,8 @@
 """The quantized-weight GEMMs on CUDA (part of make gpu-check): the FP8
 block-scaled kernel (llmsched_kernels.fp8_linear, 128 x 128 blocks), the int4
 weight-only kernel (llmsched_kernels.int_linear, group 128, asymmetric zeros) and the
-NVFP4 one (llmsched_kernels.fp4_linear, an FP8 scale per 16 over a global scale per
-row) against torch's bf16 GEMM (F.linear) of the same shape.
+NVFP4 one (llmsched_kernels.int_linear.fp4_weight_linear, an FP8 scale per 16 over a
+global scale per row) against torch's bf16 GEMM (F.linear) of the same shape.
 
     python -m bench.quant_gemm [--out bench_results/gpu/quant_gemm.json] [--repeats 20]
 
@@ -63,9 +63,8 @@ def bench_shape(m: int, n: int, k: int, repeats: int, flush) -> dict:
 
     from executor_svc.model.quantization import quantize_fp8_blocks
     from llmsched_kernels import reference
-    from llmsched_kernels.fp4_linear import fp4_weight_linear
     from llmsched_kernels.fp8_linear import fp8_block_linear
-    from llmsched_kernels.int_linear import int_weight_linear
+    from llmsched_kernels.int_linear import fp4_weight_linear, int_weight_linear
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmsched_kernels.triton_bits import e2m1, e4m3_over_256, interpreting, round_to_bf16
+from llmsched_kernels.triton_bits import e2m1, e4m3_over_256, e8m0_scale, interpreting, nvfp4_scale, round_to_bf16
 
 __all__ = ["fused_moe", "align_by_expert", "grouped_gemm", "QuantizedExperts"]
 
@@ -171,13 +171,11 @@ def _grouped_gemm_kernel(
                 value = e2m1(byte >> ((col & 1) * 4)[:, None])  # [BLOCK_K, BLOCK_N] float32
                 if FORMAT == "mxfp4":
                     e8m0 = tl.load(s_base + (col // SCALE_K)[:, None], mask=w_ok, other=127).to(tl.int32)
-                    # 2^(e8m0 - 127) from its bits (e8m0 0 is the subnormal 2^-127): the product is exact.
-                    w = value * tl.where(e8m0 == 0, 0x400000, e8m0 << 23).to(tl.float32, bitcast=True)
+                    w = value * e8m0_scale(e8m0)
                 else:
                     e4m3 = tl.load(s_base + (col // SCALE_K)[:, None], mask=w_ok, other=0)  # int8 bits
-                    # As dequantize_fp4: the group's scale over the global one, times the value, each
-                    # rounded in float32, then to bfloat16 whatever the activations' dtype.
-                    w = round_to_bf16(value * tl.math.div_rn(e4m3_over_256(e4m3) * 256.0, global_scale))
+                    # As dequantize_fp4: then rounded to bfloat16 whatever the activations' dtype.
+                    w = round_to_bf16(value * nvfp4_scale(e4m3, global_scale))
             if ROUND_BY_HAND:
                 w = round_to_bf16(w)
             else:

@@ -46,6 +46,21 @@ def e2m1(code):
     return tl.where((code & 8) != 0, -value, value)
 
 
+@triton.jit
+def e8m0_scale(bits):
+    """MXFP4's E8M0 scale bits (int32) -> 2^(bits - 127) in float32, from its
+    bits (0 is the subnormal 2^-127): times an E2M1 value, the product is exact."""
+    return tl.where(bits == 0, 0x400000, bits << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def nvfp4_scale(e4m3_bits, global_scale):
+    """NVFP4's group scale (e4m3 bits, int8) over its row's float32 global
+    scale, rounded once in float32, as quant_formats.dequantize_fp4 (and
+    compressed-tensors) computes it before multiplying the value."""
+    return tl.math.div_rn(e4m3_over_256(e4m3_bits) * 256.0, global_scale)
+
+
 def interpreting() -> bool:
     """The kernels run under the Triton interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

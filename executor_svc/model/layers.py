@@ -235,7 +235,7 @@ class _Linear(nn.Module):
 
                 y = fp8_block_linear(x, self.weight, self.weight_scale_inv, self.grid_rows, self.fp8_block[1])
             elif scheme.kind == "fp4":
-                from llmsched_kernels.fp4_linear import fp4_weight_linear
+                from llmsched_kernels.int_linear import fp4_weight_linear
 
                 y = fp4_weight_linear(x, self.qweight, self.scales, getattr(self, "global_scale", None),
                                       scheme.group_size)

@@ -42,7 +42,6 @@ except ImportError as exc:  # pragma: no cover - depends on the Triton version
     print(f"unsupported triton {triton.__version__}: {exc}", file=sys.stderr)
     sys.exit(EXIT_UNSUPPORTED)
 
-from llmsched_kernels import fp4_linear as f4  # noqa: E402
 from llmsched_kernels import fp8_linear as fl  # noqa: E402
 from llmsched_kernels import fused_moe as fm  # noqa: E402
 from llmsched_kernels import int_linear as il  # noqa: E402
@@ -186,7 +185,7 @@ def _fp4_linear_launch(m, n, k, fmt, dtype, bias=False):
     group = 16 if fmt == "nvfp4" else 32
     scales = torch.ones(n, -(-k // group)).to(torch.float8_e4m3fn) if fmt == "nvfp4" else torch.full(
         (n, -(-k // group)), 127, dtype=torch.uint8)
-    f4.fp4_weight_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n, -(-k // 2), dtype=torch.uint8), scales,
+    il.fp4_weight_linear(torch.zeros(m, k, dtype=dtype), torch.zeros(n, -(-k // 2), dtype=torch.uint8), scales,
                          torch.ones(n) if fmt == "nvfp4" else None, group,
                          torch.zeros(n, dtype=dtype) if bias else None)
 
@@ -212,7 +211,6 @@ def _record_all_launches(arch: int) -> list:
     mla._mla_decode_kernel = _Recorder(mla._mla_decode_kernel, launches, "mla_decode")
     fl._fp8_block_linear_kernel = _Recorder(fl._fp8_block_linear_kernel, launches, "fp8_linear")
     il._int_weight_linear_kernel = _Recorder(il._int_weight_linear_kernel, launches, "int_linear")
-    f4._fp4_weight_linear_kernel = _Recorder(f4._fp4_weight_linear_kernel, launches, "fp4_linear")
     inv._invariant_linear_kernel = _Recorder(inv._invariant_linear_kernel, launches, "invariant_linear")
     kl._lora_shrink_kernel = _Recorder(kl._lora_shrink_kernel, launches, "lora_shrink")
     kl._lora_expand_kernel = _Recorder(kl._lora_expand_kernel, launches, "lora_expand")
@@ -329,7 +327,7 @@ def _describe(label: str, kwargs: dict, args: tuple) -> str:
     keys = ("BLOCK_M", "BLOCK_Q", "TILE_N", "HEAD_DIM", "GROUP", "NUM_SPLITS", "NUM_KV_HEADS", "num_warps")
     keys += ("USE_WINDOW", "USE_SOFTCAP", "USE_SINKS", "BLOCK_N", "BLOCK_K", "A_ROWS_PER", "HAS_BIAS", "MUL_WEIGHT")
     keys += ("BLOCK_H", "V_PAD", "R_PAD", "SCALE_K", "BITS", "GROUP_SIZE", "HAS_G_IDX", "GROUP_PER_TILE", "KV_FP8")
-    keys += ("FORMAT", "SCALE_PER_TILE", "BLOCK_R", "NVFP4")
+    keys += ("FORMAT", "SCALE_PER_TILE", "BLOCK_R")
     shape = ",".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
     return f"{label}[{str(dtype).removeprefix('torch.')}:{shape}]"
 

@@ -1,4 +1,4 @@
-"""llmsched_kernels.fp4_linear (NVFP4 and MXFP4 weights decoded in the load loop)
+"""llmsched_kernels.int_linear.fp4_weight_linear (NVFP4 and MXFP4 weights decoded in the load loop)
 against llmsched_kernels.reference.fp4_weight_linear, through the Triton interpreter
 without CUDA: edge tiles in both dimensions, K that is not whole groups and odd K
 (a padding nibble), per-row global scales that round the quotient, a bias, decode
@@ -13,7 +13,7 @@ import torch
 from llmsched_kernels import reference
 from test_int_linear import assert_close
 
-fl = pytest.importorskip("llmsched_kernels.fp4_linear")
+fl = pytest.importorskip("llmsched_kernels.int_linear")
 
 
 def make(m: int, n: int, k: int, fmt: str, dtype: torch.dtype, bias: bool = False, seed: int = 0,

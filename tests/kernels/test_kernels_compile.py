@@ -95,7 +95,9 @@ def _check_spills_and_variants(usage: dict, arch: int) -> None:
     assert any(name.startswith("attention") for name in usage) and any("merge_splits" in n for n in usage)
     assert any(name.startswith("fused_moe") for name in usage) and any(n.startswith("mla_decode") for n in usage)
     assert any(n.startswith("int_linear") for n in usage), "the integer weight-only GEMM was not compiled"
-    assert any(n.startswith("fp4_linear") for n in usage), "the FP4 weight-only GEMM was not compiled"
+    for fmt in ("nvfp4", "mxfp4"):
+        assert any(n.startswith("int_linear") and f"FORMAT={fmt}" in n for n in usage), (
+            f"the weight-only GEMM on {fmt} weights was not compiled")
     assert any(n.startswith("lora_shrink") for n in usage) and any(n.startswith("lora_expand") for n in usage), (
         "the multi-LoRA kernels were not compiled")
     for fmt in ("fp8", "mxfp4", "nvfp4", "int"):

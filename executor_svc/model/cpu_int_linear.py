@@ -73,29 +73,37 @@ class Int8Rows:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # the kernels take [M, K]
-        if torch.compiler.is_compiling():  # the row count is known when the graph runs
-            return torch.ops.llmsched.cpu_int8_linear(rows, self.weight, self.scales).view(*x.shape[:-1], -1)
-        if rows.shape[0] > CPU_INT8_KERNEL_MAX_ROWS:
-            return F.linear(x, self.dense(x.dtype))
-        return torch._weight_int8pack_mm(rows, self.weight, self.scales).view(*x.shape[:-1], -1)
+        # In a compiled graph the operator chooses by row count when the graph runs.
+        step = torch.ops.llmsched.cpu_int8_linear if torch.compiler.is_compiling() else int8_rows_linear
+        return step(rows, self.weight, self.scales).view(*x.shape[:-1], -1)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.weight.to(self.scales.dtype) * self.scales[:, None]).to(dtype)
+        return _dequantize_int8_rows(self.weight, self.scales, dtype)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.weight, self.scales
 
 
+def _dequantize_int8_rows(weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (weight.to(scales.dtype) * scales[:, None]).to(dtype)
+
+
+def int8_rows_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times Int8Rows' weight: the kernel up to
+    CPU_INT8_KERNEL_MAX_ROWS rows, else dequantize and bf16 GEMM."""
+    if x.shape[0] > CPU_INT8_KERNEL_MAX_ROWS:
+        return F.linear(x, _dequantize_int8_rows(weight, scales, x.dtype))
+    return torch._weight_int8pack_mm(x, weight, scales)
+
+
 @torch.library.custom_op("llmsched::cpu_int8_linear", mutates_args=())
 def int8_linear_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Int8Rows.linear on x [M, K] as an operator of a compiled decode
-    graph, choosing by row count when the graph runs, as eager steps
-    choose. Traced instead, past CPU_INT8_KERNEL_MAX_ROWS the dequantize
-    and the GEMM compiled into a product slower than eager's oneDNN one:
-    W8A16 decoded 64 streams 12% slower compiled than eager (P20)."""
-    if x.shape[0] > CPU_INT8_KERNEL_MAX_ROWS:
-        return F.linear(x, (weight.to(scales.dtype) * scales[:, None]).to(x.dtype))
-    return torch._weight_int8pack_mm(x, weight, scales)
+    """int8_rows_linear as an operator of a compiled decode graph, choosing
+    by row count when the graph runs, as eager steps choose. Traced instead,
+    past CPU_INT8_KERNEL_MAX_ROWS the dequantize and the GEMM compiled into
+    a product slower than eager's oneDNN one: W8A16 decoded 64 streams 12%
+    slower compiled than eager (P20)."""
+    return int8_rows_linear(x, weight, scales)
 
 
 @int8_linear_op.register_fake
